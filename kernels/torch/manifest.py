@@ -1,0 +1,25 @@
+"""The torch reference backend: every op kind, on any device torch runs on."""
+
+from deepinfer.kernels.registry import register
+
+_DEVICES = ("cpu", "cuda", "npu")
+_WHERE = {
+    "linear": "linear",
+    "rms_norm": "norm",
+    "rope": "rope",
+    "fake_quant_fp8": "quant",
+    "fake_quant_fp4": "quant",
+    "mhc_mixes": "mhc",
+    "mhc_collapse": "mhc",
+    "mhc_expand": "mhc",
+    "sink_attention": "attention",
+    "compressor_pool": "compressor",
+    "indexer_scores": "indexer",
+    "index_topk": "indexer",
+    "moe_router": "moe",
+    "moe_experts": "moe",
+    "engram_hash": "engram",
+    "engram_gate": "engram",
+}
+for _kind, _module in _WHERE.items():
+    register(_kind, "torch", _DEVICES, f"deepinfer.kernels.torch.{_module}:{_kind}")

@@ -1,0 +1,64 @@
+"""Mixture of experts: the router (scoring, selection-only bias, normalisation) and the experts."""
+
+import torch
+import torch.nn.functional as F
+
+_SCORE = {
+    "sqrtsoftplus": lambda x: torch.sqrt(F.softplus(x)),
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
+
+def moe_router(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    scoring_func: str,
+    gate_temp: float,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (weights [T, k] fp32, expert ids [T, k]). The bias steers selection only."""
+    scores = _SCORE[scoring_func](F.linear(x.float(), gate_weight.float()) / gate_temp)
+    chooser = scores if bias is None else scores + bias.float()
+    idx = chooser.topk(top_k, dim=-1)[1]
+    w = scores.gather(1, idx)
+    if norm_topk_prob and top_k > 1:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scaling_factor, idx
+
+
+def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
+                  weight: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(clamp(x w1^T, max=L)) * clamp(x w3^T, ±L), scaled by the routing weight before w2."""
+    gate = F.linear(x, w1).float()
+    up = F.linear(x, w3).float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    y = F.silu(gate) * up
+    if weight is not None:
+        y = weight * y
+    return F.linear(y.to(x.dtype), w2)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """Routed experts (w1, w2, w3 per expert) plus the shared expert, accumulated in fp32 in
+    expert order; returns [T, D] in x's dtype."""
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(idx).tolist():
+        rows, slot = torch.where(idx == e)
+        w1, w2, w3 = experts[e]
+        y[rows] += swiglu_expert(x[rows], w1, w2, w3, swiglu_limit, weights[rows, slot, None]).float()
+    if shared is not None:
+        y += swiglu_expert(x, *shared, swiglu_limit).float()
+    return y.to(x.dtype)
