@@ -1,16 +1,19 @@
-"""Shared-latent (K = V) multi-query attention with a per-head sink logit."""
+"""Shared-latent (K = V) multi-query attention with a per-head sink logit, over per-query key slates."""
 
 import torch
 
 
 def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """One sequence: q [S, H, D], kv [K, D] (keys = values), bias [S, K] additive (0 / -inf),
-    sink [H] fp32. The sink joins the softmax denominator only. Returns [S, H, D] in q's dtype."""
-    logits = torch.einsum("shd,kd->hsk", q, kv) * scale + bias.unsqueeze(0)
-    sinks = sink.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-    combined = torch.cat([logits, sinks.to(logits.dtype)], dim=-1)
+    """q [T, H, D]; keys [T, K, D]: each query's own key slate (keys = values); bias [T, K] additive
+    (0 / -inf); sink [H] fp32 logits that join the softmax denominator only. Returns [T, H, D].
+
+    Batched matmuls over T compute each query independently, so a row's result does not depend on
+    the other rows in the batch."""
+    logits = torch.matmul(q, keys.transpose(1, 2)) * scale + bias.unsqueeze(1)  # [T, H, K]
+    sinks = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1).to(logits.dtype)
+    combined = torch.cat([logits, sinks], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1)[..., :-1].to(kv.dtype)
-    return torch.einsum("hsk,kd->shd", probs, kv)
+    probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys)

@@ -1,6 +1,16 @@
 import torch
 
+# Rows are padded to a multiple of this before the GEMM: BLAS picks a different kernel (and summation
+# order) for very few rows, which would make a row's result depend on how many rows ride with it.
+ROW_TILE = 16
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y = x @ weight.T with weight [out, in] already dequantized to x's dtype."""
-    return torch.nn.functional.linear(x, weight)
+    """y = x @ weight.T (weight [out, in], already dequantized), row-invariant across batch sizes."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    pad = -m % ROW_TILE
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    return torch.nn.functional.linear(x2, weight)[:m].reshape(*lead, weight.shape[0])

@@ -1,0 +1,87 @@
+"""Checkpoint tensors (canonical names, dequantized) arranged per layer for the forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    hc_attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn, scale, base
+    hc_ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    wq_a: torch.Tensor
+    q_norm: torch.Tensor
+    wq_b: torch.Tensor
+    wkv: torch.Tensor
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor  # [o_groups, o_lora_rank, H * head_dim / o_groups]
+    wo_b: torch.Tensor
+    attn_sink: torch.Tensor
+    gate_weight: torch.Tensor
+    gate_bias: torch.Tensor | None
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (w1, w2, w3)
+    shared_expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    c_wkv: torch.Tensor | None = None
+    c_wgate: torch.Tensor | None = None
+    c_norm: torch.Tensor | None = None
+    i_wq_b: torch.Tensor | None = None
+    i_weights_proj: torch.Tensor | None = None
+    i_wk: torch.Tensor | None = None
+    i_k_norm: torch.Tensor | None = None
+    e_table: torch.Tensor | None = None  # engram rows [n, engram_head_dim]
+    e_wkv: torch.Tensor | None = None
+    e_weight: torch.Tensor | None = None  # q_weight * k_weight (only the product is used)
+
+
+def arrange(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> tuple[list[LayerWeights], dict[str, torch.Tensor]]:
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+
+        def get(name: str, optional: bool = False):
+            if optional and p + name not in t:
+                return None
+            return t[p + name]
+
+        def expert(prefix: str):
+            return tuple(get(f"{prefix}.{k}.weight") for k in ("w1", "w2", "w3"))
+
+        wo_a = get("attn.wo_a.weight")
+        lw = LayerWeights(
+            attn_norm=get("attn_norm.weight"),
+            ffn_norm=get("ffn_norm.weight"),
+            hc_attn=(get("hc_attn_fn"), get("hc_attn_scale"), get("hc_attn_base")),
+            hc_ffn=(get("hc_ffn_fn"), get("hc_ffn_scale"), get("hc_ffn_base")),
+            wq_a=get("attn.wq_a.weight"),
+            q_norm=get("attn.q_norm.weight"),
+            wq_b=get("attn.wq_b.weight"),
+            wkv=get("attn.wkv.weight"),
+            kv_norm=get("attn.kv_norm.weight"),
+            wo_a=wo_a.view(cfg.o_groups, cfg.o_lora_rank, wo_a.shape[1]),
+            wo_b=get("attn.wo_b.weight"),
+            attn_sink=get("attn.attn_sink"),
+            gate_weight=get("ffn.gate.weight"),
+            gate_bias=get("ffn.gate.bias", optional=True),
+            experts=[expert(f"ffn.experts.{e}") for e in range(cfg.n_routed_experts)],
+            shared_expert=expert("ffn.shared_experts") if p + "ffn.shared_experts.w1.weight" in t else None,
+            c_wkv=get("attn.compressor.wkv.weight", True),
+            c_wgate=get("attn.compressor.wgate.weight", True),
+            c_norm=get("attn.compressor.norm.weight", True),
+            i_wq_b=get("attn.indexer.wq_b.weight", True),
+            i_weights_proj=get("attn.indexer.weights_proj.weight", True),
+            i_wk=get("attn.indexer.wk.weight", True),
+            i_k_norm=get("attn.indexer.k_norm.weight", True),
+            e_table=get("engram.embed.weight", True),
+            e_wkv=get("engram.wkv.weight", True),
+        )
+        if i in cfg.engram_layer_ids:
+            lw.e_weight = get("engram.q_weight").float() * get("engram.k_weight").float()
+        layers.append(lw)
+    glob = {"embed": t["embed.weight"], "norm": t["norm.weight"], "head": t.get("head.weight", t["embed.weight"])}
+    return layers, glob
