@@ -125,3 +125,4 @@ class SequenceState:
         self.window.clear()
         self.sources.clear()
         self.ngram_history = []
+        self._ngram_keep = 0

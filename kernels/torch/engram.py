@@ -2,6 +2,8 @@
 
 import torch
 
+from .elementwise import ew
+
 
 def engram_hash(
     tokens: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor
@@ -24,5 +26,5 @@ def engram_gate(
     h, key = streams.float(), key.float()
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
     dot = (h * weight.float() * key).sum(-1) * rstd * h.shape[-1] ** -0.5
-    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    gate = ew(torch.sigmoid, torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
     return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)

@@ -2,11 +2,14 @@
 
 import torch
 
+from .linear import matmul_nt
+
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """q [S, h, d], k [G, d], weights [S, h] (already scaled by h^-1/2) -> scores [S, G] fp32:
     sum_h w[s, h] * relu(q[s, h] . k[g]) * softmax_scale."""
-    scores = torch.einsum("shd,gd->shg", q.float(), k.float()).relu_() * softmax_scale
+    S, h, d = q.shape
+    scores = matmul_nt(q.float().reshape(S * h, d), k.float()).view(S, h, -1).relu_() * softmax_scale
     return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
 
 

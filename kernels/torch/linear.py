@@ -14,3 +14,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
     return torch.nn.functional.linear(x2, weight)[:m].reshape(*lead, weight.shape[0])
+
+
+def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [N, K].T for a `b` whose row count varies (e.g. a growing key cache): both M and N
+    are padded to ROW_TILE so neither dimension changes the kernel BLAS picks."""
+    n = b.shape[0]
+    pad = -n % ROW_TILE
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad, b.shape[1])])
+    return linear(a, b)[..., :n]

@@ -2,6 +2,10 @@
 
 import torch
 
+from .elementwise import ew
+
+from .linear import linear
+
 
 def mhc_mixes(
     streams: torch.Tensor,
@@ -19,10 +23,10 @@ def mhc_mixes(
     hc = streams.shape[-2]
     flat = streams.flatten(-2).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = torch.nn.functional.linear(flat, fn.float())
+    mixes = linear(flat, fn.float())
     scale, base = scale.float(), base.float()
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    pre = ew(torch.sigmoid, mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * ew(torch.sigmoid, mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     logits = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).view(*mixes.shape[:-1], hc, hc)
     comb = torch.softmax(logits, dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)

@@ -3,10 +3,13 @@
 import torch
 import torch.nn.functional as F
 
+from .elementwise import ew
+from .linear import linear
+
 _SCORE = {
-    "sqrtsoftplus": lambda x: torch.sqrt(F.softplus(x)),
+    "sqrtsoftplus": lambda x: torch.sqrt(ew(F.softplus, x)),
     "softmax": lambda x: torch.softmax(x, dim=-1),
-    "sigmoid": torch.sigmoid,
+    "sigmoid": lambda x: ew(torch.sigmoid, x),
 }
 
 
@@ -21,7 +24,7 @@ def moe_router(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (weights [T, k] fp32, expert ids [T, k]). The bias steers selection only."""
-    scores = _SCORE[scoring_func](F.linear(x.float(), gate_weight.float()) / gate_temp)
+    scores = _SCORE[scoring_func](linear(x.float(), gate_weight.float()) / gate_temp)
     chooser = scores if bias is None else scores + bias.float()
     idx = chooser.topk(top_k, dim=-1)[1]
     w = scores.gather(1, idx)
@@ -33,15 +36,15 @@ def moe_router(
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
                   weight: torch.Tensor | None = None) -> torch.Tensor:
     """silu(clamp(x w1^T, max=L)) * clamp(x w3^T, ±L), scaled by the routing weight before w2."""
-    gate = F.linear(x, w1).float()
-    up = F.linear(x, w3).float()
+    gate = linear(x, w1).float()
+    up = linear(x, w3).float()
     if limit > 0:
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
-    y = F.silu(gate) * up
+    y = ew(F.silu, gate) * up
     if weight is not None:
         y = weight * y
-    return F.linear(y.to(x.dtype), w2)
+    return linear(y.to(x.dtype), w2)
 
 
 def moe_experts(

@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from .elementwise import ew
+
 
 def default_inv_freq(theta: float, rope_dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
@@ -31,7 +33,7 @@ def yarn_inv_freq(
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x: [T, ..., n]; positions: [T] (absolute). Rotation in fp32, cast back to x's dtype."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]
-    cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+    cos, sin = ew(torch.cos, freqs).to(x.dtype), ew(torch.sin, freqs).to(x.dtype)
     if inverse:
         sin = -sin
     for _ in range(x.dim() - 2):

@@ -1,0 +1,112 @@
+"""load_checkpoint: config + tokenizer path + dense, canonically named weights of a local checkpoint directory."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepinfer.models.config import ModelConfig, ModelConfigError
+
+from .errors import CheckpointError
+from .materialize import materialize
+from .names import canonical_name, is_set_aside, keeps_float32, set_aside_group
+from .plan import natural_key, plan_load
+from .safetensors_reader import SafetensorsFiles, StoredTensor
+from .tensors import expected_tensors
+
+log = logging.getLogger("deepinfer.loading")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # canonical names, dense, dequantized
+    tokenizer_path: Path
+    skipped: list[str] = field(default_factory=list)  # set-aside names (mtp.*, vision.*, aligner.*, image_*)
+    model_dir: Path | None = None
+
+
+def load_checkpoint(
+    model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+) -> Checkpoint:
+    """Load a local Hugging Face checkpoint directory (use resolve_model_dir first for hub ids).
+
+    Every check that needs only headers (config, tokenizer, files, names, dtypes, shapes) runs before any weight
+    is read. Quantized weights come back dequantized; float tensors are cast to `dtype` except the float32-only
+    parameters (hc_*, attn.attn_sink, ffn.gate.bias/bias_vl).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {model_dir} does not exist (hub ids go through resolve_model_dir)")
+    dtype = _as_dtype(dtype)
+    device = torch.device(device)
+    cfg = _read_config(model_dir)
+    tokenizer_path = model_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise CheckpointError(f"{model_dir}: tokenizer.json is missing (the fast-tokenizer file is required)")
+    block = tuple(cfg.quantization.weight_block_size) if cfg.quantization else (32, 32)
+
+    with SafetensorsFiles(model_dir) as files:
+        stored, skipped = _canonicalize(files.tensors)
+        items = plan_load(expected_tensors(cfg), stored, block, where=str(model_dir))
+        weights = {}
+        for item in items:
+            target = torch.float32 if keeps_float32(item.name) else dtype
+            weights[item.name] = materialize(files, item, target, device, block)
+
+    if "head.weight" not in weights:  # only reachable for tie_word_embeddings=true (see expected_tensors)
+        weights["head.weight"] = weights["embed.weight"]
+    if skipped:
+        groups = Counter(set_aside_group(n) for n in skipped)
+        summary = ", ".join(f"{g} ({c})" for g, c in sorted(groups.items()))
+        log.info("set aside %d checkpoint tensors the text model does not use: %s", len(skipped), summary)
+    log.debug("loaded %d tensors from %s", len(weights), model_dir)
+    return Checkpoint(cfg, weights, tokenizer_path, skipped, model_dir)
+
+
+def _read_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: config.json is missing")
+    try:
+        return ModelConfig.from_file(path)
+    except ModelConfigError as exc:
+        # ModelConfig messages may already start with "config.json:"; name the full path once instead.
+        raise CheckpointError(f"{path}: {str(exc).removeprefix('config.json: ')}") from None
+
+
+def _canonicalize(tensors: dict[str, StoredTensor]) -> tuple[dict[str, StoredTensor], list[str]]:
+    """Canonical name -> header, plus the sorted set-aside names. Two stored names for one canonical name
+    (e.g. `head.weight` and `lm_head.weight`) are ambiguous and refused."""
+    out: dict[str, StoredTensor] = {}
+    skipped: list[str] = []
+    for key, entry in tensors.items():
+        name = canonical_name(key)
+        if is_set_aside(name):
+            skipped.append(name)
+            continue
+        if name in out:
+            raise CheckpointError(f"tensors {out[name].key!r} and {key!r} both map to {name!r}; keep only one")
+        out[name] = entry
+    return out, sorted(skipped, key=natural_key)
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.").lower()
+        if key not in _DTYPES:
+            raise CheckpointError(f"dtype={dtype!r} is not supported; allowed: {', '.join(sorted(_DTYPES))}")
+        return _DTYPES[key]
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise CheckpointError(f"dtype={dtype!r} is not supported; allowed: a floating torch.dtype")
+    return dtype
