@@ -1,0 +1,231 @@
+"""`python -m deepinfer [overrides]`: run the configured model on prompts and report.
+
+    python -m deepinfer                                   # the embedded tiny model on the CPU, built-in prompts
+    python -m deepinfer prompts='["def f(", "import os"]' sampling.max_tokens=64
+    python -m deepinfer input_path=prompts.jsonl          # one {"prompt": ...} or {"prompt_token_ids": [...]} a line
+    python -m deepinfer --multirun sampling.temperature=0,0.7
+    python -m deepinfer --cfg job                         # the effective config (--resolve is implied)
+
+Every job's overrides are composed and resolved (deepinfer.config) before Hydra starts, so a user error in the
+configuration costs one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+BUILTIN_PROMPTS = (
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Config:\n    def __init__(self",
+    "The quick brown fox",
+)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the input is wrong", reported in one line (anything else is a bug: traceback)."""
+    from deepinfer.config.errors import ConfigError
+    from deepinfer.kernels.registry import BackendError
+    from deepinfer.models.config import ModelConfigError
+    from deepinfer.models.loading.errors import CheckpointError
+
+    return (ConfigError, CheckpointError, ModelConfigError, BackendError, FileNotFoundError)
+
+
+def _fail(exc: BaseException) -> int:
+    print(f"deepinfer: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+# ---- before Hydra: validate every job ------------------------------------------------------------------------
+def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The override list of each job Hydra will run (sweeps expanded; at most 64 jobs are checked)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from deepinfer.config.errors import ConfigError
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as exc:  # OverrideParseException: the text of an override is malformed
+        raise ConfigError(str(exc).splitlines()[0]) from None
+    if not multirun:
+        return [list(overrides)]
+    choices = []
+    for ov, text in zip(parsed, overrides):
+        if ov.is_sweep_override():
+            key = ov.get_key_element()
+            choices.append([f"{key}={v}" for v in ov.sweep_string_iterator()])
+        else:
+            choices.append([text])
+    return [list(c) for c in itertools.islice(itertools.product(*choices), 64)]
+
+
+def validate(argv: list[str]) -> None:
+    from hydra._internal.utils import get_args_parser
+
+    from deepinfer.api import load_settings
+    from deepinfer.config import hardware
+
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    found = hardware.detect()  # once for all jobs
+    for overrides in job_overrides(list(args.overrides), bool(args.multirun)):
+        check_inputs(load_settings(overrides, found))
+
+
+def check_inputs(settings) -> None:
+    from deepinfer.config.errors import ConfigError
+
+    if settings.prompts is not None and settings.input_path is not None:
+        raise ConfigError("prompts and input_path are both set; allowed: one of them")
+    if settings.input_path is not None and not Path(settings.input_path).is_file():
+        raise ConfigError(f"input_path={settings.input_path!r} is not a file")
+    read_requests(settings)  # a malformed line fails here, before any model loads
+
+
+# ---- one Hydra job -------------------------------------------------------------------------------------------
+def read_requests(settings) -> list[dict]:
+    """[{"prompt": str} | {"prompt_token_ids": [...]}] from input_path, prompts= or the built-in prompts."""
+    from deepinfer.config.errors import ConfigError
+
+    if settings.input_path is None:
+        return [{"prompt": p} for p in (settings.prompts or BUILTIN_PROMPTS)]
+    requests = []
+    for n, line in enumerate(Path(settings.input_path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"input_path={settings.input_path!r} line {n}: not JSON ({exc.msg})") from None
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
+            raise ConfigError(
+                f"input_path={settings.input_path!r} line {n}: allowed: a string, "
+                '{"prompt": "..."} or {"prompt_token_ids": [...]}'
+            )
+        requests.append(item)
+    return requests
+
+
+def run_job(settings, run_dir: Path, overrides: list[str]) -> dict:
+    from deepinfer.api import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM.from_settings(settings)
+    load_s = time.perf_counter() - t0
+    requests = read_requests(llm.settings)
+    t1 = time.perf_counter()
+    outputs = llm.generate(requests, use_tqdm=False)
+    gen_s = time.perf_counter() - t1
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_path = run_dir / llm.settings.output_file
+    with out_path.open("w") as f:
+        for o in outputs:
+            f.write(json.dumps(o.to_json()) + "\n")
+    for o in outputs:
+        shown = o.prompt if o.prompt is not None else f"<{len(o.prompt_token_ids)} token ids>"
+        result = o.text if o.finish_reason != "error" else f"<error: {o.error}>"
+        print(f"[{o.request_id}] {shown!r} -> {result!r} ({o.finish_reason})")
+    summary = make_summary(llm, outputs, load_s, gen_s, overrides, out_path)
+    print_summary(summary)
+    (run_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+    llm.close()
+    return summary
+
+
+def make_summary(llm, outputs, load_s: float, gen_s: float, overrides: list[str], out_path: Path) -> dict:
+    s, prog = llm.settings, llm.program.summary()
+    generated = sum(len(o.token_ids) for o in outputs)
+    return {
+        "overrides": overrides,
+        "recipe": s.recipe,
+        "model": s.model.path,
+        "dtype": s.model.dtype,
+        "hardware": s.hardware.name,
+        "device": s.hardware.device,
+        "stages": prog["stages"],
+        "ops": prog["ops"],
+        "fallbacks": prog["fallbacks"],
+        "requests": len(outputs),
+        "errors": sum(o.finish_reason == "error" for o in outputs),
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+        "generated_tokens": generated,
+        "load_s": round(load_s, 3),
+        "generate_s": round(gen_s, 3),
+        "tokens_per_s": round(generated / gen_s, 2) if gen_s > 0 else None,
+        "first_text": outputs[0].text if outputs else "",
+        "outputs": str(out_path),
+    }
+
+
+def print_summary(s: dict) -> None:
+    by_backend: dict[str, list[str]] = {}
+    for kind, backend in s["ops"].items():
+        by_backend.setdefault(backend, []).append(kind)
+    backends = "; ".join(
+        f"{b}: all {len(k)} op kinds" if len(by_backend) == 1 else f"{b}: {', '.join(k)}" for b, k in by_backend.items()
+    )
+    lines = [
+        ("model", f"{s['model']} ({s['dtype']})"),
+        ("hardware", f"{s['hardware']} ({s['device']})" + (f", recipe {s['recipe']}" if s["recipe"] else "")),
+        ("stages", " -> ".join(f"{k}={v}" for k, v in s["stages"].items())),
+        ("backends", backends),
+    ]
+    if s["fallbacks"]:
+        lines.append(("fallbacks", "; ".join(f"{k}: {v}" for k, v in s["fallbacks"].items())))
+    lines += [
+        ("requests", f"{s['requests']} ({s['errors']} errors)"),
+        ("tokens", f"{s['prompt_tokens']} prompt, {s['generated_tokens']} generated"),
+        ("speed", f"{s['tokens_per_s']} tokens/s ({s['generate_s']} s generating, {s['load_s']} s loading)"),
+        ("outputs", s["outputs"]),
+    ]
+    print("---- summary")
+    for k, v in lines:
+        print(f"{k:<10}{v}")
+
+
+def _hydra_task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from deepinfer.config.resolve import resolve
+
+    try:
+        settings = resolve(cfg)
+        hc = HydraConfig.get()
+        run_job(settings, Path(hc.runtime.output_dir), list(hc.overrides.task))
+    except _user_errors() as exc:
+        raise SystemExit(_fail(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        validate(argv)
+    except _user_errors() as exc:
+        return _fail(exc)
+    import hydra
+
+    import deepinfer.config.compose  # noqa: F401  (registers the schema and the recipes with Hydra)
+
+    if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in argv) and "--resolve" not in argv:
+        argv.append("--resolve")  # show effective values: env variables are read through interpolations
+    app = hydra.main(config_path="pkg://deepinfer.conf", config_name="config", version_base=None)(_hydra_task)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "deepinfer", *argv]
+    try:
+        app()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The one resolve step: composed DictConfig -> checked, `auto`-free, frozen `Settings`.
+
+Everything that turns a value the user wrote into the concrete choice the program uses happens here, in this
+order, before any weight is read:
+  1. every key is known and every value has its schema type (unknown keys added with `+key=` included);
+  2. every value is in its declared range (schema.py `allowed`);
+  3. hardware: `auto` becomes the detected preset, and a preset whose hardware is absent stops the run;
+  4. dtypes: model.dtype `auto` becomes the hardware's dtype;
+  5. memory: cache.memory_budget null becomes memory_fraction of the device's memory;
+  6. the pipeline names only registered components, in stage order.
+What needs the model itself (engine.max_model_len null -> max_position_embeddings) is `with_model_limits`, called
+by the program builder right after the model's config.json is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from importlib import resources
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from deepinfer.config import hardware as hw
+from deepinfer.config.errors import ConfigError, explain, fmt
+from deepinfer.config.keys import strip_optional
+from deepinfer.config.schema import STAGES, HardwareSettings, Interval, Settings
+
+REQUIRED_STAGES = ("tokenize", "prefill", "decode", "sample")
+
+
+def resolve(cfg: DictConfig, found: hw.Found | None = None) -> Settings:
+    """Check `cfg` and freeze it. `found`: the detected hardware (detected here when None)."""
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        raise explain(exc) from None
+    data.pop("hydra", None)
+    settings = _build(Settings, data, "")
+    found = found or hw.detect()
+    settings = _resolve_hardware(settings, found)
+    settings = _resolve_dtype(settings)
+    settings = _resolve_memory(settings, found)
+    _check_pipeline(settings)
+    return settings
+
+
+def with_model_limits(settings: Settings, max_position_embeddings: int) -> Settings:
+    """engine.max_model_len null -> the model's limit; a larger explicit value is an error."""
+    limit = settings.engine.max_model_len
+    if limit is not None and limit > max_position_embeddings:
+        raise ConfigError(
+            f"engine.max_model_len={limit} is out of range; allowed: [1, {max_position_embeddings}] "
+            "(the model's max_position_embeddings)"
+        )
+    engine = dataclasses.replace(settings.engine, max_model_len=limit or max_position_embeddings)
+    return dataclasses.replace(settings, engine=engine)
+
+
+# ---- 1 + 2: structure, types, ranges ------------------------------------------------------------------------
+def _build(cls, data: dict, path: str):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        key = f"{path}{unknown[0]}"
+        where = f"in {path[:-1]!r}" if path else "at the top level"
+        raise ConfigError(
+            f"{key}={fmt(data[unknown[0]])}: unknown config key {unknown[0]!r}; allowed {where}: "
+            + ", ".join(fields)
+        )
+    values = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        values[name] = _value(hints[name], data[name], f"{path}{name}")
+        _check_allowed(f"{path}{name}", values[name], f.metadata.get("allowed"))
+    return cls(**values)
+
+
+def _value(tp, value, key: str):
+    if value is None:
+        return None
+    base = strip_optional(tp)
+    if dataclasses.is_dataclass(base):
+        return _build(base, value, key + ".")
+    origin = typing.get_origin(base)
+    if origin is dict:
+        inner = typing.get_args(base)[1]
+        return {k: _value(inner, v, f"{key}.{k}") for k, v in value.items()}
+    if origin is list:
+        inner = typing.get_args(base)[0]
+        return tuple(_value(inner, v, f"{key}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def _check_allowed(key: str, value, allowed) -> None:
+    if allowed is None or value is None:
+        return
+    if isinstance(allowed, tuple):
+        if value not in allowed:
+            raise ConfigError(f"{key}={fmt(value)} is not allowed; allowed: {', '.join(map(str, allowed))}")
+    elif isinstance(allowed, Interval) and not allowed.contains(value):
+        raise ConfigError(f"{key}={fmt(value)} is out of range; allowed: {allowed}")
+
+
+# ---- 3: hardware --------------------------------------------------------------------------------------------
+def _preset(name: str) -> HardwareSettings:
+    text = (resources.files("deepinfer.conf") / "hardware" / f"{name}.yaml").read_text()
+    return _build(HardwareSettings, OmegaConf.to_container(OmegaConf.create(text)), "hardware.")
+
+
+def _resolve_hardware(s: Settings, found: hw.Found) -> Settings:
+    h = s.hardware
+    if h.name == "auto" or h.device == "auto":
+        preset = _preset(found.preset)
+        h = dataclasses.replace(
+            preset,
+            dtype=preset.dtype if h.dtype == "auto" else h.dtype,
+            strict_backends=h.strict_backends,
+        )
+    if h.dtype == "auto":
+        h = dataclasses.replace(h, dtype=_preset(h.name).dtype if h.name != "auto" else "float32")
+    if not hw.fits(h.name, h.device, h.cuda_major, found):
+        needs = hw.NEEDS.get(h.name, f"device {h.device!r}")
+        asked = f"recipe {s.recipe}" if s.recipe else f"hardware={h.name}"
+        would = hw.RECIPE_FOR.get(found.preset, "tiny_cpu")
+        raise ConfigError(f"{asked} needs {needs}; found: {found.description}; this machine runs +recipe={would}")
+    return dataclasses.replace(s, hardware=h)
+
+
+# ---- 4 + 5: dtypes and memory -------------------------------------------------------------------------------
+def _resolve_dtype(s: Settings) -> Settings:
+    if s.model.dtype != "auto":
+        return s
+    return dataclasses.replace(s, model=dataclasses.replace(s.model, dtype=s.hardware.dtype))
+
+
+def _resolve_memory(s: Settings, found: hw.Found) -> Settings:
+    if s.cache.memory_budget is not None:
+        return s
+    total = hw.device_memory_bytes(s.hardware.device, found)
+    if total is None:
+        return s
+    cache = dataclasses.replace(s.cache, memory_budget=int(total * s.cache.memory_fraction))
+    return dataclasses.replace(s, cache=cache)
+
+
+# ---- 6: pipeline --------------------------------------------------------------------------------------------
+def _check_pipeline(s: Settings) -> None:
+    from deepinfer.pipeline.registry import REGISTRY
+
+    stages = s.pipeline.stages
+    names = list(stages)
+    for name in names:
+        if name not in STAGES:
+            raise ConfigError(f"pipeline.stages.{name}: unknown stage; allowed: {', '.join(STAGES)}")
+    order = [n for n in STAGES if n in stages]
+    if names != order:
+        raise ConfigError(f"pipeline.stages are in the order {names}; allowed order: {', '.join(STAGES)}")
+    for name in REQUIRED_STAGES:
+        if name not in stages or stages[name].component is None:
+            raise ConfigError(f"pipeline.stages.{name}.component is required; allowed: {REGISTRY.names(name)}")
+    replay = stages.get("replay")
+    if s.yoco.mode == "off" and replay is not None and replay.component is not None:
+        raise ConfigError(
+            f"pipeline.stages.replay.component={replay.component!r} needs YOCO; allowed with yoco=off: null"
+        )
+    for name, spec in stages.items():
+        if spec.component is not None and not REGISTRY.has(name, spec.component):
+            raise ConfigError(
+                f"pipeline.stages.{name}.component={spec.component!r} is not a registered {name} component; "
+                f"allowed: {', '.join(REGISTRY.names(name)) or 'none yet'}"
+            )

@@ -1,0 +1,206 @@
+"""The typed shape of DeepInfer's configuration: one frozen dataclass per config section.
+
+These classes do two jobs. Registered with Hydra's ConfigStore (``deepinfer.config.compose``) they are the
+structured-config schema, so an unknown key or a value of the wrong type fails while Hydra composes. After the
+resolve step (``deepinfer.config.resolve``) instances of them are the only configuration the rest of the program
+sees: plain frozen objects, cheap to read in hot paths, no DictConfig.
+
+Ranges are declared next to each field (``allowed``) and checked by the resolve step, which knows the full dotted
+key and can therefore say ``sampling.top_p=2.0 is out of range; allowed: (0, 1]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+# ---- field helpers -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Interval:
+    """A numeric range; `lo_open`/`hi_open` make an end exclusive. `text` overrides the printed form."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    text: str | None = None
+    also: tuple = ()  # isolated values allowed outside the interval (top_k = -1)
+
+    def contains(self, v: float) -> bool:
+        if not math.isfinite(v):  # nan passes every comparison; no setting takes an infinity
+            return False
+        if v in self.also:
+            return True
+        if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
+            return False
+        return not (self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))
+
+    def __str__(self) -> str:
+        if self.text:
+            return self.text
+        lo = "-inf" if self.lo is None else f"{self.lo:g}"
+        hi = "inf" if self.hi is None else f"{self.hi:g}"
+        lb = "(" if self.lo_open or self.lo is None else "["
+        rb = ")" if self.hi_open or self.hi is None else "]"
+        return f"{lb}{lo}, {hi}{rb}"
+
+
+def setting(default: Any = MISSING, *, allowed: Interval | tuple | None = None, factory=None):
+    """A dataclass field with its allowed range (Interval) or choices (tuple) recorded for the resolve step."""
+    meta = {"allowed": allowed} if allowed is not None else {}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+POSITIVE = Interval(0, None, lo_open=True)
+NON_NEGATIVE = Interval(0, None)
+AT_LEAST_1 = Interval(1, None, text="an integer >= 1")
+UINT64 = Interval(0, 2**64 - 1, text="[0, 2**64 - 1]")
+
+HARDWARE_NAMES = ("cpu", "sm90", "sm100", "ascend950", "auto")
+DEVICES = ("cpu", "cuda", "npu", "auto")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+STAGES = ("tokenize", "prefill", "replay", "decode", "sample")
+
+
+# ---- sections ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HardwareSettings:
+    """Where the model runs and which kernel backend each op kind prefers (first available wins)."""
+
+    name: str = setting("cpu", allowed=HARDWARE_NAMES)
+    device: str = setting("cpu", allowed=DEVICES)
+    dtype: str = setting("float32", allowed=DTYPES)
+    # CUDA compute capability major the preset was written for (9 = sm90, 10 = sm100); None: no requirement.
+    cuda_major: Optional[int] = None
+    # op kind (or `default`) -> ordered backend names; see kernels/registry.py for the kinds.
+    backends: Dict[str, List[str]] = setting(factory=lambda: {"default": ["torch"]})
+    # True: a preferred backend that is missing is an error; False: a logged fallback shown in the summary.
+    strict_backends: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    name: str = setting("single", allowed=("single",))
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    name: str = setting("plain", allowed=("plain",))
+
+
+@dataclass(frozen=True)
+class YocoSettings:
+    # Only `off` exists until the YOCO issue builds the replay stage; `mask`/`compact` come with it.
+    mode: str = setting("off", allowed=("off",))
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    name: str = MISSING
+    # A local Hugging Face directory, a hub id, or `embedded:tiny` (built on first use, deepinfer/embedded.py).
+    path: str = MISSING
+    dtype: str = setting("auto", allowed=DTYPES)  # auto: the hardware's dtype
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    component: Optional[str] = None  # registered component name; null = the stage is absent
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    name: str = "default"
+    stages: Dict[str, StageSpec] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Knobs of the continuous-batching engine (deepinfer/engine)."""
+
+    max_num_seqs: int = setting(64, allowed=AT_LEAST_1)
+    max_num_batched_tokens: int = setting(1024, allowed=AT_LEAST_1)
+    max_model_len: Optional[int] = setting(None, allowed=AT_LEAST_1)  # null: the model's max_position_embeddings
+    zero_overhead_scheduling: bool = True  # DEEPINFER_ZERO_OVERHEAD_SCHEDULING
+    process: str = setting("subprocess", allowed=("subprocess", "inproc"))
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    memory_budget: Optional[int] = setting(None, allowed=AT_LEAST_1)  # bytes for caches; null: from the fraction
+    memory_fraction: float = setting(0.5, allowed=Interval(0, 1, lo_open=True))
+    block_size: int = setting(64, allowed=AT_LEAST_1)
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    batch_invariant: bool = False  # DEEPINFER_BATCH_INVARIANT
+    # Base of the per-request seeds of requests without seq_seed (request i draws with child_seed(seed, i));
+    # null: each such request gets a fresh random seed (DeepInfer's behaviour).
+    seed: Optional[int] = setting(None, allowed=UINT64)
+    # torch intra-op CPU threads for this process (torch.set_num_threads); null: torch's default. Tiny models run
+    # fastest with 1: their ops are too small to split, and spare threads only spin.
+    num_threads: Optional[int] = setting(None, allowed=AT_LEAST_1)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Default SamplingParams of the CLI (and of LLM.generate when none are given), plus grammar limits."""
+
+    temperature: float = setting(1.0, allowed=Interval(0, None, text="[0, inf) (below 1e-5 = greedy)"))
+    top_p: float = setting(1.0, allowed=Interval(0, 1, lo_open=True))
+    top_k: int = setting(-1, allowed=Interval(1, None, also=(-1,), text="-1 (off) or an integer >= 1"))
+    min_p: float = setting(0.0, allowed=Interval(0, 1))
+    max_tokens: int = setting(16, allowed=AT_LEAST_1)
+    min_tokens: int = setting(0, allowed=NON_NEGATIVE)
+    ignore_eos: bool = False
+    stop: Optional[List[str]] = None
+    stop_token_ids: Optional[List[int]] = None
+    presence_penalty: float = setting(0.0, allowed=Interval(-2, 2))
+    frequency_penalty: float = setting(0.0, allowed=Interval(-2, 2))
+    repetition_penalty: float = setting(1.0, allowed=POSITIVE)
+    n: int = setting(1, allowed=AT_LEAST_1)
+    top_logprobs: int = setting(0, allowed=Interval(0, 1000))
+    prompt_logprobs: bool = False
+    seq_seed: Optional[int] = setting(None, allowed=UINT64)
+    xgrammar_timeout: float = setting(20.0, allowed=POSITIVE)  # DEEPINFER_XGRAMMAR_TIMEOUT, seconds
+    xgrammar_cache_limit_bytes: int = setting(1 << 30, allowed=NON_NEGATIVE)  # DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES
+
+    def params(self, **changes):
+        """A SamplingParams from these defaults (grammar limits are engine-wide, not per request)."""
+        from dataclasses import asdict
+
+        from deepinfer.sampling.params import SamplingParams
+
+        fields = {k: v for k, v in asdict(self).items() if not k.startswith("xgrammar_")}
+        for key in ("stop", "stop_token_ids"):
+            if fields[key] is not None:
+                fields[key] = list(fields[key])
+        fields.update(changes)
+        return SamplingParams(**fields)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole resolved configuration. Top-level run keys drive the CLI."""
+
+    hardware: HardwareSettings = field(default_factory=HardwareSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    decoding: DecodingSettings = field(default_factory=DecodingSettings)
+    yoco: YocoSettings = field(default_factory=YocoSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    recipe: Optional[str] = None  # set by recipes/*.yaml, named in errors and the summary
+    prompts: Optional[List[str]] = None  # CLI: prompts to run (default: a few built-in ones)
+    input_path: Optional[str] = None  # CLI: a .jsonl file of {"prompt": ...} lines
+    output_file: str = "outputs.jsonl"  # CLI: written in the Hydra run directory

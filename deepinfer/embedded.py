@@ -1,0 +1,297 @@
+"""The embedded default model: a small DeepSeek-V4.1-architecture checkpoint the CLI runs offline.
+
+It is built, not shipped: deterministically (fixed seed, a CPU generator, no other randomness) on first use into
+`$DEEPINFER_CACHE_DIR/tiny-v41-<hash>` (default ~/.cache/deepinfer), in the released storage format, so it goes
+through the same loader as a real checkpoint:
+  - config.json: the composite `deepseek_v41` config with the top-level quantization_config;
+  - FP8 e4m3 projections with one ue8m0 scale per 32x32 block; FP4 e2m1 routed experts (two codes per byte,
+    low nibble = even column) with one ue8m0 scale per row and 32 columns; FP8 Engram tables with per-row,
+    per-32-channel ue8m0 scales; F32 for the mHC parameters, attention sinks and router biases; BF16 for the rest;
+  - tokenizer.json: the package's byte-level BPE (vocab 512, BOS 0 / EOS 1 / PAD 2).
+The tensor list comes from the loader's own table (deepinfer.models.loading.expected_tensors), so the two cannot
+disagree. The hash covers the config, the tokenizer, the seed and BUILD_VERSION: change any and a new directory
+is built next to the old one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+BUILD_VERSION = 1
+SEED = 41
+NAMES = ("tiny",)
+
+# Layer schedule (8 layers) covering every V4.1 layer role:
+#   0 SWA only | 1 SWA + Engram | 2 ratio-2 KV source + index source | 3 ratio-2 reuse
+#   4 ratio-1 KV source + index source + candidate source | 5 ratio-1 reuse + Engram
+#   6 ratio-1 Reindex (own indexer query, keys and candidates from 4) | 7 ratio-1 reuse
+TEXT_CONFIG = {
+    "model_type": "deepseek_v41_text",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 64,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "sliding_window": 16,
+    "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1],
+    "kv_source_layer_ids": [2, 4],
+    "index_source_layer_ids": [2, 4, 6],
+    "candidate_source_layer_id": 4,
+    "candidate_topk_blocks": 8,
+    "candidate_block_size": 8,
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 16,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-20,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 512,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 8192,
+    "engram_layer_ids": [1, 5],
+    "engram_vocab_size": 1000,
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 4,
+    "engram_head_dim": 32,
+    "engram_pad_id": 2,
+    "engram_compressed_vocab_size": 406,  # what the shipped tokenizer's normalised vocabulary has (spec §4.9)
+    "num_nextn_predict_layers": 0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+}
+QUANTIZATION = {
+    "quant_method": "fp8",
+    "expert_dtype": "fp4",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+}
+
+
+def engram_table_rows(vocab_size: int, n_layers: int, max_ngram: int, heads: int) -> list[int]:
+    """Rows of each Engram layer's table = the sum of its primes (spec §4.9): per layer, per n-gram size, `heads`
+    primes; the search restarts at engram_vocab_size for each size but never reuses a prime."""
+    seen, sums = set(), []
+    for _ in range(n_layers):
+        total = 0
+        for _ in range(max_ngram - 1):
+            cur = vocab_size - 1
+            for _ in range(heads):
+                cur += 1
+                while not _is_prime(cur) or cur in seen:
+                    cur += 1
+                seen.add(cur)
+                total += cur
+        sums.append(total)
+    return sums
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % p for p in range(2, math.isqrt(n) + 1))
+
+
+def config_json() -> dict:
+    text = dict(TEXT_CONFIG)
+    text["engram_num_embeddings"] = engram_table_rows(
+        text["engram_vocab_size"], len(text["engram_layer_ids"]), text["engram_max_ngram_size"], text["engram_n_heads"]
+    )
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "tie_word_embeddings": False,
+        "quantization_config": dict(QUANTIZATION),
+        "text_config": text,
+    }
+
+
+def _tokenizer_bytes() -> bytes:
+    return (resources.files("deepinfer.assets") / "tokenizer.json").read_bytes()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DEEPINFER_CACHE_DIR") or Path.home() / ".cache" / "deepinfer").expanduser()
+
+
+def checkpoint_dir(name: str = "tiny") -> Path:
+    digest = hashlib.sha256()
+    digest.update(json.dumps(config_json(), sort_keys=True).encode())
+    digest.update(_tokenizer_bytes())
+    digest.update(f"seed={SEED};version={BUILD_VERSION}".encode())
+    return cache_root() / f"{name}-v41-{digest.hexdigest()[:12]}"
+
+
+def materialize(name: str = "tiny") -> Path:
+    """The embedded checkpoint's directory, built first if it is not there yet (safe against a concurrent build:
+    each builder writes a private directory and renames it into place; the first rename wins)."""
+    if name not in NAMES:
+        from deepinfer.config.errors import ConfigError
+
+        raise ConfigError(f"model.path=embedded:{name} is not an embedded model; allowed: embedded:tiny")
+    final = checkpoint_dir(name)
+    if (final / "model.safetensors").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a few hundred tiny tensors: extra threads only add sync cost (10x on busy hosts)
+    try:
+        write_checkpoint(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished first: its directory is identical
+            if not (final / "model.safetensors").is_file():
+                raise
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_checkpoint(out: Path) -> None:
+    from safetensors.torch import save_file
+
+    cfg = config_json()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "tokenizer.json").write_bytes(_tokenizer_bytes())
+    save_file(build_tensors(cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def build_tensors(cfg: dict) -> dict[str, torch.Tensor]:
+    """Random weights in the released storage formats, drawn in sorted-name order from one seeded CPU generator."""
+    from deepinfer.models.config import ModelConfig
+    from deepinfer.models.loading import tensors as kinds
+    from deepinfer.models.loading.names import keeps_float32, scale_sibling
+
+    model_cfg = ModelConfig.from_dict(cfg)
+    gen = torch.Generator().manual_seed(SEED)
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in sorted(kinds.expected_tensors(model_cfg).items()):
+        w = _init(name, spec.shape, model_cfg.hidden_size, gen)
+        if kinds.FP4_ROWS in spec.allowed:
+            out[name], out[scale_sibling(name)] = quantize_fp4_rows(w)
+        elif kinds.FP8_BLOCK in spec.allowed:
+            out[name], out[scale_sibling(name)] = quantize_fp8_blocks(w)
+        elif kinds.FP8_ROWS in spec.allowed:
+            out[name], out[scale_sibling(name)] = quantize_fp8_rows(w)
+        else:
+            out[name] = w if keeps_float32(name) else w.to(torch.bfloat16)
+    return out
+
+
+def _init(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Generator) -> torch.Tensor:
+    """The golden fixtures' initialisation (tests/fixtures/deepseek_v41/*/README.md): unit-variance activations
+    through every projection, so the tiny model's logits are neither flat nor saturated."""
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(shape, generator=gen)
+
+    leaf = name.rsplit(".", 2)
+    if name in ("embed.weight",) or name.endswith("engram.embed.weight"):
+        return normal(1.0)
+    if name == "head.weight":
+        return normal(1.0 / math.sqrt(hidden))
+    if name.endswith("norm.weight"):
+        return uniform(0.6, 1.4)
+    if name.endswith(("hc_attn_base", "hc_ffn_base")):
+        return normal(0.5)
+    if name.endswith(("hc_attn_scale", "hc_ffn_scale")):
+        return uniform(0.5, 1.5)
+    if name.endswith("attn.attn_sink"):
+        return normal(1.0)
+    if name.endswith("ffn.gate.bias"):
+        return normal(0.2)
+    if name.endswith("ffn.gate.bias_vl"):
+        return normal(1.0)
+    if leaf[-1] in ("q_weight", "k_weight"):
+        return uniform(0.5, 1.5)
+    return normal(1.0 / math.sqrt(shape[-1]))  # projections, router, hc_*_fn: N(0, 1/fan_in)
+
+
+# ---- the released storage formats ---------------------------------------------------------------------------
+def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two fp32 scales -> F8_E8M0 bytes (2^(b - 127))."""
+    exponent = torch.log2(scale).round().to(torch.int32) + 127
+    return exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _pow2_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    from deepinfer.kernels.torch.quant import ceil_pow2
+
+    # An all-zero block gets scale 1 (as the fixtures' quantizer does); otherwise the smallest 2^k >= amax/top.
+    return torch.where(amax > 0, ceil_pow2(amax.clamp_min(1e-30) / top), torch.ones_like(amax))
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    from deepinfer.kernels.torch.quant import FP8_MAX
+
+    rows, cols = w.shape
+    pr, pc = -(-rows // block) * block, -(-cols // block) * block
+    padded = torch.zeros(pr, pc)
+    padded[:rows, :cols] = w
+    amax = padded.view(pr // block, block, pc // block, block).abs().amax(dim=(1, 3))
+    scale = _pow2_scale(amax, FP8_MAX)
+    full = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return (w / full).to(torch.float8_e4m3fn), _ue8m0(scale)
+
+
+def quantize_fp8_rows(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    from deepinfer.kernels.torch.quant import FP8_MAX
+
+    rows, cols = w.shape
+    amax = w.view(rows, cols // block, block).abs().amax(-1)
+    scale = _pow2_scale(amax, FP8_MAX)
+    return (w / scale.repeat_interleave(block, 1)).to(torch.float8_e4m3fn), _ue8m0(scale)
+
+
+def quantize_fp4_rows(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    from deepinfer.kernels.torch.quant import FP4_MAX, e2m1_codes
+
+    rows, cols = w.shape
+    amax = w.view(rows, cols // block, block).abs().amax(-1)
+    scale = _pow2_scale(amax, FP4_MAX)
+    codes = e2m1_codes((w / scale.repeat_interleave(block, 1)).clamp(-FP4_MAX, FP4_MAX))
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view(torch.int8), _ue8m0(scale)

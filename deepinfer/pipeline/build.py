@@ -1,0 +1,94 @@
+"""From typed settings to a StepProgram: load the model and sampler, then instantiate each configured stage."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deepinfer.config.errors import ConfigError
+from deepinfer.config.resolve import with_model_limits
+from deepinfer.config.schema import STAGES, PipelineSettings, Settings
+from deepinfer.pipeline.program import StageInfo, StepProgram
+from deepinfer.pipeline.registry import REGISTRY
+
+
+def build_program(pipeline: PipelineSettings, model, sampler) -> StepProgram:
+    """Instantiate each stage of `pipeline` (in declared order) with its registered component. A stage whose
+    component is null is absent. A component that cannot serve the model's device or chosen kernel backends is
+    a ConfigError naming both."""
+    device = _device_type(model)
+    chosen = sorted(set(getattr(getattr(model, "ops", None), "chosen", {}).values()))
+    impls, infos = {}, []
+    for name, spec in pipeline.stages.items():
+        if spec.component is None:
+            continue
+        comp = REGISTRY.get(name, spec.component)
+        if device not in comp.devices:
+            raise ConfigError(
+                f"pipeline.stages.{name}.component={comp.name!r} cannot run on device {device!r}; "
+                f"allowed devices: {', '.join(comp.devices)}"
+            )
+        unsupported = [b for b in chosen if not comp.supports(b)]
+        if unsupported:
+            raise ConfigError(
+                f"pipeline.stages.{name}.component={comp.name!r} does not support kernel backend(s) "
+                f"{', '.join(unsupported)}; allowed: {', '.join(comp.backends)}"
+            )
+        options = dict(spec.options)
+        impls[name] = comp.load()(model, sampler, options)
+        infos.append(StageInfo(name, comp.name, options))
+    order = [s.name for s in infos]
+    if order != [s for s in STAGES if s in impls]:
+        raise ConfigError(f"pipeline stages in order {order}; allowed order: {', '.join(STAGES)}")
+    return StepProgram(
+        stages=tuple(infos),
+        tokenize=impls["tokenize"],
+        prefill=impls["prefill"],
+        decode=impls["decode"],
+        sample=impls["sample"],
+        model=model,
+        replay=impls.get("replay"),
+    )
+
+
+def load_program(settings: Settings) -> tuple[StepProgram, Settings]:
+    """Load the configured model and build its program. Returns the settings completed with what the model
+    decides (engine.max_model_len)."""
+    import torch
+
+    from deepinfer.models import load_model
+    from deepinfer.sampling.sampler import Sampler
+
+    model_dir = model_location(settings.model.path)
+    hw, rt = settings.hardware, settings.runtime
+    if rt.num_threads is not None:
+        torch.set_num_threads(rt.num_threads)  # process-wide: torch has no per-model setting
+    model = load_model(
+        model_dir,
+        device=hw.device,
+        dtype=getattr(torch, settings.model.dtype),
+        backends={kind: list(names) for kind, names in hw.backends.items()},
+        strict_backends=hw.strict_backends,
+        batch_invariant=rt.batch_invariant,
+    )
+    settings = with_model_limits(settings, model.config.max_position_embeddings)
+    vocab = min(model.config.vocab_size, model.tokenizer.get_vocab_size())
+    sampler = Sampler(vocab, model.config.eos_token_id, tokenizer=model.tokenizer, batch_invariant=rt.batch_invariant)
+    program = build_program(settings.pipeline, model, sampler)
+    model_path = dataclasses.replace(settings.model, path=str(model_dir))
+    return program, dataclasses.replace(settings, model=model_path)
+
+
+def model_location(path: str):
+    """`embedded:NAME` -> the embedded checkpoint's directory (built on first use); anything else as given
+    (a local directory or a hub id, resolved by the model loader)."""
+    if path.startswith("embedded:"):
+        from deepinfer import embedded
+
+        return embedded.materialize(path.partition(":")[2])
+    return path
+
+
+def _device_type(model) -> str:
+    import torch
+
+    return torch.device(getattr(model, "device", "cpu")).type

@@ -1,0 +1,46 @@
+"""The built-in stage components. Each factory receives the loaded model, the sampler and the stage's options."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+
+class TextTokenizer:
+    """The tokenize stage: text <-> ids with the checkpoint's tokenizer, and the checks a prompt must pass before
+    it may enter the model. encode() adds BOS (the tokenizer's post-processor does)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def validate(self, prompt_ids: list[int], max_model_len: int) -> str | None:
+        """None if the prompt can run, else a one-line reason (the request then ends with finish_reason=error)."""
+        if not prompt_ids:
+            return "empty prompt: at least one token is needed"
+        if len(prompt_ids) >= max_model_len:
+            return (
+                f"prompt has {len(prompt_ids)} tokens; allowed: at most {max_model_len - 1} "
+                f"(max_model_len={max_model_len} leaves room for one generated token)"
+            )
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"prompt token id {bad!r} is out of range; allowed: [0, {self.vocab_size - 1}]"
+        return None
+
+
+def hf_tokenizer(model, sampler, options: dict) -> TextTokenizer:
+    return TextTokenizer(model.tokenizer, model.config.vocab_size)
+
+
+def model_forward(model, sampler, options: dict):
+    return model.forward
+
+
+def sampler(model, sampler, options: dict):
+    return sampler

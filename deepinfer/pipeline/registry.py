@@ -1,0 +1,75 @@
+"""Registry of pipeline components: (stage kind, name) -> factory, with the kernel backends and devices each
+supports. Factories are "module:function" strings imported only when a pipeline picks them, so registering a
+GPU-only component costs a CPU machine nothing.
+
+A factory is called as factory(model, sampler, options) and returns the stage's implementation.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+ANY_BACKEND = "*"  # a host-side component that runs whatever kernels the model uses
+
+
+@dataclass(frozen=True)
+class Component:
+    kind: str  # the stage it can back: tokenize | prefill | replay | decode | sample
+    name: str
+    backends: tuple[str, ...]  # op backends it works with (ANY_BACKEND: host side, indifferent)
+    devices: tuple[str, ...]  # torch device types it can serve
+    factory: str  # "module:function"
+    doc: str = ""
+
+    def load(self) -> Callable:
+        module, _, attr = self.factory.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def supports(self, backend: str) -> bool:
+        return ANY_BACKEND in self.backends or backend in self.backends
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, str], Component] = {}
+
+    def register(self, kind, name, *, backends, devices, factory, doc="") -> None:
+        key = (kind, name)
+        if key in self._items:
+            raise ValueError(f"component {kind}/{name} is registered twice")
+        self._items[key] = Component(kind, name, tuple(backends), tuple(devices), factory, doc)
+
+    def get(self, kind: str, name: str) -> Component:
+        try:
+            return self._items[(kind, name)]
+        except KeyError:
+            raise KeyError(f"no {kind} component {name!r}; registered: {', '.join(self.names(kind)) or 'none'}")
+
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self._items
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(n for k, n in self._items if k == kind)
+
+    def all(self) -> list[Component]:
+        return [self._items[k] for k in sorted(self._items)]
+
+
+REGISTRY = Registry()
+_HERE = "deepinfer.pipeline.components"
+_ALL_DEVICES = ("cpu", "cuda", "npu")
+REGISTRY.register(
+    "tokenize", "hf_tokenizer", backends=[ANY_BACKEND], devices=_ALL_DEVICES,
+    factory=f"{_HERE}:hf_tokenizer", doc="the checkpoint's tokenizer.json (tokenizers); prompt validation",
+)
+for _stage in ("prefill", "decode"):
+    REGISTRY.register(
+        _stage, "model_forward", backends=["torch", "tilelang-sm90"], devices=_ALL_DEVICES,
+        factory=f"{_HERE}:model_forward", doc="DeepseekV41Model.forward over a packed ForwardBatch",
+    )
+REGISTRY.register(
+    "sample", "sampler", backends=[ANY_BACKEND], devices=_ALL_DEVICES,
+    factory=f"{_HERE}:sampler", doc="deepinfer.sampling.Sampler (penalties, top-k/p, min-p, grammar, seeds)",
+)

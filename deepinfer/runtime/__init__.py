@@ -1,0 +1,1 @@
+"""Runners of the StepProgram. sequential.py: one request at a time, until the engine lands."""

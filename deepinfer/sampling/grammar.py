@@ -1,0 +1,172 @@
+"""Structured outputs, compile side: xgrammar TokenizerInfo from a `tokenizers.Tokenizer`, and a compiler pool that
+turns a request's so_args into a ready GrammarState off the step loop.
+
+Why a pool with its own timeout: xgrammar compiles in C++ and cannot be interrupted, so a pathological schema would
+stall whoever waits on it. The step loop never waits: it polls the Future, which settles either with a
+GrammarState or with a GrammarError (bad schema, or no result within timeout_s). A timed-out compile still runs to
+its end in its worker thread; only the request is released.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xgrammar as xgr
+
+from deepinfer.sampling.grammar_state import GrammarState
+from deepinfer.sampling.json_schema_shim import rewrite_length_capped_strings
+from deepinfer.sampling.params import _validate_so_args
+from deepinfer.sampling.utf8_guard import Utf8Guard
+
+DEFAULT_TIMEOUT_S = 20.0
+DEFAULT_JSON_MAX_WHITESPACE = 32  # unbounded whitespace lets a weak model pad JSON forever
+
+
+class GrammarError(Exception):
+    """A request's grammar cannot be used (malformed schema, compile failure or timeout). The message is one line;
+    the engine ends only that request, with finish_reason="error" and this message."""
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of a `tokenizers.Tokenizer`. vocab_size: the logits' width (ids beyond the tokenizer's
+    vocabulary are never allowed). stop_token_ids: what ends a grammar (usually [eos]).
+
+    Special tokens are given an empty encoding, which xgrammar treats as "special": never allowed inside a
+    grammar. Otherwise it would read e.g. '<｜begin▁of▁sentence｜>' as literal text and let it into a string,
+    while detokenizing with skip_special_tokens drops it."""
+    spec = json.loads(tokenizer.to_str())
+    vocab_type, add_prefix_space = _vocab_metadata(spec)
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    encoded = [""] * vocab_size
+    for token, idx in tokenizer.get_vocab(with_added_tokens=True).items():
+        if idx < vocab_size and idx not in special:
+            encoded[idx] = token
+    return xgr.TokenizerInfo(
+        encoded, vocab_type, vocab_size=vocab_size, stop_token_ids=stop_token_ids, add_prefix_space=add_prefix_space
+    )
+
+
+def _vocab_metadata(spec: dict) -> tuple[xgr.VocabType, bool]:
+    """How token strings map to bytes, read from tokenizer.json's decoder (and the pre-tokenizer for prefixes)."""
+    decoder = spec.get("decoder") or {}
+    decoders = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    kinds = {d.get("type") for d in decoders}
+    if "ByteLevel" in kinds:
+        pre = spec.get("pre_tokenizer") or {}
+        pres = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        prefix = any(p.get("type") == "ByteLevel" and p.get("add_prefix_space") for p in pres)
+        return xgr.VocabType.BYTE_LEVEL, prefix
+    if "ByteFallback" in kinds:
+        prepend = any(d.get("type") == "Prepend" for d in decoders) or any(
+            d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never" for d in decoders
+        )
+        return xgr.VocabType.BYTE_FALLBACK, prepend
+    return xgr.VocabType.RAW, False
+
+
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[01:24:07] /project/cpp/x.cc:94: "
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = _XGRAMMAR_LOG_PREFIX.sub("", text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class GrammarCompilerPool:
+    """Compiles so_args in worker threads. ``submit(so_args)`` returns a Future that settles with a fresh
+    GrammarState for the request, or with a GrammarError. Compiled grammars are cached by xgrammar (keyed by the
+    schema text) up to cache_limit_bytes (-1: unbounded); every request still gets its own matcher.
+
+    cache_limit_bytes: config value (env DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES). timeout_s: config value (env
+    DEEPINFER_XGRAMMAR_TIMEOUT, 20 s). json_max_whitespace: whitespace characters allowed between JSON elements."""
+
+    def __init__(
+        self,
+        info: xgr.TokenizerInfo,
+        max_workers: int = 2,
+        cache_limit_bytes: int = -1,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        json_max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE,
+    ):
+        if timeout_s <= 0:
+            raise ValueError(f"GrammarCompilerPool.timeout_s={timeout_s!r} is out of range; allowed: (0, inf)")
+        self.timeout_s = timeout_s
+        self.json_max_whitespace = json_max_whitespace
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=cache_limit_bytes)
+        self._utf8_guard = Utf8Guard(info.decoded_vocab, info.vocab_size)
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="deepinfer-grammar")
+        self._settle_lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int, **kwargs) -> "GrammarCompilerPool":
+        return cls(tokenizer_info(tokenizer, vocab_size, [eos_token_id]), **kwargs)
+
+    def cache_size_bytes(self) -> int:
+        return self._compiler.get_cache_size_bytes()
+
+    def submit(self, so_args: dict) -> Future:
+        """Starts compiling; never blocks and never raises (errors arrive through the Future)."""
+        result: Future = Future()
+        result.set_running_or_notify_cancel()
+        try:
+            _validate_so_args(so_args)
+        except ValueError as error:
+            result.set_exception(GrammarError(one_line(error)))
+            return result
+        timer = threading.Timer(self.timeout_s, self._expire, (result,))
+        timer.daemon = True
+        job = self._executor.submit(self._build_state, so_args)
+        job.add_done_callback(lambda done: self._settle(result, done, timer))
+        timer.start()
+        return result
+
+    def compile(self, so_args: dict) -> GrammarState:
+        """Blocking form of submit (tests, tools): the GrammarState, or raises GrammarError."""
+        return self.submit(so_args).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "GrammarCompilerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build_state(self, so_args: dict) -> GrammarState:
+        compiled = self._compile(so_args["schema_type"], so_args["schema"])
+        trigger, bound = so_args.get("trigger_token_ids"), so_args.get("bound_token_id")
+        return GrammarState(compiled, trigger, bound, self._utf8_guard)
+
+    def _compile(self, schema_type: str, schema) -> xgr.CompiledGrammar:
+        if schema_type == "json":
+            parsed = json.loads(schema) if isinstance(schema, str) else schema  # clear "invalid JSON" errors
+            # Not sort_keys: the order of "properties" is the order the fields are generated in.
+            text = json.dumps(rewrite_length_capped_strings(parsed))
+            return self._compiler.compile_json_schema(
+                text, any_whitespace=True, max_whitespace_cnt=self.json_max_whitespace
+            )
+        if schema_type == "regex":
+            return self._compiler.compile_regex(schema)
+        return self._compiler.compile_grammar(schema)
+
+    def _settle(self, result: Future, job: Future, timer: threading.Timer) -> None:
+        timer.cancel()
+        error = GrammarError("grammar compilation was cancelled") if job.cancelled() else job.exception()
+        with self._settle_lock:
+            if result.done():  # the timeout won
+                return
+            if error is None:
+                result.set_result(job.result())
+            else:
+                result.set_exception(GrammarError(f"grammar compilation failed: {one_line(error)}"))
+
+    def _expire(self, result: Future) -> None:
+        with self._settle_lock:
+            if not result.done():
+                result.set_exception(GrammarError(f"grammar compilation timed out after {self.timeout_s:g} s"))
+

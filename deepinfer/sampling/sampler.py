@@ -1,0 +1,205 @@
+"""The sample stage: one call per engine step turns the batch's last-position logits into one token per row.
+
+Pipeline, in this order, per row (``Sampler.sample``):
+  0. logprobs      log_softmax of the raw logits, kept for reporting (chosen token + top_logprobs alternatives)
+  1. blacklist     vocab padding columns; EOS and stop_token_ids while fewer than min_tokens tokens exist
+                   (EOS is not blacklisted when ignore_eos, since it then ends nothing)
+  2. grammar mask  the structured-output bitmask of the row's GrammarState (built on the CPU; the engine may
+                   build it while the model runs and pass it in)
+  3. penalties     repetition (prompt + output tokens, multiplicative), then frequency and presence (output only)
+  4. greedy        rows with temperature < 1e-5 take the argmax here (ties: lowest id) and skip the rest
+  5. temperature   logits / temperature
+  6. top-k         the k most likely (stable sort: ties keep the lowest ids)
+  7. top-p         the smallest most-likely-first prefix reaching mass top_p, measured after top-k
+  8. min-p         drop tokens with p < min_p * p_max
+  9. draw          Gumbel-max: argmax(logits + G) with G a pure function of (seq_seed, position, kind, token id)
+ 10. grammar       the drawn token is accepted by the row's GrammarState (the matcher advances)
+
+Why Gumbel-max with counter-based noise: a draw then reads nothing but its own row and its own seed, so a request
+samples the same tokens whatever it is batched with, and no generator state needs saving or restoring.
+
+Batch invariance of the draw holds in every mode, by construction: each step is element-wise, or an exact
+operation (max, argmax with first-index ties, stable sort, integer counts), or an integer sum (top-p's mass, see
+``processors.fixed_point_weights``). No float reduction whose schedule could follow the batch shape decides a
+token. ``batch_invariant=True`` extends that to the reported logprobs (an integer normaliser instead of
+log_softmax's float reduction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepinfer.sampling import processors as proc
+from deepinfer.sampling.bitmask import allocate_bitmask, apply_bitmask_
+from deepinfer.sampling.logprobs import SampleOutput, raw_logprobs, top_n
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.seeds import DrawKind, gumbel_at, stream_keys
+
+__all__ = ["Sampler", "SampleRow", "SampleOutput"]
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row of the batch.
+
+    seed: the request's resolved uint64 seed (``seeds.request_seed`` / ``seeds.child_seed``).
+    position: index of the token being drawn in the request's output, 0-based (== len(output_ids) normally).
+    grammar_state: the request's ``GrammarState`` when it has so_args, else None.
+    """
+
+    params: SamplingParams
+    seed: int
+    position: int
+    output_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    grammar_state: Any = None
+
+
+class Sampler:
+    """Samples one token per row. vocab_size: the tokenizer's real vocabulary (logits may carry padding columns
+    beyond it, which are never drawn). eos_token_id: suppressed before min_tokens. tokenizer: kept for
+    ``stop_checker``. batch_invariant: also make the reported logprobs bitwise independent of the batch (the
+    drawn tokens always are). grammar: the ``GrammarCompilerPool`` requests submit their so_args to (None:
+    structured outputs off)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_id: int | None,
+        tokenizer=None,
+        batch_invariant: bool = False,
+        grammar=None,
+    ):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer
+        self.batch_invariant = batch_invariant
+        self.grammar = grammar
+
+    # ---- what the engine calls ------------------------------------------------------------------------------
+
+    def build_bitmask(self, rows: list[SampleRow], vocab_size: int | None = None) -> torch.Tensor | None:
+        """The CPU int32 grammar bitmask for the rows (None when no row has a grammar). Cheap to call while
+        the model runs; pass the result to ``sample`` as token_bitmask. vocab_size: the logits' width."""
+        if all(row.grammar_state is None for row in rows):
+            return None
+        bitmask = allocate_bitmask(len(rows), vocab_size or self.vocab_size)
+        for r, row in enumerate(rows):
+            if row.grammar_state is not None:
+                row.grammar_state.fill_bitmask(bitmask, r)
+        return bitmask
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], token_bitmask: torch.Tensor | None = None
+    ) -> list[SampleOutput]:
+        """logits: float32 [len(rows), vocab] on any device. Returns one SampleOutput per row, in row order,
+        and advances each row's grammar state by its drawn token."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        if token_bitmask is None:
+            token_bitmask = self.build_bitmask(rows, logits.shape[1])
+        outputs = self._sample_rows(logits, rows, token_bitmask)
+        self._advance_grammars(rows, outputs)
+        return outputs
+
+    def stop_checker(self, params: SamplingParams):
+        """A fresh StopChecker for one request (needs the tokenizer given at construction)."""
+        from deepinfer.sampling.stop import StopChecker
+
+        return StopChecker(params, self.tokenizer, self.eos_token_id)
+
+    # ---- the pipeline ---------------------------------------------------------------------------------------
+
+    def _sample_rows(
+        self, logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None
+    ) -> list[SampleOutput]:
+        vocab = min(self.vocab_size, logits.shape[1])
+        logprobs = raw_logprobs(logits, vocab, self.batch_invariant)
+        x = logits.float().clone()
+        self._blacklist_(x, rows, vocab)
+        if bitmask is not None:
+            apply_bitmask_(x, bitmask)
+        self._penalties_(x, rows)
+        stuck = (x.max(dim=-1).values == float("-inf")).tolist()
+
+        tokens = [0] * len(rows)
+        greedy = [r for r, row in enumerate(rows) if row.params.greedy]
+        sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
+        if greedy:
+            # torch.argmax returns the first maximum: ties go to the lowest token id.
+            for r, t in zip(greedy, x[greedy].argmax(dim=-1).tolist()):
+                tokens[r] = t
+        if sampled:
+            for r, t in zip(sampled, self._draw(x[sampled], [rows[r] for r in sampled])):
+                tokens[r] = t
+
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=x.device).clamp(max=vocab - 1).unsqueeze(1))
+        tops = top_n(logprobs, [row.params.top_logprobs for row in rows])
+        outputs = []
+        for r, (t, lp, top) in enumerate(zip(tokens, chosen.squeeze(1).tolist(), tops)):
+            error = "no token is allowed: the grammar and min_tokens exclude every token" if stuck[r] else None
+            outputs.append(SampleOutput(t, lp, top, error))
+        return outputs
+
+    def _blacklist_(self, x: torch.Tensor, rows: list[SampleRow], vocab: int) -> None:
+        x[:, vocab:] = float("-inf")
+        for r, row in enumerate(rows):
+            p = row.params
+            if row.position >= p.min_tokens:
+                continue
+            banned = list(p.stop_token_ids or [])
+            if self.eos_token_id is not None and not p.ignore_eos:
+                banned.append(self.eos_token_id)
+            banned = [t for t in banned if t < x.shape[1]]
+            if banned:
+                x[r, banned] = float("-inf")
+
+    def _penalties_(self, x: torch.Tensor, rows: list[SampleRow]) -> None:
+        idx = [
+            r
+            for r, row in enumerate(rows)
+            if row.params.repetition_penalty != 1.0
+            or row.params.frequency_penalty != 0.0
+            or row.params.presence_penalty != 0.0
+        ]
+        if not idx:
+            return
+        sub = x[idx]
+        width = sub.shape[1]
+        out_counts = proc.token_counts([rows[r].output_ids for r in idx], width, x.device)
+        rep = [rows[r].params.repetition_penalty for r in idx]
+        if any(v != 1.0 for v in rep):
+            prompt_counts = proc.token_counts([rows[r].prompt_ids for r in idx], width, x.device)
+            proc.apply_repetition_penalty_(sub, (prompt_counts + out_counts) > 0, rep)
+        proc.apply_additive_penalties_(
+            sub,
+            out_counts,
+            [rows[r].params.frequency_penalty for r in idx],
+            [rows[r].params.presence_penalty for r in idx],
+        )
+        x[idx] = sub
+
+    def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+        params = [row.params for row in rows]
+        proc.apply_temperature_(x, [p.temperature for p in params])
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            proc.apply_top_k_top_p_(x, [p.top_k for p in params], [p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            proc.apply_min_p_(x, [p.min_p for p in params])
+        keys = stream_keys([row.seed for row in rows], [row.position for row in rows], DrawKind.TOKEN, x.device)
+        # Noise only where a token survived: truncation usually leaves few candidates, so this is cheap.
+        row_idx, col_idx = torch.nonzero(x > float("-inf"), as_tuple=True)
+        scores = torch.full(x.shape, float("-inf"), dtype=torch.float64, device=x.device)
+        scores[row_idx, col_idx] = x[row_idx, col_idx].double() + gumbel_at(keys[row_idx], col_idx)
+        return scores.argmax(dim=-1).tolist()
+
+    @staticmethod
+    def _advance_grammars(rows: list[SampleRow], outputs: list[SampleOutput]) -> None:
+        for row, out in zip(rows, outputs):
+            if row.grammar_state is None or out.error is not None:
+                continue
+            if not row.grammar_state.accept_token(out.token_id):
+                out.error = f"the grammar rejected token {out.token_id}"
