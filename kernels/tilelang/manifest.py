@@ -1,0 +1,19 @@
+"""The TileLang SM90 backend (`tilelang-sm90`): which op kinds it implements. Importing this file imports no
+kernel code; the registry loads each target only when a hardware config prefers this backend.
+
+Each registered function keeps the torch op's signature and semantics and falls back to the torch op for
+inputs its kernels do not cover (documented per function). Fast paths with explicit cache/weight formats:
+moe.moe_experts_packed, attention.sink_attention_decode, indexer.indexer_scores_fp4.
+"""
+
+from deepinfer.kernels.registry import register
+
+BACKEND = "tilelang-sm90"
+_WHERE = {
+    "moe_router": "moe",
+    "moe_experts": "moe",
+    "sink_attention": "attention",
+    "indexer_scores": "indexer",
+}
+for _kind, _module in _WHERE.items():
+    register(_kind, BACKEND, ("cuda",), f"deepinfer.kernels.tilelang.{_module}:{_kind}")

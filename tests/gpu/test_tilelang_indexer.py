@@ -1,0 +1,50 @@
+"""TileLang lightning-indexer scores vs the torch op (marker gpu)."""
+
+import pytest
+import torch
+
+from deepinfer.kernels.torch import indexer as ref
+from deepinfer.kernels.torch import quant
+
+from ._helpers import poison_allocator, rel_err
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("S,G", [(1, 100), (3, 1000), (6, 4100)])
+def test_dense_scores_match_torch(S, G):
+    from deepinfer.kernels.tilelang.indexer import indexer_scores
+
+    g = torch.Generator().manual_seed(S + G)
+    # the model's inputs are FP4 fake-quantised (exact in bf16)
+    q = quant.fake_quant_fp4(torch.randn(S, 32, 128, generator=g), 32).cuda()
+    k = quant.fake_quant_fp4(torch.randn(G, 128, generator=g), 32).cuda()
+    w = (torch.randn(S, 32, generator=g) * 32**-0.5).cuda()
+    poison_allocator()
+    out = indexer_scores(q, k, w, 128**-0.5)
+    expect = ref.indexer_scores(q.double(), k.double(), w.double(), 128**-0.5)
+    assert out.shape == (S, G) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert rel_err(out, expect) < 1e-5   # exact products, fp32 sums
+
+
+@pytest.mark.parametrize("visible", [[5], [130, 700, 1024], [1, 257]])
+def test_fp4_cache_scores(visible):
+    from deepinfer.kernels.tilelang.indexer import indexer_scores_fp4
+
+    g = torch.Generator().manual_seed(sum(visible))
+    B, Gmax = len(visible), 1024
+    packed = torch.randint(0, 256, (B, Gmax, 64), dtype=torch.uint8, generator=g)
+    scale = torch.randint(120, 128, (B, Gmax, 4), dtype=torch.uint8, generator=g)
+    keys = quant.dequant_fp4_rows(packed.view(B * Gmax, 64), scale.view(B * Gmax, 4)).view(B, Gmax, 128)
+    q = quant.fake_quant_fp4(torch.randn(B, 32, 128, generator=g), 32).bfloat16()
+    w = torch.randn(B, 32, generator=g) * 32**-0.5
+    vis = torch.tensor(visible, dtype=torch.int32)
+    poison_allocator()
+    out = indexer_scores_fp4(q.cuda(), torch.arange(B, dtype=torch.int32).cuda(), vis.cuda(), packed.cuda(),
+                             scale.cuda(), w.cuda(), 128**-0.5).cpu()
+    for b in range(B):
+        n = visible[b]
+        expect = ref.indexer_scores(q[b : b + 1].double(), keys[b, :n].double(), w[b : b + 1].double(), 128**-0.5)
+        assert rel_err(out[b : b + 1, :n], expect) < 1e-5
+        assert torch.isneginf(out[b, n:]).all()

@@ -1,0 +1,115 @@
+"""CPU checks of the TileLang backend: every kernel lowers to CUDA source for sm_90a and sm_100a without a GPU,
+the in-register FP4/FP8 dequant bit tricks (dequant.py) reproduce the torch dequantisation exactly, and the
+manifest registers the backend for CUDA only."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.kernels.torch import quant
+
+tilelang_missing = importlib.util.find_spec("tilelang") is None
+
+
+def _kernels():
+    from deepinfer.kernels.tilelang import attention_kernel as att
+    from deepinfer.kernels.tilelang import indexer_kernel as idx
+    from deepinfer.kernels.tilelang import moe_gemm, moe_prep, moe_router
+
+    return {
+        "moe_up_fp4": lambda: moe_gemm.build_grouped_gemm("fp4", "swiglu", 384, 4608, 5120),
+        "moe_down_fp4": lambda: moe_gemm.build_grouped_gemm("fp4", "add", 384, 5120, 2304, gather=False),
+        "moe_up_fp8": lambda: moe_gemm.build_grouped_gemm("fp8", "swiglu", 1, 4608, 5120),
+        "moe_down_fp8": lambda: moe_gemm.build_grouped_gemm("fp8", "add", 1, 5120, 2304, gather=False),
+        "moe_prep": lambda: moe_prep.build_moe_prep(384, 6),
+        "router_logits": lambda: moe_router.build_router_logits(384, 5120),
+        "router_topk": lambda: moe_router.build_router_topk(384, 20, 6, "sqrtsoftplus", True),
+        "attn_paged": lambda: att.build_sink_attention("paged", splits=1),
+        "attn_paged_split": lambda: att.build_sink_attention("paged", splits=4),
+        "attn_dense": lambda: att.build_sink_attention("dense", splits=2),
+        "attn_combine": lambda: att.build_sink_combine(splits=4),
+        "indexer_dense": lambda: idx.build_indexer_scores("dense"),
+        "indexer_fp4": lambda: idx.build_indexer_scores("fp4"),
+    }
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("name", ["moe_up_fp4", "moe_down_fp4", "moe_up_fp8", "moe_down_fp8", "moe_prep",
+                                  "router_logits", "router_topk", "attn_paged", "attn_paged_split", "attn_dense",
+                                  "attn_combine", "indexer_dense", "indexer_fp4"])
+def test_kernel_lowers_to_cuda(name, arch):
+    from deepinfer.kernels.tilelang._build import lower_source
+
+    src = lower_source(_kernels()[name](), arch)
+    assert "__global__" in src
+    if arch == "sm_90a" and name.startswith(("moe_up", "moe_down", "attn_paged", "attn_dense", "indexer")):
+        assert "wgmma" in src  # the matrix kernels must take the Hopper tensor-core path
+
+
+# ---- bit-level model of dequant.py's CUDA functions (uint32 ops, bf16 = top half of an fp32) ----
+def _bf16(bits16) -> float:
+    return float(np.array([int(bits16) << 16], dtype=np.uint32).view(np.float32)[0])
+
+
+def _pairs(words, scale_bits):
+    sc = _bf16(scale_bits & 0xFFFF)
+    out = []
+    for w in words:
+        w &= 0xFFFFFFFF
+        out += [_bf16(w & 0xFFFF) * sc, _bf16(w >> 16) * sc]
+    return out
+
+
+def _dq_e2m1x8(b4, s):
+    w = int.from_bytes(bytes(b4), "little")
+    return _pairs([((w << 6) & 0x01C001C0) | ((w << 12) & 0x80008000),
+                   ((w << 2) & 0x01C001C0) | ((w << 8) & 0x80008000),
+                   ((w >> 2) & 0x01C001C0) | ((w << 4) & 0x80008000),
+                   ((w >> 6) & 0x01C001C0) | (w & 0x80008000)], (s + 126) << 7)
+
+
+def _prmt(a, b, sel):
+    src = list(a.to_bytes(4, "little")) + list(b.to_bytes(4, "little"))
+    return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+
+
+def _dq_e4m3x8(b8, s):
+    w0, w1 = int.from_bytes(bytes(b8[:4]), "little"), int.from_bytes(bytes(b8[4:]), "little")
+    words = []
+    for sel in (0x5410, 0x7632):
+        w = _prmt(w0, w1, sel)
+        words += [((w & 0x007F007F) << 4) | ((w & 0x00800080) << 8), ((w >> 4) & 0x07F007F0) | (w & 0x80008000)]
+    return _pairs(words, (s + 120) << 7)
+
+
+def test_dequant_bit_tricks_match_torch():
+    from deepinfer.kernels.tilelang.dequant import CUDA_SOURCE, fp4_perm
+
+    # the model above must describe the CUDA source: check its constants are the ones in it
+    for const in ("0x01C001C0u", "0x80008000u", "0x5410", "0x7632", "0x007F007Fu", "0x07F007F0u", "126u", "120u"):
+        assert const in CUDA_SOURCE
+    perm = [fp4_perm(j) for j in range(8)]
+    assert sorted(perm) == list(range(8))
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        b4 = rng.integers(0, 256, 4).astype(np.uint8)
+        s = int(rng.integers(90, 129))
+        ref = quant.dequant_fp4_rows(torch.tensor(b4[None]), torch.tensor([[s]], dtype=torch.uint8))[0].double()
+        assert _dq_e2m1x8(b4, s) == ref[perm].tolist()
+        b8 = rng.integers(0, 256, 8).astype(np.uint8)
+        b8[(b8 & 0x7F) == 0x7F] = 0x11  # e4m3 NaN codes are not weights
+        s = int(rng.integers(90, 135))
+        ref = torch.tensor(b8).view(torch.float8_e4m3fn).double() * 2.0 ** (s - 127)
+        assert _dq_e4m3x8(b8, s) == ref[perm].tolist()
+
+
+def test_manifest_registers_cuda_only():
+    from deepinfer.kernels import registry
+
+    ours = [e for e in registry.registered() if e.backend == "tilelang-sm90"]
+    assert {e.kind for e in ours} == {"moe_router", "moe_experts", "sink_attention", "indexer_scores"}
+    assert all(e.devices == ("cuda",) for e in ours)
+    assert "tilelang-sm90" not in registry.backends_for("moe_experts", "cpu")
