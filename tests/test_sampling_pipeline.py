@@ -77,6 +77,25 @@ def test_rows_with_top_p_one_are_left_alone_beside_truncated_rows():
     assert (x[0] > NEG_INF).sum() <= 5
 
 
+def test_cutting_from_candidates_equals_sorting_the_whole_row():
+    g = torch.Generator().manual_seed(5)
+    rng = random.Random(5)
+    rows, ks, ps = [], [], []
+    for i in range(200):
+        # coarse values make ties at every boundary; some rows are mostly masked, some flat
+        row = (torch.randn(3000, generator=g) * rng.choice([0.3, 1.0, 4.0, 12.0])).round(decimals=rng.choice([0, 1]))
+        if i % 7 == 0:
+            row[torch.rand(3000, generator=g) < 0.995] = NEG_INF
+        rows.append(row)
+        ks.append(rng.choice([-1, -1, 1, 3, 20, 100]))
+        ps.append(rng.choice([1.0, 0.99, 0.9, 0.5, 0.1]))
+    x = torch.stack(rows)
+    via_candidates, full_sort = x.clone(), x.clone()
+    proc.apply_top_k_top_p_(via_candidates, ks, ps, candidates=100)
+    proc.apply_top_k_top_p_(full_sort, ks, ps, candidates=3000)
+    assert torch.equal(via_candidates, full_sort)
+
+
 @pytest.mark.parametrize("min_p, kept", [(0.2, [0, 1, 2]), (0.5, [0, 1]), (0.0, [0, 1, 2, 3])])
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(min_p, kept):
     x = t([math.log(p) for p in [0.5, 0.3, 0.15, 0.05]])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.sampling.processors import fixed_point_scale, fixed_point_weights
+from deepinfer.sampling.fixed_point import fixed_point_scale, fixed_point_weights
 
 
 @dataclass

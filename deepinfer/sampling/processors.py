@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.sampling.fixed_point import fixed_point_weights
+
 NEG_INF = float("-inf")
 
 
@@ -47,44 +49,77 @@ def apply_temperature_(logits: torch.Tensor, temperature: list[float]) -> None:
     logits /= _column(temperature, logits)
 
 
-def fixed_point_scale(vocab: int) -> float:
-    """2**(62 - bits(vocab)): vocab weights of at most this much each sum below 2**62, safe in int64."""
-    return float(2 ** (62 - vocab.bit_length()))
+CANDIDATES = 1024  # top-k/top-p look at this many most likely tokens first, sorting the whole row only if needed
 
 
-def fixed_point_weights(logits: torch.Tensor) -> torch.Tensor:
-    """int64 exp(logit - row max) in fixed point, scaled so a whole row sums below 2**62.
-
-    Why integers: integer addition is associative, so sums and prefix sums of these weights are bit-exact whatever
-    order a kernel adds them in. Float sums are not: torch picks reduction and scan schedules by tensor shape (a
-    single row goes through a different CUDA scan than a batch), which would let a row's top-p cut depend on how
-    many rows share the batch. Weights below 2**-(62 - log2 vocab) of the top token (e**-29 and less) become 0."""
-    scale = fixed_point_scale(logits.shape[-1])
-    top = logits.max(dim=-1, keepdim=True).values
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # an all -inf row: weights 0, no NaN
-    return torch.floor(torch.exp(logits.double() - top.double()) * scale).to(torch.int64)
-
-
-def apply_top_k_top_p_(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
+def apply_top_k_top_p_(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], candidates: int = CANDIDATES
+) -> None:
     """Keeps each row's k most likely tokens (ties: lowest id first), then the smallest prefix of them, most
-    likely first, whose probability mass reaches top_p (the most likely token always stays).
+    likely first, whose probability mass reaches top_p (the most likely token always stays). top_p is measured
+    on the distribution left after top-k, renormalised, with exact integer sums (``fixed_point``).
 
-    One stable descending sort serves both: stable keeps equal logits in id order, which makes tie-breaking a
-    property of the row alone. top_p is measured on the distribution left after top-k, renormalised, with exact
-    integer sums (``fixed_point_weights``).
+    The definition is a stable descending sort of the whole row (stable: equal logits stay in id order, so tie
+    breaking is a property of the row alone). Sorting a 129k vocabulary costs ~10 ms a row on a CPU core, so rows
+    are first cut from their `candidates` most likely tokens, which gives the same result whenever the cut falls
+    among candidates whose identity is certain; the other rows take the full sort.
     """
-    vocab = logits.shape[-1]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
-    p = torch.tensor(top_p, dtype=torch.float64, device=logits.device).unsqueeze(1)
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(rank >= k, NEG_INF)
-    weights = fixed_point_weights(sorted_logits)
-    total = weights.sum(dim=-1, keepdim=True)
+    rows = [r for r, (k, p) in enumerate(zip(top_k, top_p)) if k > 0 or p < 1.0]
+    if not rows:
+        return
+    x = logits[rows]
+    ks, ps = [top_k[r] for r in rows], [top_p[r] for r in rows]
+    vocab = x.shape[-1]
+    width = max([candidates] + ks)
+    if 2 * width < vocab:
+        out, certain = _cut_from_candidates(x, ks, ps, width)
+        redo = [i for i, ok in enumerate(certain) if not ok]
+    else:
+        out, redo = torch.empty_like(x), list(range(len(rows)))
+    if redo:
+        out[redo] = _cut_from_sorted_row(x[redo], [ks[i] for i in redo], [ps[i] for i in redo])
+    logits[rows] = out
+
+
+def _drop_past_top_p(vals: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, ps: list[float]):
+    """vals: logits sorted most likely first, weights their fixed-point weights, total the mass they are measured
+    against. Returns vals with the tokens past each row's top_p mass at -inf."""
+    p = torch.tensor(ps, dtype=torch.float64, device=vals.device).unsqueeze(1)
     mass_before = torch.cumsum(weights, dim=-1) - weights  # mass of the strictly more likely tokens
     drop = (mass_before.double() >= p * total.double()) & (p < 1.0)  # p == 1 keeps every token
-    sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
-    logits.scatter_(-1, order, sorted_logits)
+    return vals.masked_fill(drop, NEG_INF)
+
+
+def _cut_from_sorted_row(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """The definition: one stable sort of the whole row."""
+    vocab = x.shape[-1]
+    vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in ks], device=x.device).unsqueeze(1)
+    vals = vals.masked_fill(torch.arange(vocab, device=x.device).unsqueeze(0) >= k, NEG_INF)
+    weights = fixed_point_weights(vals)
+    vals = _drop_past_top_p(vals, weights, weights.sum(dim=-1, keepdim=True), ps)
+    return torch.empty_like(x).scatter_(-1, order, vals)
+
+
+def _cut_from_candidates(x: torch.Tensor, ks: list[int], ps: list[float], width: int):
+    """The same cut from the `width` most likely tokens. torch.topk returns the right values but picks freely
+    among ties at its boundary, so only candidates strictly above the smallest candidate value have certain ids;
+    a row whose cut keeps more than those is reported uncertain (False) for the full sort."""
+    vocab = x.shape[-1]
+    vals, ids = torch.topk(x, width, dim=-1)
+    ids, by_id = ids.sort(dim=-1)  # canonical order: value descending, then id ascending
+    vals, order = torch.sort(vals.gather(-1, by_id), dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)
+    certain = (vals > vals[:, -1:]).sum(dim=-1)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in ks], device=x.device).unsqueeze(1)
+    vals = vals.masked_fill(torch.arange(width, device=x.device).unsqueeze(0) >= k, NEG_INF)
+    weights = fixed_point_weights(vals, vocab)  # the same integers the full sort computes for these tokens
+    # top-p's total: what top-k left, which is among the candidates, or else the whole row's mass
+    total = torch.where(k < vocab, weights.sum(dim=-1, keepdim=True), fixed_point_weights(x).sum(-1, keepdim=True))
+    vals = _drop_past_top_p(vals, weights, total, ps)
+    kept = (vals > NEG_INF).sum(dim=-1)
+    out = torch.full_like(x, NEG_INF).scatter_(-1, ids, vals)
+    return out, (kept <= certain).tolist()
 
 
 def apply_min_p_(logits: torch.Tensor, min_p: list[float]) -> None:

@@ -12,17 +12,18 @@ Pipeline, in this order, per row (``Sampler.sample``):
   6. top-k         the k most likely (stable sort: ties keep the lowest ids)
   7. top-p         the smallest most-likely-first prefix reaching mass top_p, measured after top-k
   8. min-p         drop tokens with p < min_p * p_max
-  9. draw          Gumbel-max: argmax(logits + G) with G a pure function of (seq_seed, position, kind, token id)
+  9. draw          inverse CDF: the token whose interval of the exact integer CDF (``fixed_point``) holds
+                   u * total, u a uniform that is a pure function of (seq_seed, position, draw kind)
  10. grammar       the drawn token is accepted by the row's GrammarState (the matcher advances)
 
-Why Gumbel-max with counter-based noise: a draw then reads nothing but its own row and its own seed, so a request
-samples the same tokens whatever it is batched with, and no generator state needs saving or restoring.
+Why counter-based uniforms: a draw then reads nothing but its own row and its own seed, so a request samples the
+same tokens whatever it is batched with, and no generator state needs saving or restoring.
 
 Batch invariance of the draw holds in every mode, by construction: each step is element-wise, or an exact
-operation (max, argmax with first-index ties, stable sort, integer counts), or an integer sum (top-p's mass, see
-``processors.fixed_point_weights``). No float reduction whose schedule could follow the batch shape decides a
-token. ``batch_invariant=True`` extends that to the reported logprobs (an integer normaliser instead of
-log_softmax's float reduction).
+operation (max, argmax with first-index ties, stable sort, searchsorted, integer counts), or an integer sum
+(top-p's mass and the draw's CDF). No float reduction whose schedule could follow the batch shape decides a token.
+``batch_invariant=True`` extends that to the reported logprobs (an integer normaliser instead of log_softmax's
+float reduction).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ import torch
 
 from deepinfer.sampling import processors as proc
 from deepinfer.sampling.bitmask import allocate_bitmask, apply_bitmask_
+from deepinfer.sampling.fixed_point import draw_from_weights, fixed_point_weights
 from deepinfer.sampling.logprobs import SampleOutput, raw_logprobs, top_n
 from deepinfer.sampling.params import SamplingParams
-from deepinfer.sampling.seeds import DrawKind, gumbel_at, stream_keys
+from deepinfer.sampling.seeds import DrawKind, uniform
 
 __all__ = ["Sampler", "SampleRow", "SampleOutput"]
 
@@ -189,12 +191,8 @@ class Sampler:
             proc.apply_top_k_top_p_(x, [p.top_k for p in params], [p.top_p for p in params])
         if any(p.min_p > 0.0 for p in params):
             proc.apply_min_p_(x, [p.min_p for p in params])
-        keys = stream_keys([row.seed for row in rows], [row.position for row in rows], DrawKind.TOKEN, x.device)
-        # Noise only where a token survived: truncation usually leaves few candidates, so this is cheap.
-        row_idx, col_idx = torch.nonzero(x > float("-inf"), as_tuple=True)
-        scores = torch.full(x.shape, float("-inf"), dtype=torch.float64, device=x.device)
-        scores[row_idx, col_idx] = x[row_idx, col_idx].double() + gumbel_at(keys[row_idx], col_idx)
-        return scores.argmax(dim=-1).tolist()
+        uniforms = [uniform(row.seed, row.position, DrawKind.TOKEN) for row in rows]
+        return draw_from_weights(fixed_point_weights(x), uniforms)
 
     @staticmethod
     def _advance_grammars(rows: list[SampleRow], outputs: list[SampleOutput]) -> None:

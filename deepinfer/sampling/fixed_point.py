@@ -1,0 +1,39 @@
+"""Probabilities as int64 fixed-point weights, and the draw that inverts their exact integer CDF.
+
+Why integers: integer addition is associative, so sums and prefix sums of these weights are bit-exact whatever
+order a kernel adds them in. Float sums are not: torch picks reduction and scan schedules by tensor shape (CUDA
+scans a single row with a different kernel than a batch), which would let a row's top-p cut or drawn token depend
+on how many rows share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fixed_point_scale(vocab: int) -> float:
+    """2**(62 - bits(vocab)): vocab weights of at most this much each sum below 2**62, safe in int64."""
+    return float(2 ** (62 - vocab.bit_length()))
+
+
+def fixed_point_weights(logits: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """int64 exp(logit - row max) in fixed point, scaled so a whole row of `vocab` (default: the row's width)
+    sums below 2**62. Weights below 2**-(62 - bits(vocab)) of the top token's (e**-31 and less for a 129k
+    vocabulary) become 0. A token's weight depends only on its logit, the row max and vocab."""
+    scale = fixed_point_scale(vocab or logits.shape[-1])
+    top = logits.max(dim=-1, keepdim=True).values
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # an all -inf row: weights 0, no NaN
+    return torch.floor(torch.exp(logits.double() - top.double()) * scale).to(torch.int64)
+
+
+def draw_from_weights(weights: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """Per row, the token whose CDF interval holds uniforms[r] * total weight: token i with probability
+    weights[i] / sum(weights), exactly (up to the 53 bits of the uniform). Zero-weight tokens are never drawn.
+
+    Inverse-CDF needs one random number per row instead of one per vocabulary entry (Gumbel-max), and the
+    integer prefix sum makes the result independent of the batch."""
+    cdf = torch.cumsum(weights, dim=-1)
+    total = cdf[:, -1:]
+    u = torch.tensor(uniforms, dtype=torch.float64, device=weights.device).unsqueeze(1)
+    target = torch.minimum(torch.floor(u * total.double()).to(torch.int64), total - 1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).tolist()
