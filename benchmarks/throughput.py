@@ -1,0 +1,122 @@
+"""Offline throughput: N requests with random prompt and output lengths, all submitted at once (nano-vllm's shape:
+256 requests, lengths 100..1024, ignore_eos) on the embedded model.
+
+Reports output tokens/s, and for each scheduling mode the device idle gap between consecutive steps and the share
+of step time spent in Python scheduling/bookkeeping. Every number printed names the command that produced it.
+
+    python benchmarks/throughput.py                                  # the full shape (slow on a CPU)
+    python benchmarks/throughput.py --num-requests 64 --max-len 256  # a CPU-sized run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import time
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="embedded:tiny", help="embedded:tiny or a model directory")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=100, help="shortest prompt and output length")
+    ap.add_argument("--max-len", type=int, default=1024, help="longest prompt and output length")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--memory-budget", type=int, default=None, help="cache bytes (default: the engine's fraction)")
+    ap.add_argument("--mode", choices=("async", "sync", "both"), default="both")
+    ap.add_argument("--process", choices=("subprocess", "inproc"), default="subprocess")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in the engine process (runtime.num_threads; 0: torch's default)")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    return ap.parse_args(argv)
+
+
+def model_dir(name: str) -> str:
+    if name.startswith("embedded:"):
+        from deepinfer import embedded
+
+        return str(embedded.materialize(name.partition(":")[2]))
+    return name
+
+
+def workload(args, vocab: int):
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_requests)]
+    out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_requests)]
+    return prompts, out_lens
+
+
+def run_mode(args, path: str, zero_overhead: bool) -> dict:
+    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+    from deepinfer.sampling import SamplingParams
+
+    options = EngineOptions(
+        process=args.process,
+        zero_overhead_scheduling=zero_overhead,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=2 * args.max_len + 1,
+        memory_budget=args.memory_budget,
+    )
+    with LLMEngine(ModelDirBackend(path, num_threads=args.threads or None), options) as engine:
+        prompts, out_lens = workload(args, engine.info.vocab_size)
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seq_seed=i) for i, n in enumerate(out_lens)]
+        engine.generate([[0, 5]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outputs = engine.generate(prompts, params, use_tqdm=True)
+        wall = time.perf_counter() - t0
+        m = engine.last_metrics
+        bad = [o.error for o in outputs if o.finish_reason == "error"]
+        if bad:
+            raise SystemExit(f"{len(bad)} requests failed, e.g.: {bad[0]}")
+        return {
+            "mode": "async" if zero_overhead else "sync",
+            "cache": engine.info.cache_description,
+            "output_tokens": m["generated_tokens"],
+            "wall_s": wall,
+            "output_tokens_per_s": m["generated_tokens"] / wall,
+            "prefill_tokens_per_s": m["prefill_tokens_per_s"],
+            "decode_tokens_per_s": m["decode_tokens_per_s"],
+            "steps": m["steps"],
+            "mean_rows_per_step": m["mean_rows_per_step"],
+            "step_gap_ms_p50": 1e3 * m["step_gap_s"]["p50"],
+            "step_gap_ms_mean": 1e3 * m["step_gap_s"]["mean"],
+            "scheduling_share": m["scheduling_share"],
+            "scheduling_ms_per_step": 1e3 * (m["scheduling_cpu_s"] + m["runner_prepare_s"]) / max(1, m["steps"]),
+            "device_ms_per_step": 1e3 * m["device_busy_s"] / max(1, m["steps"]),
+            "ttft_s_p50": m["ttft_s"]["p50"],
+            "itl_ms_p50": 1e3 * m["itl_s"]["p50"],
+            "itl_ms_p99": 1e3 * m["itl_s"]["p99"],
+            "preemptions": m["preemptions"],
+            "cache_utilization_peak": m["cache_utilization"]["peak"],
+        }
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    path = model_dir(args.model)
+    modes = {"async": [True], "sync": [False], "both": [False, True]}[args.mode]
+    command = "python benchmarks/throughput.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    results = [run_mode(args, path, zo) for zo in modes]
+    print(f"\n# {command}")
+    for r in results:
+        print(
+            f"{r['mode']:>5}: {r['output_tokens_per_s']:.1f} output tok/s ({r['output_tokens']} tokens in {r['wall_s']:.1f} s, "
+            f"{r['steps']} steps, {r['mean_rows_per_step']:.1f} rows/step); step gap p50 {r['step_gap_ms_p50']:.3f} ms "
+            f"mean {r['step_gap_ms_mean']:.3f} ms; scheduling {100 * r['scheduling_share']:.1f}% of step time "
+            f"({r['scheduling_ms_per_step']:.2f} ms of {r['device_ms_per_step']:.1f} ms/step); "
+            f"ttft p50 {r['ttft_s_p50']:.2f} s; itl p50 {r['itl_ms_p50']:.1f} ms; preemptions {r['preemptions']}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "results": results}, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""What the engine core needs from the model side, gathered in one object the ModelRunner drives.
+
+The core runs in its own process, so it builds its backend there from a picklable zero-argument factory
+(`BackendFactory`): loading the model never happens in the frontend, and no tensor crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class EngineBackend:
+    prefill: Callable[[Any], Any]  # ForwardBatch -> float32 logits [num_seqs, vocab] (any mix of new tokens)
+    decode: Callable[[Any], Any]  # ForwardBatch -> logits, every sequence carrying one new token
+    new_state: Callable[[], Any]  # a fresh per-sequence state (.num_tokens, .nbytes())
+    sampler: Any  # deepinfer.sampling.Sampler
+    vocab_size: int
+    eos_token_id: int | None
+    max_position_embeddings: int
+    cache_bytes_per_token: float
+    cache_fixed_bytes: int
+    tokenizer: Any = None  # .decode(ids, skip_special_tokens=...): needed only for stop strings
+    device: str = "cpu"
+
+
+def backend_from_program(program) -> EngineBackend:
+    """The pipeline's StepProgram (deepinfer.pipeline.program): its prefill/decode stages, sampler and model."""
+    return backend_from_model(program.model, sampler=program.sample, program=program)
+
+
+def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_invariant: bool = False) -> EngineBackend:
+    """Wraps a loaded model (deepinfer.models.load_model) and, when given, the pipeline's StepProgram, whose
+    prefill/decode stages and sampler take precedence over the plain model forward."""
+    cfg = model.config
+    if tokenizer is None:
+        tokenizer = getattr(model, "tokenizer", None)
+    if sampler is None and program is not None:
+        sampler = getattr(program, "sample", None)
+    if sampler is None:
+        from deepinfer.sampling import Sampler
+
+        sampler = Sampler(cfg.vocab_size, cfg.eos_token_id, tokenizer=tokenizer, batch_invariant=batch_invariant)
+    if tokenizer is None:
+        tokenizer = getattr(sampler, "tokenizer", None)
+    prefill = getattr(program, "prefill", None) or model.forward
+    decode = getattr(program, "decode", None) or model.forward
+    return EngineBackend(
+        prefill=prefill,
+        decode=decode,
+        new_state=model.new_state,
+        sampler=sampler,
+        vocab_size=cfg.vocab_size,
+        eos_token_id=cfg.eos_token_id,
+        max_position_embeddings=cfg.max_position_embeddings,
+        cache_bytes_per_token=float(model.cache_bytes_per_token()),
+        cache_fixed_bytes=int(model.cache_fixed_bytes()),
+        tokenizer=tokenizer,
+        device=str(getattr(model, "device", "cpu")),
+    )
+
+
+@dataclass(frozen=True)
+class SettingsBackend:
+    """Picklable factory: builds the configured StepProgram (deepinfer.pipeline.build.load_program) from the
+    resolved Settings in the process that calls it."""
+
+    settings: Any
+
+    def __call__(self) -> EngineBackend:
+        from deepinfer.pipeline.build import load_program
+
+        program, _settings = load_program(self.settings)
+        return backend_from_program(program)
+
+
+@dataclass(frozen=True)
+class ModelDirBackend:
+    """Picklable factory: loads a model directory (or hub id) with deepinfer.models.load_model in the process
+    that calls it, with the directory's tokenizer.json (if any) for stop strings."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch_invariant: bool = False
+    num_threads: int | None = None  # torch intra-op threads in the engine process (None: torch's default)
+
+    def __call__(self) -> EngineBackend:
+        import os
+
+        import torch
+
+        from deepinfer.models import load_model
+
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        model = load_model(
+            self.model, device=self.device, dtype=getattr(torch, self.dtype), batch_invariant=self.batch_invariant
+        )
+        tokenizer = getattr(model, "tokenizer", None)
+        path = os.path.join(str(self.model), "tokenizer.json")
+        if tokenizer is None and os.path.isfile(path):
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(path)
+        return backend_from_model(model, tokenizer=tokenizer, batch_invariant=self.batch_invariant)
+
+
+BackendFactory = Callable[[], EngineBackend]

@@ -1,0 +1,186 @@
+"""EngineCore: scheduler + cache manager + model runner + sampler, stepping in one loop.
+
+Two loops over the same rooms:
+- synchronous: plan step N, run it, fold its tokens in, plan step N+1 ... (the device waits for the CPU between
+  steps);
+- zero-overhead (async): launch step N on the device thread, then fold in step N-1's tokens and plan step N+1
+  while step N runs. Plans made this way carry placeholders for the tokens of the step in flight, and a request
+  that turns out to have finished in step N-1 wastes one row of step N whose token is dropped. Every sampled token
+  depends only on the request's own tokens, seed and position, so the outputs are the same as the synchronous loop's.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+from deepinfer.engine.backend import EngineBackend
+from deepinfer.engine.cache_manager import CacheManager
+from deepinfer.engine.messages import AddRequest, CoreInfo, CoreOutputs, RequestUpdate, StepStats
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.options import EngineOptions
+from deepinfer.engine.plan import StepPlan, StepResult
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.stopping import stopper_factory
+from deepinfer.engine.worker import DeviceWorker
+
+
+class EngineCore:
+    """backend_factory: zero-argument callable returning the EngineBackend (the model is built by the thread that
+    will run it)."""
+
+    def __init__(self, backend_factory: Callable[[], EngineBackend], options: EngineOptions):
+        self.options = options
+        self.zero_overhead = options.zero_overhead_scheduling
+        self._worker = DeviceWorker() if self.zero_overhead else None
+        try:
+            backend = self._worker.call(backend_factory) if self._worker else backend_factory()
+        except BaseException:
+            if self._worker is not None:
+                self._worker.shutdown()
+            raise
+        self.backend = backend
+        self.runner = ModelRunner(backend)
+        budget = options.memory_budget or int(options.memory_fraction * free_memory_bytes(backend.device))
+        self.cache = CacheManager(budget, backend.cache_bytes_per_token, backend.cache_fixed_bytes, options.block_size)
+        max_len = backend.max_position_embeddings
+        if options.max_model_len is not None:
+            max_len = min(max_len, options.max_model_len)
+        self.scheduler = Scheduler(
+            self.cache,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            max_model_len=max_len,
+            vocab_size=backend.vocab_size,
+            stopper=stopper_factory(backend.eos_token_id, backend.tokenizer),
+        )
+        self._inflight: tuple[StepPlan, Future, float] | None = None
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(
+            max_model_len=self.scheduler.max_model_len,
+            capacity_tokens=self.cache.capacity_tokens,
+            num_blocks=self.cache.num_blocks,
+            block_size=self.cache.block_size,
+            cache_description=self.cache.describe(),
+            vocab_size=self.backend.vocab_size,
+            eos_token_id=self.backend.eos_token_id,
+            zero_overhead=self.zero_overhead,
+        )
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add_request(self, msg: AddRequest) -> RequestUpdate | None:
+        """Queues the request; returns its final update at once if it can never run."""
+        params = msg.params
+        if getattr(params, "so_args", None):
+            return RequestUpdate(msg.request_id, finish_reason="error", error="structured outputs (so_args) are not wired into the engine yet")
+        return self.scheduler.add(Request(msg.request_id, list(msg.prompt_ids), params, msg.seed))
+
+    def abort(self, request_id: int) -> RequestUpdate | None:
+        update = self.scheduler.abort(request_id)
+        if not self.has_work():
+            self._release(self.scheduler.take_release())  # no step may come to carry the release
+        return update
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    # ---- stepping ------------------------------------------------------------------------------------------
+    def step(self) -> CoreOutputs:
+        out = self._step_async() if self.zero_overhead else self._step_sync()
+        if not self.has_work():
+            self._release(self.scheduler.take_release())  # nothing further will carry them: drop states now
+        return out
+
+    def _step_sync(self) -> CoreOutputs:
+        if not self.scheduler.has_unfinished():
+            return CoreOutputs([])
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        sched_s = time.perf_counter() - t0
+        if not plan.rows:
+            return CoreOutputs(self._stuck(plan))
+        result = self.runner.execute(plan)
+        return self._fold(plan, result, sched_s)
+
+    def _step_async(self) -> CoreOutputs:
+        launched = None
+        if self.scheduler.has_unfinished():
+            t0 = time.perf_counter()
+            plan = self.scheduler.schedule()
+            sched_s = time.perf_counter() - t0
+            if plan.rows:
+                launched = (plan, self._worker.submit(self.runner.execute, plan), sched_s)
+            elif self._inflight is None:
+                return CoreOutputs(self._stuck(plan))
+            elif plan.release:
+                self._worker.submit(self.runner.release, plan.release)
+        previous, self._inflight = self._inflight, launched
+        if previous is None:
+            return CoreOutputs([])
+        plan, future, sched_s = previous
+        return self._fold(plan, future.result(), sched_s)
+
+    def _fold(self, plan: StepPlan, result: StepResult, sched_s: float) -> CoreOutputs:
+        t0 = time.perf_counter()
+        updates = self.scheduler.update(plan, result)
+        stats = StepStats(
+            step_id=plan.step_id,
+            num_rows=len(plan.rows),
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=plan.num_decode_tokens,
+            num_preempted=plan.num_preempted,
+            device_start=result.t_start,
+            device_end=result.t_end,
+            schedule_s=sched_s,
+            update_s=time.perf_counter() - t0,
+            prepare_s=result.prepare_s,
+            cache_utilization=self.cache.utilization,
+        )
+        return CoreOutputs(updates, [stats])
+
+    def _stuck(self, plan: StepPlan) -> list[RequestUpdate]:
+        """A plan with no rows while requests wait and nothing runs would repeat forever: end them instead."""
+        self._release(plan.release)
+        msg = "the scheduler could not make progress (no request fits the cache); this is an engine bug"
+        updates = []
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid)
+            updates.append(RequestUpdate(rid, finish_reason="error", error=msg))
+        return updates
+
+    def _release(self, request_ids: list[int]) -> None:
+        if not request_ids:
+            return
+        if self._worker is not None:
+            self._worker.submit(self.runner.release, request_ids)
+        else:
+            self.runner.release(request_ids)
+
+    def close(self) -> None:
+        if self._inflight is not None:
+            self._inflight[1].result()
+            self._inflight = None
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+def free_memory_bytes(device: str) -> int:
+    """Memory the caches may take a fraction of: free device memory on CUDA, available RAM on the CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

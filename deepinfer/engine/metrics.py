@@ -1,0 +1,107 @@
+"""Per-run metrics, folded on the frontend from request timings and the engine's per-step stats.
+
+Definitions (all times in seconds):
+- ttft: from the request's submission to the arrival of its first token; itl: between consecutive token arrivals
+  of one request (a step returns one token per request, so this is the per-request step interval).
+- prefill/decode tokens per second: tokens of that kind over the device time they used; a mixed step's device
+  time is split between its prefill and decode tokens in proportion to their counts.
+- step_gap: device idle time between the end of one step and the start of the next (engine-process clock).
+- scheduling_share: Python bookkeeping (planning steps, folding in their samples, and the runner building batch
+  inputs and sampler rows) over that plus the model and sampler time: the share of a synchronous step spent on
+  bookkeeping. Async scheduling overlaps the planning part with the device instead of adding it to the step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deepinfer.engine.messages import StepStats
+
+
+def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
+    if not values:
+        return {f"p{p}": 0.0 for p in ps} | {"mean": 0.0}
+    s = sorted(values)
+    out = {f"p{p}": s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] for p in ps}
+    out["mean"] = sum(s) / len(s)
+    return out
+
+
+class RunMetrics:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.submitted: dict[int, float] = {}
+        self.last_token: dict[int, float] = {}
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.steps: list[StepStats] = []
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.requests = 0
+        self.errors = 0
+
+    def on_submit(self, rid: int, num_prompt_tokens: int) -> None:
+        self.submitted[rid] = time.perf_counter()
+        self.prompt_tokens += num_prompt_tokens
+        self.requests += 1
+
+    def on_tokens(self, rid: int, n: int, now: float) -> float | None:
+        """Returns the request's time to first token when these are its first tokens."""
+        if n == 0:
+            return None
+        self.generated_tokens += n
+        prev = self.last_token.get(rid)
+        self.last_token[rid] = now
+        if prev is None:
+            ttft = now - self.submitted[rid]
+            self.ttft.append(ttft)
+            return ttft
+        self.itl.append(now - prev)
+        return None
+
+    def on_finish(self, rid: int, reason: str) -> None:
+        self.errors += reason == "error"
+
+    def summary(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        steps = sorted(self.steps, key=lambda s: s.step_id)
+        pf_tok = sum(s.num_prefill_tokens for s in steps)
+        dc_tok = sum(s.num_decode_tokens for s in steps)
+        pf_time = dc_time = device = 0.0
+        for s in steps:
+            d = s.device_end - s.device_start
+            device += d
+            total = s.num_prefill_tokens + s.num_decode_tokens
+            if total:
+                pf_time += d * s.num_prefill_tokens / total
+                dc_time += d * s.num_decode_tokens / total
+        gaps = [b.device_start - a.device_end for a, b in zip(steps, steps[1:])]
+        cpu = sum(s.schedule_s + s.update_s for s in steps)
+        prep = sum(s.prepare_s for s in steps)
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "wall_s": wall,
+            "output_tokens_per_s": self.generated_tokens / wall if wall > 0 else 0.0,
+            "prefill_tokens": pf_tok,
+            "decode_tokens": dc_tok,
+            "prefill_tokens_per_s": pf_tok / pf_time if pf_time > 0 else 0.0,
+            "decode_tokens_per_s": dc_tok / dc_time if dc_time > 0 else 0.0,
+            "ttft_s": percentiles(self.ttft),
+            "itl_s": percentiles(self.itl),
+            "preemptions": sum(s.num_preempted for s in steps),
+            "steps": len(steps),
+            "mixed_steps": sum(1 for s in steps if s.num_prefill_tokens and s.num_decode_tokens),
+            "mean_rows_per_step": sum(s.num_rows for s in steps) / len(steps) if steps else 0.0,
+            "device_busy_s": device,
+            "step_gap_s": percentiles(gaps),
+            "scheduling_cpu_s": cpu,
+            "runner_prepare_s": prep,
+            "scheduling_share": (cpu + prep) / (cpu + device) if cpu + device > 0 else 0.0,
+            "cache_utilization": {
+                "mean": sum(s.cache_utilization for s in steps) / len(steps) if steps else 0.0,
+                "peak": max((s.cache_utilization for s in steps), default=0.0),
+            },
+        }

@@ -1,0 +1,160 @@
+"""ModelRunner: the only engine room that touches tensors.
+
+It owns every request's model state (keyed by request id; the CacheManager only accounts for them), turns a
+StepPlan into one ForwardBatch, runs the pipeline's prefill or decode stage, and samples the rows that end at
+their sequence's last token. It executes plans strictly in order, which is what lets a plan carry placeholder
+tokens: by the time a plan runs, the step before it has sampled them.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepinfer.engine.backend import EngineBackend
+from deepinfer.engine.plan import SampledToken, StepPlan, StepResult
+
+
+@dataclass
+class _Sequence:
+    state: Any
+    ids: list[int]  # every token of the sequence the runner knows, sampled ones included
+    num_prompt: int
+    params: Any
+    seed: int
+    penalized: bool = field(default=False)
+    prompt_rows: list | None = None  # logits rows over the prompt, while prompt logprobs are being collected
+
+
+class ModelRunner:
+    def __init__(self, backend: EngineBackend):
+        from deepinfer.models import ForwardBatch  # here, not at import: importing the engine never loads the model code
+
+        from deepinfer.sampling import SampleRow
+
+        self._ForwardBatch = ForwardBatch
+        self._SampleRow = SampleRow
+        self.backend = backend
+        self._seqs: dict[int, _Sequence] = {}
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def state_of(self, request_id: int):
+        return self._seqs[request_id].state
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self._seqs.pop(rid, None)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.release(plan.release)
+        t0 = time.perf_counter()
+        if not plan.rows:
+            return StepResult(plan.step_id, [], t_start=t0, t_end=t0)
+        try:
+            samples, prepare_s = self._run(plan, t0)
+        except Exception as exc:  # a failed step ends its requests with an error instead of killing the engine
+            self.release([row.request_id for row in plan.rows])  # their states may be half-advanced
+            msg = f"model step failed: {type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            return StepResult(plan.step_id, [], error=msg, t_start=t0, t_end=time.perf_counter())
+        return StepResult(plan.step_id, samples, t_start=t0, t_end=time.perf_counter(), prepare_s=prepare_s)
+
+    def _run(self, plan: StepPlan, t0: float) -> tuple[list[SampledToken], float]:
+        rows, token_lists, states, sampled = [], [], [], []
+        for row in plan.rows:
+            if row.new is not None:
+                new = row.new
+                seq = _Sequence(self.backend.new_state(), list(new.token_ids), new.num_prompt_tokens, new.params, new.seed)
+                seq.penalized = _has_penalties(new.params)
+                seq.prompt_rows = [] if new.prompt_logprobs else None
+                self._seqs[row.request_id] = seq
+            elif row.request_id not in self._seqs:
+                # Its state was dropped by a failed earlier step (the request has already ended with that error);
+                # this plan was made before the failure was known. Skip the row instead of failing the batch.
+                continue
+            seq = self._seqs[row.request_id]
+            ids = list(row.token_ids)
+            if row.placeholder:
+                ids.append(seq.ids[-1])  # sampled by the previous step, which has finished by now
+            rows.append(row)
+            token_lists.append(ids)
+            states.append(seq.state)
+            if row.sample:
+                sampled.append(seq)
+        by_seq: dict[int, SampledToken] = {}
+        prepare_s = time.perf_counter() - t0
+        if rows:
+            prepare_s = self._forward_and_sample(plan, rows, token_lists, states, sampled, by_seq, t0)
+        lost = SampledToken(0, error="the request's state was lost in a failed step")
+        samples = [by_seq.get(id(self._seqs.get(row.request_id)), lost) for row in plan.rows if row.sample]
+        return samples, prepare_s
+
+    def _forward_and_sample(self, plan, rows, token_lists, states, sampled, by_seq, t0) -> float:
+        # Prompt logprobs need the logits of every prompt row, so such a step asks the model for all rows.
+        all_logits = any(self._seqs[row.request_id].prompt_rows is not None for row in rows)
+        decode_only = all(len(ids) == 1 and row.new is None for row, ids in zip(rows, token_lists))
+        stage = self.backend.decode if decode_only else self.backend.prefill
+        batch = self._ForwardBatch(token_ids=token_lists, states=states, all_logits=all_logits)
+        prepare_s = time.perf_counter() - t0
+        logits = stage(batch)
+        prompt_lps = {}
+        if all_logits:
+            logits, prompt_lps = self._collect_prompt_rows(rows, token_lists, logits)
+        if not sampled:
+            return prepare_s
+        if len(sampled) != len(rows):
+            logits = logits[[i for i, row in enumerate(rows) if row.sample]]
+        t1 = time.perf_counter()
+        sample_rows = [self._sample_row(seq) for seq in sampled]
+        prepare_s += time.perf_counter() - t1
+        outs = self.backend.sampler.sample(logits, sample_rows)
+        for seq, out in zip(sampled, outs):
+            seq.ids.append(out.token_id)
+            lps = prompt_lps.get(id(seq))
+            by_seq[id(seq)] = SampledToken(out.token_id, out.logprob, out.top_logprobs, getattr(out, "error", None), lps)
+        return prepare_s
+
+    def _collect_prompt_rows(self, rows, token_lists, logits):
+        """Keeps each collecting sequence's prompt rows; returns the last-row logits per sequence and the finished
+        prompt logprobs (keyed by id(sequence)) of sequences whose prompt ends in this step."""
+        from deepinfer.sampling import prompt_logprobs
+
+        last, done, offset = [], {}, 0
+        for row, ids in zip(rows, token_lists):
+            n = len(ids)
+            last.append(offset + n - 1)
+            seq = self._seqs[row.request_id]
+            if seq.prompt_rows is not None:
+                keep = max(0, min(n, seq.num_prompt - 1 - row.start))  # row i predicts prompt token i + 1
+                if keep:
+                    seq.prompt_rows.append(logits[offset : offset + keep].clone())
+                if row.start + n >= seq.num_prompt:
+                    rows = seq.prompt_rows
+                    full = torch.cat(rows) if rows else logits[:0]
+                    prompt = seq.ids[: seq.num_prompt]
+                    top = getattr(seq.params, "top_logprobs", 0)
+                    done[id(seq)] = prompt_logprobs(full, prompt, top, self.backend.sampler.vocab_size)
+                    seq.prompt_rows = None
+            offset += n
+        return logits[last], done
+
+    def _sample_row(self, seq: _Sequence):
+        position = len(seq.ids) - seq.num_prompt
+        if seq.penalized:  # the history lists cost a copy per step: only penalties read them
+            return self._SampleRow(seq.params, seq.seed, position, seq.ids[seq.num_prompt :], seq.ids[: seq.num_prompt])
+        return self._SampleRow(seq.params, seq.seed, position)
+
+
+def _has_penalties(params: Any) -> bool:
+    return (
+        getattr(params, "repetition_penalty", 1.0) != 1.0
+        or getattr(params, "frequency_penalty", 0.0) != 0.0
+        or getattr(params, "presence_penalty", 0.0) != 0.0
+    )

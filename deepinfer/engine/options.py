@@ -1,0 +1,47 @@
+"""The engine knobs, resolved into one frozen, picklable object that travels to the engine-core process.
+
+Built from the config room's EngineSettings / CacheSettings / RuntimeSettings (read duck-typed, so any object with
+those fields works) or directly in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    zero_overhead_scheduling: bool = True
+    process: str = "subprocess"  # "subprocess" | "inproc"
+    memory_budget: int | None = None  # bytes for per-request model state; None: memory_fraction of free memory
+    memory_fraction: float = 0.5
+    block_size: int = 64
+    seed: int | None = 0  # requests without seq_seed: child_seed(seed, request id); None: a random seed each
+    num_threads: int | None = None  # torch intra-op threads in the engine process (None: torch's default)
+    startup_timeout_s: float = 300.0  # model loading in the engine process
+    liveness_poll_s: float = 0.2  # how often a waiting frontend checks that the engine process is alive
+
+    @classmethod
+    def from_settings(cls, engine=None, cache=None, runtime=None, **overrides) -> "EngineOptions":
+        values = {}
+        for section, names in (
+            (engine, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "zero_overhead_scheduling", "process")),
+            (cache, ("memory_budget", "memory_fraction", "block_size")),
+            (runtime, ("seed", "num_threads")),
+        ):
+            if section is not None:
+                values.update({n: getattr(section, n) for n in names if hasattr(section, n)})
+        values.update(overrides)
+        return cls(**values)
+
+    def __post_init__(self):
+        if self.process not in ("subprocess", "inproc"):
+            raise ValueError(f"engine.process must be 'subprocess' or 'inproc', got {self.process!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine option {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"cache.memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -1,0 +1,76 @@
+"""What crosses between the scheduler and the model runner: a step's plan and the step's result.
+
+A plan is built on the CPU; with async scheduling it is built while the previous step still runs, so a decode row
+may not know its input token yet (`placeholder`): the runner fills it in with the token the previous step sampled
+for that request, which by then has been produced (the runner executes steps strictly in order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """Sent with a request's first row after (re)admission: everything the runner needs to build its state."""
+
+    token_ids: tuple[int, ...]  # all known ids: prompt + outputs generated before a preemption
+    num_prompt_tokens: int
+    params: Any
+    seed: int
+    prompt_logprobs: bool = False  # collect logits over the prompt (not again after a preemption delivered them)
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    request_id: int
+    epoch: int
+    start: int  # position of the first new token in the sequence
+    token_ids: tuple[int, ...]  # new tokens known on the CPU
+    placeholder: bool  # one more new token follows: the one the in-flight step samples for this request
+    sample: bool  # the logits after the last new token give this request's next token
+    new: NewSequence | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids) + int(self.placeholder)
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    rows: list[ScheduledRow]
+    # States the runner drops before this step: finished or preempted since the previous plan.
+    release: list[int] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(r.num_new_tokens == 1 and r.new is None for r in self.rows)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: Any = None
+    error: str | None = None  # this row could not be sampled: its request ends with the message
+    prompt_logprobs: list | None = None  # with the first token: SampleOutput | None per prompt token
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    # One entry per row of the plan with sample=True, in row order.
+    samples: list[SampledToken]
+    error: str | None = None  # the step failed: every request in it ends with this message
+    t_start: float = 0.0  # device-side timing (perf_counter) of forward + sample
+    t_end: float = 0.0
+    prepare_s: float = 0.0  # of which Python bookkeeping in the runner: batch inputs and sampler rows

@@ -1,0 +1,64 @@
+"""One request as the engine core sees it: token ids, sampling params and progress counters.
+
+Pure Python. The counters are what the scheduler plans with:
+
+    all tokens   = prompt_ids + output_ids (known on the CPU) + num_pending (sampled by an in-flight step,
+                   not yet back: async scheduling's placeholders)
+    num_computed = tokens whose cache entries the model state holds, counting steps already launched
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: Any  # SamplingParams, read duck-typed: max_tokens, min_tokens, ignore_eos, stop_token_ids
+    seed: int  # per-request sampling seed, fixed at arrival so a recompute after preemption draws the same
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0
+    num_pending: int = 0
+    # Bumped on every preemption: results of steps launched before it belong to a dropped state.
+    epoch: int = 0
+    num_preemptions: int = 0
+    prompt_logprobs_sent: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the CPU holds."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequence including placeholders for samples still in flight."""
+        return self.num_known + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens counting in-flight samples: what max_tokens is checked against when planning."""
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

@@ -1,0 +1,252 @@
+"""Scheduler: decides, step by step, which requests run and how many of their tokens. Pure Python.
+
+One step under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs), in this order:
+  1. decode rows: every running request whose prompt is done gets its next token (oldest first). When its next
+     cache block does not fit, the newest running request is preempted (state dropped, recomputed later) until it
+     does; a request that is itself the newest preempts itself.
+  2. prefill chunks: running requests part-way through their prompt continue, as far as the budget goes.
+  3. admission: waiting requests join in arrival order (preempted ones first) while the budget, the sequence cap
+     and the cache allow; none join in a step that preempted, so a freed request is not immediately readmitted.
+A request's cache is reserved for everything known about it at admission (prompt, or prompt + outputs after a
+preemption), then grows one block at a time as it decodes. A request that could never fit (prompt + max_tokens
+over max_model_len or over the whole cache) ends at once with finish_reason="error".
+
+Async scheduling plans step N+1 before step N's tokens are back: a request that step N samples for counts one
+placeholder token (`num_pending`), which the next decode row feeds without knowing its id.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable
+
+from deepinfer.engine.cache_manager import CacheManager
+from deepinfer.engine.messages import RequestUpdate
+from deepinfer.engine.plan import NewSequence, ScheduledRow, StepPlan, StepResult
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.stopping import Stopper, TokenStop
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: CacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        vocab_size: int,
+        stopper: Callable[[Any], Stopper] | None = None,
+        eos_token_id: int | None = None,
+    ):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 2:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2")
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._make_stopper = stopper or (lambda params: TokenStop(params, eos_token_id))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._stoppers: dict[int, Stopper] = {}
+        self._release: list[int] = []  # states the runner must drop before the next step
+        self._next_step = 0
+        self.num_preemptions = 0
+        self.preemption_log: list[tuple[int, int]] = []  # (step_id, request_id), for tests and metrics
+
+    # ---- arrivals ------------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: Any) -> str | None:
+        """Why this request can never run, or None. Checked on arrival, before it takes any resource."""
+        n = len(prompt_ids)
+        if n == 0:
+            return "the prompt is empty"
+        bad = next((t for t in prompt_ids if not (0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        if n >= self.max_model_len:
+            return f"the prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no room to generate"
+        if n + params.max_tokens > self.max_model_len:
+            return (
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        # The last sampled token is never fed back, so the state holds at most n + max_tokens - 1 tokens.
+        if not self.cache.fits_alone(n + params.max_tokens - 1):
+            return (
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more cache than the whole budget "
+                f"holds ({self.cache.capacity_tokens} tokens for one sequence)"
+            )
+        return None
+
+    def add(self, request: Request) -> RequestUpdate | None:
+        """Queues a request; returns its final (error) update at once when it can never run."""
+        error = self.validate(request.prompt_ids, request.params)
+        if error is None:
+            try:
+                self._stoppers[request.request_id] = self._make_stopper(request.params)
+            except ValueError as exc:
+                error = str(exc)
+        if error is not None:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason, request.error = "error", error
+            return RequestUpdate(request.request_id, finish_reason="error", error=error)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return None
+
+    def abort(self, request_id: int) -> RequestUpdate | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return RequestUpdate(request_id, finish_reason="abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def take_release(self) -> list[int]:
+        """States to drop now (when no further step will carry them)."""
+        out, self._release = self._release, []
+        return out
+
+    # ---- planning ------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(step_id=self._next_step, rows=[])
+        self._next_step += 1
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        for req in list(self.running):  # 1. decodes, oldest first
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
+                continue
+            if req.num_generated >= req.max_tokens:
+                continue  # the in-flight step samples its last token
+            target = req.num_computed + 1
+            while not self.cache.can_hold(req.request_id, target):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it was the newest: every request after it is gone too
+            self.cache.reserve(req.request_id, target)
+            plan.rows.append(self._row(req, 1))
+            plan.num_decode_tokens += 1
+            budget -= 1
+
+        for req in self.running:  # 2. prefill chunks of admitted requests (their cache is reserved already)
+            if budget == 0:
+                break
+            remaining = req.num_tokens - req.num_computed
+            if remaining > 1:
+                n = min(remaining, budget)
+                plan.rows.append(self._row(req, n))
+                plan.num_prefill_tokens += n
+                budget -= n
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]  # 3. admission, first come first served
+            need = req.num_known
+            if not self.cache.can_hold(req.request_id, need):
+                break
+            self.cache.reserve(req.request_id, need)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            want_lp = bool(getattr(req.params, "prompt_logprobs", False)) and not req.prompt_logprobs_sent
+            new = NewSequence(tuple(req.all_ids()), len(req.prompt_ids), req.params, req.seed, want_lp)
+            n = min(need, budget)
+            plan.rows.append(self._row(req, n, new))
+            plan.num_prefill_tokens += n
+            budget -= n
+
+        plan.release = self.take_release()
+        return plan
+
+    def _row(self, req: Request, n: int, new: NewSequence | None = None) -> ScheduledRow:
+        start, end, known = req.num_computed, req.num_computed + n, req.num_known
+        ids = _slice(req, start, min(end, known))
+        placeholder = end > known  # only a decode right after an in-flight sample: end == known + 1
+        sample = end == req.num_tokens
+        req.num_computed = end
+        if sample:
+            req.num_pending += 1
+        return ScheduledRow(req.request_id, req.epoch, start, ids, placeholder, sample, new)
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        self.running.remove(req)
+        self.cache.free(req.request_id)
+        self._release.append(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed = 0
+        req.num_pending = 0  # a sample still in flight belongs to the dropped state: `epoch` discards it
+        req.epoch += 1
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preemption_log.append((plan.step_id, req.request_id))
+        plan.num_preempted += 1
+        self.waiting.appendleft(req)
+
+    # ---- results -------------------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Folds a finished step's samples into the requests; returns one update per request that changed."""
+        updates: list[RequestUpdate] = []
+        if result.error is not None:
+            for row in plan.rows:
+                req = self.requests.get(row.request_id)
+                if req is not None and req.epoch == row.epoch:
+                    self._finish(req, "error", result.error)
+                    updates.append(RequestUpdate(req.request_id, finish_reason="error", error=result.error))
+            return updates
+        samples = iter(result.samples)
+        for row in plan.rows:
+            if not row.sample:
+                continue
+            s = next(samples)
+            req = self.requests.get(row.request_id)
+            if req is None or req.epoch != row.epoch:
+                continue  # finished or preempted after this step was planned: the token is not part of it
+            req.num_pending -= 1
+            if getattr(s, "error", None):
+                self._finish(req, "error", s.error)
+                updates.append(RequestUpdate(req.request_id, finish_reason="error", error=s.error))
+                continue
+            req.output_ids.append(s.token_id)
+            reason = self._stoppers[req.request_id].append(s.token_id)
+            lp = None if s.logprob is None else (s.logprob, s.top_logprobs)
+            upd = RequestUpdate(req.request_id, [s.token_id], [lp])
+            if s.prompt_logprobs is not None:
+                upd.prompt_logprobs = s.prompt_logprobs
+                req.prompt_logprobs_sent = True
+            if reason is not None:
+                self._finish(req, reason)
+                upd.finish_reason = reason
+            updates.append(upd)
+        return updates
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        if self.cache.holds(req.request_id) or req.num_computed:
+            self._release.append(req.request_id)
+        self.cache.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.error = reason, error
+        del self.requests[req.request_id]
+        self._stoppers.pop(req.request_id, None)
+
+
+def _slice(req: Request, start: int, end: int) -> tuple[int, ...]:
+    """Known token ids [start, end) without concatenating prompt and outputs (decode rows take one id)."""
+    p = len(req.prompt_ids)
+    if end <= p:
+        return tuple(req.prompt_ids[start:end])
+    if start >= p:
+        return tuple(req.output_ids[start - p : end - p])
+    return tuple(req.prompt_ids[start:]) + tuple(req.output_ids[: end - p])
