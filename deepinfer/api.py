@@ -9,6 +9,8 @@ LLM composes its configuration with Hydra's compose API from the same conf/ tree
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Iterable, Sequence
 
 from deepinfer.config.compose import compose, group_options
@@ -109,12 +111,13 @@ class LLM:
         return llm
 
     def _init(self, settings: Settings) -> None:
+        from deepinfer.engine import LLMEngine
         from deepinfer.pipeline import load_program
-        from deepinfer.runtime.sequential import SequentialRunner
 
-        self.program, self.settings = load_program(settings)
-        self._runner = SequentialRunner(self.program, self.settings.engine.max_model_len, self.settings.runtime.seed)
+        self.program, self.settings = load_program(settings)  # the frontend's tokenizer and defaults
+        self._engine = LLMEngine.for_settings(self.settings, self.program)
         self._next_id = 0
+        self.last_metrics: dict | None = None
 
     @property
     def tokenizer(self):
@@ -134,24 +137,41 @@ class LLM:
         """One RequestOutput per prompt, in input order. prompts: text, a list of texts, lists of token ids or
         {"prompt": ...} / {"prompt_token_ids": [...]} dicts; or prompt_token_ids=[[...], ...]. sampling_params:
         one for all, or one per prompt (default: the config's `sampling` section)."""
-        if self._runner is None:
+        if self._engine is None:
             raise RuntimeError("LLM.generate after close()")
         items = _normalize_prompts(prompts, prompt_token_ids)
         params = _per_prompt(sampling_params, len(items), self.default_sampling_params)
-        outputs = []
-        for (text, ids), sp in _progress(list(zip(items, params)), use_tqdm):
-            rid = self._next_id
-            self._next_id += 1
-            if ids is None:
+        outputs: list[RequestOutput | None] = [None] * len(items)
+        ids, sps, texts, rids, owners = [], [], [], [], []
+        for i, ((text, tok), sp) in enumerate(zip(items, params)):
+            rid, self._next_id = self._next_id, self._next_id + 1
+            if tok is None:
                 if not isinstance(text, str):
-                    outputs.append(error_output(rid, None, [], f"prompt {text!r} is not a string"))
+                    outputs[i] = error_output(rid, None, [], f"prompt {text!r} is not a string")
                     continue
-                ids = self.program.tokenize.encode(text)
-            outputs.append(self._runner.run(rid, text, list(ids), sp))
+                tok = self.program.tokenize.encode(text)
+            # n independent samples: n requests of n=1 whose seeds derive from the parent's
+            for child, child_sp in enumerate(_expand_samples(sp, rid, self.settings.runtime.seed)):
+                ids.append(list(tok))
+                sps.append(child_sp)
+                texts.append(text)
+                rids.append(rid if child == 0 else self._next_id)
+                self._next_id += child > 0
+                owners.append(i)
+        samples: dict[int, list[RequestOutput]] = {}
+        if ids:
+            done = self._engine.generate(ids, sps, use_tqdm=use_tqdm, prompts=texts, request_ids=rids)
+            for i, out in zip(owners, done):
+                samples.setdefault(i, []).append(out)
+        for i, outs in samples.items():
+            outputs[i] = outs[0] if len(outs) == 1 else dataclasses.replace(outs[0], samples=outs)
+        self.last_metrics = self._engine.last_metrics
         return outputs
 
     def close(self) -> None:
-        self._runner = None
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = None
         self.program = None
 
     def __enter__(self) -> "LLM":
@@ -192,9 +212,13 @@ def _per_prompt(sampling_params, n: int, default) -> list[SamplingParams]:
     return sampling_params
 
 
-def _progress(items, use_tqdm: bool):
-    if not use_tqdm or len(items) <= 1:
-        return items
-    from tqdm import tqdm
+def _expand_samples(sp: SamplingParams, request_id: int, base_seed: int | None) -> list[SamplingParams]:
+    """n > 1: n requests with n=1; sample i draws with child_seed(seed, i) (sample 0 keeps the seed)."""
+    if sp.n == 1:
+        return [sp]
+    from deepinfer.sampling import child_seed, request_seed
 
-    return tqdm(items, desc="generate", unit="req")
+    seed = sp.seq_seed
+    if seed is None:
+        seed = child_seed(base_seed, request_id) if base_seed is not None else request_seed(None)
+    return [dataclasses.replace(sp, n=1, seq_seed=child_seed(seed, i)) for i in range(sp.n)]

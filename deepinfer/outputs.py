@@ -48,6 +48,8 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # SamplingParams.n > 1: all n independent samples (this output's own fields are those of sample 0)
+    samples: list["RequestOutput"] | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +71,7 @@ class RequestOutput:
             "num_accepted_tokens": self.num_accepted_tokens,
             "time_to_first_token": None if m is None else m.time_to_first_token,
             "e2e_latency": None if m is None else m.e2e_latency,
+            **({"samples": [o.to_json() for o in self.samples]} if self.samples else {}),
         }
 
 

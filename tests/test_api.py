@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import dataclasses
 import pytest
 import torch
 from safetensors import safe_open
@@ -72,16 +73,16 @@ def test_invalid_requests_end_with_an_error_and_the_others_still_run(llm):
         [[], too_long, [0, 9999], "ok"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
     )
     assert [o.finish_reason for o in outs] == ["error", "error", "error", "length"]
-    assert outs[0].error.startswith("empty prompt")
-    assert "allowed: at most 1023" in outs[1].error
-    assert "token id 9999 is out of range" in outs[2].error
+    assert "prompt is empty" in outs[0].error
+    assert "max_model_len is 1024" in outs[1].error
+    assert "token id 9999 is outside the vocabulary" in outs[2].error
     assert outs[3].error is None and len(outs[3].token_ids) == 2
 
 
-def test_generation_stops_at_the_model_context_limit(llm):
-    prompt = [0] + [5] * 1020  # max_model_len 1024 leaves room for 3 tokens
+def test_a_request_that_cannot_fit_the_context_ends_with_an_error(llm):
+    prompt = [0] + [5] * 1020  # max_model_len 1024 leaves room for 3 tokens, not 10
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert out.finish_reason == "error" and "max_model_len" in out.error and out.token_ids == []
 
 
 def test_a_stop_token_id_ends_the_request_with_stop_and_is_kept(llm):
@@ -117,3 +118,14 @@ def test_config_errors_raise_one_line_before_loading():
         LLM(sampling={"top_p": 2})
     with pytest.raises(ConfigError, match="unknown argument 'gpu'"):
         LLM(gpu=True)
+
+
+def test_n_samples_are_independent_and_the_first_equals_the_single_sample(llm):
+    sp = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seq_seed=77)
+    single = llm.generate([[0, 5, 6, 7]], sp, use_tqdm=False)[0]
+    many = llm.generate([[0, 5, 6, 7]], dataclasses.replace(sp, n=4), use_tqdm=False)[0]
+    assert len(many.samples) == 4
+    assert many.samples[0].token_ids == single.token_ids == many.token_ids
+    assert len({tuple(s.token_ids) for s in many.samples}) > 1  # different seeds, different draws
+    again = llm.generate([[0, 5, 6, 7]], dataclasses.replace(sp, n=4), use_tqdm=False)[0]
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in many.samples]
