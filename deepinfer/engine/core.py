@@ -17,6 +17,7 @@ from typing import Callable
 
 from deepinfer.engine.backend import EngineBackend
 from deepinfer.engine.cache_manager import CacheManager
+from deepinfer.engine.grammars import GrammarCompilations
 from deepinfer.engine.messages import AddRequest, CoreInfo, CoreOutputs, RequestUpdate, StepStats
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.options import EngineOptions
@@ -57,6 +58,7 @@ class EngineCore:
             stopper=stopper_factory(backend.eos_token_id, backend.tokenizer),
         )
         self._inflight: tuple[StepPlan, Future, float] | None = None
+        self.grammars = GrammarCompilations(backend, options)
 
     def info(self) -> CoreInfo:
         return CoreInfo(
@@ -74,9 +76,16 @@ class EngineCore:
     def add_request(self, msg: AddRequest) -> RequestUpdate | None:
         """Queues the request; returns its final update at once if it can never run."""
         params = msg.params
-        if getattr(params, "so_args", None):
-            return RequestUpdate(msg.request_id, finish_reason="error", error="structured outputs (so_args) are not wired into the engine yet")
-        return self.scheduler.add(Request(msg.request_id, list(msg.prompt_ids), params, msg.seed))
+        request = Request(msg.request_id, list(msg.prompt_ids), params, msg.seed)
+        update = self.scheduler.add(request)
+        so_args = getattr(params, "so_args", None)
+        if update is None and so_args:
+            # Compiles in the pool's threads; the scheduler prefills meanwhile but samples only once it is ready.
+            request.grammar_pending = True
+            error = self.grammars.submit(msg.request_id, so_args)
+            if error is not None:
+                update = self.scheduler.fail(msg.request_id, error)
+        return update
 
     def abort(self, request_id: int) -> RequestUpdate | None:
         update = self.scheduler.abort(request_id)
@@ -89,10 +98,36 @@ class EngineCore:
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def step(self) -> CoreOutputs:
+        settled = self._settle_grammars()
         out = self._step_async() if self.zero_overhead else self._step_sync()
         if not self.has_work():
             self._release(self.scheduler.take_release())  # nothing further will carry them: drop states now
+        if settled:
+            out.updates[:0] = settled
         return out
+
+    def _settle_grammars(self) -> list[RequestUpdate]:
+        """Hands finished compilations to their requests (now they may be sampled); a grammar that failed or timed
+        out ends only its own request."""
+        updates = []
+        for rid, state, error in self.grammars.settle():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue  # aborted while compiling
+            if error is not None:
+                updates.append(self.scheduler.fail(rid, error))
+            else:
+                req.grammar_state, req.grammar_pending = state, False
+        return updates
+
+    def _idle_for_grammars(self, plan: StepPlan) -> bool:
+        """A plan without rows is expected while every request left waits for its grammar: wait a little for a
+        compilation instead of spinning (or declaring the scheduler stuck)."""
+        if not self.grammars.num_pending:
+            return False
+        self._release(plan.release)
+        self.grammars.wait_any(0.005)
+        return True
 
     def _step_sync(self) -> CoreOutputs:
         if not self.scheduler.has_unfinished():
@@ -101,7 +136,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         sched_s = time.perf_counter() - t0
         if not plan.rows:
-            return CoreOutputs(self._stuck(plan))
+            return CoreOutputs([] if self._idle_for_grammars(plan) else self._stuck(plan))
         result = self.runner.execute(plan)
         return self._fold(plan, result, sched_s)
 
@@ -114,7 +149,7 @@ class EngineCore:
             if plan.rows:
                 launched = (plan, self._worker.submit(self.runner.execute, plan), sched_s)
             elif self._inflight is None:
-                return CoreOutputs(self._stuck(plan))
+                return CoreOutputs([] if self._idle_for_grammars(plan) else self._stuck(plan))
             elif plan.release:
                 self._worker.submit(self.runner.release, plan.release)
         previous, self._inflight = self._inflight, launched
@@ -164,7 +199,11 @@ class EngineCore:
             self._inflight[1].result()
             self._inflight = None
         if self._worker is not None:
+            self._worker.call(self.runner.close)
             self._worker.shutdown()
+        else:
+            self.runner.close()
+        self.grammars.close()
 
 
 def free_memory_bytes(device: str) -> int:

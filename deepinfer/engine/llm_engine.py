@@ -57,9 +57,10 @@ class LLMEngine:
         self.last_metrics: dict | None = None
 
     @classmethod
-    def from_settings(cls, backend_factory, engine=None, cache=None, runtime=None, tokenizer=None, **overrides):
-        """engine/cache/runtime: the config room's EngineSettings / CacheSettings / RuntimeSettings."""
-        return cls(backend_factory, EngineOptions.from_settings(engine, cache, runtime, **overrides), tokenizer)
+    def from_settings(cls, backend_factory, engine=None, cache=None, runtime=None, tokenizer=None, sampling=None, **overrides):
+        """engine/cache/runtime/sampling: the config room's EngineSettings / CacheSettings / RuntimeSettings /
+        SamplingDefaults (only its xgrammar_* limits are read)."""
+        return cls(backend_factory, EngineOptions.from_settings(engine, cache, runtime, sampling, **overrides), tokenizer)
 
     @classmethod
     def for_settings(cls, settings, program=None, **overrides) -> "LLMEngine":
@@ -70,7 +71,9 @@ class LLMEngine:
 
         from deepinfer.engine.backend import SettingsBackend, backend_from_program
 
-        options = EngineOptions.from_settings(settings.engine, settings.cache, settings.runtime, **overrides)
+        options = EngineOptions.from_settings(
+            settings.engine, settings.cache, settings.runtime, settings.sampling, **overrides
+        )
         if options.process == "inproc" and program is not None:
             factory = functools.partial(backend_from_program, program)
         else:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from deepinfer.engine.backend import EngineBackend
+from deepinfer.engine.grammars import sync_grammar
+from deepinfer.engine.masks import MaskBuilder
 from deepinfer.engine.plan import SampledToken, StepPlan, StepResult
 
 
@@ -40,6 +42,7 @@ class ModelRunner:
         self._SampleRow = SampleRow
         self.backend = backend
         self._seqs: dict[int, _Sequence] = {}
+        self._masks = MaskBuilder()
 
     @property
     def num_sequences(self) -> int:
@@ -51,6 +54,9 @@ class ModelRunner:
     def release(self, request_ids) -> None:
         for rid in request_ids:
             self._seqs.pop(rid, None)
+
+    def close(self) -> None:
+        self._masks.close()
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.release(plan.release)
@@ -67,7 +73,7 @@ class ModelRunner:
         return StepResult(plan.step_id, samples, t_start=t0, t_end=time.perf_counter(), prepare_s=prepare_s)
 
     def _run(self, plan: StepPlan, t0: float) -> tuple[list[SampledToken], float]:
-        rows, token_lists, states, sampled = [], [], [], []
+        rows, token_lists, states, sampled, grammars = [], [], [], [], []
         for row in plan.rows:
             if row.new is not None:
                 new = row.new
@@ -88,22 +94,36 @@ class ModelRunner:
             states.append(seq.state)
             if row.sample:
                 sampled.append(seq)
+                grammars.append(row.grammar)
         by_seq: dict[int, SampledToken] = {}
         prepare_s = time.perf_counter() - t0
         if rows:
-            prepare_s = self._forward_and_sample(plan, rows, token_lists, states, sampled, by_seq, t0)
+            prepare_s = self._forward_and_sample(plan, rows, token_lists, states, sampled, grammars, by_seq, t0)
         lost = SampledToken(0, error="the request's state was lost in a failed step")
         samples = [by_seq.get(id(self._seqs.get(row.request_id)), lost) for row in plan.rows if row.sample]
         return samples, prepare_s
 
-    def _forward_and_sample(self, plan, rows, token_lists, states, sampled, by_seq, t0) -> float:
+    def _forward_and_sample(self, plan, rows, token_lists, states, sampled, grammars, by_seq, t0) -> float:
         # Prompt logprobs need the logits of every prompt row, so such a step asks the model for all rows.
         all_logits = any(self._seqs[row.request_id].prompt_rows is not None for row in rows)
         decode_only = all(len(ids) == 1 and row.new is None for row, ids in zip(rows, token_lists))
         stage = self.backend.decode if decode_only else self.backend.prefill
         batch = self._ForwardBatch(token_ids=token_lists, states=states, all_logits=all_logits)
+        # Sampler rows and grammar masks depend only on tokens sampled by earlier steps: build them before the
+        # forward, the masks on a helper thread while the model runs.
+        sample_rows, row_errors = [], []
+        for i, (seq, grammar) in enumerate(zip(sampled, grammars)):
+            error = _sync(seq, grammar)
+            if error is not None:
+                grammars[i] = None  # the row is still sampled (its batch needs it), then ends with the error
+            row_errors.append(error)
+            sample_rows.append(self._sample_row(seq, grammars[i]))
+        mask_job = self._masks.start(sample_rows, self.backend.vocab_size)
         prepare_s = time.perf_counter() - t0
-        logits = stage(batch)
+        try:
+            logits = stage(batch)
+        finally:
+            mask = mask_job.result() if mask_job is not None else None  # never leave a fill running on a state
         prompt_lps = {}
         if all_logits:
             logits, prompt_lps = self._collect_prompt_rows(rows, token_lists, logits)
@@ -111,14 +131,15 @@ class ModelRunner:
             return prepare_s
         if len(sampled) != len(rows):
             logits = logits[[i for i, row in enumerate(rows) if row.sample]]
-        t1 = time.perf_counter()
-        sample_rows = [self._sample_row(seq) for seq in sampled]
-        prepare_s += time.perf_counter() - t1
-        outs = self.backend.sampler.sample(logits, sample_rows)
-        for seq, out in zip(sampled, outs):
+        if mask is not None and mask.shape[1] * 32 < logits.shape[1]:
+            mask = None  # a stage whose logits are wider than the model's vocab_size: let the sampler rebuild it
+        outs = self.backend.sampler.sample(logits, sample_rows, token_bitmask=mask)
+        for seq, out, grammar, row_error in zip(sampled, outs, grammars, row_errors):
             seq.ids.append(out.token_id)
             lps = prompt_lps.get(id(seq))
-            by_seq[id(seq)] = SampledToken(out.token_id, out.logprob, out.top_logprobs, getattr(out, "error", None), lps)
+            ended = grammar is not None and grammar.is_terminated()
+            error = row_error or getattr(out, "error", None)
+            by_seq[id(seq)] = SampledToken(out.token_id, out.logprob, out.top_logprobs, error, lps, ended)
         return prepare_s
 
     def _collect_prompt_rows(self, rows, token_lists, logits):
@@ -145,11 +166,24 @@ class ModelRunner:
             offset += n
         return logits[last], done
 
-    def _sample_row(self, seq: _Sequence):
+    def _sample_row(self, seq: _Sequence, grammar=None):
         position = len(seq.ids) - seq.num_prompt
         if seq.penalized:  # the history lists cost a copy per step: only penalties read them
-            return self._SampleRow(seq.params, seq.seed, position, seq.ids[seq.num_prompt :], seq.ids[: seq.num_prompt])
-        return self._SampleRow(seq.params, seq.seed, position)
+            return self._SampleRow(
+                seq.params, seq.seed, position, seq.ids[seq.num_prompt :], seq.ids[: seq.num_prompt], grammar
+            )
+        return self._SampleRow(seq.params, seq.seed, position, grammar_state=grammar)
+
+
+def _sync(seq: _Sequence, grammar) -> str | None:
+    """Brings the grammar to the sequence's output before it is sampled again; the error if it cannot.
+
+    Differs after a recompute (the matcher accepted a token that the preemption dropped: roll back) and after a
+    row that ended in an error (its token went into the sequence, not into the matcher); with async scheduling
+    such a request can still have one row planned, whose result is dropped: it must not fail its whole step."""
+    if grammar is None or grammar.num_accepted == len(seq.ids) - seq.num_prompt:
+        return None
+    return sync_grammar(grammar, seq.ids[seq.num_prompt :])
 
 
 def _has_penalties(params: Any) -> bool:

@@ -23,14 +23,19 @@ class EngineOptions:
     num_threads: int | None = None  # torch intra-op threads in the engine process (None: torch's default)
     startup_timeout_s: float = 300.0  # model loading in the engine process
     liveness_poll_s: float = 0.2  # how often a waiting frontend checks that the engine process is alive
+    # Structured outputs (sampling.xgrammar_*): a grammar that does not compile within this many seconds ends its
+    # request with an error; compiled grammars are cached up to this many bytes (xgrammar: -1 means unbounded).
+    xgrammar_timeout: float = 20.0
+    xgrammar_cache_limit_bytes: int = 1 << 30
 
     @classmethod
-    def from_settings(cls, engine=None, cache=None, runtime=None, **overrides) -> "EngineOptions":
+    def from_settings(cls, engine=None, cache=None, runtime=None, sampling=None, **overrides) -> "EngineOptions":
         values = {}
         for section, names in (
             (engine, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "zero_overhead_scheduling", "process")),
             (cache, ("memory_budget", "memory_fraction", "block_size")),
             (runtime, ("seed", "num_threads")),
+            (sampling, ("xgrammar_timeout", "xgrammar_cache_limit_bytes")),
         ):
             if section is not None:
                 values.update({n: getattr(section, n) for n in names if hasattr(section, n)})
@@ -43,5 +48,7 @@ class EngineOptions:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine option {name} must be >= 1, got {getattr(self, name)}")
+        if not self.xgrammar_timeout > 0:
+            raise ValueError(f"sampling.xgrammar_timeout must be > 0 seconds, got {self.xgrammar_timeout}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"cache.memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -31,6 +31,9 @@ class ScheduledRow:
     placeholder: bool  # one more new token follows: the one the in-flight step samples for this request
     sample: bool  # the logits after the last new token give this request's next token
     new: NewSequence | None = None
+    # On sampling rows of a request with so_args: its GrammarState (ready; the scheduler plans no sampling row
+    # before it is). Lives in the engine core, so it never crosses a process boundary.
+    grammar: Any = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -63,6 +66,9 @@ class SampledToken:
     top_logprobs: Any = None
     error: str | None = None  # this row could not be sampled: its request ends with the message
     prompt_logprobs: list | None = None  # with the first token: SampleOutput | None per prompt token
+    # The request's grammar ended with this token, read right after sampling: with async scheduling the next
+    # step may already be advancing the same GrammarState by the time the core folds this token in.
+    grammar_terminated: bool = False
 
 
 @dataclass

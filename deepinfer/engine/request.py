@@ -36,6 +36,14 @@ class Request:
     prompt_logprobs_sent: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # Structured outputs: True while the grammar compiles (the request may prefill but is not sampled), then the
+    # GrammarState, kept across preemptions (the runner rolls it back to the output on recompute).
+    grammar_pending: bool = False
+    grammar_state: Any = None
+
+    @property
+    def may_sample(self) -> bool:
+        return not self.grammar_pending
 
     @property
     def max_tokens(self) -> int:

@@ -11,6 +11,10 @@ A request's cache is reserved for everything known about it at admission (prompt
 preemption), then grows one block at a time as it decodes. A request that could never fit (prompt + max_tokens
 over max_model_len or over the whole cache) ends at once with finish_reason="error".
 
+A request whose grammar is still compiling (structured outputs) is never sampled: its prefill runs up to, but not
+including, its last known token, which waits (as a one-token row) until the grammar is ready; a one-token prompt
+is admitted only then, and later requests are admitted past it.
+
 Async scheduling plans step N+1 before step N's tokens are back: a request that step N samples for counts one
 placeholder token (`num_pending`), which the next decode row feeds without knowing its id.
 """
@@ -102,6 +106,14 @@ class Scheduler:
         self._finish(req, "abort")
         return RequestUpdate(request_id, finish_reason="abort")
 
+    def fail(self, request_id: int, error: str) -> RequestUpdate | None:
+        """Ends one request with finish_reason="error" (e.g. its grammar did not compile); others go on."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "error", error)
+        return RequestUpdate(request_id, finish_reason="error", error=error)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -122,6 +134,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
+            if not req.may_sample:
+                continue  # its grammar is compiling: the row that samples waits
             if req.num_generated >= req.max_tokens:
                 continue  # the in-flight step samples its last token
             target = req.num_computed + 1
@@ -143,23 +157,27 @@ class Scheduler:
                 break
             remaining = req.num_tokens - req.num_computed
             if remaining > 1:
-                n = min(remaining, budget)
+                n = min(remaining, budget, remaining if req.may_sample else remaining - 1)
                 plan.rows.append(self._row(req, n))
                 plan.num_prefill_tokens += n
                 budget -= n
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]  # 3. admission, first come first served
+        i = 0
+        while i < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]  # 3. admission, first come first served
             need = req.num_known
+            if need == 1 and not req.may_sample:
+                i += 1  # nothing to prefill before its grammar is ready: do not hold up the requests behind it
+                continue
             if not self.cache.can_hold(req.request_id, need):
                 break
             self.cache.reserve(req.request_id, need)
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             want_lp = bool(getattr(req.params, "prompt_logprobs", False)) and not req.prompt_logprobs_sent
             new = NewSequence(tuple(req.all_ids()), len(req.prompt_ids), req.params, req.seed, want_lp)
-            n = min(need, budget)
+            n = min(need, budget, need if req.may_sample else need - 1)
             plan.rows.append(self._row(req, n, new))
             plan.num_prefill_tokens += n
             budget -= n
@@ -175,7 +193,8 @@ class Scheduler:
         req.num_computed = end
         if sample:
             req.num_pending += 1
-        return ScheduledRow(req.request_id, req.epoch, start, ids, placeholder, sample, new)
+        grammar = req.grammar_state if sample else None
+        return ScheduledRow(req.request_id, req.epoch, start, ids, placeholder, sample, new, grammar)
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
@@ -216,7 +235,7 @@ class Scheduler:
                 updates.append(RequestUpdate(req.request_id, finish_reason="error", error=s.error))
                 continue
             req.output_ids.append(s.token_id)
-            reason = self._stoppers[req.request_id].append(s.token_id)
+            reason = self._stoppers[req.request_id].append(s.token_id, s.grammar_terminated)
             lp = None if s.logprob is None else (s.logprob, s.top_logprobs)
             upd = RequestUpdate(req.request_id, [s.token_id], [lp])
             if s.prompt_logprobs is not None:

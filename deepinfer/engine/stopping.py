@@ -11,12 +11,13 @@ from typing import Any, Callable, Protocol
 
 
 class Stopper(Protocol):
-    def append(self, token_id: int) -> str | None: ...
+    def append(self, token_id: int, grammar_terminated: bool = False) -> str | None: ...
 
 
 class TokenStop:
     """EOS (unless ignore_eos) and stop_token_ids end a request once at least min_tokens tokens came before the
-    stopping one; max_tokens ends it with "length". Same rules and order as deepinfer.sampling.StopChecker."""
+    stopping one; a finished grammar ends it with "stop"; max_tokens ends it with "length". Same rules and order
+    as deepinfer.sampling.StopChecker."""
 
     def __init__(self, params: Any, eos_token_id: int | None):
         self.max_tokens = params.max_tokens
@@ -27,9 +28,11 @@ class TokenStop:
         self.stop_ids = frozenset(stops)
         self.count = 0
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, grammar_terminated: bool = False) -> str | None:
         self.count += 1
         if self.count > self.min_tokens and token_id in self.stop_ids:
+            return "stop"
+        if grammar_terminated:
             return "stop"
         if self.count >= self.max_tokens:
             return "length"
