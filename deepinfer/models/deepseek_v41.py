@@ -56,10 +56,7 @@ class DeepseekV41Model:
         if cfg.engram_layer_ids:
             if tokenizer is None:
                 raise ValueError("Engram layers need the checkpoint's tokenizer.json to build their hash tables")
-            self.engram = EngramTables.build(cfg, tokenizer)
-            self.engram = EngramTables(
-                *(v.to(self.device) if isinstance(v, torch.Tensor) else v for v in vars(self.engram).values())
-            )
+            self.engram = EngramTables.build(cfg, tokenizer).to(self.device)
 
     # ---- state -----------------------------------------------------------------------------
     def new_state(self, max_rollback: int = 0) -> SequenceState:
@@ -156,14 +153,11 @@ def load_model(
     """Load a local Hugging Face directory or hub id into a ready model.
 
     `batch_invariant` is accepted for every backend; the torch backend is row-invariant by
-    construction (fixed GEMM row tiles, per-query key slates), so it needs no separate path."""
+    construction (fixed GEMM row tiles, tail-free SIMD, per-query key slates), so it needs no separate path,
+    and no GPU backend has a faster non-invariant variant yet."""
     from .loading import load_checkpoint, resolve_model_dir
 
     ckpt = load_checkpoint(resolve_model_dir(model), dtype=dtype, device=device)
     ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends)
     tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_path))
-    m = DeepseekV41Model(ckpt.config, ckpt.weights, tokenizer, ops, device, dtype)
-    m.tokenizer_path = ckpt.tokenizer_path
-    m.model_dir = Path(ckpt.tokenizer_path).parent
-    m.batch_invariant = batch_invariant
-    return m
+    return DeepseekV41Model(ckpt.config, ckpt.weights, tokenizer, ops, device, dtype)

@@ -4,7 +4,7 @@ pretrained n-gram tables are addressed at random rows."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -59,6 +59,10 @@ class EngramTables:
     multipliers: torch.Tensor  # [L, N] int64 (odd)
     primes: torch.Tensor  # [L, N - 1, heads] int64
     offsets: torch.Tensor  # [L, (N - 1) * heads] int64
+
+    def to(self, device) -> "EngramTables":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
     @classmethod
     def build(cls, cfg: ModelConfig, tokenizer: Tokenizer) -> "EngramTables":
