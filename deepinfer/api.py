@@ -114,7 +114,8 @@ class LLM:
         from deepinfer.engine import LLMEngine
         from deepinfer.pipeline import load_program
 
-        self.program, self.settings = load_program(settings)  # the frontend's tokenizer and defaults
+        # the frontend needs the tokenizer and the model's limits; a subprocess engine core holds the weights
+        self.program, self.settings = load_program(settings, weights=settings.engine.process == "inproc")
         self._engine = LLMEngine.for_settings(self.settings, self.program)
         self._next_id = 0
         self.last_metrics: dict | None = None

@@ -129,3 +129,24 @@ def test_n_samples_are_independent_and_the_first_equals_the_single_sample(llm):
     assert len({tuple(s.token_ids) for s in many.samples}) > 1  # different seeds, different draws
     again = llm.generate([[0, 5, 6, 7]], dataclasses.replace(sp, n=4), use_tqdm=False)[0]
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in many.samples]
+
+
+def test_with_a_subprocess_engine_the_frontend_holds_no_weights(llm):
+    from deepinfer.models.card import ModelCard
+
+    assert llm.settings.engine.process == "subprocess"
+    assert isinstance(llm.program.model, ModelCard)  # checked checkpoint + tokenizer; the engine core has the weights
+    assert llm.program.summary()["ops"]["sink_attention"] == "torch"
+
+
+def test_a_checkpoint_is_checked_in_the_frontend_even_without_loading_its_weights(tmp_path):
+    import shutil
+
+    from deepinfer.models.loading import CheckpointError, load_checkpoint
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tiny-swa-csa2-fp8fp4", bad)
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json is missing"):
+        load_checkpoint(bad, weights=False)
+    assert load_checkpoint(FIXTURES / "tiny-swa-csa2-fp8fp4", weights=False).weights == {}

@@ -14,7 +14,7 @@ MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2
 
 
 def test_the_engine_from_settings_matches_the_sequential_runner_with_sampling():
-    with LLM(model=MODEL, hardware="cpu", seed=7) as llm:
+    with LLM(model=MODEL, hardware="cpu", seed=7, process="inproc") as llm:  # inproc: llm.program holds weights
         s = llm.settings
         sequential = SequentialRunner(llm.program, s.engine.max_model_len, s.runtime.seed)
         prompts = [[0] + [3 + (31 * i + j) % 500 for j in range(5 + 3 * i)] for i in range(8)]

@@ -17,6 +17,7 @@ from deepinfer.kernels.torch.rope import default_inv_freq, yarn_inv_freq
 
 from .attention import Attention
 from .batch import ForwardBatch, PackedBatch
+from .card import ModelCard
 from .config import ModelConfig
 from .engram import EngramTables
 from .state import SequenceState
@@ -149,15 +150,20 @@ def load_model(
     backends: dict[str, list[str]] | list[str] | None = None,
     strict_backends: bool = False,
     batch_invariant: bool = False,
-) -> DeepseekV41Model:
-    """Load a local Hugging Face directory or hub id into a ready model.
+    weights: bool = True,
+) -> DeepseekV41Model | ModelCard:
+    """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
+    ModelCard, for a frontend whose engine process holds the weights).
 
     `batch_invariant` is accepted for every backend; the torch backend is row-invariant by
     construction (fixed GEMM row tiles, tail-free SIMD, per-query key slates), so it needs no separate path,
     and no GPU backend has a faster non-invariant variant yet."""
     from .loading import load_checkpoint, resolve_model_dir
 
-    ckpt = load_checkpoint(resolve_model_dir(model), dtype=dtype, device=device)
+    model_dir = resolve_model_dir(model)
+    ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights)
     ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends)
     tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_path))
+    if not weights:
+        return ModelCard(ckpt.config, tokenizer, ops, torch.device(device), Path(model_dir))
     return DeepseekV41Model(ckpt.config, ckpt.weights, tokenizer, ops, device, dtype)

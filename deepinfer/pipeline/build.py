@@ -50,9 +50,10 @@ def build_program(pipeline: PipelineSettings, model, sampler) -> StepProgram:
     )
 
 
-def load_program(settings: Settings) -> tuple[StepProgram, Settings]:
+def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram, Settings]:
     """Load the configured model and build its program. Returns the settings completed with what the model
-    decides (engine.max_model_len)."""
+    decides (engine.max_model_len). With `weights=False` the checkpoint is checked and its tokenizer loaded but
+    its weights are not: a frontend whose engine-core process runs the model needs no more."""
     import torch
 
     from deepinfer.models import load_model
@@ -69,6 +70,7 @@ def load_program(settings: Settings) -> tuple[StepProgram, Settings]:
         backends={kind: list(names) for kind, names in hw.backends.items()},
         strict_backends=hw.strict_backends,
         batch_invariant=rt.batch_invariant,
+        weights=weights,
     )
     settings = with_model_limits(settings, model.config.max_position_embeddings)
     vocab = min(model.config.vocab_size, model.tokenizer.get_vocab_size())

@@ -37,13 +37,17 @@ class Checkpoint:
 
 
 def load_checkpoint(
-    model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    weights: bool = True,
 ) -> Checkpoint:
     """Load a local Hugging Face checkpoint directory (use resolve_model_dir first for hub ids).
 
     Every check that needs only headers (config, tokenizer, files, names, dtypes, shapes) runs before any weight
     is read. Quantized weights come back dequantized; float tensors are cast to `dtype` except the float32-only
-    parameters (hc_*, attn.attn_sink, ffn.gate.bias/bias_vl).
+    parameters (hc_*, attn.attn_sink, ffn.gate.bias/bias_vl). With `weights=False` only those checks run and
+    `Checkpoint.weights` stays empty (a frontend whose engine process holds the weights).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -59,19 +63,19 @@ def load_checkpoint(
     with SafetensorsFiles(model_dir) as files:
         stored, skipped = _canonicalize(files.tensors)
         items = plan_load(expected_tensors(cfg), stored, block, where=str(model_dir))
-        weights = {}
-        for item in items:
+        loaded = {}
+        for item in items if weights else ():
             target = torch.float32 if keeps_float32(item.name) else dtype
-            weights[item.name] = materialize(files, item, target, device, block)
+            loaded[item.name] = materialize(files, item, target, device, block)
 
-    if "head.weight" not in weights:  # only reachable for tie_word_embeddings=true (see expected_tensors)
-        weights["head.weight"] = weights["embed.weight"]
+    if weights and "head.weight" not in loaded:  # only reachable for tie_word_embeddings=true (see expected_tensors)
+        loaded["head.weight"] = loaded["embed.weight"]
     if skipped:
         groups = Counter(set_aside_group(n) for n in skipped)
         summary = ", ".join(f"{g} ({c})" for g, c in sorted(groups.items()))
         log.info("set aside %d checkpoint tensors the text model does not use: %s", len(skipped), summary)
-    log.debug("loaded %d tensors from %s", len(weights), model_dir)
-    return Checkpoint(cfg, weights, tokenizer_path, skipped, model_dir)
+    log.debug("loaded %d tensors from %s", len(loaded), model_dir)
+    return Checkpoint(cfg, loaded, tokenizer_path, skipped, model_dir)
 
 
 def _read_config(model_dir: Path) -> ModelConfig:
