@@ -52,37 +52,46 @@ class Attention:
 
     # ---------------------------------------------------------------------------------------
     def _compress(self, h: torch.Tensor, pb: PackedBatch) -> None:
-        """Close the compression groups completed by this step's tokens and publish their entries."""
+        """Close the compression groups completed by this step's tokens and publish their entries. The groups
+        of every sequence go through the norm, rope and quantizers together (all row-wise ops)."""
         cfg, w, ops = self.cfg, self.w, self.ops
-        if self.ratio == 1:
-            latent_all = ops.rms_norm(ops.linear(h, w.c_wkv), w.c_norm, cfg.rms_norm_eps)
+        srcs = [st.sources[self.layer] for st in pb.states]
+        if self.ratio == 1:  # every token closes its own group
+            latent = ops.rms_norm(ops.linear(h, w.c_wkv), w.c_norm, cfg.rms_norm_eps)
+            counts = pb.lengths
+            pos = pb.positions
         else:
             kv_all = ops.linear(h.float(), w.c_wkv.float())
             gate_all = ops.linear(h.float(), w.c_wgate.float())
-        for i, st in enumerate(pb.states):
-            src = st.sources[self.layer]
-            rows = pb.rows(i)
-            first = src.entries  # index of the first group closed now
-            if self.ratio == 1:
-                latent = latent_all[rows]
-            else:
+            kvs, gates, counts, firsts = [], [], [], []
+            for i, src in enumerate(srcs):
+                rows = pb.rows(i)
                 kv_new, gate_new = kv_all[rows], gate_all[rows]
-                open_rows = pb.past[i] - first * self.ratio  # rows of the group still open before this step
+                open_rows = pb.past[i] - src.entries * self.ratio  # rows of the group still open before this step
                 kv = torch.cat([src.raw_kv.rows[src.raw_kv.rows.shape[0] - open_rows :], kv_new])
                 gate = torch.cat([src.raw_gate.rows[src.raw_gate.rows.shape[0] - open_rows :], gate_new])
                 src.raw_kv.extend(kv_new)
                 src.raw_gate.extend(gate_new)
-                n_groups = kv.shape[0] // self.ratio
-                if n_groups == 0:
-                    continue
-                pooled = ops.compressor_pool(kv[: n_groups * self.ratio], gate[: n_groups * self.ratio], self.ratio)
-                latent = ops.rms_norm(pooled.to(h.dtype), w.c_norm, cfg.rms_norm_eps)
-            pos = (first + torch.arange(latent.shape[0], device=h.device)) * self.ratio
-            if self.is_index:  # indexer keys come from the pre-RoPE latent
-                k = ops.rms_norm(ops.linear(latent, w.i_wk), w.i_k_norm, cfg.rms_norm_eps)
-                src.index_keys.append(ops.fake_quant_fp4(ops.rope(k, pos, self.compress_freqs), 32, False))
-            entry = ops.fake_quant_fp4(ops.rope(latent, pos, self.compress_freqs), 16, True)
-            src.compressed.append(entry)
+                n = kv.shape[0] // self.ratio
+                kvs.append(kv[: n * self.ratio])
+                gates.append(gate[: n * self.ratio])
+                counts.append(n)
+                firsts.append(src.entries)
+            if not any(counts):
+                return
+            pooled = ops.compressor_pool(torch.cat(kvs), torch.cat(gates), self.ratio)
+            latent = ops.rms_norm(pooled.to(h.dtype), w.c_norm, cfg.rms_norm_eps)
+            # a group's rope position is the position of its first token
+            pos = torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, counts)]).to(h.device) * self.ratio
+        keys = None
+        if self.is_index:  # indexer keys come from the pre-RoPE latent
+            k = ops.rms_norm(ops.linear(latent, w.i_wk), w.i_k_norm, cfg.rms_norm_eps)
+            keys = ops.fake_quant_fp4(ops.rope(k, pos, self.compress_freqs), 32, False).split(counts)
+        entries = ops.fake_quant_fp4(ops.rope(latent, pos, self.compress_freqs), 16, True).split(counts)
+        for i, src in enumerate(srcs):
+            if keys is not None:
+                src.index_keys.append(keys[i])
+            src.compressed.append(entries[i])
 
     def _index(self, h: torch.Tensor, q_res: torch.Tensor, pb: PackedBatch) -> None:
         """Score queries against the source's indexer keys; publish each row's selected entries."""
@@ -117,49 +126,42 @@ class Attention:
         cfg, ops = self.cfg, self.ops
         W, D = cfg.sliding_window, cfg.head_dim
         dev = q.device
-        banks, window_idx, comp_idx, comp_ok = [], [], [], []
-        offset = 0
         selected = pb.scratch.get("selected")
         use_compressed = self.ratio > 0
-        slots = cfg.index_topk if use_compressed else 0
+        # One bank of key rows for the whole step: per sequence its window ring + this step's KV rows, then
+        # (compressed layers) its source's compressed entries. Slates index into it.
+        banks, win_shift, comp_start, masks = [], [], [], []
+        offset = 0
         for i, st in enumerate(pb.states):
-            rows = pb.rows(i)
             ring = st.window[self.layer]
-            n_ring = ring.rows.shape[0]
-            bank = torch.cat([ring.rows, kv[rows]])
-            st.window[self.layer].extend(kv[rows])
-            # bank row r holds position pb.past[i] - n_ring + r
-            base = pb.past[i] - n_ring
-            pos = pb.positions[rows]
-            win_pos = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
-            idx = win_pos - base
-            window_idx.append(torch.where(win_pos >= 0, idx + offset, -1))
-            banks.append(bank)
-            offset += bank.shape[0]
+            new = kv[pb.rows(i)]
+            banks += [ring.rows, new]
+            win_shift.append(offset - (pb.past[i] - ring.rows.shape[0]))  # bank row of position p: p + shift
+            offset += ring.rows.shape[0] + new.shape[0]
+            ring.extend(new)
             if use_compressed:
                 entries = st.sources[self.source].compressed.view()
-                G = entries.shape[0]
-                if selected is not None and selected[0] == self.source and G > 0:
-                    mask = selected[1][i]
-                    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[:, :slots]
-                    ok = mask.gather(1, order)
-                    if order.shape[1] < slots:
-                        pad = slots - order.shape[1]
-                        order = torch.nn.functional.pad(order, (0, pad))
-                        ok = torch.nn.functional.pad(ok, (0, pad), value=False)
-                else:  # no index source has run for this source in this step: nothing selectable
-                    order = torch.zeros(len(pos), slots, dtype=torch.int64, device=dev)
-                    ok = torch.zeros(len(pos), slots, dtype=torch.bool, device=dev)
-                comp_idx.append(torch.where(ok, order + offset, -1))
-                comp_ok.append(ok)
                 banks.append(entries)
-                offset += G
+                comp_start.append(offset)
+                offset += entries.shape[0]
+                chosen = selected is not None and selected[0] == self.source
+                # without an index source for this source in this step, nothing is selectable
+                masks.append(selected[1][i] if chosen else torch.zeros(new.shape[0], entries.shape[0], dtype=torch.bool, device=dev))
         bank = torch.cat(banks + [kv.new_zeros(1, D)])  # last row: target of masked slots
-        idx = torch.cat(window_idx)
+        lengths = torch.tensor(pb.lengths, device=dev)
+        win_pos = pb.positions[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
+        shift = torch.tensor(win_shift, device=dev).repeat_interleave(lengths)[:, None]
+        idx = torch.where(win_pos >= 0, win_pos + shift, -1)
         if use_compressed:
-            idx = torch.cat([idx, torch.cat(comp_idx)], dim=1)
+            slots = cfg.index_topk
+            width = max(slots, max(m.shape[1] for m in masks))
+            mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+            # selected entries first, in ascending entry order; unused slots stay masked
+            order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[:, :slots]
+            ok = mask.gather(1, order)
+            start = torch.tensor(comp_start, device=dev).repeat_interleave(lengths)[:, None]
+            idx = torch.cat([idx, torch.where(ok, order + start, -1)], dim=1)
         valid = idx >= 0
-        idx = torch.where(valid, idx, bank.shape[0] - 1)
-        keys = bank[idx]  # [T, slots, D]
+        keys = bank[torch.where(valid, idx, bank.shape[0] - 1)]  # [T, slots, D]
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=dev).masked_fill(~valid, float("-inf"))
         return ops.sink_attention(q, keys, bias, self.w.attn_sink, self.scale)
