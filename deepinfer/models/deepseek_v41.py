@@ -39,7 +39,7 @@ class DeepseekV41Model:
         self.ops = ops
         self.device = torch.device(device)
         self.dtype = dtype
-        self.layers, glob = arrange(cfg, weights)
+        self.layers, glob = arrange(cfg, weights, dtype)
         self.embed, self.final_norm, self.head = glob["embed"], glob["norm"], glob["head"]
         rope_dim = cfg.qk_rope_head_dim
         self.main_freqs = default_inv_freq(cfg.rope_theta, rope_dim).to(self.device)
@@ -151,17 +151,24 @@ def load_model(
     strict_backends: bool = False,
     batch_invariant: bool = False,
     weights: bool = True,
+    packed_experts: bool | None = None,
 ) -> DeepseekV41Model | ModelCard:
     """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
     ModelCard, for a frontend whose engine process holds the weights).
 
     `batch_invariant` is accepted for every backend; the torch backend is row-invariant by
     construction (fixed GEMM row tiles, tail-free SIMD, per-query key slates), so it needs no separate path,
-    and no GPU backend has a faster non-invariant variant yet."""
+    and no GPU backend has a faster non-invariant variant yet.
+
+    `packed_experts` (default: on CUDA) keeps FP4/FP8 expert weights as stored, stacked once (PackedExperts): the
+    TileLang grouped GEMM streams them, the torch op dequantises the experts each call touches. The values are
+    the same either way; dense dequantised experts would need ~27 GB per layer at V4.1-Flash size."""
     from .loading import load_checkpoint, resolve_model_dir
 
     model_dir = resolve_model_dir(model)
-    ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights)
+    if packed_experts is None:
+        packed_experts = torch.device(device).type == "cuda"
+    ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts)
     ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends)
     tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_path))
     if not weights:

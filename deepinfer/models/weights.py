@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.packed_experts import PackedExperts, QuantizedWeight, can_pack, pack_quantized
+
 from .config import ModelConfig
 
 
@@ -25,8 +27,8 @@ class LayerWeights:
     attn_sink: torch.Tensor
     gate_weight: torch.Tensor
     gate_bias: torch.Tensor | None
-    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (w1, w2, w3)
-    shared_expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | PackedExperts  # (w1, w2, w3) per expert
+    shared_expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | PackedExperts | None
     c_wkv: torch.Tensor | None = None
     c_wgate: torch.Tensor | None = None
     c_norm: torch.Tensor | None = None
@@ -39,7 +41,24 @@ class LayerWeights:
     e_weight: torch.Tensor | None = None  # q_weight * k_weight (only the product is used)
 
 
-def arrange(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> tuple[list[LayerWeights], dict[str, torch.Tensor]]:
+def experts_of(group: list[tuple], dtype: torch.dtype):
+    """One layer's experts as the loader gave them: dense (w1, w2, w3) tuples stay a list; weights kept in their
+    stored format (QuantizedWeight) are stacked into PackedExperts, or dequantised when the shape cannot pack."""
+    if not isinstance(group[0][0], QuantizedWeight):
+        return group
+    q = group[0][0]
+    if len({w.fmt for e in group for w in e}) == 1 and can_pack(q.fmt, q.shape[0], q.shape[1]):
+        return pack_quantized(group)
+    return [tuple(w.dense(dtype) for w in e) for e in group]
+
+
+def _single(experts):
+    return experts if isinstance(experts, PackedExperts) else experts[0]
+
+
+def arrange(
+    cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> tuple[list[LayerWeights], dict[str, torch.Tensor]]:
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
@@ -68,8 +87,9 @@ def arrange(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> tuple[list[LayerWei
             attn_sink=get("attn.attn_sink"),
             gate_weight=get("ffn.gate.weight"),
             gate_bias=get("ffn.gate.bias", optional=True),
-            experts=[expert(f"ffn.experts.{e}") for e in range(cfg.n_routed_experts)],
-            shared_expert=expert("ffn.shared_experts") if p + "ffn.shared_experts.w1.weight" in t else None,
+            experts=experts_of([expert(f"ffn.experts.{e}") for e in range(cfg.n_routed_experts)], dtype),
+            shared_expert=(_single(experts_of([expert("ffn.shared_experts")], dtype))
+                           if p + "ffn.shared_experts.w1.weight" in t else None),
             c_wkv=get("attn.compressor.wkv.weight", True),
             c_wgate=get("attn.compressor.wgate.weight", True),
             c_norm=get("attn.compressor.norm.weight", True),

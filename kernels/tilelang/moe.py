@@ -1,16 +1,16 @@
 """Registry-facing MoE ops (`moe_router`, `moe_experts`) and the fast path over packed FP4/FP8 expert weights.
 
 `moe_experts` keeps the torch op's signature. Its fast path needs the experts in the released quantised format,
-stacked once at load time (`PackedExperts`, built by `pack_experts` from the checkpoint tensors); a plain list of
-dequantised (w1, w2, w3) tensors, the torch op's input, cannot be streamed by one grouped kernel, so it goes to the
-torch reference unchanged. `moe_experts_packed` is the kernel-level entry the model should call.
+stacked once at load time (`PackedExperts`, deepinfer.kernels.packed_experts; the model holds experts this way on
+CUDA); a plain list of dequantised (w1, w2, w3) tensors cannot be streamed by one grouped kernel, so it goes to
+the torch reference unchanged. `moe_experts_packed` is the kernel-level entry.
 """
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.packed_experts import BLOCK_N, PackedExperts, pack_experts  # noqa: F401 (re-export)
 from deepinfer.kernels.torch import moe as torch_moe
 
 from ._build import jit
@@ -18,7 +18,6 @@ from .moe_gemm import build_grouped_gemm
 from .moe_prep import build_moe_prep
 from .moe_router import SCORES, build_router_logits, build_router_topk
 
-BLOCK_N = 64  # rows per GEMM tile; the SwiGLU interleave of w1/w3 is done in halves of this
 STAGES = 2    # cp.async pipeline depth of the weight stream (2, 3 and 4 measured: 4 is slower, 2 ~ 3)
 
 
@@ -53,56 +52,15 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
 
 
 # ---------------------------------------------------------------------------------------------- packing
-@dataclass
-class PackedExperts:
-    """Stacked expert weights in the kernel layout. fmt "fp4": w13 [E, 2I, D/2] e2m1 pairs, s13 [E, 2I, D/32];
-    w2 [E, D, I/2], s2 [E, D, I/32]. fmt "fp8": w13 [E, 2I, D] e4m3 bits, s13 [E, 2I/32, D/32]; w2 [E, D, I],
-    s2 [E, D/32, I/32]. All uint8. w13 rows are tile-interleaved: each BLOCK_N rows = BLOCK_N/2 w1 rows then the
-    same BLOCK_N/2 w3 rows, so one tile holds matching gate and up rows for the fused SwiGLU."""
-
-    fmt: str
-    w13: torch.Tensor
-    s13: torch.Tensor
-    w2: torch.Tensor
-    s2: torch.Tensor
-
-    @property
-    def n_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def inter(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
-    def hidden(self) -> int:
-        return self.w2.shape[1]
-
-
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def _interleave(gate: torch.Tensor, up: torch.Tensor, rows_per_half: int) -> torch.Tensor:
-    """[R, C] + [R, C] -> [2R, C]: alternating blocks of `rows_per_half` rows of gate and up."""
-    R, C = gate.shape
-    g = gate.reshape(R // rows_per_half, 1, rows_per_half, C)
-    u = up.reshape(R // rows_per_half, 1, rows_per_half, C)
-    return torch.cat([g, u], dim=1).reshape(2 * R, C)
-
-
-def pack_experts(fmt, w1, s1, w3, s3, w2, s2) -> PackedExperts:
-    """Lists (one entry per expert) of checkpoint tensors -> PackedExperts. fp4: w [rows, cols/2] int8 packed
-    e2m1 with scale [rows, cols/32] e8m0; fp8: w [rows, cols] e4m3 with scale [rows/32, cols/32] e8m0."""
-    half = BLOCK_N // 2
-    scale_half = half if fmt == "fp4" else half // 32
-    w13 = torch.stack([_interleave(_u8(a), _u8(b), half) for a, b in zip(w1, w3)])
-    s13 = torch.stack([_interleave(_u8(a), _u8(b), scale_half) for a, b in zip(s1, s3)])
-    # the bf16 bit tricks in dequant.py bound the block scale byte (checked once, at load)
-    most = 128 if fmt == "fp4" else 134
-    assert int(s13.max()) <= most and max(int(_u8(s).max()) for s in s2) <= most, "block scale out of range" 
-    return PackedExperts(fmt, w13.contiguous(), s13.contiguous(), torch.stack([_u8(w) for w in w2]).contiguous(),
-                         torch.stack([_u8(s) for s in s2]).contiguous())
+# The layout lives in deepinfer.kernels.packed_experts (shared with the torch reference); re-exported here.
+def _scales_in_range(p: PackedExperts) -> bool:
+    """The bf16 bit tricks in dequant.py bound the block-scale byte; checked once per weight set."""
+    ok = getattr(p, "_scales_ok", None)
+    if ok is None:
+        most = 128 if p.fmt == "fp4" else 134
+        ok = int(p.s13.max()) <= most and int(p.s2.max()) <= most
+        p._scales_ok = ok
+    return ok
 
 
 # ---------------------------------------------------------------------------------------------- experts
@@ -166,9 +124,16 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     return y.to(x.dtype)
 
 
+def _kernel_ok(x, p) -> bool:
+    return (isinstance(p, PackedExperts) and p.hidden % 256 == 0 and p.inter % 256 == 0 and p.hidden == x.shape[1]
+            and _scales_in_range(p))
+
+
 def moe_experts(x, weights, idx, experts, shared, swiglu_limit):
-    """Same contract as deepinfer.kernels.torch.moe.moe_experts; kernel path when `experts` (and `shared`, if
-    given) are PackedExperts, else the torch reference."""
-    if isinstance(experts, PackedExperts) and (shared is None or isinstance(shared, PackedExperts)) and x.is_cuda:
+    """Same contract as deepinfer.kernels.torch.moe.moe_experts; kernel path for bf16 x on CUDA when `experts`
+    (and `shared`, if given) are PackedExperts of kernel-sized shapes, else the torch reference (which reads
+    PackedExperts too)."""
+    if (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0 and _kernel_ok(x, experts)
+            and (shared is None or _kernel_ok(x, shared))):
         return moe_experts_packed(x, weights, idx, experts, shared, swiglu_limit)
     return torch_moe.moe_experts(x, weights, idx, experts, shared, swiglu_limit)

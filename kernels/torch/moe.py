@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from deepinfer.kernels.packed_experts import PackedExperts
+
 from .elementwise import ew
 from .linear import linear
 
@@ -51,17 +53,22 @@ def moe_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     idx: torch.Tensor,
-    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | PackedExperts,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | PackedExperts | None,
     swiglu_limit: float,
 ) -> torch.Tensor:
-    """Routed experts (w1, w2, w3 per expert) plus the shared expert, accumulated in fp32 in
-    expert order; returns [T, D] in x's dtype."""
+    """Routed experts (w1, w2, w3 per expert, or PackedExperts: each touched expert is dequantised for the call)
+    plus the shared expert, accumulated in fp32 in expert order; returns [T, D] in x's dtype."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(idx).tolist():
         rows, slot = torch.where(idx == e)
-        w1, w2, w3 = experts[e]
+        w1, w2, w3 = _expert(experts, e, x.dtype)
         y[rows] += swiglu_expert(x[rows], w1, w2, w3, swiglu_limit, weights[rows, slot, None]).float()
     if shared is not None:
-        y += swiglu_expert(x, *shared, swiglu_limit).float()
+        y += swiglu_expert(x, *_expert(shared, 0, x.dtype) if isinstance(shared, PackedExperts) else shared,
+                           swiglu_limit).float()
     return y.to(x.dtype)
+
+
+def _expert(experts, e: int, dtype: torch.dtype):
+    return experts.dense(e, dtype) if isinstance(experts, PackedExperts) else experts[e]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.kernels.packed_experts import QuantizedWeight
 from deepinfer.models.config import ModelConfig, ModelConfigError
 
 from .errors import CheckpointError
@@ -16,7 +17,7 @@ from .materialize import materialize
 from .names import canonical_name, is_set_aside, keeps_float32, set_aside_group
 from .plan import natural_key, plan_load
 from .safetensors_reader import SafetensorsFiles, StoredTensor
-from .tensors import expected_tensors
+from .tensors import FP4_ROWS, FP8_BLOCK, expected_tensors
 
 log = logging.getLogger("deepinfer.loading")
 
@@ -41,13 +42,16 @@ def load_checkpoint(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     weights: bool = True,
+    quantized_experts: bool = False,
 ) -> Checkpoint:
     """Load a local Hugging Face checkpoint directory (use resolve_model_dir first for hub ids).
 
     Every check that needs only headers (config, tokenizer, files, names, dtypes, shapes) runs before any weight
     is read. Quantized weights come back dequantized; float tensors are cast to `dtype` except the float32-only
     parameters (hc_*, attn.attn_sink, ffn.gate.bias/bias_vl). With `weights=False` only those checks run and
-    `Checkpoint.weights` stays empty (a frontend whose engine process holds the weights).
+    `Checkpoint.weights` stays empty (a frontend whose engine process holds the weights). With
+    `quantized_experts`, routed and shared expert weights stored as FP4 / FP8 (32x32 blocks) come back as they are
+    stored (`QuantizedWeight`), for the model to pack once (deepinfer.kernels.packed_experts).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -65,6 +69,9 @@ def load_checkpoint(
         items = plan_load(expected_tensors(cfg), stored, block, where=str(model_dir))
         loaded = {}
         for item in items if weights else ():
+            if quantized_experts and _keeps_format(item, block):
+                loaded[item.name] = _stored(files, item, device)
+                continue
             target = torch.float32 if keeps_float32(item.name) else dtype
             loaded[item.name] = materialize(files, item, target, device, block)
 
@@ -76,6 +83,18 @@ def load_checkpoint(
         log.info("set aside %d checkpoint tensors the text model does not use: %s", len(skipped), summary)
     log.debug("loaded %d tensors from %s", len(loaded), model_dir)
     return Checkpoint(cfg, loaded, tokenizer_path, skipped, model_dir)
+
+
+def _keeps_format(item, block) -> bool:
+    expert = ".ffn.experts." in item.name or ".ffn.shared_experts." in item.name
+    return expert and (item.kind == FP4_ROWS or (item.kind == FP8_BLOCK and tuple(block) == (32, 32)))
+
+
+def _stored(files: SafetensorsFiles, item, device) -> QuantizedWeight:
+    def raw(t):
+        return files.rows(t).contiguous().view(torch.uint8).to(device)
+
+    return QuantizedWeight("fp4" if item.kind == FP4_ROWS else "fp8", raw(item.weight), raw(item.scale), item.shape)
 
 
 def _read_config(model_dir: Path) -> ModelConfig:

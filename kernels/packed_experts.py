@@ -1,0 +1,112 @@
+"""Routed/shared expert weights kept in the checkpoint's quantised format (FP4 e2m1 or FP8 e4m3), stacked once.
+
+The released DeepSeek-V4.1-Flash experts are ~7 GB per layer in FP4 and ~27 GB once dequantised to bf16, so a GPU
+holds them as stored. Both backends read this one layout: the TileLang grouped GEMM streams it and dequantises in
+registers; the torch reference dequantises the experts a call touches (`PackedExperts.dense`). Pure torch: no
+kernel import, so the CPU path can use it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.kernels.torch.quant import dequant_fp4_rows, dequant_fp8_blocks
+
+BLOCK_N = 64  # rows per GEMM tile of the TileLang kernel: w1/w3 are interleaved in halves of this
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One checkpoint weight as stored. fmt "fp4": weight [rows, cols/2] packed e2m1 (low nibble = even column),
+    scale [rows, cols/32] ue8m0. fmt "fp8": weight [rows, cols] e4m3 bits, scale [rows/32, cols/32] ue8m0."""
+
+    fmt: str
+    weight: torch.Tensor  # uint8
+    scale: torch.Tensor  # uint8
+    shape: tuple[int, int]  # logical (rows, cols)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return _dequant(self.fmt, self.weight, self.scale).to(dtype)
+
+
+def _dequant(fmt: str, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    if fmt == "fp4":
+        return dequant_fp4_rows(w, s)
+    return dequant_fp8_blocks(w.view(torch.float8_e4m3fn), s)
+
+
+@dataclass
+class PackedExperts:
+    """Stacked expert weights in the kernel layout. fmt "fp4": w13 [E, 2I, D/2] e2m1 pairs, s13 [E, 2I, D/32];
+    w2 [E, D, I/2], s2 [E, D, I/32]. fmt "fp8": w13 [E, 2I, D] e4m3 bits, s13 [E, 2I/32, D/32]; w2 [E, D, I],
+    s2 [E, D/32, I/32]. All uint8. w13 rows are tile-interleaved: each BLOCK_N rows = BLOCK_N/2 w1 rows then the
+    same BLOCK_N/2 w3 rows, so one tile holds matching gate and up rows for the fused SwiGLU."""
+
+    fmt: str
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+
+    @property
+    def n_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def inter(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def hidden(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in (self.w13, self.s13, self.w2, self.s2))
+
+    def dense(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e dequantised: (w1 [I, D], w2 [D, I], w3 [I, D]), exactly the checkpoint's values."""
+        w13 = _dequant(self.fmt, self.w13[e], self.s13[e])
+        half = BLOCK_N // 2
+        t = w13.view(-1, 2, half, w13.shape[-1])
+        w1, w3 = t[:, 0].reshape(self.inter, -1), t[:, 1].reshape(self.inter, -1)
+        w2 = _dequant(self.fmt, self.w2[e], self.s2[e])
+        return w1.to(dtype), w2.to(dtype), w3.to(dtype)
+
+
+def can_pack(fmt: str, inter: int, hidden: int) -> bool:
+    """The interleave needs whole half-tiles of rows (and whole 32-row scale blocks for fp8)."""
+    return fmt in ("fp4", "fp8") and inter % (BLOCK_N // 2) == 0 and hidden % 32 == 0
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor, rows_per_half: int) -> torch.Tensor:
+    """[R, C] + [R, C] -> [2R, C]: alternating blocks of `rows_per_half` rows of gate and up."""
+    R, C = gate.shape
+    g = gate.reshape(R // rows_per_half, 1, rows_per_half, C)
+    u = up.reshape(R // rows_per_half, 1, rows_per_half, C)
+    return torch.cat([g, u], dim=1).reshape(2 * R, C)
+
+
+def pack_experts(fmt, w1, s1, w3, s3, w2, s2) -> PackedExperts:
+    """Lists (one entry per expert) of checkpoint tensors -> PackedExperts. fp4: w [rows, cols/2] int8 packed
+    e2m1 with scale [rows, cols/32] e8m0; fp8: w [rows, cols] e4m3 with scale [rows/32, cols/32] e8m0."""
+    half = BLOCK_N // 2
+    scale_half = half if fmt == "fp4" else half // 32
+    w13 = torch.stack([_interleave(_u8(a), _u8(b), half) for a, b in zip(w1, w3)])
+    s13 = torch.stack([_interleave(_u8(a), _u8(b), scale_half) for a, b in zip(s1, s3)])
+    return PackedExperts(fmt, w13.contiguous(), s13.contiguous(), torch.stack([_u8(w) for w in w2]).contiguous(),
+                         torch.stack([_u8(s) for s in s2]).contiguous())
+
+
+def pack_quantized(experts: list[tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight]]) -> PackedExperts:
+    """(w1, w2, w3) QuantizedWeights per expert, all of one format -> PackedExperts."""
+    fmt = experts[0][0].fmt
+    w1, w2, w3 = zip(*experts)
+    return pack_experts(fmt, [q.weight for q in w1], [q.scale for q in w1], [q.weight for q in w3],
+                        [q.scale for q in w3], [q.weight for q in w2], [q.scale for q in w2])
