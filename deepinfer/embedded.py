@@ -223,10 +223,10 @@ def _init(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Generator) 
     through every projection, so the tiny model's logits are neither flat nor saturated."""
 
     def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen, device=gen.device) * std
 
     def uniform(lo: float, hi: float) -> torch.Tensor:
-        return lo + (hi - lo) * torch.rand(shape, generator=gen)
+        return lo + (hi - lo) * torch.rand(shape, generator=gen, device=gen.device)
 
     leaf = name.rsplit(".", 2)
     if name in ("embed.weight",) or name.endswith("engram.embed.weight"):

@@ -53,11 +53,18 @@ class DeepseekV41Model:
         self.attn = [
             Attention(cfg, i, lw, ops, self.main_freqs, self.compress_freqs) for i, lw in enumerate(self.layers)
         ]
+        self.layer_hook = None  # optional callable(i) at each layer boundary (0..n_layers): benchmarks time layers
         self.engram = None
         if cfg.engram_layer_ids:
             if tokenizer is None:
                 raise ValueError("Engram layers need the checkpoint's tokenizer.json to build their hash tables")
             self.engram = EngramTables.build(cfg, tokenizer).to(self.device)
+
+    def use_ops(self, ops: OpSet) -> None:
+        """Run on another op set from now on (e.g. the torch reference, to compare backends on one model)."""
+        self.ops = ops
+        for attn in self.attn:
+            attn.ops = ops
 
     # ---- state -----------------------------------------------------------------------------
     def new_state(self, max_rollback: int = 0) -> SequenceState:
@@ -83,10 +90,15 @@ class DeepseekV41Model:
         pre[:, 0] = 1.0
         hash_ids = self._engram_hash(pb) if self.engram is not None else None
 
+        hook = self.layer_hook
         for i, (lw, attn) in enumerate(zip(self.layers, self.attn)):
+            if hook is not None:
+                hook(i)
             if lw.e_table is not None:
                 streams = self._engram(streams, lw, hash_ids[:, cfg.engram_layer_ids.index(i)])
             streams, pre = self._block(streams, pre, lw, attn, pb)
+        if hook is not None:
+            hook(len(self.layers))
 
         for st, n in zip(pb.states, pb.lengths):
             st.num_tokens += n

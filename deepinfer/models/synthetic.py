@@ -1,0 +1,165 @@
+"""DeepSeek-V4.1 models with random weights built in memory, at any width: the GPU layer benchmark and GPU tests
+use V4.1-Flash width at reduced depth, which no file on disk holds (~7 GB of FP4 experts per layer).
+
+Weights follow the released storage formats: routed experts are random FP4 e2m1 codes with ue8m0 scales per row
+and 32 columns and the shared expert FP8 e4m3 with 32x32 block scales, both kept as stored (QuantizedWeight ->
+PackedExperts) exactly as `load_model(..., packed_experts=True)` holds a real checkpoint; FP8 projections and
+Engram tables carry values an FP8 checkpoint can hold (quantised and dequantised once); the rest is bf16 / fp32 as
+the release stores it. Scales are drawn so activations keep unit variance through every projection (the golden
+fixtures' initialisation, deepinfer.embedded._init).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from importlib import resources
+
+import torch
+from tokenizers import Tokenizer
+
+from deepinfer.kernels.packed_experts import QuantizedWeight
+from deepinfer.kernels.registry import OpSet
+from deepinfer.kernels.torch.quant import FP8_MAX, ceil_pow2
+
+from .config import ModelConfig
+from .deepseek_v41 import DeepseekV41Model
+from .loading import tensors as kinds
+from .loading.names import keeps_float32
+
+# Reduced-depth V4.1-Flash: every layer role once (the embedded model's schedule, without its 8-layer tail):
+#   0 SWA only | 1 SWA + Engram | 2 ratio-2 KV source + index source | 3 ratio-2 reuse
+#   4 ratio-1 KV source + index source + candidate source | 5 ratio-1 reindex (own indexer query, candidates of 4)
+FLASH_REDUCED = {
+    "model_type": "deepseek_v41_text",
+    "vocab_size": 129280,
+    "hidden_size": 5120,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1280,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "sliding_window": 128,
+    "compress_ratios": [0, 0, 2, 2, 1, 1],
+    "kv_source_layer_ids": [2, 4],
+    "index_source_layer_ids": [2, 4, 5],
+    "candidate_source_layer_id": 4,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "moe_intermediate_size": 2304,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-20,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576,
+    "engram_layer_ids": [1],
+    # The released tables have 384M rows (~98 GB each in FP8); a step reads 24 rows per token whatever the table
+    # size, so a smaller prime range measures the same traffic. The package tokenizer's normalised vocabulary
+    # (406 entries) stands in for the release tokenizer's.
+    "engram_vocab_size": 100000,
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_pad_id": 2,
+    "engram_compressed_vocab_size": 406,
+    "num_nextn_predict_layers": 0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+
+
+def config(overrides: dict | None = None) -> ModelConfig:
+    from deepinfer.embedded import engram_table_rows
+
+    text = dict(FLASH_REDUCED, **(overrides or {}))
+    if text["engram_layer_ids"]:
+        text["engram_num_embeddings"] = engram_table_rows(
+            text["engram_vocab_size"], len(text["engram_layer_ids"]), text["engram_max_ngram_size"],
+            text["engram_n_heads"])
+    return ModelConfig.from_dict(text)
+
+
+def package_tokenizer() -> Tokenizer:
+    return Tokenizer.from_str((resources.files("deepinfer.assets") / "tokenizer.json").read_text())
+
+
+def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0, packed_experts: bool = True):
+    """Canonical name -> tensor (or QuantizedWeight for experts when `packed_experts`) for `cfg`."""
+    from deepinfer.embedded import _init
+
+    gen = torch.Generator(device).manual_seed(seed)
+    out = {}
+    for name, spec in sorted(kinds.expected_tensors(cfg).items()):
+        if spec.optional:
+            continue
+        expert = ".ffn.experts." in name or ".ffn.shared_experts." in name
+        if packed_experts and expert and kinds.FP4_ROWS in spec.allowed:
+            out[name] = _fp4_rows(spec.shape, gen)
+            continue
+        w = _init(name, spec.shape, cfg.hidden_size, gen)
+        if packed_experts and expert:
+            out[name] = _fp8_blocks(w)
+        elif kinds.FP8_BLOCK in spec.allowed or kinds.FP8_ROWS in spec.allowed:
+            out[name] = _fp8_values(w, (32, 32) if kinds.FP8_BLOCK in spec.allowed else (1, 32)).to(dtype)
+        else:
+            out[name] = w.float() if keeps_float32(name) else w.to(dtype)
+    return out
+
+
+def _fp4_rows(shape, gen) -> QuantizedWeight:
+    """Uniform e2m1 codes (RMS 2.93) with a scale of about 1 / (2.93 sqrt(fan_in)): unit-variance outputs."""
+    rows, cols = shape
+    centre = 127 + round(math.log2(1.0 / (2.93 * math.sqrt(cols))))
+    w = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen, device=gen.device)
+    s = torch.randint(centre - 1, centre + 2, (rows, cols // 32), dtype=torch.uint8, generator=gen, device=gen.device)
+    return QuantizedWeight("fp4", w, s, (rows, cols))
+
+
+def _block_scales(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    r, c = w.shape
+    amax = w.float().view(r // block[0], block[0], c // block[1], block[1]).abs().amax(dim=(1, 3))
+    return ceil_pow2(amax.clamp_min(1e-30) / FP8_MAX)
+
+
+def _fp8_blocks(w: torch.Tensor) -> QuantizedWeight:
+    s = _block_scales(w, (32, 32))
+    full = s.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    codes = (w.float() / full).to(torch.float8_e4m3fn).view(torch.uint8)
+    return QuantizedWeight("fp8", codes, (torch.log2(s).round() + 127).to(torch.uint8), tuple(w.shape))
+
+
+def _fp8_values(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    s = _block_scales(w, block)
+    full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return (w.float() / full).to(torch.float8_e4m3fn).float() * full
+
+
+def build_model(cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, backends=None, seed: int = 0,
+                packed_experts: bool = True) -> DeepseekV41Model:
+    ops = OpSet.build(torch.device(device).type, backends)
+    weights = random_weights(cfg, device, dtype, seed, packed_experts)
+    return DeepseekV41Model(cfg, weights, package_tokenizer() if cfg.engram_layer_ids else None, ops, device, dtype)
+
+
+def clone_state(state):
+    """An independent copy of a SequenceState (its tensors copied): many sequences at one context, prefilled once."""
+    return copy.deepcopy(state)
