@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import PackedBatch
+from .batch import PackedBatch, to_device
 from .weights import LayerWeights
 
 
@@ -82,7 +82,7 @@ class Attention:
             pooled = ops.compressor_pool(torch.cat(kvs), torch.cat(gates), self.ratio)
             latent = ops.rms_norm(pooled.to(h.dtype), w.c_norm, cfg.rms_norm_eps)
             # a group's rope position is the position of its first token
-            pos = torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, counts)]).to(h.device) * self.ratio
+            pos = to_device([(f + j) * self.ratio for f, n in zip(firsts, counts) for j in range(n)], h.device)
         keys = None
         if self.is_index:  # indexer keys come from the pre-RoPE latent
             k = ops.rms_norm(ops.linear(latent, w.i_wk), w.i_k_norm, cfg.rms_norm_eps)
@@ -148,9 +148,9 @@ class Attention:
                 # without an index source for this source in this step, nothing is selectable
                 masks.append(selected[1][i] if chosen else torch.zeros(new.shape[0], entries.shape[0], dtype=torch.bool, device=dev))
         bank = torch.cat(banks + [kv.new_zeros(1, D)])  # last row: target of masked slots
-        lengths = torch.tensor(pb.lengths, device=dev)
+        lengths = to_device(pb.lengths, dev)
         win_pos = pb.positions[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
-        shift = torch.tensor(win_shift, device=dev).repeat_interleave(lengths)[:, None]
+        shift = to_device(win_shift, dev).repeat_interleave(lengths, output_size=len(pb.ids))[:, None]
         idx = torch.where(win_pos >= 0, win_pos + shift, -1)
         if use_compressed:
             slots = cfg.index_topk
@@ -159,7 +159,7 @@ class Attention:
             # selected entries first, in ascending entry order; unused slots stay masked
             order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[:, :slots]
             ok = mask.gather(1, order)
-            start = torch.tensor(comp_start, device=dev).repeat_interleave(lengths)[:, None]
+            start = to_device(comp_start, dev).repeat_interleave(lengths, output_size=len(pb.ids))[:, None]
             idx = torch.cat([idx, torch.where(ok, order + start, -1)], dim=1)
         valid = idx >= 0
         keys = bank[torch.where(valid, idx, bank.shape[0] - 1)]  # [T, slots, D]

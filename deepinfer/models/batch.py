@@ -20,6 +20,15 @@ class ForwardBatch:
     all_logits: bool = False
 
 
+def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
+    """A small host-built tensor on `device` without stalling it: a plain copy to a GPU waits for all queued GPU
+    work (the host then idles while the GPU drains, every layer); a pinned non-blocking copy is queued in order."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class PackedBatch:
     """ForwardBatch flattened to token rows, built once per step."""
@@ -30,6 +39,7 @@ class PackedBatch:
     lengths: list[int]
     past: list[int]  # tokens each sequence had before this step
     states: list[SequenceState]
+    id_list: list[int] = field(default_factory=list)  # `ids` on the host (no device read-back needed)
     scratch: dict = field(default_factory=dict)  # per-step values shared between layers (top-k selection)
 
     @classmethod
@@ -44,9 +54,10 @@ class PackedBatch:
         for n in lengths:
             starts.append(acc)
             acc += n
-        ids = torch.tensor([t for seq in batch.token_ids for t in seq], dtype=torch.int64, device=device)
-        positions = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(past, lengths)]).to(device)
-        return cls(ids, positions, starts, lengths, past, list(batch.states))
+        id_list = [t for seq in batch.token_ids for t in seq]
+        ids = to_device(id_list, device)
+        positions = to_device([p + j for p, n in zip(past, lengths) for j in range(n)], device)
+        return cls(ids, positions, starts, lengths, past, list(batch.states), id_list)
 
     def rows(self, i: int) -> slice:
         return slice(self.starts[i], self.starts[i] + self.lengths[i])

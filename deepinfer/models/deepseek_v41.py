@@ -16,7 +16,7 @@ from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.rope import default_inv_freq, yarn_inv_freq
 
 from .attention import Attention
-from .batch import ForwardBatch, PackedBatch
+from .batch import ForwardBatch, PackedBatch, to_device
 from .card import ModelCard
 from .config import ModelConfig
 from .engram import EngramTables
@@ -103,7 +103,7 @@ class DeepseekV41Model:
         for st, n in zip(pb.states, pb.lengths):
             st.num_tokens += n
         if not batch.all_logits:
-            last = torch.tensor([s + n - 1 for s, n in zip(pb.starts, pb.lengths)], device=self.device)
+            last = to_device([s + n - 1 for s, n in zip(pb.starts, pb.lengths)], self.device)
             streams, pre = streams[last], pre[last]
         y = ops.rms_norm(ops.mhc_collapse(streams, pre), self.final_norm, cfg.rms_norm_eps)
         return ops.linear(y, self.head).float()
@@ -133,7 +133,8 @@ class DeepseekV41Model:
     def _engram_hash(self, pb: PackedBatch) -> torch.Tensor:
         """[T, n_engram_layers, n_hash_cols] bucket ids of the n-grams ending at each new token."""
         tabs, n = self.engram, self.config.engram_max_ngram_size
-        compressed = tabs.token_map[pb.ids].tolist()
+        token_map = tabs.host_token_map
+        compressed = [token_map[t] for t in pb.id_list]
         rows = []
         for i, st in enumerate(pb.states):
             new = compressed[pb.starts[i] : pb.starts[i] + pb.lengths[i]]
@@ -143,7 +144,7 @@ class DeepseekV41Model:
                 window = window[::-1] + [tabs.pad_id] * (n - len(window))  # look-back 0..n-1; pad past the start
                 rows.append(window)
             st.push_ngram(new)
-        tokens = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        tokens = to_device(rows, self.device)
         return self.ops.engram_hash(tokens, tabs.multipliers, tabs.primes, tabs.offsets)
 
     def _engram(self, streams: torch.Tensor, lw: LayerWeights, ids: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,7 @@ class EngramTables:
     multipliers: torch.Tensor  # [L, N] int64 (odd)
     primes: torch.Tensor  # [L, N - 1, heads] int64
     offsets: torch.Tensor  # [L, (N - 1) * heads] int64
+    host_token_map: tuple[int, ...] = ()  # token_map on the host: hashing reads it per token without a device sync
 
     def to(self, device) -> "EngramTables":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -105,4 +106,5 @@ class EngramTables:
             multipliers=torch.tensor(np.stack(mults)),
             primes=torch.tensor(primes, dtype=torch.int64),
             offsets=torch.tensor(offsets, dtype=torch.int64),
+            host_token_map=tuple(mapping),
         )

@@ -1,7 +1,8 @@
 import torch
 
-# Rows are padded to a multiple of this before the GEMM: BLAS picks a different kernel (and summation
-# order) for very few rows, which would make a row's result depend on how many rows ride with it.
+# Rows are padded to a multiple of this before the GEMM on the CPU: BLAS picks a different kernel (and summation
+# order) for very few rows, which would make a row's result depend on how many rows ride with it. Not on GPUs:
+# cuBLAS picks kernels by M anyway (padding cannot make it row-invariant), and the copies cost launches.
 ROW_TILE = 16
 
 
@@ -10,7 +11,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    pad = -m % ROW_TILE
+    pad = -m % ROW_TILE if x.device.type == "cpu" else 0
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
     return torch.nn.functional.linear(x2, weight)[:m].reshape(*lead, weight.shape[0])
@@ -20,7 +21,7 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [N, K].T for a `b` whose row count varies (e.g. a growing key cache): both M and N
     are padded to ROW_TILE so neither dimension changes the kernel BLAS picks."""
     n = b.shape[0]
-    pad = -n % ROW_TILE
+    pad = -n % ROW_TILE if b.device.type == "cpu" else 0
     if pad:
         b = torch.cat([b, b.new_zeros(pad, b.shape[1])])
     return linear(a, b)[..., :n]

@@ -49,35 +49,49 @@ def _spy(monkeypatch, module, name, calls):
     monkeypatch.setattr(module, name, wrapped)
 
 
-def test_kernel_sized_model_matches_torch_ops_in_bf16(monkeypatch):
-    """A V4.1 model of kernel-sized shapes (64 heads x 512, experts in FP4/FP8 as stored), bf16 on CUDA: the
-    TileLang backend's logits follow the torch reference ops' over a prefill and teacher-forced decode steps, and
-    the kernels really ran (spied)."""
+def _run(model, prompts, follow):
+    """Logits of a batched prefill (every position) and teacher-forced decode steps."""
+    from deepinfer.models import ForwardBatch
+
+    states = [model.new_state() for _ in prompts]
+    logits = [model.forward(ForwardBatch(prompts, states, all_logits=True))]
+    for toks in follow:
+        logits.append(model.forward(ForwardBatch([[t] for t in toks], states)))
+    return torch.cat(logits).float()
+
+
+def test_kernel_sized_model_in_bf16_is_as_accurate_as_the_torch_ops(monkeypatch):
+    """A V4.1 model of kernel-sized shapes (64 heads x 512, experts in FP4/FP8 as stored) in bf16 on CUDA: against
+    the same model in float32 with the torch ops, the TileLang backend is as accurate as the torch ops in bf16 (a
+    random-weight model amplifies bf16 rounding through its layers: bf16 vs fp32 differs by ~10% on the CPU too,
+    so the bar is relative), and the kernels really ran (spied)."""
     from deepinfer.kernels.registry import OpSet
     from deepinfer.kernels.tilelang import attention, indexer, moe
-    from deepinfer.models import ForwardBatch, synthetic
+    from deepinfer.models import synthetic
 
     calls = {}
     for module, name in ((moe, "moe_experts_packed"), (moe, "jit"), (attention, "_run"), (indexer, "jit")):
         _spy(monkeypatch, module, name, calls)
     cfg = synthetic.config(SMALL)
-    model = synthetic.build_model(cfg, "cuda", torch.bfloat16, backends={"default": ["tilelang-sm90", "torch"]},
-                                  seed=3)
-    tl_ops, ref_ops = model.ops, OpSet.build("cuda", ["torch"])
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (300, 17, 150)]
     follow = torch.randint(3, 500, (4, 3), generator=gen).tolist()
-    outs = {}
-    for name, ops in (("tilelang", tl_ops), ("torch", ref_ops)):
-        model.use_ops(ops)
-        states = [model.new_state() for _ in prompts]
-        logits = [model.forward(ForwardBatch(prompts, states, all_logits=True))]
-        for toks in follow:
-            logits.append(model.forward(ForwardBatch([[t] for t in toks], states)))
-        outs[name] = torch.cat(logits).float()
+    ref = _run(synthetic.build_model(cfg, "cuda", torch.float32, backends=["torch"], seed=3), prompts, follow)
+    model = synthetic.build_model(cfg, "cuda", torch.bfloat16, backends={"default": ["tilelang-sm90", "torch"]},
+                                  seed=3)
+    got = _run(model, prompts, follow)
     assert set(calls) >= {"moe.moe_experts_packed", "moe.jit", "attention._run", "indexer.jit"}, calls
-    got, ref = outs["tilelang"], outs["torch"]
+    model.use_ops(OpSet.build("cuda", ["torch"]))
+    base = _run(model, prompts, follow)
+
+    def rel(x):
+        return ((x - ref).norm() / ref.norm()).item()
+
+    def agree(x):
+        return (x.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
     assert torch.isfinite(got).all()
-    rel = ((got - ref).norm() / ref.norm()).item()
-    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert rel < 3e-2 and agree > 0.9, (rel, agree)
+    print(f"vs fp32 torch: tilelang bf16 rel {rel(got):.4f} agree {agree(got):.3f}; "
+          f"torch bf16 rel {rel(base):.4f} agree {agree(base):.3f}")
+    assert rel(got) <= 1.5 * rel(base) + 1e-3, (rel(got), rel(base))
+    assert agree(got) >= agree(base) - 0.1, (agree(got), agree(base))
