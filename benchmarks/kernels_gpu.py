@@ -273,11 +273,19 @@ def bench_indexer(rows, bw, peak, batches, contexts, with_torch):
             del data
 
 
+def _section(name):
+    """Benchmarks of later kernels live in their own files next to this one (kernel_bench_*.py)."""
+    import importlib
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    return importlib.import_module(name)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/kernels_gpu.json")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--only", default="moe,attn,indexer")
+    ap.add_argument("--only", default="moe,attn,indexer,mhc")
     ap.add_argument("--no-torch", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -299,6 +307,8 @@ def main():
         "attn": lambda: (bench_attention(rows, bw, peak, batches, [4096, 32768], not a.no_torch),
                          bench_attention(rows, bw, peak, [64], [32768], False, q_per_seq=4)),
         "indexer": lambda: bench_indexer(rows, bw, peak, batches, [4096, 32768], not a.no_torch),
+        "mhc": lambda: _section("kernel_bench_mhc").bench(record, measure, bw, peak, batches, not a.no_torch,
+                                                          rows=rows),
     }
     for name in a.only.split(","):
         try:

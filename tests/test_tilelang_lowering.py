@@ -110,6 +110,7 @@ def test_manifest_registers_cuda_only():
     from deepinfer.kernels import registry
 
     ours = [e for e in registry.registered() if e.backend == "tilelang-sm90"]
-    assert {e.kind for e in ours} == {"moe_router", "moe_experts", "sink_attention", "indexer_scores"}
+    assert {e.kind for e in ours} == {"moe_router", "moe_experts", "sink_attention", "indexer_scores", "mhc_mixes",
+                                      "mhc_collapse", "mhc_expand"}
     assert all(e.devices == ("cuda",) for e in ours)
     assert "tilelang-sm90" not in registry.backends_for("moe_experts", "cpu")

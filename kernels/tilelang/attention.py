@@ -48,6 +48,16 @@ def sink_attention(q, keys, bias, sink, scale):
 
 def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
                           window: int = 128, splits: int | None = None):
+    """The decode fast path: the warp-specialised v2 kernel (attention_kernel_v2; 1.3-1.8x v1 on an H200,
+    benchmarks/results/attn_v2_gpu_h200.json). Contract: sink_attention_decode_v1."""
+    from .attention_kernel_v2 import sink_attention_decode_v2
+
+    return sink_attention_decode_v2(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink,
+                                    scale, window, splits)
+
+
+def sink_attention_decode_v1(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
+                             window: int = 128, splits: int | None = None):
     """Decode attention for a batch of query tokens (1..6 per sequence, any mix), reading the caches as stored.
 
     q [Nq, 64, 512] bf16 (RoPE applied); q_seq [Nq] int32 sequence of each query; q_pos [Nq] int32 its position.

@@ -14,6 +14,9 @@ _WHERE = {
     "moe_experts": "moe",
     "sink_attention": "attention",
     "indexer_scores": "indexer",
+    "mhc_mixes": "mhc",
+    "mhc_collapse": "mhc",
+    "mhc_expand": "mhc",
 }
 for _kind, _module in _WHERE.items():
     register(_kind, BACKEND, ("cuda",), f"deepinfer.kernels.tilelang.{_module}:{_kind}")

@@ -1,0 +1,351 @@
+"""Decode attention v2: warp-specialised, double-buffered version of attention_kernel.py's "paged" kernel.
+
+Same inputs, outputs and partial layout as v1 (v1's split combine is reused). v1 runs each 64-key block as
+load -> barrier -> QK -> softmax -> PV in one 256-thread group, so the tensor cores idle while keys are loaded
+and dequantised and while the softmax runs. v2 follows FlashMLA's sparse-FP8 Hopper kernel: 384 threads, three
+warpgroups, one CTA per SM (211 KB shared: Q 64 KB, two bf16 key buffers 2 x 64 KB, two P buffers 2 x 8 KB):
+
+  WG0 (192 regs): S = Q K^T (4 x 8 wgmma m64n64k16, Q and K from shared), masked online softmax in the log2
+                  domain, P -> shared, O[:, :256] += P V[:, :256] (4 x m64n256k16); QK of block n+1 is issued
+                  right behind PV of block n, and key buffer n is released as soon as PV(n) is done.
+  WG1 (160 regs): O[:, 256:] += P V[:, 256:] once WG0 has published P(n) and the rescale factor of block n.
+  producer (152): builds the CTA's row table (window slot or pool row per key, -1 = invisible), then per
+                  block: packed rows -> registers one block ahead (HBM latency under the MMAs), wait for a free
+                  key buffer, dequantise into it (dequant.py), zeroing invisible rows (an empty ring slot may
+                  hold bytes that dequantise to inf/NaN, and 0 * NaN in P V would poison the row).
+
+Each half of O (64 x 256 fp32) lives in one math warpgroup's registers (128 per thread); K = V, so one key
+buffer serves QK (K-major) and PV (MN-major). mbarriers: k_ready/k_free per key buffer (producer <-> math),
+p_ready/p_free per P buffer (WG0 -> WG1 and back), bar_fin (WG0's final row scales). Several query tokens of a
+sequence are separate CTAs: two tokens cannot share a CTA (two O accumulators = 256 KB of registers), and the
+window rows they share are re-read from L2, not HBM.
+
+The head dim is kept in dequant.py's twiddled order inside shared memory (Q is loaded permuted to match) and
+un-twiddled when the output is stored (or by the combine kernel, as in v1).
+"""
+
+import tilelang.language as T
+
+from .attention_kernel import build_sink_combine  # v1's combine: v2 writes the same partial layout
+from .dequant import CUDA_SOURCE, fp4_perm
+
+NEG_BIG = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) never sees inf - inf
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _is_hopper(arch):
+    if arch is None:
+        from tvm.target import Target
+
+        tgt = Target.current(allow_none=True)
+        arch = str(tgt.attrs.get("arch", "sm_90a")) if tgt is not None else "sm_90a"
+    return arch.startswith("sm_90")
+
+
+def build_sink_attention_v2(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
+                            splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152)):
+    """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
+    ml_part, scale) with v1's "paged" signature. grid = (splits, n_q); splits > 1 writes partials for
+    build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
+    elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer."""
+    H, D, W, BK = heads, dim, window, 64
+    assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0
+    NB = (W + topk) // BK          # key blocks per query
+    NWB = W // BK                  # of which window blocks
+    PER = -(-NB // splits)         # blocks per split (the last may have fewer, or none)
+    DH = D // 2
+    n_prod = 128  # one producer warpgroup (two: ptxas cannot fit WG0's wgmma in 128 launch registers)
+    threads = 256 + n_prod
+    ROWS = BK // (n_prod // 32)    # rows per producer warp per block (lane l owns channels 16l..16l+15)
+    hopper = _is_hopper(arch)
+    # registers per thread after setmaxnreg: WG0 holds O/2 + S, WG1 O/2, the producer one block of packed rows
+    REG0, REG1, REGP = regs
+    QCH = 4 if hopper else 1       # QK commit groups (see qk)
+    launch_regs = min(255, 65536 // threads) // 8 * 8  # what each thread gets before setmaxnreg
+    assert 128 * (REG0 + REG1) + n_prod * REGP <= 65536
+    n_q, n_seq, n_pool = T.dynamic("n_q"), T.dynamic("n_seq"), T.dynamic("n_pool")
+    single = splits == 1
+
+    def mma(a, b, c, transpose_B=False, clear_accum=False):
+        # Hopper: asynchronous wgmma, completion waited explicitly; elsewhere (lowering only) a synchronous gemm
+        if hopper:
+            return T.wgmma_gemm(a, b, c, transpose_B=transpose_B, clear_accum=clear_accum)
+        return T.gemm(a, b, c, transpose_B=transpose_B, clear_accum=clear_accum)
+
+    @T.macro
+    def qk(q_s, kbuf, s_acc):
+        # S = Q K^T in QCH chunks of K (one commit group each, descriptor = base + c * 16 KB). As one gemm,
+        # ptxas hoists all 32 k-step descriptors out of the block loop and spills them: WG0 has no registers
+        # to spare next to O/2 and S (sm_90a, ptxas 13.0: 83 spill stores in WG0 -> 2)
+        T.clear(s_acc)
+        for c in T.serial(QCH):
+            mma(q_s[:, c * (D // QCH):(c + 1) * (D // QCH)], kbuf[:, c * (D // QCH):(c + 1) * (D // QCH)], s_acc,
+                transpose_B=True)
+
+    @T.macro
+    def wait_mma(n):
+        if hopper:
+            T.wait_wgmma(n)
+
+    @T.macro
+    def wg0_block(n, nmine, kcur, knext, pbuf, sb, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
+                  k_ready, k_free, p_ready, p_free, scale2):
+        # QK(n) was issued into s_acc (previous block or prologue); PV_L(n-1) has completed
+        wait_mma(0)
+        for h, j in T.Parallel(H, BK):
+            s_acc[h, j] = T.if_then_else(idx_s[n * BK + j] >= 0, s_acc[h, j] * scale2, -T.infinity("float32"))
+        T.copy(m_i, m_prev)
+        T.reduce_max(s_acc, m_i, dim=1, clear=False)
+        for h in T.Parallel(H):
+            alpha[h] = T.exp2(m_prev[h] - m_i[h])
+        for h, j in T.Parallel(H, BK):
+            s_acc[h, j] = T.exp2(s_acc[h, j] - m_i[h])
+        T.reduce_sum(s_acc, rsum, dim=1)
+        for h in T.Parallel(H):
+            l_i[h] = l_i[h] * alpha[h] + rsum[h]
+        for h, d in T.Parallel(H, DH):
+            o_l[h, d] *= alpha[h]
+        # P buffer sb was last read by WG1's wgmma for block n-2
+        T.barrier_wait(p_free[sb], ((n // 2) & 1) ^ 1)
+        T.copy(s_acc, pbuf)
+        for h in T.Parallel(H):
+            alpha_s[sb, h] = alpha[h]
+        T.fence_proxy_async()
+        T.barrier_arrive(p_ready[sb])
+        mma(pbuf, kcur[:, 0:DH], o_l)
+        if n + 1 < nmine:
+            # QK(n+1) queues behind PV_L(n): the tensor cores stay busy while WG0 waits
+            T.barrier_wait(k_ready[1 - sb], ((n + 1) // 2) & 1)
+            qk(q_s, knext, s_acc)
+            wait_mma(QCH)  # PV_L(n) is older than the QCH groups of QK(n+1)
+        else:
+            wait_mma(0)
+        T.barrier_arrive(k_free[sb])  # PV_L(n) done: WG0 no longer reads key buffer sb
+
+    @T.macro
+    def wg1_block(n, kcur, pbuf, sb, o_r, alpha_s, k_free, p_ready, p_free):
+        T.barrier_wait(p_ready[sb], (n // 2) & 1)
+        for h, d in T.Parallel(H, DH):
+            o_r[h, d] *= alpha_s[sb, h]
+        mma(pbuf, kcur[:, DH:D], o_r)
+        wait_mma(0)
+        T.barrier_arrive(k_free[sb])
+        T.barrier_arrive(p_free[sb])
+
+    @T.macro
+    def load_raw(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
+        # one block's packed rows into registers: issued a block ahead, so HBM latency overlaps the MMAs
+        for i in T.unroll(ROWS):
+            row = idx_s[n * BK + warp * ROWS + i]
+            ok[i] = row
+            if kb0 + n < NWB:
+                for v in T.vectorized(16):
+                    raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
+                sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+            else:
+                for v in T.vectorized(8):
+                    raw[i * 16 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
+                sc[i] = cmp_scale[T.max(row, 0), lane]
+
+    @T.macro
+    def dequant(n, kb0, kbuf, lane, warp, raw, sc, ok, vals):
+        for i in T.unroll(ROWS):
+            if kb0 + n < NWB:
+                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
+                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i],
+                              T.address_of(vals[8]))
+            else:
+                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i],
+                              T.address_of(vals[0]))
+                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
+                              T.address_of(vals[8]))
+            for v in T.vectorized(16):
+                kbuf[warp * ROWS + i, lane * 16 + v] = T.if_then_else(ok[i] >= 0, vals[v], T.cast(0, "bfloat16"))
+        T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
+
+    @T.prim_func
+    def sink_attention_paged_v2(
+        q: T.Tensor((n_q, H, D), "bfloat16"),
+        q_seq: T.Tensor((n_q,), "int32"),
+        q_pos: T.Tensor((n_q,), "int32"),
+        win_kv: T.Tensor((n_seq, W, D), "uint8"),
+        win_scale: T.Tensor((n_seq, W, D // 32), "uint8"),
+        win_pos: T.Tensor((n_seq, W), "int32"),
+        cmp_kv: T.Tensor((n_pool, D // 2), "uint8"),
+        cmp_scale: T.Tensor((n_pool, D // 16), "uint8"),
+        sel: T.Tensor((n_q, topk), "int32"),
+        sink: T.Tensor((H,), "float32"),
+        out: T.Tensor((n_q, H, D), "bfloat16"),
+        o_part: T.Tensor((n_q, splits, H, D), "float32"),
+        ml_part: T.Tensor((n_q, splits, 2, H), "float32"),
+        scale: T.float32,
+    ):
+        with T.Kernel(splits, n_q, threads=threads) as (bs, bq):
+            q_s = T.alloc_shared((H, D), "bfloat16")
+            k0 = T.alloc_shared((BK, D), "bfloat16")
+            k1 = T.alloc_shared((BK, D), "bfloat16")
+            p0 = T.alloc_shared((H, BK), "bfloat16")
+            p1 = T.alloc_shared((H, BK), "bfloat16")
+            alpha_s = T.alloc_shared((2, H), "float32")
+            fin_s = T.alloc_shared((H,), "float32")
+            idx_s = T.alloc_shared((PER * BK,), "int32")  # per key of this split: source row, -1 = invisible
+
+            k_ready = T.alloc_barrier([n_prod, n_prod])    # key buffer i dequantised
+            k_free = T.alloc_barrier([256, 256])           # key buffer i no longer read by either math WG
+            p_ready = T.alloc_barrier([128, 128])          # P / alpha buffer i written by WG0
+            p_free = T.alloc_barrier([128, 128])           # P buffer i no longer read by WG1
+            bar_fin = T.alloc_barrier(128)                 # WG0's final row scales in fin_s
+
+            tx = T.get_thread_binding()
+            T.import_source(CUDA_SOURCE)
+            kb0 = bs * PER
+            nmine = T.max(T.min(NB - kb0, PER), 0)
+            b = q_seq[bq]
+            p = q_pos[bq]
+
+            if tx < 128:
+                # ---- WG0: QK^T, online softmax, O[:, :256]
+                T.set_max_nreg(REG0, int(REG0 > launch_regs))
+                s_acc = T.alloc_fragment((H, BK), "float32")
+                o_l = T.alloc_fragment((H, DH), "float32")
+                m_i = T.alloc_fragment((H,), "float32")
+                m_prev = T.alloc_fragment((H,), "float32")
+                l_i = T.alloc_fragment((H,), "float32")
+                rsum = T.alloc_fragment((H,), "float32")
+                alpha = T.alloc_fragment((H,), "float32")
+                scale2 = scale * LOG2E
+                # Q -> shared in the twiddled head-dim order (16-byte loads, permuted in registers); WG0 alone
+                # reads Q, so the other roles start without waiting for it
+                qv = T.alloc_local((8,), "bfloat16")
+                qt = T.alloc_local((8,), "bfloat16")
+                for i in T.unroll(32):
+                    for v in T.vectorized(8):
+                        qv[v] = q[bq, (i * 128 + tx) // 64, ((i * 128 + tx) % 64) * 8 + v]
+                    for v in T.unroll(8):
+                        qt[v] = qv[(v % 2) * 4 + v // 2]
+                    for v in T.vectorized(8):
+                        q_s[(i * 128 + tx) // 64, ((i * 128 + tx) % 64) * 8 + v] = qt[v]
+                T.fence_proxy_async()
+                T.fill(m_i, NEG_BIG)
+                T.fill(l_i, 0.0)
+                T.fill(o_l, 0.0)
+                if nmine > 0:
+                    T.barrier_wait(k_ready[0], 0)
+                    qk(q_s, k0, s_acc)
+                for it in T.serial((nmine + 1) // 2):
+                    wg0_block(it * 2, nmine, k0, k1, p0, 0, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s,
+                              alpha_s, k_ready, k_free, p_ready, p_free, scale2)
+                    if it * 2 + 1 < nmine:
+                        wg0_block(it * 2 + 1, nmine, k1, k0, p1, 1, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha,
+                                  idx_s, alpha_s, k_ready, k_free, p_ready, p_free, scale2)
+                wait_mma(0)
+                if single:
+                    for h in T.Parallel(H):
+                        # the sink joins the denominator only: out = O e^-M / (l e^-M + e^(sink - M))
+                        alpha[h] = T.max(m_i[h], sink[h] * LOG2E)
+                        rsum[h] = T.exp2(m_i[h] - alpha[h]) / (l_i[h] * T.exp2(m_i[h] - alpha[h])
+                                                               + T.exp2(sink[h] * LOG2E - alpha[h]))
+                    for h in T.Parallel(H):
+                        fin_s[h] = rsum[h]
+                    T.barrier_arrive(bar_fin[0])
+                    for h, d in T.Parallel(H, DH):
+                        out[bq, h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
+                else:
+                    for h in T.Parallel(H):
+                        ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as v1's combine expects
+                        ml_part[bq, bs, 1, h] = l_i[h]
+                    for h, d in T.Parallel(H, DH):
+                        o_part[bq, bs, h, d] = o_l[h, d]
+
+            elif tx < 256:
+                # ---- WG1: O[:, 256:]
+                T.set_max_nreg(REG1, int(REG1 > launch_regs))
+                o_r = T.alloc_fragment((H, DH), "float32")
+                T.fill(o_r, 0.0)
+                for it in T.serial((nmine + 1) // 2):
+                    wg1_block(it * 2, k0, p0, 0, o_r, alpha_s, k_free, p_ready, p_free)
+                    if it * 2 + 1 < nmine:
+                        wg1_block(it * 2 + 1, k1, p1, 1, o_r, alpha_s, k_free, p_ready, p_free)
+                if single:
+                    T.barrier_wait(bar_fin[0], 0)
+                    for h, d in T.Parallel(H, DH):
+                        out[bq, h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
+                else:
+                    for h, d in T.Parallel(H, DH):
+                        o_part[bq, bs, h, d + DH] = o_r[h, d]
+
+            else:
+                # ---- producer warpgroup: row table, then each block's rows loaded one block ahead and dequantised
+                T.set_max_nreg(REGP, int(REGP > launch_regs))
+                pt = tx - 256
+                lane = pt % 32
+                warp = pt // 32
+                for i in T.serial(T.ceildiv(PER * BK, n_prod)):
+                    if i * n_prod + pt < nmine * BK:
+                        kb = kb0 + (i * n_prod + pt) // BK
+                        r = (i * n_prod + pt) % BK
+                        if kb < NWB:
+                            kp = win_pos[b, kb * BK + r]
+                            idx_s[i * n_prod + pt] = T.if_then_else((kp >= 0) and (kp <= p) and (kp > p - W),
+                                                                    kb * BK + r, -1)
+                        else:
+                            idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
+                T.sync_threads(5, n_prod)  # producers only: the row table is complete
+
+                raw = T.alloc_local((ROWS * 16,), "uint8")
+                sc = T.alloc_local((ROWS,), "uint8")
+                ok = T.alloc_local((ROWS,), "int32")
+                vals = T.alloc_local((16,), "bfloat16")
+                if nmine > 0:
+                    load_raw(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+                for it in T.serial((nmine + 1) // 2):
+                    T.barrier_wait(k_free[0], (it & 1) ^ 1)
+                    dequant(it * 2, kb0, k0, lane, warp, raw, sc, ok, vals)
+                    T.barrier_arrive(k_ready[0])
+                    if it * 2 + 1 < nmine:
+                        load_raw(it * 2 + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
+                                 cmp_scale)
+                        T.barrier_wait(k_free[1], (it & 1) ^ 1)
+                        dequant(it * 2 + 1, kb0, k1, lane, warp, raw, sc, ok, vals)
+                        T.barrier_arrive(k_ready[1])
+                        if it * 2 + 2 < nmine:
+                            load_raw(it * 2 + 2, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
+                                     cmp_scale)
+
+    return sink_attention_paged_v2
+
+
+# ------------------------------------------------------------------------------------------------ runtime entry
+SMS = 132  # H200 multiprocessors; only steers the split count (correct for any value)
+
+
+def default_splits(n_q: int, window: int = 128, topk: int = 512) -> int:
+    """One CTA per SM (each takes ~211 KB of shared memory): as v1, n_q * splits ~ SMs, at most one block each."""
+    n_blocks = (window + topk) // 64
+    return max(1, min(n_blocks, SMS // max(n_q, 1)))
+
+
+def sink_attention_decode_v2(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
+                             window: int = 128, splits: int | None = None):
+    """Same contract as attention.sink_attention_decode (v1), computed by build_sink_attention_v2."""
+    import torch
+
+    from ._build import jit
+
+    n_q, H, D = q.shape
+    W, topk = win_kv.shape[1], sel.shape[1]
+    assert W == window and H == 64 and D == 512 and n_q > 0
+    splits = splits or default_splits(n_q, W, topk)
+    kernel = jit(build_sink_attention_v2, H, D, W, topk, splits)
+    dev = q.device
+    out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=dev)
+    # with one split the kernel normalises in place and never touches the partial buffers
+    o_part = torch.empty(n_q, splits, H, D, dtype=torch.float32, device=dev)
+    ml_part = torch.empty(n_q, splits, 2, H, dtype=torch.float32, device=dev)
+    sink = sink.float().contiguous()
+    kernel(q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous(), sink, out,
+           o_part, ml_part, float(scale))
+    if splits > 1:
+        jit(build_sink_combine, H, D, splits, True)(o_part, ml_part, sink, out)
+    return out

@@ -1,0 +1,111 @@
+"""Registry-facing mHC ops (`mhc_mixes`, `mhc_collapse`, `mhc_expand`) on the TileLang kernels in mhc_kernel.py.
+
+Each keeps the torch op's signature and return dtypes. Kernel path: CUDA bf16 streams (and a bf16 layer output
+for expand), fp32 pre/post/comb, widths the tiles divide; anything else goes to the torch op unchanged.
+
+The mixes split their K loop over `_splits(T)` blocks per 64-token tile (static per compiled variant: 64 at
+decode, fewer as tiles multiply); the split count changes the fp32 summation order, so a token's mixes can differ
+in the last bits between batch sizes (not batch-invariant, like the MoE kernels' atomic combine).
+"""
+
+import torch
+
+from deepinfer.kernels.torch import mhc as torch_mhc
+
+from ._build import jit
+from .mhc_kernel import (NOUT, build_mhc_collapse, build_mhc_expand, build_mhc_mix_finalize, build_mhc_premix,
+                         mix_width)
+
+BLOCK_T, BLOCK_K = 64, 64
+SPLITS = (1, 4, 16, 64)  # K-split variants (each one compile); 320 K steps of 64 at hc*D = 20480
+FILL_BLOCKS = 256        # premix blocks wanted in flight: ~2 per SM on an H200 (3 fit by shared memory)
+
+
+def _splits(n_tok: int, k_steps: int) -> int:
+    ok = [s for s in SPLITS if k_steps % s == 0]
+    tiles = -(-n_tok // BLOCK_T)
+    return next((s for s in ok if tiles * s >= FILL_BLOCKS), ok[-1])
+
+
+def _stages(splits: int, k_steps: int) -> int:
+    # few steps per block (decode): put them all in flight at once; long loops: 3-deep cp.async pipeline
+    steps = k_steps // splits
+    return min(steps, 5) if splits >= 16 else 3
+
+
+def _block_d(dim: int):
+    return next((b for b in (1024, 512, 256) if dim % b == 0), None)
+
+
+def mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps, splits: int):
+    """The kernel path of mhc_mixes with an explicit K-split count (tests / benchmarks); no fallback."""
+    hc, dim = streams.shape[-2:]
+    lead = streams.shape[:-2]
+    n = mix_width(hc)
+    x = streams.reshape(-1, hc * dim).contiguous()
+    n_tok, k_steps = x.shape[0], hc * dim // BLOCK_K
+    dev = x.device
+    part = torch.empty(splits, n_tok, NOUT, dtype=torch.float32, device=dev)
+    jit(build_mhc_premix, hc, dim, splits, BLOCK_T, BLOCK_K, _stages(splits, k_steps))(
+        x, fn.float().contiguous(), part)
+    pre = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
+    post = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(n_tok, hc, hc, dtype=torch.float32, device=dev)
+    jit(build_mhc_mix_finalize, hc, dim, splits, int(sinkhorn_iters))(
+        part, scale.reshape(-1)[:3].float().contiguous(), base.reshape(-1).float().contiguous(), pre, post, comb,
+        float(hc_eps), float(norm_eps))
+    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def mhc_mixes(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps):
+    """Same contract as deepinfer.kernels.torch.mhc.mhc_mixes. Kernel path: CUDA bf16 streams [..., hc, D] with
+    (2+hc)*hc < 32 (hc <= 4), hc*D a multiple of 64, fn [(2+hc)*hc, hc*D] on the same device; else the torch op."""
+    fast = streams.is_cuda and streams.dtype == torch.bfloat16 and streams.dim() >= 2
+    if fast:
+        hc, dim = streams.shape[-2:]
+        n = mix_width(hc)
+        fast = (n < NOUT and (hc * dim) % BLOCK_K == 0 and tuple(fn.shape) == (n, hc * dim)
+                and scale.numel() >= 3 and base.numel() == n and streams.numel() > 0 and int(sinkhorn_iters) >= 1
+                and all(t.device == streams.device for t in (fn, scale, base)))
+    if not fast:
+        return torch_mhc.mhc_mixes(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps)
+    n_tok = streams.numel() // (hc * dim)
+    return mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps,
+                             _splits(n_tok, hc * dim // BLOCK_K))
+
+
+def mhc_collapse(streams, pre):
+    """Same contract as deepinfer.kernels.torch.mhc.mhc_collapse. Kernel path: CUDA bf16 streams [..., hc, D]
+    (D a multiple of 256) with fp32 pre [..., hc]; else the torch op."""
+    fast = (streams.is_cuda and streams.dtype == torch.bfloat16 and streams.dim() >= 2 and pre.dtype == torch.float32
+            and pre.shape == streams.shape[:-1] and pre.device == streams.device and streams.numel() > 0
+            and _block_d(streams.shape[-1]) is not None)
+    if not fast:
+        return torch_mhc.mhc_collapse(streams, pre)
+    hc, dim = streams.shape[-2:]
+    bd = _block_d(dim)
+    x = streams.reshape(-1, hc, dim).contiguous()
+    out = torch.empty(x.shape[0], dim, dtype=torch.bfloat16, device=x.device)
+    jit(build_mhc_collapse, hc, dim, bd, bd // 8)(x, pre.reshape(-1, hc).contiguous(), out)
+    return out.view(*streams.shape[:-2], dim)
+
+
+def mhc_expand(x, residual, post, comb):
+    """Same contract as deepinfer.kernels.torch.mhc.mhc_expand. Kernel path: CUDA bf16 x [..., D] and residual
+    [..., hc, D] (D a multiple of 256), fp32 post [..., hc] and comb [..., hc, hc]; else the torch op."""
+    fast = (residual.is_cuda and residual.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+            and residual.dim() >= 2 and residual.numel() > 0 and post.dtype == torch.float32
+            and comb.dtype == torch.float32 and _block_d(residual.shape[-1]) is not None)
+    if fast:
+        lead, (hc, dim) = residual.shape[:-2], residual.shape[-2:]
+        fast = (x.shape == (*lead, dim) and post.shape == (*lead, hc) and comb.shape == (*lead, hc, hc)
+                and all(t.device == residual.device for t in (x, post, comb)))
+    if not fast:
+        return torch_mhc.mhc_expand(x, residual, post, comb)
+    bd = _block_d(dim)
+    res = residual.reshape(-1, hc, dim).contiguous()
+    out = torch.empty_like(res)
+    jit(build_mhc_expand, hc, dim, bd, bd // 8)(
+        x.reshape(-1, dim).contiguous(), res, post.reshape(-1, hc).contiguous(),
+        comb.reshape(-1, hc, hc).contiguous(), out)
+    return out.view(residual.shape)

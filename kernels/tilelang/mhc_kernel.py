@@ -1,0 +1,270 @@
+"""mHC kernels: the per-site mixes (RMS statistic + projection by fn, then gates and Sinkhorn), the stream
+collapse and the stream expand. Token counts are symbolic: one compiled kernel serves every batch size.
+
+Mixes, kernel 1 (`mhc_premix`): per token the sum of squares over the flattened hc*D stream and the (2+hc)*hc dot
+products with fn, on the tensor cores. fn is fp32 and the torch op's projection is fp32, so each fn tile is split in
+shared memory into three bf16 terms (hi + mid + lo carry 24 mantissa bits) and the bf16 stream tile (exact) is
+multiplied by all three: one wgmma of N = 3*24 (+8 zero rows, so it is one n=80 instruction, not nine n=8 ones).
+Tensor cores round their fp32 accumulation toward zero, so each k-step's product is cleared and added into a
+separate fp32 accumulator (round-to-nearest): the error stays at fp32 level over K = 20480 instead of growing
+with the step count. At decode the K loop is split over `splits` blocks per 64-token tile so ~all SMs pull fn
+(2 MB); each split writes [n_tok, 32] partials (24 dots, then the sum of squares).
+
+Mixes, kernel 2 (`mhc_mix_finalize`): warps sum the split partials (lanes = columns), then one thread per token
+applies the RMS scale, the sigmoid gates and the Sinkhorn projection on its 4x4 matrix in registers.
+
+Collapse / expand: pure bandwidth. Each block owns one token x `block_d` channels (16-byte vectors, 8 per thread),
+so T = 1 still spreads over D / block_d blocks and T = 32768 is a long flat grid.
+"""
+
+import tilelang.language as T
+
+NOUT = 32  # partial row: dots [0, N), sum of squares at N; padded to 128 bytes
+
+
+def mix_width(hc: int) -> int:
+    return (2 + hc) * hc
+
+
+def build_mhc_premix(hc: int, dim: int, splits: int, block_t: int = 64, block_k: int = 64, stages: int = 3,
+                     threads: int = 128):
+    """part[s, t, n] = sum over K-split s of x[t, k] * fn[n, k] (n < N); part[s, t, N] = sum of x[t, k]^2."""
+    K, N = hc * dim, mix_width(hc)
+    BT, BK, S = block_t, block_k, splits
+    NP = -(-3 * N // 16) * 16  # three bf16 terms of fn, padded to a multiple of 16 rows
+    assert N < NOUT and K % (BK * S) == 0 and BT == 64 and threads == 128
+    steps = K // (BK * S)
+    stages = max(1, min(stages, steps))
+    n_tok = T.dynamic("n_tok")
+
+    @T.prim_func
+    def mhc_premix(
+        x: T.Tensor((n_tok, K), "bfloat16"),
+        fn: T.Tensor((N, K), "float32"),
+        part: T.Tensor((S, n_tok, NOUT), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(n_tok, BT), S, threads=threads) as (bx, by):
+            x_s = T.alloc_shared((BT, BK), "bfloat16")
+            f_s = T.alloc_shared((N, BK), "float32")
+            w_s = T.alloc_shared((NP, BK), "bfloat16")
+            out_s = T.alloc_shared((BT, NP + 1), "float32")
+            acc = T.alloc_fragment((BT, NP), "float32")
+            tot = T.alloc_fragment((BT, NP), "float32")
+            sq = T.alloc_fragment((BT, BK), "float32")
+            ss = T.alloc_fragment((BT,), "float32")
+            T.clear(tot)
+            T.clear(sq)
+            for i, j in T.Parallel(NP - 3 * N, BK):
+                w_s[3 * N + i, j] = T.cast(0, "bfloat16")
+            for k in T.Pipelined(steps, num_stages=stages):
+                T.copy(x[bx * BT, (by * steps + k) * BK], x_s)
+                T.copy(fn[0, (by * steps + k) * BK], f_s)
+                for i, j in T.Parallel(N, BK):
+                    v = f_s[i, j]
+                    hi = T.cast(v, "bfloat16")
+                    r = v - T.cast(hi, "float32")  # exact
+                    mid = T.cast(r, "bfloat16")
+                    w_s[i, j] = hi
+                    w_s[N + i, j] = mid
+                    w_s[2 * N + i, j] = T.cast(r - T.cast(mid, "float32"), "bfloat16")
+                for i, j in T.Parallel(BT, BK):
+                    xv = T.cast(x_s[i, j], "float32")
+                    sq[i, j] += xv * xv
+                T.gemm(x_s, w_s, acc, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(BT, NP):
+                    tot[i, j] += acc[i, j]
+            T.reduce_sum(sq, ss, dim=1)
+            # the three terms of column n sit 24 columns apart: combine them through shared memory
+            T.copy(tot, out_s[0:BT, 0:NP])
+            for i in T.Parallel(BT):
+                out_s[i, NP] = ss[i]
+            for i, j in T.Parallel(BT, N + 1):
+                if bx * BT + i < n_tok:
+                    jj = T.min(j, N - 1)
+                    part[by, bx * BT + i, j] = T.if_then_else(
+                        j < N, out_s[i, jj] + (out_s[i, N + jj] + out_s[i, 2 * N + jj]), out_s[i, NP])
+
+    return mhc_premix
+
+
+def build_mhc_mix_finalize(hc: int, dim: int, splits: int, sinkhorn_iters: int, threads: int = 256):
+    """pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32) from the split partials; same math as the torch op:
+    mixes = dots * rsqrt(sumsq / (hc*D) + norm_eps); pre = sigmoid(mixes*scale0 + base) + eps;
+    post = 2 sigmoid(mixes*scale1 + base); comb = softmax_k(mixes*scale2 + base) + eps, column-normalised, then
+    (iters - 1) rounds of row then column normalisation (rows = input stream j, dim -2 = column sums).
+
+    Phase 1: warp w sums the partials of TW tokens, lane c owning column c; the split loop is unrolled so all its
+    loads are in flight at once. Many splits (decode): one token per warp. Few splits (prefill): four, so that
+    phase 2 (one thread per token, the 4x4 Sinkhorn in registers) runs a full warp."""
+    K, N, S, H = hc * dim, mix_width(hc), splits, hc
+    warps = threads // 32
+    TW = 1 if S > 4 else 4
+    TPB = warps * TW
+    assert TPB <= threads
+    n_tok = T.dynamic("n_tok")
+    rounds = max(sinkhorn_iters - 1, 0)
+
+    @T.prim_func
+    def mhc_mix_finalize(
+        part: T.Tensor((S, n_tok, NOUT), "float32"),
+        scale: T.Tensor((3,), "float32"),
+        base: T.Tensor((N,), "float32"),
+        pre: T.Tensor((n_tok, H), "float32"),
+        post: T.Tensor((n_tok, H), "float32"),
+        comb: T.Tensor((n_tok, H, H), "float32"),
+        hc_eps: T.float32,
+        norm_eps: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(n_tok, TPB), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            red = T.alloc_shared((TPB, NOUT + 1), "float32")  # +1: phase 2 reads a row per thread, no conflicts
+            acc = T.alloc_local((1,), "float32")
+            m = T.alloc_local((N,), "float32")
+            cm = T.alloc_local((H * H,), "float32")
+            inv = T.alloc_local((H,), "float32")
+            r = T.alloc_local((1,), "float32")
+            lane = tx % 32
+            for i in T.serial(TW):
+                tok = i * warps + tx // 32
+                tw = bx * TPB + tok
+                acc[0] = 0.0
+                if tw < n_tok and lane <= N:
+                    for s in T.unroll(S):
+                        acc[0] += part[s, tw, lane]
+                red[tok, lane] = acc[0]
+            T.sync_threads()
+            t = bx * TPB + tx
+            if tx < TPB and t < n_tok:
+                r[0] = T.rsqrt(red[tx, N] / K + norm_eps)
+                for c in T.unroll(N):
+                    m[c] = red[tx, c] * r[0]
+                for c in T.unroll(H):
+                    pre[t, c] = T.sigmoid(m[c] * scale[0] + base[c]) + hc_eps
+                    post[t, c] = 2.0 * T.sigmoid(m[H + c] * scale[1] + base[H + c])
+                for c in T.unroll(H * H):
+                    cm[c] = m[2 * H + c] * scale[2] + base[2 * H + c]
+                # softmax over the last dim (k) of each row j, + eps
+                for j in T.unroll(H):
+                    r[0] = cm[j * H]
+                    for k in T.unroll(H - 1):
+                        r[0] = T.max(r[0], cm[j * H + k + 1])
+                    for k in T.unroll(H):
+                        cm[j * H + k] = T.exp(cm[j * H + k] - r[0])
+                    r[0] = cm[j * H]
+                    for k in T.unroll(H - 1):
+                        r[0] = r[0] + cm[j * H + k + 1]
+                    for k in T.unroll(H):
+                        cm[j * H + k] = cm[j * H + k] / r[0] + hc_eps
+                # one reciprocal per row / column, then multiplies: within an ulp of the torch op's divisions
+                for rnd in T.serial(rounds + 1):
+                    if rnd > 0:
+                        for j in T.unroll(H):
+                            r[0] = cm[j * H]
+                            for k in T.unroll(H - 1):
+                                r[0] = r[0] + cm[j * H + k + 1]
+                            inv[j] = 1.0 / (r[0] + hc_eps)
+                        for j in T.unroll(H):
+                            for k in T.unroll(H):
+                                cm[j * H + k] = cm[j * H + k] * inv[j]
+                    for k in T.unroll(H):
+                        r[0] = cm[k]
+                        for j in T.unroll(H - 1):
+                            r[0] = r[0] + cm[(j + 1) * H + k]
+                        inv[k] = 1.0 / (r[0] + hc_eps)
+                    for j in T.unroll(H):
+                        for k in T.unroll(H):
+                            cm[j * H + k] = cm[j * H + k] * inv[k]
+                for j in T.unroll(H):
+                    for k in T.unroll(H):
+                        comb[t, j, k] = cm[j * H + k]
+
+    return mhc_mix_finalize
+
+
+def build_mhc_collapse(hc: int, dim: int, block_d: int = 1024, threads: int = 128):
+    """out[t, d] = sum_k pre[t, k] * x[t, k, d] in fp32, cast to bf16."""
+    H, BD, V = hc, block_d, 8
+    assert dim % BD == 0 and BD % (V * threads) == 0
+    nd, per = dim // BD, BD // (V * threads)
+    n_tok = T.dynamic("n_tok")
+
+    @T.prim_func
+    def mhc_collapse(
+        x: T.Tensor((n_tok, H, dim), "bfloat16"),
+        pre: T.Tensor((n_tok, H), "float32"),
+        out: T.Tensor((n_tok, dim), "bfloat16"),
+    ):
+        with T.Kernel(n_tok * nd, threads=threads) as b:
+            tx = T.get_thread_binding()
+            t = b // nd
+            p = T.alloc_local((H,), "float32")
+            xr = T.alloc_local((H, V), "bfloat16")
+            a = T.alloc_local((V,), "float32")
+            o = T.alloc_local((V,), "bfloat16")
+            for k in T.unroll(H):
+                p[k] = pre[t, k]
+            for it in T.unroll(per):
+                d = (b % nd) * BD + (it * threads + tx) * V
+                for k in T.unroll(H):  # all loads first: H 16-byte loads in flight per thread
+                    for v in T.vectorized(V):
+                        xr[k, v] = x[t, k, d + v]
+                for v in T.unroll(V):
+                    a[v] = p[0] * T.cast(xr[0, v], "float32")
+                for k in T.unroll(H - 1):
+                    for v in T.unroll(V):
+                        a[v] += p[k + 1] * T.cast(xr[k + 1, v], "float32")
+                for v in T.unroll(V):
+                    o[v] = T.cast(a[v], "bfloat16")
+                for v in T.vectorized(V):
+                    out[t, d + v] = o[v]
+
+    return mhc_collapse
+
+
+def build_mhc_expand(hc: int, dim: int, block_d: int = 1024, threads: int = 128):
+    """out[t, k, d] = post[t, k] * x[t, d] + sum_j comb[t, j, k] * res[t, j, d] in fp32, cast to bf16."""
+    H, BD, V = hc, block_d, 8
+    assert dim % BD == 0 and BD % (V * threads) == 0
+    nd, per = dim // BD, BD // (V * threads)
+    n_tok = T.dynamic("n_tok")
+
+    @T.prim_func
+    def mhc_expand(
+        x: T.Tensor((n_tok, dim), "bfloat16"),
+        res: T.Tensor((n_tok, H, dim), "bfloat16"),
+        post: T.Tensor((n_tok, H), "float32"),
+        comb: T.Tensor((n_tok, H, H), "float32"),
+        out: T.Tensor((n_tok, H, dim), "bfloat16"),
+    ):
+        with T.Kernel(n_tok * nd, threads=threads) as b:
+            tx = T.get_thread_binding()
+            t = b // nd
+            p = T.alloc_local((H,), "float32")
+            c = T.alloc_local((H * H,), "float32")
+            xr = T.alloc_local((V,), "bfloat16")
+            rr = T.alloc_local((H, V), "bfloat16")
+            a = T.alloc_local((V,), "float32")
+            o = T.alloc_local((V,), "bfloat16")
+            for k in T.unroll(H):
+                p[k] = post[t, k]
+            for i in T.unroll(H * H):
+                c[i] = comb[t, i // H, i % H]
+            for it in T.unroll(per):
+                d = (b % nd) * BD + (it * threads + tx) * V
+                for v in T.vectorized(V):
+                    xr[v] = x[t, d + v]
+                for j in T.unroll(H):
+                    for v in T.vectorized(V):
+                        rr[j, v] = res[t, j, d + v]
+                for k in T.unroll(H):
+                    for v in T.unroll(V):
+                        a[v] = p[k] * T.cast(xr[v], "float32")
+                    for j in T.unroll(H):
+                        for v in T.unroll(V):
+                            a[v] += c[j * H + k] * T.cast(rr[j, v], "float32")
+                    for v in T.unroll(V):
+                        o[v] = T.cast(a[v], "bfloat16")
+                    for v in T.vectorized(V):
+                        out[t, k, d + v] = o[v]
+
+    return mhc_expand

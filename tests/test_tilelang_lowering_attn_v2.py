@@ -1,0 +1,55 @@
+"""CPU checks of decode attention v2 (kernels/tilelang/attention_kernel_v2.py): it lowers to CUDA for sm_90a and
+sm_100a without a GPU, and on sm_90a the source has the intended structure (wgmma, register rebalancing between
+the warpgroups, QK of the next block issued behind PV of the current one, no CTA-wide barrier inside a role)."""
+
+import importlib.util
+import re
+
+import pytest
+
+tilelang_missing = importlib.util.find_spec("tilelang") is None
+pytestmark = pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+
+
+def _source(arch, splits):
+    from deepinfer.kernels.tilelang._build import lower_source
+    from deepinfer.kernels.tilelang.attention_kernel_v2 import build_sink_attention_v2
+
+    return lower_source(build_sink_attention_v2(splits=splits, arch=arch), arch)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("splits", [1, 3, 10])
+def test_v2_lowers_to_cuda(arch, splits):
+    src = _source(arch, splits)
+    assert "__global__" in src and "__launch_bounds__(384, 1)" in src
+    # the only CTA-wide barrier is the one after mbarrier init: one inside a role branch would deadlock
+    assert src.count("__syncthreads()") == 1
+    if arch == "sm_90a":
+        assert "wgmma" in src
+        assert "warpgroup_reg_alloc<192>" in src and "warpgroup_reg_dealloc<152>" in src
+        if splits < 10:  # more than one block per CTA: PV_L(n) waited while the 4 QK(n+1) groups stay in flight
+            assert "wait_wgmma<4>" in src
+        assert len(re.findall(r"wgmma_ss<[^>]*64, 64, 16", src)) >= 1      # QK: m64n64k16
+        assert len(re.findall(r"wgmma_ss<[^>]*64, 256, 16", src)) >= 2     # PV: m64n256k16, one per math WG
+        if splits > 1:
+            assert "o_part" in src and "ml_part" in src
+
+
+def test_v2_partials_match_v1_combine_layout():
+    """v2 reuses v1's combine kernel: same builder object, partial tensors with v1's shapes."""
+    from deepinfer.kernels.tilelang import attention_kernel, attention_kernel_v2
+
+    assert attention_kernel_v2.build_sink_combine is attention_kernel.build_sink_combine
+    f = attention_kernel_v2.build_sink_attention_v2(splits=4, arch="sm_90a")
+    bufs = {f.buffer_map[p].name: f.buffer_map[p] for p in f.params if p in f.buffer_map}
+    assert list(bufs) == ["q", "q_seq", "q_pos", "win_kv", "win_scale", "win_pos", "cmp_kv", "cmp_scale", "sel", "sink",
+                          "out", "o_part", "ml_part"]
+    shapes = {k: [str(x) for x in b.shape] for k, b in bufs.items()}
+    assert shapes["o_part"] == ["n_q", "4", "64", "512"] and shapes["ml_part"] == ["n_q", "4", "2", "64"]
+
+
+def test_default_splits():
+    from deepinfer.kernels.tilelang.attention_kernel_v2 import default_splits
+
+    assert [default_splits(n) for n in (1, 8, 64, 66, 256)] == [10, 10, 2, 2, 1]

@@ -1,0 +1,63 @@
+"""CPU check of the TileLang mHC kernels: every builder (each K-split variant the wrapper can pick) lowers to CUDA
+source for sm_90a and sm_100a without a GPU."""
+
+import importlib.util
+
+import pytest
+
+tilelang_missing = importlib.util.find_spec("tilelang") is None
+
+HC, D, ITERS = 4, 5120, 20
+
+
+def _kernels():
+    from deepinfer.kernels.tilelang import mhc as wrap
+    from deepinfer.kernels.tilelang import mhc_kernel as k
+
+    steps = HC * D // wrap.BLOCK_K
+    out = {f"premix_s{s}": (lambda s=s: k.build_mhc_premix(HC, D, s, wrap.BLOCK_T, wrap.BLOCK_K,
+                                                            wrap._stages(s, steps)))
+           for s in wrap.SPLITS}
+    out.update({f"finalize_s{s}": (lambda s=s: k.build_mhc_mix_finalize(HC, D, s, ITERS)) for s in wrap.SPLITS})
+    out["finalize_iters1"] = lambda: k.build_mhc_mix_finalize(HC, D, 4, 1)
+    out["collapse"] = lambda: k.build_mhc_collapse(HC, D)
+    out["expand"] = lambda: k.build_mhc_expand(HC, D)
+    out["collapse_512"] = lambda: k.build_mhc_collapse(HC, 1536, 512, 64)
+    out["expand_256"] = lambda: k.build_mhc_expand(HC, 768, 256, 32)
+    return out
+
+
+NAMES = ["premix_s1", "premix_s4", "premix_s16", "premix_s64", "finalize_s1", "finalize_s4", "finalize_s16",
+         "finalize_s64", "finalize_iters1", "collapse", "expand", "collapse_512", "expand_256"]
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_names_cover_every_split():
+    from deepinfer.kernels.tilelang import mhc as wrap
+
+    assert {f"premix_s{s}" for s in wrap.SPLITS} <= set(NAMES)
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("name", NAMES)
+def test_mhc_kernel_lowers_to_cuda(name, arch):
+    from deepinfer.kernels.tilelang._build import lower_source
+
+    src = lower_source(_kernels()[name](), arch)
+    assert "__global__" in src
+    if name.startswith("premix") and arch == "sm_90a":
+        assert "wgmma" in src  # the projection must take the Hopper tensor-core path (one n=80 instruction)
+        assert ", 64, 80, 16," in src
+    if name.startswith(("collapse", "expand")):
+        assert "*(uint4*)" in src  # 16-byte vector loads / stores
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_split_choice():
+    from deepinfer.kernels.tilelang.mhc import _splits
+
+    steps = HC * D // 64
+    assert _splits(1, steps) == 64 and _splits(256, steps) == 64  # decode: 64..256 blocks
+    assert _splits(4096, steps) == 4 and _splits(32768, steps) == 1
+    assert all(steps % _splits(t, steps) == 0 for t in (1, 7, 64, 300, 1000, 4096, 8192, 32768))
