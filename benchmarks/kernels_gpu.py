@@ -285,7 +285,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/kernels_gpu.json")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--only", default="moe,attn,indexer,mhc")
+    ap.add_argument("--only", default="moe,attn,indexer,mhc,topk")
     ap.add_argument("--no-torch", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -309,6 +309,8 @@ def main():
         "indexer": lambda: bench_indexer(rows, bw, peak, batches, [4096, 32768], not a.no_torch),
         "mhc": lambda: _section("kernel_bench_mhc").bench(record, measure, bw, peak, batches, not a.no_torch,
                                                           rows=rows),
+        "topk": lambda: _section("kernel_bench_topk").bench(record, measure, bw, peak, batches, [4096, 32768],
+                                                            not a.no_torch, rows=rows),
     }
     for name in a.only.split(","):
         try:

@@ -157,6 +157,7 @@ def main():
     ap.add_argument("--torch-steps", type=int, default=2)
     ap.add_argument("--torch-prefill", type=int, default=8192, help="torch-reference prefill length (0: none)")
     ap.add_argument("--roofline", default=None)
+    ap.add_argument("--torch-kinds", default="", help="op kinds kept on the torch ops in the TileLang run (a,b)")
     ap.add_argument("--quick", action="store_true", help="batches 1 64, context 4096, no torch prefill")
     a = ap.parse_args()
     if a.quick:
@@ -172,7 +173,8 @@ def main():
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {peak / 1e12:.0f} TFLOP/s", flush=True)
     t0 = time.time()
     cfg = synthetic.config()
-    model = synthetic.build_model(cfg, "cuda", torch.bfloat16, backends={"default": ["tilelang-sm90", "torch"]})
+    prefs = {"default": ["tilelang-sm90", "torch"], **{k: ["torch"] for k in a.torch_kinds.split(",") if k}}
+    model = synthetic.build_model(cfg, "cuda", torch.bfloat16, backends=prefs)
     n_layers = cfg.num_hidden_layers
     tl_ops, ref_ops = model.ops, OpSet.build("cuda", ["torch"])
     print(f"model built in {time.time() - t0:.0f} s; {torch.cuda.memory_allocated() / 2**30:.1f} GiB; ops: "
@@ -198,6 +200,8 @@ def main():
               f"tokens={row['tokens']:<6d} step {row['step_ms']:9.2f} ms | layers "
               + " ".join(f"{x:8.2f}" for x in lay) + f" | floor {sum(fl):7.3f} ms ({frac * 100:5.1f}% of roofline)",
               flush=True)
+        if a.plot and row["mode"] == "decode":  # redrawn as rows arrive: a run cut at its time limit keeps a plot
+            plot(rows, a.plot, n_layers)
 
     # compile every kernel variant a prefill chunk uses before timing (TileLang JIT, cuBLAS heuristics)
     for ops in (tl_ops, ref_ops):
@@ -251,6 +255,7 @@ def main():
     print("wrote", a.out)
     if a.plot:
         plot(rows, a.plot, n_layers)
+        print("wrote", a.plot)
 
 
 def summarize(rows):
@@ -295,7 +300,8 @@ def plot(rows, path, n_layers):
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    print("wrote", path)
+    plt.close(fig)
+
 
 
 if __name__ == "__main__":

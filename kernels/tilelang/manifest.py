@@ -17,6 +17,11 @@ _WHERE = {
     "mhc_mixes": "mhc",
     "mhc_collapse": "mhc",
     "mhc_expand": "mhc",
+    "index_topk": "topk",
+    "rms_norm": "rowwise",
+    "rope": "rowwise",
+    "fake_quant_fp8": "rowwise",
+    "fake_quant_fp4": "rowwise",
 }
 for _kind, _module in _WHERE.items():
     register(_kind, BACKEND, ("cuda",), f"deepinfer.kernels.tilelang.{_module}:{_kind}")

@@ -98,7 +98,17 @@ def _ffn(p: PackedExperts, x, table, out_y, block_t: int, limit: float):
 def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, routed: PackedExperts,
                        shared: PackedExperts | None, swiglu_limit: float) -> torch.Tensor:
     """x [T, D] bf16, weights/idx [T, k] from the router -> [T, D] bf16; same math as torch moe_experts with the
-    experts dequantised from `routed` (and the single expert in `shared`)."""
+    experts dequantised from `routed` (and the single expert in `shared`). Runs the v3 grouped GEMM
+    (moe_gemm_v3: dequant straight into the wgmma A registers; 1.6-1.9x v2, 60-67% of copy bandwidth at B=8..256
+    on an H200, benchmarks/results/moe_v3_gpu_h200.json)."""
+    from .moe_gemm_v3 import moe_experts_packed_v3
+
+    return moe_experts_packed_v3(x, weights, idx, routed, shared, swiglu_limit)
+
+
+def moe_experts_packed_v2(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, routed: PackedExperts,
+                          shared: PackedExperts | None, swiglu_limit: float) -> torch.Tensor:
+    """The v2 path (moe_gemm.py: dequant -> bf16 shared-memory tile -> wgmma), kept for comparison."""
     assert x.dtype == torch.bfloat16
     x = x.contiguous()
     T_, k = idx.shape

@@ -1,0 +1,585 @@
+"""Grouped expert GEMM v3: FP4/FP8 weights dequantised straight into wgmma A registers (no bf16 weight tile in
+shared memory), a deep cp.async stream that also carries the activations, and one barrier per K step.
+
+Same work description, layouts and epilogues as moe_gemm.py (v2): swap-AB, 64 weight rows per tile on the wgmma M
+side, the tokens of one expert slot on the N side, `rows`/`aw`/`slot_*` from moe_prep.py, the PackedExperts layout
+of moe.py, "swiglu" and "add" epilogues with the same rounding points.
+
+Why (README "Notes": v2 is not waiting on HBM but on its own per-step chain and on shared memory):
+  * v2 writes every dequantised weight to shared memory as bf16 and wgmma reads it back: 64 KB of shared traffic
+    per 8.5 KB of FP4 streamed, more than the 128 B/clk an SM has at full HBM rate. Here each thread dequantises
+    into its own wgmma A fragment (wgmma RS), so shared traffic is the packed bytes (in by cp.async, out by one
+    ld.shared) plus the small activation tile.
+  * v2 loads the activation tile synchronously (global -> registers -> shared) at the top of every K step. Here
+    the activations ride in the same cp.async stage as the weights, S-1 steps ahead.
+  * v2 waits for each wgmma before the next dequant. Here A is double-buffered per 64-K group: the dequant of
+    group g+1 runs while the wgmma of group g is in flight (wait_group 1), and the only barrier per step sits
+    where the previous step's wgmmas are already known complete.
+
+K order. The dequant bit tricks (dequant.py's e4m3; for e2m1 the same placement with one multiply per pair instead
+of two shifts, di3_e2m1x8) yield bf16 pairs (i, i+4) of each 8 consecutive codes. Lane q of a
+warp loads 16 consecutive codes of a row (8 bytes FP4, 16 bytes FP8) per 64-K group G and places the 8 pair-words
+straight into the A fragment slots of k16 blocks 4G..4G+3 (cute ALayout_64x16: lane q holds columns 2q, 2q+1,
+2q+8, 2q+9). The MMA's K order is therefore a permutation of the natural one, inside each 64-K group; the
+activation tile is permuted the same way in shared memory (in place, one thread per (token, group), two steps
+ahead of use), so the dot product is unchanged. `k_index(kf)` below is the map, used by the CPU model test.
+
+Shared memory per stage slot: packed weights [64, BK/2|BK] (16-byte chunks XOR-swizzled so the per-lane loads are
+bank-conflict free), their scales, and the activation tile in the wgmma "interleave" K-major layout (8x16-byte
+core matrices, core (kf/8, n/8) at ((kf/8)*(BT/8) + n/8)*128 bytes; descriptor LBO = BT*16 bytes, SBO = 128).
+Token columns of the tile that hold no token are never loaded: their MMA columns are garbage and never stored.
+
+Pipeline per K step k (S stages, NG = BK/64 groups of 64 K, one warpgroup):
+    groups 0, 1 of step k                          (wgmma wait_group 1 before each A buffer is refilled)
+    cp.async.wait (stages <= k+2 landed); barrier  (all warps also past step k-1's wgmmas)
+    permute the activations of step k+2 in place + fence.proxy.async; issue stage k+S-1 into step k-1's slot
+    groups 2.. of step k
+On non-Hopper targets (sm_100a lowering, sm_80/89) the same fragments feed mma.sync m16n8k16 instead (identical
+A/C register layouts), so the kernel still compiles and is correct there, without the async overlap.
+
+Differences from build_grouped_gemm (v2): block_n must be 64 and threads 128 (one warpgroup; M = 64 is the wgmma
+tile); block_t is 8, 16, 32 or 64 (v2: >= 16); block_k is 128, 256 or 512; num_stages >= 4. New, with defaults
+that keep v2's behaviour: k_splits (K split over grid z, "add" epilogue only; each split adds its fp32 partial
+unrounded, whereas k_splits = 1 rounds to bf16 before the add as v2 does) and min_blocks (__launch_bounds__).
+The launcher at the bottom (moe_experts_packed_v3) is moe.py's moe_experts_packed with v3 and its tile policy.
+
+Predictions (benchmarks/moe_v3_gpu.py measures them; v2: 21% of copy bandwidth at B=1, 36% at B=64):
+  * A from registers removes v2's shared-memory ceiling (~65% of HBM for FP4 at 128 B/clk) and the dequant ->
+    barrier -> MMA -> wait chain; activations in the cp.async stream remove the L2 round trip per step. What is
+    left is instruction issue: ~480 instructions per warp per 8.5 KB FP4 step, ~110% of copy bandwidth with 4
+    blocks per SM if perfectly overlapped. Kernels alone: routed FP4 up/down 65-80% of copy bandwidth at B=1..64.
+  * Whole MoE (prep + 4 GEMMs + two streams): B=1 50-65 us (v2 168), B=8 ~300 us (v2 647), B=64 1.5-1.7 ms
+    (v2 3079): 55-72% of copy bandwidth; B=1 loses most to the up -> down launch gap and the shared expert's chain.
+  * Split K is not needed for the routed passes at B=1 (432/480 tiles over 132 SMs x 4 blocks); for the shared
+    down pass it changes < 5%. 5 stages vs 4: within 5% if the proxy fence's MEMBAR waits for the thread's
+    in-flight cp.async (the loop is ordered so that with 4 stages it has none to wait for), +5-15% if it does not.
+"""
+
+import tilelang.language as T
+
+from .dequant import CUDA_SOURCE as DEQUANT_SOURCE
+
+BLOCK_N = 64
+THREADS = 128
+CS_PAD = 4  # fp32 epilogue tile [BT][64 + 4]: conflict-free stores from the wgmma D layout
+
+
+def _wgmma_fn(n: int) -> str:
+    """m64n{n}k16 bf16 wgmma with A from registers (operand order as cute's MMA_64xNx16_F32BF16BF16_RS)."""
+    nd = n // 2
+    d_ops = ", ".join(f"%{i}" for i in range(nd))
+    a_ops = ", ".join(f"%{nd + i}" for i in range(4))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+    return (
+        f"__device__ __forceinline__ void di3_wgmma_n{n}(const uint32_t* a, uint64_t desc, float* d) {{\n"
+        f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n\"\n"
+        f"    \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 \"\n"
+        f"    \"{{{d_ops}}}, {{{a_ops}}}, %{nd + 4}, p, 1, 1, 0;\\n}}\\n\"\n"
+        f"    : {outs}\n"
+        f"    : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(1));\n"
+        f"}}\n"
+    )
+
+
+_HEAD = r"""
+#ifndef DEEPINFER_MOE_V3_H
+#define DEEPINFER_MOE_V3_H
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DI3_WGMMA 1
+#else
+#define DI3_WGMMA 0
+#endif
+
+__device__ __forceinline__ uint32_t di3_smem(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16-byte global -> shared copy, L1 bypassed (weights are read once); skipped (no write) when !pred
+__device__ __forceinline__ void di3_cp16(void* dst, const void* src, int pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
+               :: "r"(di3_smem(dst)), "l"(src), "r"(pred) : "memory");
+}
+template <int BYTES>
+__device__ __forceinline__ void di3_cp_small(void* dst, const void* src, int pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p cp.async.ca.shared.global [%0], [%1], %3;\n}\n"
+               :: "r"(di3_smem(dst)), "l"(src), "r"(pred), "n"(BYTES) : "memory");
+}
+__device__ __forceinline__ void di3_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void di3_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+// generic-proxy shared writes (the activation permute) -> visible to wgmma's async-proxy reads after a barrier
+__device__ __forceinline__ void di3_fence_async() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void di3_wgmma_wait() {
+#if DI3_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+#endif
+}
+// keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma region
+__device__ __forceinline__ void di3_fence_regs(float* d, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+// bf16x2 2^(s-1), the factor that turns dequant.py's e2m1 * 2^-126 placement into e2m1 * 2^(s-127)
+__device__ __forceinline__ uint32_t di3_scale_e2m1(uint32_t s) { return ((s + 126u) << 7) * 0x10001u; }
+// dequant.py's di_dq_e2m1x8 (same output, same order [0,4,1,5,2,6,3,7]) with one multiply instead of two shifts
+// per pair: (n | n << 16) * (2^6 + 2^12) puts two copies of each nibble at bits 6..9 and 12..15 (no overlap, no
+// carry); the mask keeps c2..c0 at bits 6..8 and the sign at bit 15 of each half.
+__device__ __forceinline__ void di3_e2m1x8(uint32_t w, uint32_t scale, uint32_t* o) {
+  const uint32_t w2 = w >> 8;
+  uint32_t v[4];
+  v[0] = ((w & 0x000F000Fu) * 4160u) & 0x81C081C0u;   // codes 0, 4
+  v[1] = ((w & 0x00F000F0u) * 260u) & 0x81C081C0u;    // codes 1, 5 (already 4 bits up: 2^2 + 2^8)
+  v[2] = ((w2 & 0x000F000Fu) * 4160u) & 0x81C081C0u;  // codes 2, 6
+  v[3] = ((w2 & 0x00F000F0u) * 260u) & 0x81C081C0u;   // codes 3, 7
+  const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162*>(&scale);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[i]), sc);
+    o[i] = *reinterpret_cast<uint32_t*>(&r);
+  }
+}
+
+// One token x 64-K unit of the activation tile, in place: natural 16-byte chunks kc = 8G..8G+7 (staged by
+// cp.async at core rows kc) -> core row 8G + 4s + c, word q = (x[16q+8s+c], x[16q+8s+c+4]) of the group, the
+// order the A fragments were dequantised in.
+template <int BT>
+__device__ __forceinline__ void di3_permute_x(void* xs_, int n, int G) {
+  uint8_t* xs = static_cast<uint8_t*>(xs_);
+  constexpr int ROW = (BT / 8) * 128;  // bytes between consecutive core rows (kf/8) of one token
+  uint8_t* base = xs + (8 * G * (BT / 8) + n / 8) * 128 + (n % 8) * 16;
+  uint4 in[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) in[j] = *reinterpret_cast<const uint4*>(base + j * ROW);
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      uint32_t o[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint4 v = in[2 * q + s];
+        const uint32_t lo = (c < 2) ? v.x : v.y, hi = (c < 2) ? v.z : v.w;
+        o[q] = __byte_perm(lo, hi, (c & 1) ? 0x7632 : 0x5410);
+      }
+      *reinterpret_cast<uint4*>(base + (4 * s + c) * ROW) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  di3_fence_async();  // this thread's generic-proxy writes -> wgmma (async proxy), published by the next barrier
+}
+"""
+
+_GROUP = r"""
+// 64-K group G of one stage: each thread dequantises rows r0 = 16*warp + lane/4 and r0 + 8, codes
+// [64G + 16q, 64G + 16q + 16) (q = lane % 4), into A buffer BUF, then issues the 4 k16 MMAs of the group.
+// FMT 0: e2m1 [64][BKP] + ue8m0 [64][SCB]; FMT 1: e4m3 [64][BKP] + ue8m0 [2][SCB] (32x32 blocks).
+template <int FMT, int BT, int BKP, int SCB, int G, int BUF>
+__device__ __forceinline__ void di3_group(const void* ws_, const void* ss_, const void* xs_, uint32_t* a_all,
+                                          float* acc) {
+  const uint8_t* ws = static_cast<const uint8_t*>(ws_);
+  const uint8_t* ss = static_cast<const uint8_t*>(ss_);
+  const uint8_t* xs = static_cast<const uint8_t*>(xs_);
+  const int tid = threadIdx.x, warp = tid >> 5, g = (tid >> 2) & 7, q = tid & 3;
+  const int r0 = 16 * warp + g, r1 = r0 + 8;
+  uint32_t* a = a_all + 16 * BUF;
+  uint32_t d0[8], d1[8];
+  if (FMT == 0) {
+    // logical 16-byte chunk 2G + q/2, half q&1; physical chunk XOR 2*(row&3) on the low 3 bits
+    const int c = 2 * G + (q >> 1);
+    const int cp = (c & ~7) | ((c & 7) ^ (2 * (g & 3)));
+    const uint2 p0 = *reinterpret_cast<const uint2*>(ws + r0 * BKP + cp * 16 + 8 * (q & 1));
+    const uint2 p1 = *reinterpret_cast<const uint2*>(ws + r1 * BKP + cp * 16 + 8 * (q & 1));
+    const uint8_t s0 = ss[r0 * SCB + 2 * G + (q >> 1)];
+    const uint8_t s1 = ss[r1 * SCB + 2 * G + (q >> 1)];
+    di3_wgmma_wait<1>();  // the wgmma that last read buffer BUF (two groups back) is done
+    di3_e2m1x8(p0.x, di3_scale_e2m1(s0), d0);
+    di3_e2m1x8(p0.y, di3_scale_e2m1(s0), d0 + 4);
+    di3_e2m1x8(p1.x, di3_scale_e2m1(s1), d1);
+    di3_e2m1x8(p1.y, di3_scale_e2m1(s1), d1 + 4);
+  } else {
+    // logical chunk 4G + q; physical chunk XOR 4*(row&1) on the low 3 bits
+    const int c = 4 * G + q;
+    const int cp = (c & ~7) | ((c & 7) ^ (4 * (g & 1)));
+    const uint4 p0 = *reinterpret_cast<const uint4*>(ws + r0 * BKP + cp * 16);
+    const uint4 p1 = *reinterpret_cast<const uint4*>(ws + r1 * BKP + cp * 16);
+    const uint8_t s = ss[(warp >> 1) * SCB + 2 * G + (q >> 1)];
+    di3_wgmma_wait<1>();
+    di_dq_e4m3x8(reinterpret_cast<const uint8_t*>(&p0.x), s, d0);
+    di_dq_e4m3x8(reinterpret_cast<const uint8_t*>(&p0.z), s, d0 + 4);
+    di_dq_e4m3x8(reinterpret_cast<const uint8_t*>(&p1.x), s, d1);
+    di_dq_e4m3x8(reinterpret_cast<const uint8_t*>(&p1.z), s, d1 + 4);
+  }
+  // word j of a row holds codes (j&3) + 8*(j>>2) and +4; it goes to k16 block t = j/2, column half j&1
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    a[4 * t + 0] = d0[2 * t];
+    a[4 * t + 1] = d1[2 * t];
+    a[4 * t + 2] = d0[2 * t + 1];
+    a[4 * t + 3] = d1[2 * t + 1];
+  }
+#if DI3_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  // K-major, no swizzle: start (16-byte units, 14 bits), LBO = BT*16 bytes (next 8 K), SBO = 128 (next 8 tokens);
+  // k16 block kb starts (kb*BT*32) bytes further, added to the start field (no carry: shared memory < 256 KB)
+  const uint64_t desc0 = ((uint64_t)(128 >> 4) << 32) | ((uint64_t)((BT * 16) >> 4) << 16) |
+                         (uint64_t)((di3_smem(xs) >> 4) & 0x3FFF);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) DI3_WGMMA_N(a + 4 * t, desc0 + (uint64_t)((4 * G + t) * BT * 2), acc);
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  // same fragments through mma.sync m16n8k16 (one warp = 16 rows; B pairs read from the same shared layout)
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint8_t* xb = xs + (4 * G + t) * (BT * 32);
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(xb + j * 128 + g * 16 + 4 * q);
+      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(xb + (BT / 8) * 128 + j * 128 + g * 16 + 4 * q);
+      float* c4 = acc + 4 * j;
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};\n"
+                   : "+f"(c4[0]), "+f"(c4[1]), "+f"(c4[2]), "+f"(c4[3])
+                   : "r"(a[4 * t]), "r"(a[4 * t + 1]), "r"(a[4 * t + 2]), "r"(a[4 * t + 3]), "r"(b0), "r"(b1));
+    }
+  }
+#endif
+}
+"""
+
+
+def cuda_source(block_t: int) -> str:
+    """Device code for one token-tile width (the wgmma N is a compile-time shape)."""
+    wg = _wgmma_fn(block_t)
+    return (DEQUANT_SOURCE + _HEAD + "#if DI3_WGMMA\n" + wg + "#endif\n"
+            + f"#define DI3_WGMMA_N di3_wgmma_n{block_t}\n" + _GROUP + "#undef DI3_WGMMA_N\n#endif\n")
+
+
+def k_index(kf: int) -> int:
+    """Natural K offset (inside its 64-K group) of MMA K position kf: the order both operands are fed in."""
+    G, r = divmod(kf, 64)
+    kb, col = divmod(r, 16)          # k16 block inside the group, column inside it
+    h, rem = divmod(col, 8)          # column half (regs a0/a1 vs a2/a3)
+    q, e = divmod(rem, 2)            # lane % 4, element of the bf16 pair
+    j = 2 * kb + h                   # dequant word index of the lane's 16 codes
+    return 64 * G + 16 * q + (j & 3) + 4 * e + 8 * (j >> 2)
+
+
+def smem_layout(fmt: str, block_t: int, block_k: int):
+    """(stage bytes, scale offset, activation offset, weight row bytes, scale row bytes) of one stage slot."""
+    bkp = block_k // 2 if fmt == "fp4" else block_k
+    scb = block_k // 32
+    w_bytes = BLOCK_N * bkp
+    s_bytes = BLOCK_N * scb if fmt == "fp4" else 2 * scb
+    off_x = -(-(w_bytes + s_bytes) // 128) * 128
+    stage = -(-(off_x + block_t * block_k * 2) // 128) * 128
+    return stage, w_bytes, off_x, bkp, scb
+
+
+def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int) -> int:
+    """Dynamic shared memory of one block (stages + epilogue tile + token rows), for occupancy planning."""
+    stage = smem_layout(fmt, block_t, block_k)[0]
+    return num_stages * stage + block_t * (BLOCK_N + CS_PAD) * 4 + block_t * 4
+
+
+def build_grouped_gemm_v3(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_n: int = 64,
+                          block_t: int = 16, block_k: int = 256, threads: int = 128, num_stages: int = 4,
+                          gather: bool = True, k_splits: int = 1, min_blocks: int = 0):
+    """Same arguments, tensors and outputs as moe_gemm.build_grouped_gemm (see the module doc for the limits);
+    k_splits: K split over grid z ("add" only); min_blocks: __launch_bounds__ min blocks per SM (0 = from shared
+    memory, capped at 4)."""
+    assert fmt in ("fp4", "fp8") and epilogue in ("swiglu", "add")
+    assert block_n == BLOCK_N and threads == THREADS, "one warpgroup, 64 weight rows (the wgmma M)"
+    assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
+    assert n_rows % BLOCK_N == 0 and k_dim % (block_k * k_splits) == 0
+    assert k_splits == 1 or epilogue == "add", "split K needs the additive epilogue"
+    E, N, K, BT, BK, S = n_experts, n_rows, k_dim, block_t, block_k, num_stages
+    NG = BK // 64                      # 64-K groups per step
+    NK = K // BK // k_splits           # steps per block
+    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK)
+    KP = K // 2 if fmt == "fp4" else K
+    CPR = BKP // 16                    # 16-byte weight chunks per row and step
+    W_IT = BLOCK_N * CPR // THREADS
+    X_IT = BT * BK // 8 // THREADS     # 16-byte activation chunks per thread and step
+    P_UNITS = BT * NG                  # (token, group) permute units per step
+    P_IT = -(-P_UNITS // THREADS)
+    CS_LD = BLOCK_N + CS_PAD
+    s_shape = (E, N, K // 32) if fmt == "fp4" else (E, N // 32, K // 32)
+    n_out = N // 2 if epilogue == "swiglu" else N
+    half = BLOCK_N // 2
+    round_partial = k_splits == 1
+    if min_blocks == 0:
+        min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes(fmt, BT, BK, S) + 1024)))
+    src = cuda_source(BT)
+
+    n_x, n_pos, n_slots, n_y = T.dynamic("n_x"), T.dynamic("n_pos"), T.dynamic("n_slots"), T.dynamic("n_y")
+    out_dtype = "bfloat16" if epilogue == "swiglu" else "float32"
+    out_rows = n_pos if epilogue == "swiglu" else n_y
+    fmt_id = 0 if fmt == "fp4" else 1
+
+    @T.macro
+    def issue(smem, xr, x, w, ws, e, bx, tx, kk, slot):
+        # one stage (global K step kk) into slot: weights, their scales, the token rows of the activations
+        base = slot * STAGE
+        for it in T.unroll(W_IT):
+            r = (it * THREADS + tx) // CPR
+            cc = (it * THREADS + tx) % CPR
+            cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, (2 * (r % 4)) if fmt == "fp4" else (4 * (r % 2)))
+            T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
+                          T.address_of(w[e, bx * BLOCK_N + r, kk * BKP + cc * 16]), 1)
+        if fmt == "fp4":
+            if tx < BLOCK_N:
+                T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
+                              T.address_of(ws[e, bx * BLOCK_N + tx, kk * SCB]), 1)
+        else:
+            if tx < 2:
+                T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
+                              T.address_of(ws[e, bx * 2 + tx, kk * SCB]), 1)
+        # token n = tx % BT for every iteration (BT divides 128): its x row xr (< 0: no token) sits in a register
+        for it in T.unroll(X_IT):
+            kc = it * (THREADS // BT) + tx // BT
+            x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
+            T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
+                          T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
+
+    @T.macro
+    def permute(smem, xr, tx, slot):
+        # unit (token tx % BT, group (it*128 + tx) / BT); tokens without a row are skipped
+        for it in T.unroll(P_IT):
+            if (P_UNITS % THREADS == 0) or (it * THREADS + tx < P_UNITS):
+                if xr >= 0:
+                    T.call_extern("handle", f"di3_permute_x<{BT}>", T.address_of(smem[(slot * STAGE + OFF_X) // 4]),
+                                  tx % BT, (it * THREADS + tx) // BT)
+
+    @T.macro
+    def group(smem, a, acc, slot, G):
+        T.call_extern("handle", f"di3_group<{fmt_id},{BT},{BKP},{SCB},{G},{G % 2}>",
+                      T.address_of(smem[(slot * STAGE) // 4]), T.address_of(smem[(slot * STAGE + OFF_S) // 4]),
+                      T.address_of(smem[(slot * STAGE + OFF_X) // 4]), T.address_of(a[0]), T.address_of(acc[0]))
+
+    @T.prim_func
+    def grouped_gemm_v3(
+        x: T.Tensor((n_x, K), "bfloat16"),
+        rows: T.Tensor((n_pos,), "int32"),
+        aw: T.Tensor((n_pos,), "float32"),
+        slot_expert: T.Tensor((n_slots,), "int32"),
+        slot_start: T.Tensor((n_slots,), "int32"),
+        slot_count: T.Tensor((n_slots,), "int32"),
+        w: T.Tensor((E, N, KP), "uint8"),
+        ws: T.Tensor(s_shape, "uint8"),
+        out: T.Tensor((out_rows, n_out), out_dtype),
+        limit: T.float32,
+    ):
+        with T.Kernel(N // BLOCK_N, n_slots, k_splits, threads=THREADS) as (bx, by, bz):
+            T.annotate_min_blocks_per_sm(min_blocks)
+            # stage slots as 32-bit words (all offsets are multiples of 4 bytes; a uint8 buffer this size trips
+            # TileLang 0.1.15's StorageRewrite on some shapes)
+            smem = T.alloc_shared((S * STAGE // 4,), "uint32")
+            c_s = T.alloc_shared((BT, CS_LD), "float32")
+            row_s = T.alloc_shared((BT,), "int32")
+            a = T.alloc_local((32,), "uint32")       # two A buffers of 16 registers
+            acc = T.alloc_local((BT // 2,), "float32")
+            xr = T.alloc_var("int32", init=-1)
+            tx = T.get_thread_binding()
+            T.import_source(src)
+
+            e = slot_expert[by]
+            cnt = slot_count[by]
+            start = slot_start[by]
+            k_first = bz * NK
+
+            for c in T.serial(T.ceildiv(cnt, BT)):
+                for j in T.Parallel(BT):
+                    if gather:
+                        row_s[j] = T.if_then_else(c * BT + j < cnt, rows[T.min(start + c * BT + j, n_pos - 1)], -1)
+                    else:
+                        row_s[j] = T.if_then_else(c * BT + j < cnt, start + c * BT + j, -1)
+                for i in T.unroll(BT // 2):
+                    acc[i] = T.float32(0)
+                T.sync_threads()
+                xr = row_s[tx % BT]
+                # prologue: stages 0..S-2 in flight, the activations of steps 0 and 1 permuted
+                for s in T.unroll(S - 1):
+                    if s < NK:
+                        issue(smem, xr, x, w, ws, e, bx, tx, k_first + s, s)
+                    T.call_extern("handle", "di3_cp_commit")
+                T.call_extern("handle", f"di3_cp_wait<{S - 3}>")
+                T.sync_threads()
+                permute(smem, xr, tx, 0)
+                if NK > 1:
+                    permute(smem, xr, tx, 1)
+                T.sync_threads()
+                for k in T.serial(NK):
+                    group(smem, a, acc, k % S, 0)
+                    group(smem, a, acc, k % S, 1)
+                    # stages <= k+2 landed; past this barrier every warp is past step k-1's wgmmas (wait_group 1
+                    # in group 1), so the slot of step k-1 is free and step k+2's tile can be permuted. The permute
+                    # (and its proxy fence, a MEMBAR in SASS) runs before the next stage is issued: with 4 stages
+                    # this thread then has no cp.async in flight for the fence to wait on.
+                    T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
+                    T.sync_threads()
+                    if k + 2 < NK:
+                        permute(smem, xr, tx, (k + 2) % S)
+                    if k + S - 1 < NK:
+                        issue(smem, xr, x, w, ws, e, bx, tx, k_first + k + S - 1, (k + S - 1) % S)
+                    T.call_extern("handle", "di3_cp_commit")
+                    if NG > 2:
+                        group(smem, a, acc, k % S, 2)
+                        group(smem, a, acc, k % S, 3)
+                    if NG > 4:
+                        group(smem, a, acc, k % S, 4)
+                        group(smem, a, acc, k % S, 5)
+                        group(smem, a, acc, k % S, 6)
+                        group(smem, a, acc, k % S, 7)
+                T.call_extern("handle", "di3_wgmma_wait<0>")
+                T.call_extern("handle", "di3_fence_regs", T.address_of(acc[0]), BT // 2)
+                # wgmma D layout (cute CLayout_64xN): acc[i] = (row 16w + g + 8*(i/2%2), token 8*(i/4) + 2q + i%2)
+                for i in T.unroll(BT // 2):
+                    c_s[8 * (i // 4) + 2 * (tx % 4) + i % 2,
+                        16 * (tx // 32) + (tx // 4) % 8 + 8 * ((i // 2) % 2)] = acc[i]
+                T.sync_threads()
+                if epilogue == "swiglu":
+                    for it in T.unroll(half * BT // THREADS):
+                        if row_s[(it * THREADS + tx) // half] >= 0:
+                            j = (it * THREADS + tx) // half
+                            i = (it * THREADS + tx) % half
+                            g_ = T.cast(T.cast(c_s[j, i], "bfloat16"), "float32")
+                            u_ = T.cast(T.cast(c_s[j, half + i], "bfloat16"), "float32")
+                            g_ = T.if_then_else(limit > 0, T.min(g_, limit), g_)
+                            u_ = T.if_then_else(limit > 0, T.max(T.min(u_, limit), -limit), u_)
+                            pos = start + c * BT + j
+                            out[pos, bx * half + i] = T.cast(g_ * T.sigmoid(g_) * u_ * aw[pos], "bfloat16")
+                else:
+                    for it in T.unroll(BLOCK_N * BT // THREADS):
+                        if row_s[(it * THREADS + tx) // BLOCK_N] >= 0:
+                            j = (it * THREADS + tx) // BLOCK_N
+                            i = (it * THREADS + tx) % BLOCK_N
+                            if round_partial:
+                                T.atomic_add(out[rows[start + c * BT + j], bx * BLOCK_N + i],
+                                             T.cast(T.cast(c_s[j, i], "bfloat16"), "float32"))
+                            else:
+                                T.atomic_add(out[rows[start + c * BT + j], bx * BLOCK_N + i], c_s[j, i])
+                T.sync_threads()
+
+    return grouped_gemm_v3
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+# A copy of moe.py's _ffn / moe_experts_packed that calls v3 (moe.py is unchanged; it can adopt these once v3
+# measures faster). Imports of moe.py are deferred so that moe.py may import this module later without a cycle.
+def routed_block_t(n_tok: int, top_k: int, n_experts: int) -> int:
+    """Token tile for the routed pass: about twice the mean tokens per expert, so few experts need a second
+    chunk (each chunk streams the expert's weights again)."""
+    mean = n_tok * top_k / n_experts
+    return next((b for b in (8, 16, 32) if mean <= b / 2), 64)
+
+
+def shared_block_t(n_tok: int) -> int:
+    """Token tile for the shared expert (one slot holding every token)."""
+    return next((b for b in (8, 16, 32) if n_tok <= b), 64)
+
+
+def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
+    """(block_k, num_stages) of one pass. Four stages everywhere: the activation permute's proxy fence then
+    never has a cp.async of its own thread in flight (see the K loop). FP4 (routed): 256-K steps, 8.5 KB of
+    weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
+    expert, 72-80 blocks, the longest chain at decode): the largest step dividing K that keeps 4 stages within
+    ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
+    if fmt == "fp4":
+        return 256, 4
+    for bk in (512, 256, 128):
+        if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4) <= 220 * 1024:
+            return bk, 4
+    return 128, 4
+
+
+def ffn_specs(p, block_t: int, down_splits: int = 1):
+    """jit(...) argument tuples of the up (+SwiGLU) and down passes of PackedExperts p at one token tile."""
+    E, I, D = p.n_experts, p.inter, p.hidden
+    bk, st = pass_config(p.fmt, D, block_t)
+    up = (build_grouped_gemm_v3, p.fmt, "swiglu", E, 2 * I, D, BLOCK_N, block_t, bk, THREADS, st, True, 1, 0)
+    bk, st = pass_config(p.fmt, I, block_t)
+    down = (build_grouped_gemm_v3, p.fmt, "add", E, D, I, BLOCK_N, block_t, bk, THREADS, st, False, down_splits, 0)
+    return up, down
+
+
+def precompile(specs, workers: int = 16):
+    """Build jit(*spec) for many specs on a thread pool (TileLang lowering releases the GIL, nvcc is a
+    subprocess); each lands in jit's cache, so the first call does not pay for it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ._build import jit
+
+    specs = list(dict.fromkeys(specs))
+    with ThreadPoolExecutor(max(1, min(workers, len(specs)))) as pool:
+        list(pool.map(lambda s: jit(*s), specs))
+
+
+def ffn_v3(p, x, table, out_y, block_t: int, limit: float, down_splits: int = 1):
+    """moe.py's _ffn with the v3 kernels: up (+gate, SwiGLU, routing weight) into h, then down, atomically
+    added into out_y (fp32)."""
+    import torch
+
+    from ._build import jit
+
+    up, down = ffn_specs(p, block_t, down_splits)
+    h = torch.empty(table[0].shape[0], p.inter, dtype=torch.bfloat16, device=x.device)
+    jit(*up)(x, *table, p.w13, p.s13, h, limit)
+    jit(*down)(h, *table, p.w2, p.s2, out_y, limit)
+
+
+def routing_table(idx, weights, n_experts: int):
+    """moe_prep's (rows, aw, slot_expert, slot_start, slot_count) for router output idx/weights [T, k]."""
+    import torch
+
+    from ._build import jit
+    from .moe_prep import build_moe_prep
+
+    T_, k = idx.shape
+    n_slots = min(n_experts, T_ * k)
+    dev = idx.device
+    rows = torch.empty(T_ * k, dtype=torch.int32, device=dev)
+    aw = torch.empty(T_ * k, dtype=torch.float32, device=dev)
+    slots = [torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3)]
+    jit(build_moe_prep, n_experts, k)(idx.contiguous(), weights.float().contiguous(), rows, aw, *slots)
+    return (rows, aw, *slots)
+
+
+def moe_experts_packed_v3(x, weights, idx, routed, shared, swiglu_limit: float, shared_down_splits: int = 1):
+    """moe.moe_experts_packed with the v3 kernels: x [T, D] bf16, weights/idx [T, k] -> [T, D] bf16. The shared
+    expert runs on moe.py's side stream, concurrently with the routed pass, both adding into one fp32 buffer."""
+    import torch
+
+    from .moe import _shared_table, _side_stream
+
+    assert x.dtype == torch.bfloat16
+    x = x.contiguous()
+    T_, k = idx.shape
+    dev = x.device
+    table = routing_table(idx, weights, routed.n_experts)
+    y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
+    limit = float(swiglu_limit)
+    main = torch.cuda.current_stream(dev)
+    if shared is not None:
+        side = _side_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ffn_v3(shared, x, _shared_table(T_, str(dev)), y, shared_block_t(T_), limit, shared_down_splits)
+    ffn_v3(routed, x, table, y, routed_block_t(T_, k, routed.n_experts), limit)
+    if shared is not None:
+        main.wait_stream(side)
+    return y.to(x.dtype)
+
+
+def experts_specs(routed, shared, n_tok: int, top_k: int, shared_down_splits: int = 1):
+    """Every jit spec moe_experts_packed_v3 needs at n_tok tokens (for precompile)."""
+    from .moe_prep import build_moe_prep
+
+    specs = [(build_moe_prep, routed.n_experts, top_k)]
+    specs += ffn_specs(routed, routed_block_t(n_tok, top_k, routed.n_experts))
+    if shared is not None:
+        specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
+    return specs

@@ -1,0 +1,178 @@
+"""Registry-facing `rms_norm`, `rope`, `fake_quant_fp8` and `fake_quant_fp4` on the one-launch kernels of
+rowwise_kernel.py (each torch op is ~5-15 launches). Same signatures and results as deepinfer.kernels.torch
+(norm / rope / quant), bit for bit for bf16 on CUDA; anything a kernel does not cover goes to the torch op.
+
+Kernel paths (all need a CUDA bf16 `x`; non-contiguous inputs are made contiguous first):
+* rms_norm: last dim a multiple of 128 with a configuration ATen reduces in one warp or block per row (every
+  width up to 7680, see torch_reduce_lanes); weight None, bf16 or fp32 of shape [dim].
+* rope: x [T, ..., dim] with integer positions [T] on x's device, 2 * len(inv_freq) a multiple of 8, dim a
+  multiple of 8; inv_freq fp32 / bf16 / fp16 (the torch op promotes it to fp32 too).
+* fake_quant_fp8 / fake_quant_fp4: `block` a multiple of 8 with block / 8 a power of two <= 32.
+RMSNorm's statistic follows ATen's summation order for its [rows, dim] launch (the lane count depends on the row
+count below 16 rows), so, like the torch op, a row's result can depend on how many rows are normalised together.
+"""
+
+import concurrent.futures
+import functools
+import os
+
+import numpy as np
+import torch
+
+from deepinfer.kernels.torch import norm as torch_norm
+from deepinfer.kernels.torch import quant as torch_quant
+from deepinfer.kernels.torch import rope as torch_rope
+
+from ._build import jit
+from .rowwise_kernel import build_fake_quant, build_rms_norm_block, build_rms_norm_warp, build_rope, last_pow2
+
+_MAX_REDUCE_THREADS = 512  # Reduce.cuh mnt_wrapper<float>::MAX_NUM_THREADS
+_WARP = 32
+
+
+def torch_reduce_lanes(dim: int, rows: int) -> int | None:
+    """Lanes per row ATen's CUDA reduction uses for `x.float().pow(2).mean(-1)` over a contiguous [rows, dim]
+    tensor (Reduce.cuh `setReduceConfig`: input vectorised 4-wide from dim 128 up), or None for what the kernels
+    do not emulate (unvectorised widths, a vector tail, a row split across warps or blocks)."""
+    if dim < 128 or dim % 4 or rows < 1:
+        return None
+    dim0 = dim // 4
+    d0 = last_pow2(dim0) if dim0 < _MAX_REDUCE_THREADS else _MAX_REDUCE_THREADS
+    d1 = last_pow2(rows) if rows < _MAX_REDUCE_THREADS else _MAX_REDUCE_THREADS
+    width = min(d0, _WARP)
+    height = min(d1, _MAX_REDUCE_THREADS // width)
+    width = min(d0, _MAX_REDUCE_THREADS // height)
+    if -(-dim // width) >= min(height * 16, 256):  # split_across_warps: block_y / global reduce
+        return None
+    return width
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous with a 16-byte aligned start (the kernels use 8 / 16-byte vector accesses; a view with an odd
+    storage offset is copied, which changes nothing: the torch ops work on fresh copies too)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@functools.lru_cache(maxsize=32)
+def _ones(dim: int, device: str) -> torch.Tensor:
+    return torch.ones(dim, dtype=torch.bfloat16, device=device)
+
+
+def _rms_plan(x: torch.Tensor, weight: torch.Tensor | None):
+    """(dim, rows, lanes) when the kernel path applies, else None."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() >= 1 and x.numel() > 0):
+        return None
+    dim = x.shape[-1]
+    if dim % 128:
+        return None
+    if weight is not None and not (weight.is_cuda and weight.device == x.device and weight.dim() == 1
+                                   and weight.shape[0] == dim and weight.dtype in (torch.bfloat16, torch.float32)):
+        return None
+    rows = x.numel() // dim
+    lanes = torch_reduce_lanes(dim, rows)
+    if lanes is None:
+        return None
+    return dim, rows, lanes
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Same contract as deepinfer.kernels.torch.norm.rms_norm; one launch on the kernel path (module docstring)."""
+    plan = _rms_plan(x, weight)
+    if plan is None:
+        return torch_norm.rms_norm(x, weight, eps)
+    dim, rows, lanes = plan
+    if weight is None:
+        weight = _ones(dim, str(x.device))  # bf16(1 * y) == y
+    kind = "fp32" if weight.dtype == torch.float32 else "bf16"
+    x2, w = _dense(x.reshape(rows, dim)), _dense(weight)
+    out = torch.empty(rows, dim, dtype=weight.dtype, device=x.device)
+    eps32 = float(np.float32(eps))  # torch adds eps as an fp32 scalar
+    if lanes == _WARP:
+        jit(build_rms_norm_warp, dim, kind)(x2, w, out, eps32)
+    else:
+        jit(build_rms_norm_block, dim, kind)(x2, w, out, eps32, lanes)
+    return out.view(x.shape)
+
+
+def _rope_ok(x, positions, inv_freq) -> bool:
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() >= 2 and x.numel() > 0):
+        return False
+    if not (positions.dim() == 1 and positions.shape[0] == x.shape[0] and positions.device == x.device
+            and not positions.is_floating_point() and not positions.is_complex() and positions.dtype != torch.bool):
+        return False
+    if not (inv_freq.dim() == 1 and inv_freq.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return False
+    rd, dim = 2 * inv_freq.numel(), x.shape[-1]
+    return rd > 0 and rd % 8 == 0 and dim % 8 == 0 and rd <= dim
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Same contract as deepinfer.kernels.torch.rope.rope; one launch on the kernel path (module docstring)."""
+    if not _rope_ok(x, positions, inv_freq):
+        return torch_rope.rope(x, positions, inv_freq, inverse)
+    dim, rd = x.shape[-1], 2 * inv_freq.numel()
+    heads = x.numel() // (x.shape[0] * dim)
+    x2 = _dense(x.reshape(-1, dim))
+    out = torch.empty_like(x2)
+    pos = positions.to(torch.int64).contiguous()
+    inv = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
+    jit(build_rope, dim, rd, bool(inverse))(x2, pos, inv, out, heads)
+    return out.view(x.shape)
+
+
+def _quant_ok(x, block) -> bool:
+    g = block // 8 if isinstance(block, int) else 0
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() >= 1 and x.numel() > 0 and block % 8 == 0
+            and 0 < g <= 32 and g & (g - 1) == 0 and x.shape[-1] % block == 0)
+
+
+def _fake_quant(x: torch.Tensor, kind: str, block: int) -> torch.Tensor:
+    x2 = _dense(x).view(-1, 8)
+    out = torch.empty_like(x2)
+    jit(build_fake_quant, kind, block)(x2, out)
+    return out.view(x.shape)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Same contract as deepinfer.kernels.torch.quant.fake_quant_fp8 (widths not divisible by `block` pass
+    through as the same tensor); one launch on the kernel path (module docstring)."""
+    if not _quant_ok(x, block):
+        return torch_quant.fake_quant_fp8(x, block)
+    return _fake_quant(x, "fp8", block)
+
+
+def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
+    """Same contract as deepinfer.kernels.torch.quant.fake_quant_fp4; one launch on the kernel path (module
+    docstring)."""
+    if not _quant_ok(x, block):
+        return torch_quant.fake_quant_fp4(x, block, e4m3_scales)
+    return _fake_quant(x, "fp4_e4m3" if e4m3_scales else "fp4_ue8m0", block)
+
+
+# ---------------------------------------------------------------------------------------------- warm-up
+def kernels_for(*, norm_dims=(), rope_shapes=(), quant=()) -> list[tuple]:
+    """The (builder, *static args) keys the ops above compile for the given widths: norm_dims [(dim, weight dtype
+    or None)], rope_shapes [(dim, rope_dim, inverse)], quant [(kind, block)] with kind fp8 / fp4_ue8m0 /
+    fp4_e4m3. Norms get both variants (one warp per row for >= 16 rows, one block per row below)."""
+    jobs = []
+    for dim, wdt in norm_dims:
+        kind = "fp32" if wdt == torch.float32 else "bf16"
+        jobs.append((build_rms_norm_warp, dim, kind))
+        if last_pow2(dim // 4) >= 64:
+            jobs.append((build_rms_norm_block, dim, kind))
+    jobs += [(build_rope, dim, rd, bool(inv)) for dim, rd, inv in rope_shapes]
+    jobs += [(build_fake_quant, kind, block) for kind, block in quant]
+    return jobs
+
+
+def precompile(jobs, workers: int | None = None) -> None:
+    """Compile `jobs` (from kernels_for) concurrently: lowering releases the GIL and nvcc is a subprocess, so
+    threads overlap the compiles (TileLang's par_compile does the same)."""
+    jobs = list(dict.fromkeys(jobs))
+    if not jobs:
+        return
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for f in [pool.submit(jit, *job) for job in jobs]:
+            f.result()

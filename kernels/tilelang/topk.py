@@ -1,0 +1,83 @@
+"""Registry-facing `index_topk` and the decode fast path `index_topk_ids` over the radix-select kernel
+(topk_kernel.py).
+
+`index_topk` keeps the torch op's signature and outputs (selected [S, G] bool, candidate mask [S, G] bool or None)
+and runs the kernel for fp32 scores on CUDA; anything else (CPU, other dtypes, a non-bool or differently shaped
+`candidates`, topk <= 0, G = 0 or G >= 2^22) goes to the torch op. `index_topk_ids` returns the selected entry
+ids instead of the [S, G] mask: int32 [S, topk], ascending, -1 padded (the `sel` operand of
+attention.sink_attention_decode, in entry numbers of the row).
+
+Ties: the torch op leaves the order of equal scores to torch.topk; the kernel takes the LOWEST indices among entries
+equal to the k-th largest score (and the lowest block indices among equal candidate blocks), so its selection is
+deterministic and independent of batching. On tie-free scores both select the same set. NaN scores are outside
+the contract (the indexer never produces them).
+"""
+
+import torch
+
+from deepinfer.kernels.torch import indexer as torch_indexer
+
+from ._build import jit
+from .topk_kernel import MAX_ENTRIES, build_index_topk
+
+CACHE = 16384  # keys per row held in shared memory (64 KB, 3 blocks/SM); entries beyond it are re-read from L2
+
+
+def _covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size) -> bool:
+    if not (isinstance(scores, torch.Tensor) and scores.is_cuda and scores.dtype == torch.float32
+            and scores.dim() == 2):
+        return False
+    S, G = scores.shape
+    if not (S > 0 and 0 < G < MAX_ENTRIES and topk > 0 and visible.shape == (S,) and not visible.is_floating_point()):
+        return False
+    if candidate_blocks > 0:
+        return 1 <= candidate_block_size <= 64
+    return candidates is None or (candidates.dtype == torch.bool and tuple(candidates.shape) == (S, G))
+
+
+def _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size, want_mask):
+    S, G = scores.shape
+    dev = scores.device
+    level1 = candidate_blocks > 0
+    use_cand = candidates is not None and not level1  # the candidate source's own selection is unrestricted
+    # the block size is a compile-time constant; without the candidate level any value serves, so reuse 8
+    kernel = jit(build_index_topk, CACHE, candidate_block_size if level1 else 8)
+    dummy = torch.zeros(1, 1, dtype=torch.uint8, device=dev)
+    ids = torch.empty(S, topk, dtype=torch.int32, device=dev)
+    sel = torch.empty(S, G, dtype=torch.bool, device=dev) if want_mask else None
+    cand = torch.empty(S, G, dtype=torch.bool, device=dev) if level1 else None
+    kernel(scores.contiguous(), visible.to(device=dev, dtype=torch.int32).contiguous(),
+           candidates.to(dev).contiguous().view(torch.uint8) if use_cand else dummy, ids,
+           sel.view(torch.uint8) if want_mask else dummy, cand.view(torch.uint8) if level1 else dummy,
+           int(use_cand), int(want_mask), int(candidate_blocks) if level1 else 0)
+    return ids, sel, cand
+
+
+def index_topk(scores, visible, topk, candidates=None, candidate_blocks=0, candidate_block_size=0):
+    """Same contract as deepinfer.kernels.torch.indexer.index_topk: scores [S, G] fp32, visible [S] -> (selected
+    [S, G] bool, candidate mask [S, G] bool or None)."""
+    if not _covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size):
+        return torch_indexer.index_topk(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
+    _, sel, cand = _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size, want_mask=True)
+    return sel, cand
+
+
+def mask_to_ids(selected: torch.Tensor, topk: int) -> torch.Tensor:
+    """[S, G] bool -> int32 [S, topk]: the selected entry ids ascending, -1 padded (torch; used off the kernel path)."""
+    S, G = selected.shape
+    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)[:, :topk]
+    ids = torch.where(selected.gather(1, order), order, -1).to(torch.int32)
+    return torch.nn.functional.pad(ids, (0, topk - ids.shape[1]), value=-1) if ids.shape[1] < topk else ids
+
+
+def index_topk_ids(scores, visible, topk, candidates=None, candidate_blocks=0, candidate_block_size=0):
+    """The selection of `index_topk` as ids: int32 [S, topk], ascending entry order, -1 padded. The candidate source
+    (candidate_blocks > 0) also returns its candidate mask, which later index layers need: (ids, mask [S, G] bool).
+    Off the kernel path it runs the torch op and converts."""
+    if _covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size):
+        ids, _, cand = _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size,
+                               want_mask=False)
+    else:
+        sel, cand = torch_indexer.index_topk(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
+        ids = mask_to_ids(sel, max(topk, 0))
+    return (ids, cand) if candidate_blocks > 0 else ids

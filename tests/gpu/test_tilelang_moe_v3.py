@@ -1,0 +1,187 @@
+"""v3 grouped expert GEMM (kernels/tilelang/moe_gemm_v3.py) vs the torch reference ops on fresh random inputs
+(marker gpu): the whole MoE through moe_experts_packed_v3 (moe.py's routing-table / side-stream launch code with
+the v3 kernels) against deepinfer.kernels.torch.moe.moe_experts and float64 math, FP4 and FP8 routed experts, with
+and without the FP8 shared expert; and the two kernels alone at every token tile and with split K."""
+
+import pytest
+import torch
+
+from deepinfer.kernels.packed_experts import pack_experts
+from deepinfer.kernels.torch import moe as ref
+
+from ._helpers import fp4_rows, fp8_blocks, poison_allocator, rel_err
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPES = [(16, 1024, 512), (8, 5120, 2304)]  # (experts, hidden, inter); the second is the released width
+TOKENS = [1, 5, 64, 300]
+TOP_K = 6
+LIMIT = 10.0
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _experts(E, D, I, fmt, g):
+    """Random checkpoint tensors for E experts (on g's device) and their dequantised bf16 (w1, w2, w3)."""
+    w1, s1, w3, s3, w2, s2, dense = [], [], [], [], [], [], []
+    make = fp4_rows if fmt == "fp4" else fp8_blocks
+    for _ in range(E):
+        a, sa, da = make(I, D, g)
+        b, sb, db = make(I, D, g)
+        c, sc, dc = make(D, I, g)
+        w1.append(a); s1.append(sa); w3.append(b); s3.append(sb); w2.append(c); s2.append(sc)
+        dense.append(tuple(t.bfloat16().cuda() for t in (da, dc, db)))
+    return pack_experts(fmt, w1, s1, w3, s3, w2, s2), dense
+
+
+def _cases():
+    out = []
+    for E, D, I in SHAPES:  # tokens innermost: one weight set serves four cases
+        for fmt in ("fp4", "fp8"):
+            for with_shared in (True, False):
+                for tokens in TOKENS:
+                    out.append((E, D, I, tokens, fmt, with_shared, False))
+    out.append((16, 1024, 512, 40, "fp4", True, True))  # every token on the same experts: the chunk loop
+    return out
+
+
+CASES = _cases()
+_WEIGHTS = {}
+
+
+def _weights(E, D, I, fmt, with_shared):
+    key = (E, D, I, fmt, with_shared)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()  # one weight set at a time: the released-width ones are ~1 GB with their bf16 copies
+        gd = torch.Generator(device="cuda").manual_seed(E * 1000 + D + (fmt == "fp8"))
+        routed, dense = _experts(E, D, I, fmt, gd)
+        shared = shared_dense = None
+        if with_shared:
+            shared, sd = _experts(1, D, I, "fp8", gd)
+            shared_dense = sd[0]
+        _WEIGHTS[key] = (routed, dense, shared, shared_dense)
+    return _WEIGHTS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompile():
+    """Build every kernel the cases below need on a thread pool first (52 of them on a cold machine)."""
+    from deepinfer.kernels.packed_experts import PackedExperts
+    from deepinfer.kernels.tilelang import moe_gemm_v3 as v3
+
+    def fake(fmt, E, D, I):  # specs depend on shapes only
+        t = torch.empty(0)
+        return PackedExperts(fmt, t.new_empty(E, 2 * I, 0), t, t.new_empty(E, D, 0), t)
+
+    specs = []
+    for E, D, I, tokens, fmt, with_shared, _ in CASES:
+        shared = fake("fp8", 1, D, I) if with_shared else None
+        specs += v3.experts_specs(fake(fmt, E, D, I), shared, tokens, min(TOP_K, E))
+    specs += _kernel_specs()
+    v3.precompile(specs)
+
+
+@pytest.mark.parametrize("E,D,I,tokens,fmt,with_shared,skew", CASES)
+def test_v3_experts_match_torch(E, D, I, tokens, fmt, with_shared, skew):
+    from deepinfer.kernels.tilelang.moe_gemm_v3 import moe_experts_packed_v3
+
+    routed, dense, shared, shared_dense = _weights(E, D, I, fmt, with_shared)
+    g = _gen(E * 1000 + tokens + 7 * with_shared)
+    k = min(TOP_K, E)
+    x = torch.randn(tokens, D, generator=g).bfloat16().cuda()
+    if skew:
+        idx = torch.arange(k).repeat(tokens, 1)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    idx = idx.cuda()
+    weights = torch.rand(tokens, k, generator=g).cuda() + 0.1
+    poison_allocator()
+    out = moe_experts_packed_v3(x, weights, idx, routed, shared, LIMIT)
+    torch.cuda.synchronize()
+    expect = ref.moe_experts(x, weights, idx, dense, shared_dense, LIMIT)
+    assert out.shape == expect.shape and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    # same bf16 rounding points as the reference; what remains is fp32 summation order -> well under 1e-2
+    assert rel_err(out, expect) < 1e-2, rel_err(out, expect)
+    # against float64 math on the same dequantised weights (per expert, all its tokens at once)
+    x64 = x.double()
+    y64 = torch.zeros(tokens, D, dtype=torch.float64, device=x.device)
+
+    def ffn64(xs, w1_, w2_, w3_, scale):
+        gate = (xs @ w1_.double().T).clamp(max=LIMIT)
+        up = (xs @ w3_.double().T).clamp(-LIMIT, LIMIT)
+        return (torch.nn.functional.silu(gate) * up * scale) @ w2_.double().T
+
+    for e in torch.unique(idx).tolist():
+        t, j = torch.where(idx == e)
+        y64.index_add_(0, t, ffn64(x64[t], *dense[e], weights[t, j, None].double()))
+    if with_shared:
+        y64 += ffn64(x64, *shared_dense, 1.0)
+    assert rel_err(out, y64) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------ kernels alone
+KD, KI, KE = 512, 768, 4  # small shapes: K of the down pass = 768 = 3 steps of 256, so it splits in 3
+
+
+def _kernel_specs():
+    from deepinfer.kernels.tilelang import moe_gemm_v3 as v3
+
+    out = []
+    for fmt in ("fp4", "fp8"):
+        for bt in (8, 16, 32, 64):
+            bk, st = v3.pass_config(fmt, KD, bt)
+            out.append((v3.build_grouped_gemm_v3, fmt, "swiglu", KE, 2 * KI, KD, 64, bt, bk, 128, st, True, 1, 0))
+            bk, st = v3.pass_config(fmt, KI, bt)
+            for splits in (1, 3):
+                out.append((v3.build_grouped_gemm_v3, fmt, "add", KE, KD, KI, 64, bt, bk, 128, st, False, splits, 0))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("block_t", [8, 16, 32, 64])
+def test_v3_kernels_each_tile(fmt, block_t):
+    """Up (SwiGLU epilogue) and down ("add" epilogue, whole K and split in 3) at one token tile, against torch
+    with the same bf16 rounding points; 37 tokens x top-2 over 4 experts: every expert spans several chunks at
+    the small tiles, and a partial chunk at the large ones."""
+    from deepinfer.kernels.tilelang import moe_gemm_v3 as v3
+    from deepinfer.kernels.tilelang._build import jit
+
+    routed, dense = _experts(KE, KD, KI, fmt, torch.Generator(device="cuda").manual_seed(block_t))
+    g = _gen(block_t + (fmt == "fp8"))
+    T_, k = 37, 2
+    x = torch.randn(T_, KD, generator=g).bfloat16().cuda()
+    idx = torch.stack([torch.randperm(KE, generator=g)[:k] for _ in range(T_)]).cuda()
+    weights = (torch.rand(T_, k, generator=g) + 0.1).cuda()
+    table = v3.routing_table(idx, weights, KE)
+    rows, aw, s_exp, s_start, s_cnt = table
+    poison_allocator()
+    h = torch.empty(T_ * k, KI, dtype=torch.bfloat16, device="cuda")
+    bk, st = v3.pass_config(fmt, KD, block_t)
+    jit(v3.build_grouped_gemm_v3, fmt, "swiglu", KE, 2 * KI, KD, 64, block_t, bk, 128, st, True, 1, 0)(
+        x, *table, routed.w13, routed.s13, h, LIMIT)
+    torch.cuda.synchronize()
+    # reference h per assignment position, in the table's (expert-sorted) order
+    h_ref = torch.empty_like(h)
+    y_ref = torch.zeros(T_, KD, dtype=torch.float32, device="cuda")
+    for s in range(s_exp.shape[0]):
+        e, a, n = int(s_exp[s]), int(s_start[s]), int(s_cnt[s])
+        if n == 0:
+            continue
+        w1, w2, w3 = dense[e]
+        xs = x[rows[a:a + n].long()]
+        gate = (xs @ w1.T).float().clamp(max=LIMIT)
+        up = (xs @ w3.T).float().clamp(-LIMIT, LIMIT)
+        h_ref[a:a + n] = (torch.nn.functional.silu(gate) * up * aw[a:a + n, None]).bfloat16()
+        y_ref.index_add_(0, rows[a:a + n].long(), (h[a:a + n] @ w2.T).float())  # down from the kernel's own h
+    assert torch.isfinite(h).all() and rel_err(h, h_ref) < 1e-2, rel_err(h, h_ref)
+    bk, st = v3.pass_config(fmt, KI, block_t)
+    for splits in (1, 3):
+        y = torch.zeros(T_, KD, dtype=torch.float32, device="cuda")
+        jit(v3.build_grouped_gemm_v3, fmt, "add", KE, KD, KI, 64, block_t, bk, 128, st, False, splits, 0)(
+            h, *table, routed.w2, routed.s2, y, LIMIT)
+        torch.cuda.synchronize()
+        assert torch.isfinite(y).all() and rel_err(y, y_ref) < 5e-3, (splits, rel_err(y, y_ref))

@@ -1,0 +1,249 @@
+"""CPU checks of the index top-k kernel (kernels/tilelang/topk_kernel.py), no GPU needed:
+
+* it lowers to CUDA source for sm_90a and sm_100a (as tests/test_tilelang_lowering.py does for the other kernels),
+  and, lowered the way jit() compiles it (its own pass configs merged in), keeps its launch shape;
+* the wrapper's off-kernel path (CPU tensors) returns the torch op's selection, and as ascending -1 padded ids;
+* (slow) the generated CUDA source itself runs correctly: it is compiled for the CPU with a small emulation layer
+  (one OS thread per CUDA thread, __syncthreads = a barrier over the block, warp shuffles through per-warp slots,
+  shared-memory atomics as atomics, cp.async as a copy) and checked against the torch op and the kernel's
+  lowest-index tie rule, incl. rows longer than the shared-memory cache and the candidate level.
+"""
+
+import ctypes
+import importlib.util
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from deepinfer.kernels.torch import indexer as ref
+
+tilelang_missing = importlib.util.find_spec("tilelang") is None
+needs_tilelang = pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+
+
+def _lowered_as_compiled(cache, arch="sm_90a", block_size=8):
+    """CUDA source of the kernel with its function-level pass configs merged in, as tilelang.compile (jit) does."""
+    import tilelang
+    from tvm import transform
+
+    from deepinfer.kernels.tilelang._build import PASS_CONFIGS, target
+    from deepinfer.kernels.tilelang.topk_kernel import build_index_topk
+
+    f = build_index_topk(cache, block_size)
+    cfg = dict(PASS_CONFIGS)
+    if f.attrs and "tilelang_pass_configs" in f.attrs:
+        cfg.update(dict(f.attrs["tilelang_pass_configs"]))
+    tgt = target(arch)
+    with tgt, transform.PassContext(opt_level=3, config=cfg):
+        return tilelang.lower(f, target=tgt).kernel_source
+
+
+@needs_tilelang
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_topk_kernel_lowers_to_cuda(arch):
+    from deepinfer.kernels.tilelang._build import lower_source
+    from deepinfer.kernels.tilelang.topk import CACHE
+    from deepinfer.kernels.tilelang.topk_kernel import build_index_topk
+
+    src = lower_source(build_index_topk(CACHE), arch)
+    assert "__global__" in src
+
+
+@needs_tilelang
+def test_topk_kernel_as_compiled():
+    from deepinfer.kernels.tilelang.topk import CACHE
+
+    src = _lowered_as_compiled(CACHE)
+    assert "__global__" in src
+    assert "__launch_bounds__(512, 2)" in src  # two rows per SM
+    assert "cp_async" in src  # the row streams into shared memory asynchronously
+
+
+@needs_tilelang
+def test_off_kernel_path_matches_torch_op():
+    from deepinfer.kernels.tilelang.topk import index_topk, index_topk_ids
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(5, 300, generator=g)
+    vis = torch.tensor([0, 1, 150, 300, 310])
+    for kw in ({}, dict(candidate_blocks=10, candidate_block_size=8), dict(candidates=torch.rand(5, 300) < 0.5)):
+        sel, cand = index_topk(scores, vis, 64, **kw)
+        want_sel, want_cand = ref.index_topk(scores, vis, 64, **kw)
+        assert torch.equal(sel, want_sel)
+        assert (cand is None and want_cand is None) or torch.equal(cand, want_cand)
+        out = index_topk_ids(scores, vis, 400, **kw)
+        ids = out[0] if kw.get("candidate_blocks") else out
+        assert ids.shape == (5, 400) and ids.dtype == torch.int32
+        for s in range(5):
+            row = ids[s][ids[s] >= 0]
+            assert torch.equal(row, torch.nonzero(ref.index_topk(scores, vis, 400, **kw)[0][s]).flatten().int())
+            assert (ids[s][len(row):] == -1).all()
+
+
+# ------------------------------------------------------------------------------------ CPU emulation of the CUDA
+EMU_H = r"""
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <type_traits>
+#include <vector>
+typedef unsigned char uchar;
+typedef unsigned int uint;
+struct alignas(16) uint4 { uint x, y, z, w; };
+struct Dim3 { int x, y, z; };
+static thread_local Dim3 threadIdx, blockIdx;
+static std::barrier<>* g_block;
+static std::barrier<>* g_warp[32];
+static long long g_slot[32][32];
+alignas(1024) static uchar g_smem[232448];
+#define __syncthreads() g_block->arrive_and_wait()
+#define __global__
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+template <class T> inline T emu_shfl(T v, int d) {  // d > 0: from lane + d (down), d < 0: from lane + d (up)
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  long long b = 0; std::memcpy(&b, &v, sizeof(T)); g_slot[w][lane] = b;
+  g_warp[w]->arrive_and_wait();
+  T r = v; int src = lane + d;
+  if (src >= 0 && src < 32) std::memcpy(&r, &g_slot[w][src], sizeof(T));
+  g_warp[w]->arrive_and_wait();
+  return r;
+}
+template <class T> inline T __shfl_down_sync(uint, T v, int d, int = 32) { return emu_shfl(v, d); }
+template <class T> inline T __shfl_up_sync(uint, T v, int d, int = 32) { return emu_shfl(v, -d); }
+template <class T, class U> inline void AtomicAdd(T* p, U v) { __atomic_fetch_add(p, (T)v, __ATOMIC_RELAXED); }
+template <class A, class B> inline typename std::common_type<A, B>::type max(A a, B b) { return a > b ? a : b; }
+template <class A, class B> inline typename std::common_type<A, B>::type min(A a, B b) { return a < b ? a : b; }
+namespace tl {
+template <int N> inline void cp_async_gs_conditional(void* d, const void* s, bool p) {
+  if (p) std::memcpy(d, s, N); else std::memset(d, 0, N); }
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
+}
+template <class F> void emu_launch(int blocks, int nt, F body) {
+  std::barrier<> bb(nt); g_block = &bb;
+  std::vector<std::barrier<>*> wb;
+  for (int w = 0; w < nt / 32; ++w) { wb.push_back(new std::barrier<>(32)); g_warp[w] = wb.back(); }
+  std::vector<std::thread> th;
+  for (int t = 0; t < nt; ++t)
+    th.emplace_back([&, t] {
+      threadIdx = {t, 0, 0};
+      for (int b = 0; b < blocks; ++b) {
+        blockIdx = {b, 0, 0};
+        if (t == 0) std::memset(g_smem, 0xAB, sizeof(g_smem));  // shared memory starts as garbage
+        bb.arrive_and_wait();
+        body();
+        bb.arrive_and_wait();
+      }
+    });
+  for (auto& x : th) x.join();
+  for (auto* p : wb) delete p;
+}
+"""
+
+
+def _gxx_ok():
+    gxx = shutil.which("g++")
+    if not gxx:
+        return False
+    r = subprocess.run([gxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
+                       capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def _emulated_kernel(tmp_path, cache):
+    src = _lowered_as_compiled(cache)
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = body.replace("extern __shared__ __align__(1024) uchar buf_dyn_shmem[];", "uchar* buf_dyn_shmem = g_smem;")
+    sig = re.search(r"index_topk_kernel\((.*?)\) \{", body).group(1)
+    params = [p.strip() for p in sig.split(",")]
+    names = [p.split()[-1] for p in params]
+    threads = int(re.search(r"__launch_bounds__\((\d+)", body).group(1))
+    code = EMU_H + body + ('\nextern "C" void launch(' + ", ".join(params) + ") {\n"
+                           f"  emu_launch(n_q, {threads}, [&] {{ index_topk_kernel(" + ", ".join(names) + "); });\n}\n")
+    (tmp_path / "k.cpp").write_text(code)
+    subprocess.check_call(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-w", "-shared", "-fPIC", "-pthread",
+                           str(tmp_path / "k.cpp"), "-o", str(tmp_path / "k.so")])
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+
+    def run(scores, visible, topk, candidates=None, kb=0):
+        """Mirrors topk._launch on CPU tensors; outputs are poisoned first."""
+        S, G = scores.shape
+        dummy = torch.zeros(1, 1, dtype=torch.uint8)
+        use = candidates is not None and kb <= 0
+        t = dict(scores=scores.float().contiguous(), visible=visible.int().contiguous(),
+                 cand_in=candidates.to(torch.uint8).contiguous() if use else dummy,
+                 ids=torch.full((S, topk), 0x7FC00000, dtype=torch.int32),
+                 sel_mask=torch.full((S, G), 0xC0, dtype=torch.uint8),
+                 cand_out=torch.full((S, G), 0x7F, dtype=torch.uint8) if kb > 0 else dummy)
+        dims = dict(n_q=S, n_g=G, n_k=topk, c_q=t["cand_in"].shape[0], c_g=t["cand_in"].shape[1], m_q=S, m_g=G,
+                    o_q=t["cand_out"].shape[0], o_g=t["cand_out"].shape[1], use_cand=int(use), write_mask=1,
+                    k_blocks=kb)
+        lib.launch(*[ctypes.c_void_p(t[n].data_ptr()) if n in t else ctypes.c_int(dims[n]) for n in names])
+        return t["ids"], t["sel_mask"], (t["cand_out"] if kb > 0 else None)
+
+    return run
+
+
+def _rule(scores, visible, topk, candidates=None, kb=0, bs=8):
+    """The kernel's documented selection: a stable descending sort (equal scores: lower index first)."""
+    S, G = scores.shape
+    s = scores.masked_fill(torch.arange(G)[None] >= visible[:, None], float("-inf"))
+    cand = None
+    if kb > 0:
+        nb = -(-G // bs)
+        b = torch.nn.functional.pad(s, (0, nb * bs - G), value=float("-inf")).view(S, nb, bs).amax(-1)
+        b = b.masked_fill(torch.arange(nb)[None] == torch.div(visible - 1, bs, rounding_mode="floor")[:, None],
+                          float("inf"))
+        o = torch.sort(b, dim=-1, descending=True, stable=True).indices[:, :kb]
+        cand = torch.zeros(S, nb, dtype=torch.bool).scatter_(1, o, b.gather(1, o) > float("-inf"))
+        cand = cand.repeat_interleave(bs, 1)[:, :G]
+    elif candidates is not None:
+        s = s.masked_fill(~candidates, float("-inf"))
+    o = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :topk]
+    return torch.zeros(S, G, dtype=torch.bool).scatter_(1, o, s.gather(1, o) > float("-inf")), cand
+
+
+@pytest.mark.slow
+@needs_tilelang
+@pytest.mark.skipif(not _gxx_ok(), reason="needs g++ with C++20 <barrier>")
+def test_generated_cuda_runs_correctly_under_cpu_emulation(tmp_path):
+    from deepinfer.kernels.tilelang.topk import CACHE
+
+    run = _emulated_kernel(tmp_path, CACHE)
+    g = torch.Generator().manual_seed(0)
+    ints = lambda S, G: torch.randint(-6, 7, (S, G), generator=g).float() + 0.5  # noqa: E731 - heavy ties
+    cases = [  # (scores, visible, topk, candidates, candidate blocks, tie-free)
+        (torch.randn(6, 3001, generator=g), torch.tensor([0, 1, 3001, 3009, 700, 2048]), 512, None, 0, True),
+        (torch.randn(3, 40, generator=g), torch.tensor([40, 17, 3]), 512, None, 0, True),  # G < topk
+        # ~840 distinct values sharing the top key bits: deep radix passes and index tie passes
+        (1 + torch.rand(3, 5000, generator=g) * 1e-4, torch.tensor([5000, 4000, 512]), 512, None, 0, False),
+        (ints(4, 3000), torch.tensor([3000, 2999, 900, 100]), 512, None, 0, False),
+        (torch.randn(4, 4000, generator=g), torch.tensor([4000, 3000, 10, 0]), 512,
+         torch.rand(4, 4000, generator=g) < 0.3, 0, True),
+        (torch.randn(4, 3001, generator=g), torch.tensor([3001, 2000, 1, 0]), 64, None, 40, True),
+        (ints(3, 2000), torch.tensor([2000, 1999, 33]), 64, None, 30, False),
+        (torch.randn(2, 20000, generator=g), torch.tensor([20000, 17000]), 512, None, 2048, True),  # > cache
+        (torch.randn(1, 40000, generator=g), torch.tensor([39990]), 512, None, 2048, True),  # block keys > cache
+    ]
+    cases[0][0][4, ::3] = float("-inf")
+    for scores, vis, topk, cands, kb, tie_free in cases:
+        ids, sel, cand = run(scores, vis, topk, cands, kb)
+        assert int(sel.max()) <= 1
+        sel = sel.bool()
+        want, want_cand = _rule(scores, vis, topk, cands, kb)
+        assert torch.equal(sel, want), "selection differs from the lowest-index rule"
+        t_sel, t_cand = ref.index_topk(scores, vis, topk, cands, kb, 8 if kb else 0)
+        assert torch.equal(sel.sum(1), t_sel.sum(1))
+        if tie_free:
+            assert torch.equal(sel, t_sel)
+            assert kb == 0 or torch.equal(cand.bool(), t_cand)
+        if kb:
+            assert int(cand.max()) <= 1 and torch.equal(cand.bool(), want_cand)
+        for s in range(scores.shape[0]):
+            n = int(sel[s].sum())
+            assert torch.equal(ids[s, :n], torch.nonzero(sel[s]).flatten().int()) and (ids[s, n:] == -1).all()
