@@ -203,10 +203,13 @@ def main():
         if a.plot and row["mode"] == "decode":  # redrawn as rows arrive: a run cut at its time limit keeps a plot
             plot(rows, a.plot, n_layers)
 
-    # compile every kernel variant a prefill chunk uses before timing (TileLang JIT, cuBLAS heuristics)
-    for ops in (tl_ops, ref_ops):
+    # compile every kernel variant the timed prefill chunks use before timing (TileLang JIT variants depend on the
+    # token count, e.g. the mHC split count; cuBLAS heuristics)
+    for ops, sizes in ((tl_ops, sorted({min(c, a.chunk) for c in a.contexts})), (ref_ops, [a.torch_prefill])):
         model.use_ops(ops)
-        prefill(model, 1024, 1024, gen)
+        for n in sizes:
+            if n:
+                prefill(model, n, n, gen)
     bases = {}
     for ctx in sorted(set(a.contexts)):
         model.use_ops(tl_ops)
