@@ -24,6 +24,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels_gpu import graph_time  # noqa: E402  (one timing method for every GPU benchmark)
+from kernels_gpu import timeit as _timeit  # noqa: E402
+
 E, TOPK, HID, INTER = 384, 6, 5120, 2304
 FP4_W, FP8_W = 0.5 + 1 / 32, 1 + 1 / 1024
 LIMIT = 10.0
@@ -31,39 +35,14 @@ SETS = 8
 
 
 def timeit(fn, iters=20, warmup=3):
-    for i in range(warmup):
-        fn(i)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of CUDA-event-timed calls (kernels_gpu.timeit)."""
+    return _timeit(fn, iters=iters, warmup=warmup)[0]
 
 
 def graph_ms(fn, calls=4, iters=20):
-    """Median ms per call of a CUDA graph of fn(0..calls-1); None if capture fails."""
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(calls):
-                fn(i)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(i)
-        return timeit(lambda i: graph.replay(), iters=iters) / calls
-    except Exception as exc:  # noqa: BLE001 - report, keep going
-        print("graph capture failed:", type(exc).__name__, str(exc)[:200], flush=True)
-        torch.cuda.synchronize()
-        return None
+    """Median ms per call of a CUDA graph of fn(0..calls-1); None if capture fails (kernels_gpu.graph_time)."""
+    g = graph_time(fn, calls=calls, iters=iters)
+    return g[0] if g else None
 
 
 def copy_bandwidth():
