@@ -15,7 +15,6 @@ v1 numbers still come back. --sweep also times v2 at other split counts (one com
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -26,35 +25,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels_gpu import attention_inputs as make_inputs  # noqa: E402  (the main table's inputs)
 from kernels_gpu import ceilings, graph_time, timeit  # noqa: E402  (same timing and ceilings as the main table)
 
 HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # predicted v2 % of roofline at 32K (written before any GPU run)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
-
-
-def make_inputs(B, ctx, q_per_seq, g, dev="cuda"):
-    """As kernels_gpu.bench_attention: full rings, one ratio-2 pool for all sequences, 512 random rows each."""
-    n_q = B * q_per_seq
-    pool = B * ctx // 2
-    per_call = n_q * (WIN * 528 + ITOPK * 288) + n_q * HEADS * HDIM * 4
-    sets = max(1, min(32, math.ceil(400e6 / per_call)))
-    data = []
-    for _ in range(sets):
-        win_kv = (torch.randn(B, WIN, HDIM, device=dev, generator=g) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
-        win_sc = torch.randint(118, 124, (B, WIN, HDIM // 32), dtype=torch.uint8, device=dev, generator=g)
-        cmp_kv = torch.randint(0, 256, (pool, HDIM // 2), dtype=torch.uint8, device=dev, generator=g)
-        cmp_sc = (torch.rand(pool, HDIM // 16, device=dev, generator=g) + 0.1).to(torch.float8_e4m3fn).view(torch.uint8)
-        pos = ctx - q_per_seq
-        win_pos = (pos - WIN + q_per_seq + torch.arange(WIN, device=dev)).int().repeat(B, 1)
-        q_seq = torch.arange(B, device=dev).repeat_interleave(q_per_seq).int()
-        q_pos = (pos + torch.arange(q_per_seq, device=dev)).repeat(B).int()
-        per_seq = ctx // 2
-        sel = torch.stack([torch.randperm(per_seq, device=dev, generator=g)[:ITOPK] + (i // q_per_seq) * per_seq
-                           for i in range(n_q)]).int()
-        q = (torch.randn(n_q, HEADS, HDIM, device=dev, generator=g) * 0.3).bfloat16()
-        data.append((q, q_seq, q_pos, win_kv, win_sc, win_pos, cmp_kv, cmp_sc, sel))
-    return data
 
 
 def smoke_v2(splits_list, limit_s):

@@ -197,6 +197,31 @@ def bench_moe(rows, bw, peak, batches, with_torch, sweeps, sweep_at=(1, 64)):
 
 
 # ------------------------------------------------------------------------------------------------ attention
+def attention_inputs(B, ctx, q_per_seq, g, dev="cuda"):
+    """Rotating input sets for the decode attention kernels: full FP8 window rings, one ratio-2 FP4 pool for all
+    sequences (one entry per two tokens), 512 random selected rows per query; ~400 MB of sets in all."""
+    n_q = B * q_per_seq
+    pool = B * ctx // 2
+    per_call = n_q * (WIN * 528 + ITOPK * 288) + n_q * HEADS * HDIM * 4
+    sets = max(1, min(32, math.ceil(400e6 / per_call)))
+    data = []
+    for _ in range(sets):
+        win_kv = (torch.randn(B, WIN, HDIM, device=dev, generator=g) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
+        win_sc = torch.randint(118, 124, (B, WIN, HDIM // 32), dtype=torch.uint8, device=dev, generator=g)
+        cmp_kv = torch.randint(0, 256, (pool, HDIM // 2), dtype=torch.uint8, device=dev, generator=g)
+        cmp_sc = (torch.rand(pool, HDIM // 16, device=dev, generator=g) + 0.1).to(torch.float8_e4m3fn).view(torch.uint8)
+        pos = ctx - q_per_seq
+        win_pos = (pos - WIN + q_per_seq + torch.arange(WIN, device=dev)).int().repeat(B, 1)
+        q_seq = torch.arange(B, device=dev).repeat_interleave(q_per_seq).int()
+        q_pos = (pos + torch.arange(q_per_seq, device=dev)).repeat(B).int()
+        per_seq = ctx // 2
+        sel = torch.stack([torch.randperm(per_seq, device=dev, generator=g)[:ITOPK] + (i // q_per_seq) * per_seq
+                           for i in range(n_q)]).int()
+        q = (torch.randn(n_q, HEADS, HDIM, device=dev, generator=g) * 0.3).bfloat16()
+        data.append((q, q_seq, q_pos, win_kv, win_sc, win_pos, cmp_kv, cmp_sc, sel))
+    return data
+
+
 def bench_attention(rows, bw, peak, batches, contexts, with_torch, q_per_seq=1):
     from deepinfer.kernels.tilelang.attention import sink_attention_decode
     from deepinfer.kernels.torch import attention as ref
@@ -206,24 +231,8 @@ def bench_attention(rows, bw, peak, batches, contexts, with_torch, q_per_seq=1):
     for ctx in contexts:
         for B in batches:
             n_q = B * q_per_seq
-            pool = B * ctx // 2  # ratio-2 layer: one compressed entry per two tokens, all sequences in one pool
-            per_call = n_q * (WIN * 528 + ITOPK * 288) + n_q * HEADS * HDIM * 4
-            sets = max(1, min(32, math.ceil(400e6 / per_call)))
-            data = []
-            for _ in range(sets):
-                win_kv = (torch.randn(B, WIN, HDIM, device=dev, generator=g) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
-                win_sc = torch.randint(118, 124, (B, WIN, HDIM // 32), dtype=torch.uint8, device=dev, generator=g)
-                cmp_kv = torch.randint(0, 256, (pool, HDIM // 2), dtype=torch.uint8, device=dev, generator=g)
-                cmp_sc = (torch.rand(pool, HDIM // 16, device=dev, generator=g) + 0.1).to(torch.float8_e4m3fn).view(torch.uint8)
-                pos = ctx - q_per_seq
-                win_pos = (pos - WIN + q_per_seq + torch.arange(WIN, device=dev)).int().repeat(B, 1)
-                q_seq = torch.arange(B, device=dev).repeat_interleave(q_per_seq).int()
-                q_pos = (pos + torch.arange(q_per_seq, device=dev)).repeat(B).int()
-                per_seq = ctx // 2
-                sel = torch.stack([torch.randperm(per_seq, device=dev, generator=g)[:ITOPK] + (i // q_per_seq) * per_seq
-                                   for i in range(n_q)]).int()
-                q = (torch.randn(n_q, HEADS, HDIM, device=dev, generator=g) * 0.3).bfloat16()
-                data.append((q, q_seq, q_pos, win_kv, win_sc, win_pos, cmp_kv, cmp_sc, sel))
+            data = attention_inputs(B, ctx, q_per_seq, g, dev)
+            sets = len(data)
             sink = torch.randn(HEADS, device=dev, generator=g)
             scale = HDIM ** -0.5
             ms, mn, eg = measure(lambda i: sink_attention_decode(*data[i % sets], sink, scale))

@@ -133,8 +133,7 @@ class DeepseekV41Model:
     def _engram_hash(self, pb: PackedBatch) -> torch.Tensor:
         """[T, n_engram_layers, n_hash_cols] bucket ids of the n-grams ending at each new token."""
         tabs, n = self.engram, self.config.engram_max_ngram_size
-        token_map = tabs.host_token_map
-        compressed = [token_map[t] for t in pb.id_list]
+        compressed = [tabs.token_map[t] for t in pb.id_list]
         rows = []
         for i, st in enumerate(pb.states):
             new = compressed[pb.starts[i] : pb.starts[i] + pb.lengths[i]]

@@ -54,12 +54,11 @@ def compressed_token_map(tokenizer: Tokenizer) -> tuple[list[int], int]:
 
 @dataclass(frozen=True)
 class EngramTables:
-    token_map: torch.Tensor  # [vocab] int64
+    token_map: tuple[int, ...]  # token id -> compressed id, on the host: hashing reads it per token, no device sync
     pad_id: int  # compressed id of the pad token
     multipliers: torch.Tensor  # [L, N] int64 (odd)
     primes: torch.Tensor  # [L, N - 1, heads] int64
     offsets: torch.Tensor  # [L, (N - 1) * heads] int64
-    host_token_map: tuple[int, ...] = ()  # token_map on the host: hashing reads it per token without a device sync
 
     def to(self, device) -> "EngramTables":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -101,10 +100,9 @@ class EngramTables:
         flat = [[p for row in layer for p in row] for layer in primes]
         offsets = [[sum(f[:i]) for i in range(len(f))] for f in flat]
         return cls(
-            token_map=torch.tensor(mapping, dtype=torch.int64),
+            token_map=tuple(mapping),
             pad_id=mapping[cfg.engram_pad_id],
             multipliers=torch.tensor(np.stack(mults)),
             primes=torch.tensor(primes, dtype=torch.int64),
             offsets=torch.tensor(offsets, dtype=torch.int64),
-            host_token_map=tuple(mapping),
         )

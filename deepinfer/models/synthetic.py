@@ -22,6 +22,8 @@ from deepinfer.kernels.packed_experts import QuantizedWeight
 from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.quant import FP8_MAX, ceil_pow2
 
+from deepinfer.embedded import TEXT_CONFIG, _init, engram_table_rows
+
 from .config import ModelConfig
 from .deepseek_v41 import DeepseekV41Model
 from .loading import tensors as kinds
@@ -31,12 +33,11 @@ from .loading.names import keeps_float32
 #   0 SWA only | 1 SWA + Engram | 2 ratio-2 KV source + index source | 3 ratio-2 reuse
 #   4 ratio-1 KV source + index source + candidate source | 5 ratio-1 reindex (own indexer query, candidates of 4)
 FLASH_REDUCED = {
-    "model_type": "deepseek_v41_text",
+    **TEXT_CONFIG,  # the architecture constants (scoring, mHC, rope bases, eps, ...) of the embedded model
     "vocab_size": 129280,
     "hidden_size": 5120,
     "num_hidden_layers": 6,
     "num_attention_heads": 64,
-    "num_key_value_heads": 1,
     "head_dim": 512,
     "qk_rope_head_dim": 64,
     "q_lora_rank": 1280,
@@ -55,41 +56,20 @@ FLASH_REDUCED = {
     "moe_intermediate_size": 2304,
     "n_routed_experts": 384,
     "num_experts_per_tok": 6,
-    "n_shared_experts": 1,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-20,
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_scaling": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                     "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {**TEXT_CONFIG["rope_scaling"], "original_max_position_embeddings": 65536},
     "max_position_embeddings": 1048576,
     "engram_layer_ids": [1],
     # The released tables have 384M rows (~98 GB each in FP8); a step reads 24 rows per token whatever the table
     # size, so a smaller prime range measures the same traffic. The package tokenizer's normalised vocabulary
-    # (406 entries) stands in for the release tokenizer's.
+    # (TEXT_CONFIG's engram_compressed_vocab_size) stands in for the release tokenizer's.
     "engram_vocab_size": 100000,
     "engram_max_ngram_size": 4,
     "engram_n_heads": 8,
     "engram_head_dim": 256,
-    "engram_pad_id": 2,
-    "engram_compressed_vocab_size": 406,
-    "num_nextn_predict_layers": 0,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": False,
 }
 
 
 def config(overrides: dict | None = None) -> ModelConfig:
-    from deepinfer.embedded import engram_table_rows
-
     text = dict(FLASH_REDUCED, **(overrides or {}))
     if text["engram_layer_ids"]:
         text["engram_num_embeddings"] = engram_table_rows(
@@ -104,8 +84,6 @@ def package_tokenizer() -> Tokenizer:
 
 def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0, packed_experts: bool = True):
     """Canonical name -> tensor (or QuantizedWeight for experts when `packed_experts`) for `cfg`."""
-    from deepinfer.embedded import _init
-
     gen = torch.Generator(device).manual_seed(seed)
     out = {}
     for name, spec in sorted(kinds.expected_tensors(cfg).items()):
