@@ -14,38 +14,35 @@ tilelang_missing = importlib.util.find_spec("tilelang") is None
 
 
 def _kernels():
+    from deepinfer.kernels.tilelang import attention_combine_kernel as comb
     from deepinfer.kernels.tilelang import attention_kernel as att
     from deepinfer.kernels.tilelang import indexer_kernel as idx
-    from deepinfer.kernels.tilelang import moe_gemm, moe_prep, moe_router
+    from deepinfer.kernels.tilelang import moe_prep_kernel, moe_router_kernel
 
     return {
-        "moe_up_fp4": lambda: moe_gemm.build_grouped_gemm("fp4", "swiglu", 384, 4608, 5120),
-        "moe_down_fp4": lambda: moe_gemm.build_grouped_gemm("fp4", "add", 384, 5120, 2304, gather=False),
-        "moe_up_fp8": lambda: moe_gemm.build_grouped_gemm("fp8", "swiglu", 1, 4608, 5120),
-        "moe_down_fp8": lambda: moe_gemm.build_grouped_gemm("fp8", "add", 1, 5120, 2304, gather=False),
-        "moe_prep": lambda: moe_prep.build_moe_prep(384, 6),
-        "router_logits": lambda: moe_router.build_router_logits(384, 5120),
-        "router_topk": lambda: moe_router.build_router_topk(384, 20, 6, "sqrtsoftplus", True),
-        "attn_paged": lambda: att.build_sink_attention("paged", splits=1),
-        "attn_paged_split": lambda: att.build_sink_attention("paged", splits=4),
-        "attn_dense": lambda: att.build_sink_attention("dense", splits=2),
-        "attn_combine": lambda: att.build_sink_combine(splits=4),
+        "moe_prep": lambda: moe_prep_kernel.build_moe_prep(384, 6),
+        "router_logits": lambda: moe_router_kernel.build_router_logits(384, 5120),
+        "router_topk": lambda: moe_router_kernel.build_router_topk(384, 20, 6, "sqrtsoftplus", True),
+        "attn_dense": lambda: att.build_sink_attention_dense(splits=2),
+        "attn_dense_single": lambda: att.build_sink_attention_dense(splits=1),
+        "attn_combine": lambda: comb.build_sink_combine(splits=4),
         "indexer_dense": lambda: idx.build_indexer_scores("dense"),
         "indexer_fp4": lambda: idx.build_indexer_scores("fp4"),
     }
 
 
+# The grouped expert GEMM (moe_kernel) and the decode attention kernel (attention_decode_kernel) have their own
+# lowering tests: test_tilelang_lowering_moe.py, test_tilelang_lowering_attention_decode.py.
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name", ["moe_up_fp4", "moe_down_fp4", "moe_up_fp8", "moe_down_fp8", "moe_prep",
-                                  "router_logits", "router_topk", "attn_paged", "attn_paged_split", "attn_dense",
+@pytest.mark.parametrize("name", ["moe_prep", "router_logits", "router_topk", "attn_dense", "attn_dense_single",
                                   "attn_combine", "indexer_dense", "indexer_fp4"])
 def test_kernel_lowers_to_cuda(name, arch):
     from deepinfer.kernels.tilelang._build import lower_source
 
     src = lower_source(_kernels()[name](), arch)
     assert "__global__" in src
-    if arch == "sm_90a" and name.startswith(("moe_up", "moe_down", "attn_paged", "attn_dense", "indexer")):
+    if arch == "sm_90a" and name.startswith(("attn_dense", "indexer")):
         assert "wgmma" in src  # the matrix kernels must take the Hopper tensor-core path
 
 
@@ -110,8 +107,7 @@ def test_manifest_registers_cuda_only():
     from deepinfer.kernels import registry
 
     ours = [e for e in registry.registered() if e.backend == "tilelang-sm90"]
-    # everything but the plain GEMM (cuBLAS via torch) and the step-rare compressor / Engram ops
-    assert {e.kind for e in ours} == set(registry.OP_KINDS) - {"linear", "compressor_pool", "engram_hash",
-                                                               "engram_gate"}
+    # everything but the step-rare compressor / Engram ops (`linear` takes FP8 weights; dense ones go to cuBLAS)
+    assert {e.kind for e in ours} == set(registry.OP_KINDS) - {"compressor_pool", "engram_hash", "engram_gate"}
     assert all(e.devices == ("cuda",) for e in ours)
     assert "tilelang-sm90" not in registry.backends_for("moe_experts", "cpu")

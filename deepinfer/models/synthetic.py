@@ -3,10 +3,12 @@ use V4.1-Flash width at reduced depth, which no file on disk holds (~7 GB of FP4
 
 Weights follow the released storage formats: routed experts are random FP4 e2m1 codes with ue8m0 scales per row
 and 32 columns and the shared expert FP8 e4m3 with 32x32 block scales, both kept as stored (QuantizedWeight ->
-PackedExperts) exactly as `load_model(..., packed_experts=True)` holds a real checkpoint; FP8 projections and
-Engram tables carry values an FP8 checkpoint can hold (quantised and dequantised once); the rest is bf16 / fp32 as
-the release stores it. Scales are drawn so activations keep unit variance through every projection (the golden
-fixtures' initialisation, deepinfer.embedded._init).
+PackedExperts) exactly as `load_model(..., packed_experts=True)` holds a real checkpoint; FP8 projections are
+e4m3 with 32x32 block scales too, kept as stored (Fp8BlockWeight) when `fp8_linears` (the default on CUDA, as
+`load_model`) and otherwise dequantised once (the same values); Engram tables carry values an FP8 checkpoint can
+hold (quantised and dequantised once); the rest is bf16 / fp32 as the release stores it. Scales are drawn so
+activations keep unit variance through every projection (the golden fixtures' initialisation,
+deepinfer.embedded._init).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from importlib import resources
 import torch
 from tokenizers import Tokenizer
 
+from deepinfer.kernels.fp8_weight import Fp8BlockWeight
 from deepinfer.kernels.packed_experts import QuantizedWeight
 from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.quant import FP8_MAX, ceil_pow2
@@ -82,8 +85,12 @@ def package_tokenizer() -> Tokenizer:
     return Tokenizer.from_str((resources.files("deepinfer.assets") / "tokenizer.json").read_text())
 
 
-def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0, packed_experts: bool = True):
-    """Canonical name -> tensor (or QuantizedWeight for experts when `packed_experts`) for `cfg`."""
+def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0, packed_experts: bool = True,
+                   fp8_linears: bool | None = None):
+    """Canonical name -> tensor (or QuantizedWeight for experts when `packed_experts`, Fp8BlockWeight for the FP8
+    projections when `fp8_linears`; default: on CUDA) for `cfg`. The draws do not depend on `fp8_linears`."""
+    if fp8_linears is None:
+        fp8_linears = torch.device(device).type == "cuda"
     gen = torch.Generator(device).manual_seed(seed)
     out = {}
     for name, spec in sorted(kinds.expected_tensors(cfg).items()):
@@ -96,6 +103,9 @@ def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0
         w = _init(name, spec.shape, cfg.hidden_size, gen)
         if packed_experts and expert:
             out[name] = _fp8_blocks(w)
+        elif fp8_linears and not expert and kinds.FP8_BLOCK in spec.allowed:
+            q = _fp8_blocks(w)
+            out[name] = Fp8BlockWeight(q.weight, q.scale)
         elif kinds.FP8_BLOCK in spec.allowed or kinds.FP8_ROWS in spec.allowed:
             out[name] = _fp8_values(w, (32, 32) if kinds.FP8_BLOCK in spec.allowed else (1, 32)).to(dtype)
         else:
@@ -132,9 +142,9 @@ def _fp8_values(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def build_model(cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, backends=None, seed: int = 0,
-                packed_experts: bool = True) -> DeepseekV41Model:
+                packed_experts: bool = True, fp8_linears: bool | None = None) -> DeepseekV41Model:
     ops = OpSet.build(torch.device(device).type, backends)
-    weights = random_weights(cfg, device, dtype, seed, packed_experts)
+    weights = random_weights(cfg, device, dtype, seed, packed_experts, fp8_linears)
     return DeepseekV41Model(cfg, weights, package_tokenizer() if cfg.engram_layer_ids else None, ops, device, dtype)
 
 

@@ -1,14 +1,24 @@
-"""Checkpoint tensors (canonical names, dequantized) arranged per layer for the forward pass."""
+"""Checkpoint tensors (canonical names; dense, or kept as stored where the loader was asked to) arranged per layer
+for the forward pass."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, fields
 
 import torch
 
+from deepinfer.kernels.fp8_weight import Fp8BlockWeight, linear_bytes
 from deepinfer.kernels.packed_experts import PackedExperts, QuantizedWeight, can_pack, pack_quantized
 
 from .config import ModelConfig
+
+log = logging.getLogger("deepinfer.models")
+
+# Projection weights the model applies through ops.linear: each a dense [out, in] tensor or an Fp8BlockWeight
+# (FP8 as stored; wo_a then a list of per-group Fp8BlockWeights).
+LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "c_wkv", "c_wgate", "i_wq_b", "i_weights_proj", "i_wk", "e_wkv")
+Linear = torch.Tensor | Fp8BlockWeight
 
 
 @dataclass
@@ -17,13 +27,13 @@ class LayerWeights:
     ffn_norm: torch.Tensor
     hc_attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn, scale, base
     hc_ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    wq_a: torch.Tensor
+    wq_a: Linear
     q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
+    wq_b: Linear
+    wkv: Linear
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # [o_groups, o_lora_rank, H * head_dim / o_groups]
-    wo_b: torch.Tensor
+    wo_a: torch.Tensor | list[Fp8BlockWeight]  # wo_a[g]: group g's [o_lora_rank, H * head_dim / o_groups]
+    wo_b: Linear
     attn_sink: torch.Tensor
     gate_weight: torch.Tensor
     gate_bias: torch.Tensor | None
@@ -32,12 +42,12 @@ class LayerWeights:
     c_wkv: torch.Tensor | None = None
     c_wgate: torch.Tensor | None = None
     c_norm: torch.Tensor | None = None
-    i_wq_b: torch.Tensor | None = None
+    i_wq_b: Linear | None = None
     i_weights_proj: torch.Tensor | None = None
     i_wk: torch.Tensor | None = None
     i_k_norm: torch.Tensor | None = None
     e_table: torch.Tensor | None = None  # engram rows [n, engram_head_dim]
-    e_wkv: torch.Tensor | None = None
+    e_wkv: Linear | None = None
     e_weight: torch.Tensor | None = None  # q_weight * k_weight (only the product is used)
 
 
@@ -50,6 +60,18 @@ def experts_of(group: list[tuple], dtype: torch.dtype):
     if len({w.fmt for e in group for w in e}) == 1 and can_pack(q.fmt, q.shape[0], q.shape[1]):
         return pack_quantized(group)
     return [tuple(w.dense(dtype) for w in e) for e in group]
+
+
+def _row_groups(w: Linear, groups: int, rank: int):
+    """wo_a [groups * rank, in] -> something whose [g] is group g's [rank, in] projection."""
+    if isinstance(w, Fp8BlockWeight):
+        return w.row_groups(groups)
+    return w.view(groups, rank, w.shape[1])
+
+
+def linear_weight_bytes(layers: list[LayerWeights]) -> tuple[int, int]:
+    """(bytes of the projection weights as held, bytes if the FP8 ones were dense bf16)."""
+    return linear_bytes(getattr(lw, f.name) for lw in layers for f in fields(lw) if f.name in LINEARS)
 
 
 def _single(experts):
@@ -82,7 +104,7 @@ def arrange(
             wq_b=get("attn.wq_b.weight"),
             wkv=get("attn.wkv.weight"),
             kv_norm=get("attn.kv_norm.weight"),
-            wo_a=wo_a.view(cfg.o_groups, cfg.o_lora_rank, wo_a.shape[1]),
+            wo_a=_row_groups(wo_a, cfg.o_groups, cfg.o_lora_rank),
             wo_b=get("attn.wo_b.weight"),
             attn_sink=get("attn.attn_sink"),
             gate_weight=get("ffn.gate.weight"),
@@ -103,5 +125,9 @@ def arrange(
         if i in cfg.engram_layer_ids:
             lw.e_weight = get("engram.q_weight").float() * get("engram.k_weight").float()
         layers.append(lw)
+    held, dense = linear_weight_bytes(layers)
+    if held != dense:
+        log.info("projection weights: %.3f GB held (FP8 as stored), %.3f GB if dequantised to bf16", held / 1e9,
+                 dense / 1e9)
     glob = {"embed": t["embed.weight"], "norm": t["norm.weight"], "head": t.get("head.weight", t["embed.weight"])}
     return layers, glob

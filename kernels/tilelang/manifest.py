@@ -3,13 +3,14 @@ kernel code; the registry loads each target only when a hardware config prefers 
 
 Each registered function keeps the torch op's signature and semantics and falls back to the torch op for
 inputs its kernels do not cover (documented per function). Fast paths with explicit cache/weight formats:
-moe.moe_experts_packed, attention.sink_attention_decode, indexer.indexer_scores_fp4.
+linear.fp8_linear (Fp8BlockWeight), moe.moe_experts_packed, attention.sink_attention_decode, indexer.indexer_scores_fp4.
 """
 
 from deepinfer.kernels.registry import register
 
 BACKEND = "tilelang-sm90"
 _WHERE = {
+    "linear": "linear",
     "moe_router": "moe",
     "moe_experts": "moe",
     "sink_attention": "attention",

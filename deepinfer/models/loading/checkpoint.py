@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.kernels.fp8_weight import Fp8BlockWeight, from_stored
 from deepinfer.kernels.packed_experts import QuantizedWeight
 from deepinfer.models.config import ModelConfig, ModelConfigError
 
@@ -43,6 +44,7 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     weights: bool = True,
     quantized_experts: bool = False,
+    quantized_linears: bool = False,
 ) -> Checkpoint:
     """Load a local Hugging Face checkpoint directory (use resolve_model_dir first for hub ids).
 
@@ -51,7 +53,9 @@ def load_checkpoint(
     parameters (hc_*, attn.attn_sink, ffn.gate.bias/bias_vl). With `weights=False` only those checks run and
     `Checkpoint.weights` stays empty (a frontend whose engine process holds the weights). With
     `quantized_experts`, routed and shared expert weights stored as FP4 / FP8 (32x32 blocks) come back as they are
-    stored (`QuantizedWeight`), for the model to pack once (deepinfer.kernels.packed_experts).
+    stored (`QuantizedWeight`), for the model to pack once (deepinfer.kernels.packed_experts). With
+    `quantized_linears`, the other FP8 (32x32 block) projections come back as stored too (`Fp8BlockWeight`,
+    deepinfer.kernels.fp8_weight): 1 byte per weight instead of 2 in bf16.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -72,6 +76,9 @@ def load_checkpoint(
             if quantized_experts and _keeps_format(item, block):
                 loaded[item.name] = _stored(files, item, device)
                 continue
+            if quantized_linears and _is_fp8_linear(item, block):
+                loaded[item.name] = _stored_fp8_linear(files, item, device)
+                continue
             target = torch.float32 if keeps_float32(item.name) else dtype
             loaded[item.name] = materialize(files, item, target, device, block)
 
@@ -88,6 +95,16 @@ def load_checkpoint(
 def _keeps_format(item, block) -> bool:
     expert = ".ffn.experts." in item.name or ".ffn.shared_experts." in item.name
     return expert and (item.kind == FP4_ROWS or (item.kind == FP8_BLOCK and tuple(block) == (32, 32)))
+
+
+def _is_fp8_linear(item, block) -> bool:
+    """An FP8 block-scaled projection other than an expert's (those follow `quantized_experts`)."""
+    expert = ".ffn.experts." in item.name or ".ffn.shared_experts." in item.name
+    return not expert and item.kind == FP8_BLOCK and tuple(block) == (32, 32)
+
+
+def _stored_fp8_linear(files: SafetensorsFiles, item, device) -> Fp8BlockWeight:
+    return from_stored(files.rows(item.weight).to(device), files.rows(item.scale).to(device))
 
 
 def _stored(files: SafetensorsFiles, item, device) -> QuantizedWeight:

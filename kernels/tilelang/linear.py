@@ -1,0 +1,100 @@
+"""`linear` for the tilelang-sm90 backend: FP8 projection weights as stored (Fp8BlockWeight) through the
+weight-only FP8 GEMM of linear_kernel.py; everything else through the torch op.
+
+Kernel path: bf16 x on CUDA, an Fp8BlockWeight with N % 64 == 0, K % 128 == 0, blocks aligned to row 0
+(row_offset 0) and block scales the in-register dequantisation can represent (ue8m0 byte <= 134, i.e. scales up
+to 2^7; projection weights sit near 2^-10). `why_not(x, w)` names the first condition that fails (None: the
+kernel runs), so tests and benchmarks can insist on the kernel path.
+
+Other inputs: the torch op (cuBLAS on CUDA), which dequantises an Fp8BlockWeight per call (fp32 models, tiny
+shapes; counted by the registry's per-call fallbacks). Dense bf16 weights stay on cuBLAS: it picks its kernel by
+M, so those projections are not batch invariant on the GPU; the FP8 ones are (see linear_kernel.py).
+
+Tile policy, fixed by (N, K) alone so a row's result never depends on the batch: 32 tokens x 64 weight rows per
+block, 128-K steps, and K split over `split_count(N, K)` blocks when N alone gives too few blocks to keep HBM
+busy at decode (each split's fp32 partial is reduced in split order by a second small kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.kernels.fp8_weight import Fp8BlockWeight
+from deepinfer.kernels.registry import fall_back
+from deepinfer.kernels.torch import linear as torch_linear
+
+from ._build import jit
+from .linear_kernel import BLOCK_K, build_fp8_linear, build_split_reduce
+
+BLOCK_N = 64
+TARGET_BLOCKS = 264  # per token tile: two resident blocks on each of the H200's 132 SMs
+MAX_SPLITS = 16  # each split costs M * N * 8 bytes of fp32 partials (written, then read) at large M
+MAX_SCALE_BYTE = 134  # dequant.py's e4m3 bit placement holds scales up to 2^7
+
+
+def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
+    """K splits for an [N, K] weight: the smallest divisor of the K steps that gives TARGET_BLOCKS blocks,
+    at most MAX_SPLITS (then the largest divisor within it). A function of the shape only."""
+    tiles, steps = n_rows // BLOCK_N, k_dim // block_k
+    divisors = [d for d in range(1, min(steps, MAX_SPLITS) + 1) if steps % d == 0]
+    return next((d for d in divisors if tiles * d >= TARGET_BLOCKS), divisors[-1])
+
+
+def why_not(x: torch.Tensor, w) -> str | None:
+    """Why `linear(x, w)` does not take the FP8 kernel path, or None when it does."""
+    if not isinstance(w, Fp8BlockWeight):
+        return "dense weight (cuBLAS)"
+    if not (x.is_cuda and w.device.type == "cuda"):
+        return "not on CUDA"
+    if x.dtype != torch.bfloat16:
+        return f"activations are {x.dtype}, the kernel takes bfloat16"
+    n, k = w.shape
+    if n % BLOCK_N or k % BLOCK_K or x.shape[-1] != k:
+        return f"weight shape not a multiple of [{BLOCK_N}, {BLOCK_K}]"
+    if w.row_offset:
+        return "row group starts inside a 32-row scale block"
+    if not _scales_in_range(w):
+        return f"a block scale byte exceeds {MAX_SCALE_BYTE}"
+    return None
+
+
+def linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """Same contract as deepinfer.kernels.torch.linear.linear (weight: a dense tensor or an Fp8BlockWeight). An
+    Fp8BlockWeight the kernel cannot take is a counted per-call fallback; a dense weight is cuBLAS by design."""
+    if not isinstance(weight, Fp8BlockWeight):
+        return torch_linear.linear(x, weight)
+    reason = why_not(x, weight)
+    if reason is None:
+        return fp8_linear(x, weight)
+    return fall_back("linear", reason, torch_linear.linear, x, weight)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None) -> torch.Tensor:
+    """x [..., K] bf16 @ dequant(w)[N, K].T -> [..., N] bf16 through the kernel (inputs as `why_not` accepts).
+    `k_splits` overrides the shape's split count (benchmarks only: results then differ in the last bits)."""
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:  # cp.async reads 16-byte chunks of each row
+        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    splits = k_splits or split_count(n, k)
+    if splits == 1:
+        jit(build_fp8_linear, n, k, 1)(x2, w.weight, w.scale, out)
+    else:
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        jit(build_fp8_linear, n, k, splits)(x2, w.weight, w.scale, part)
+        jit(build_split_reduce, n, splits)(part, out)
+    return out.view(*lead, n)
+
+
+def _scales_in_range(w: Fp8BlockWeight) -> bool:
+    """Checked once per weight object (a device sync), remembered on it."""
+    ok = w.__dict__.get("_scales_ok")
+    if ok is None:
+        ok = w.scale.numel() == 0 or int(w.scale.max()) <= MAX_SCALE_BYTE
+        object.__setattr__(w, "_scales_ok", ok)  # a cache, not a field: the dataclass stays frozen
+    return ok

@@ -1,0 +1,185 @@
+"""Weight-only FP8 GEMM for bf16 activations: y[m, n] = sum_k x[m, k] * W[n, k], W stored as e4m3 codes with one
+ue8m0 scale per 32x32 block (kernels/fp8_weight.py), dequantised in registers to bf16 and fed to wgmma as the A
+operand; fp32 accumulation; the activations stay bf16, so the result equals the bf16 GEMM on the dequantised
+matrix up to the order of the fp32 sums.
+
+Device code is the MoE v3 kernel's (moe_kernel.py, measured on the H200: 67-70% of copy bandwidth for the routed
+FP4 experts): the same cp.async stage layout, FP8 dequantisation straight into the wgmma A fragments
+(`di3_group<1,...>`), in-place activation permute and one barrier per K step. What differs is the work
+description: one weight matrix, no routing table, and the tokens tiled over the grid:
+
+    grid (ceil(M / BT), N / 64, k_splits); block (bm, bn, bz) computes rows bn*64.. of W against tokens
+    bm*BT.. over K steps [bz*NK, (bz+1)*NK). blockIdx.x is the token tile, so the blocks that read one weight
+    tile run side by side and all but the first find it in L2.
+
+Output: k_splits == 1 writes bf16 directly; k_splits > 1 writes each split's unrounded fp32 partial to
+part[bz, m, n], and `build_split_reduce` adds them in split order (0, 1, ...) and rounds once. No atomics, so the
+result is deterministic.
+
+Batch invariance: the tile shape, the K split and the reduction order are fixed by (N, K) alone, never by M, and
+a token's MMA column depends only on its own activations (columns of tokens beyond M are never loaded, their
+garbage never stored). So row i of the output is bitwise the same whatever M is and whichever tile row i lands
+in.
+"""
+
+import tilelang.language as T
+
+from .moe_kernel import BLOCK_N, CS_PAD, THREADS, cuda_source, shared_bytes, smem_layout
+
+BLOCK_T = 32  # tokens per tile (the wgmma N): M <= 32 reads each weight once from HBM
+BLOCK_K = 128  # K per pipeline step: 8 KB of FP8 weights + 8 KB of activations per stage
+STAGES = 4  # the MoE kernel's loop is ordered for 4 (the permute's proxy fence has no own cp.async to wait on)
+
+
+def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = BLOCK_T, block_k: int = BLOCK_K,
+                     num_stages: int = STAGES, min_blocks: int = 0):
+    """x [m, K] bf16, w [N, K] uint8 (e4m3), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or
+    part [k_splits, m, N] fp32. m is symbolic: one compiled kernel serves every batch size."""
+    assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
+    assert n_rows % BLOCK_N == 0 and k_dim % (block_k * k_splits) == 0
+    N, K, BT, BK, S = n_rows, k_dim, block_t, block_k, num_stages
+    NG = BK // 64                      # 64-K groups per step
+    NK = K // BK // k_splits           # steps per block
+    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout("fp8", BT, BK)
+    CPR = BKP // 16                    # 16-byte weight chunks per row and step
+    W_IT = BLOCK_N * CPR // THREADS
+    X_IT = BT * BK // 8 // THREADS     # 16-byte activation chunks per thread and step
+    P_UNITS = BT * NG                  # (token, group) permute units per step
+    P_IT = -(-P_UNITS // THREADS)
+    CS_LD = BLOCK_N + CS_PAD
+    partial = k_splits > 1
+    if min_blocks == 0:
+        min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes("fp8", BT, BK, S) + 1024)))
+    src = cuda_source(BT)
+
+    m = T.dynamic("m")
+    out_shape = (k_splits, m, N) if partial else (m, N)
+    out_dtype = "float32" if partial else "bfloat16"
+
+    @T.macro
+    def issue(smem, xr, x, w, ws, bn, tx, kk, slot):
+        # one stage (global K step kk) into slot: weights (16-byte chunks XOR-swizzled as di3_group reads them),
+        # the two 32-row scale rows of the tile, the token rows of the activations
+        base = slot * STAGE
+        for it in T.unroll(W_IT):
+            r = (it * THREADS + tx) // CPR
+            cc = (it * THREADS + tx) % CPR
+            cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, 4 * (r % 2))
+            T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
+                          T.address_of(w[bn * BLOCK_N + r, kk * BKP + cc * 16]), 1)
+        if tx < 2:
+            T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
+                          T.address_of(ws[bn * 2 + tx, kk * SCB]), 1)
+        # token n = tx % BT for every iteration (BT divides 128): its x row xr (< 0: past M) sits in a register
+        for it in T.unroll(X_IT):
+            kc = it * (THREADS // BT) + tx // BT
+            x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
+            T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
+                          T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
+
+    @T.macro
+    def permute(smem, xr, tx, slot):
+        # unit (token tx % BT, group (it*128 + tx) / BT); tokens past M are skipped
+        for it in T.unroll(P_IT):
+            if (P_UNITS % THREADS == 0) or (it * THREADS + tx < P_UNITS):
+                if xr >= 0:
+                    T.call_extern("handle", f"di3_permute_x<{BT}>", T.address_of(smem[(slot * STAGE + OFF_X) // 4]),
+                                  tx % BT, (it * THREADS + tx) // BT)
+
+    @T.macro
+    def group(smem, a, acc, slot, G):
+        T.call_extern("handle", f"di3_group<1,{BT},{BKP},{SCB},{G},{G % 2}>",
+                      T.address_of(smem[(slot * STAGE) // 4]), T.address_of(smem[(slot * STAGE + OFF_S) // 4]),
+                      T.address_of(smem[(slot * STAGE + OFF_X) // 4]), T.address_of(a[0]), T.address_of(acc[0]))
+
+    @T.prim_func
+    def fp8_linear(
+        x: T.Tensor((m, K), "bfloat16"),
+        w: T.Tensor((N, K), "uint8"),
+        ws: T.Tensor((N // 32, K // 32), "uint8"),
+        out: T.Tensor(out_shape, out_dtype),
+    ):
+        with T.Kernel(T.ceildiv(m, BT), N // BLOCK_N, k_splits, threads=THREADS) as (bm, bn, bz):
+            T.annotate_min_blocks_per_sm(min_blocks)
+            smem = T.alloc_shared((S * STAGE // 4,), "uint32")  # stage slots as 32-bit words (see moe_kernel.py)
+            c_s = T.alloc_shared((BT, CS_LD), "float32")
+            a = T.alloc_local((32,), "uint32")       # two A buffers of 16 registers
+            acc = T.alloc_local((BT // 2,), "float32")
+            xr = T.alloc_var("int32", init=-1)
+            tx = T.get_thread_binding()
+            T.import_source(src)
+
+            k_first = bz * NK
+            for i in T.unroll(BT // 2):
+                acc[i] = T.float32(0)
+            xr = T.if_then_else(bm * BT + tx % BT < m, bm * BT + tx % BT, -1)
+            # prologue: stages 0..S-2 in flight, the activations of steps 0 and 1 permuted
+            for s in T.unroll(S - 1):
+                if s < NK:
+                    issue(smem, xr, x, w, ws, bn, tx, k_first + s, s)
+                T.call_extern("handle", "di3_cp_commit")
+            T.call_extern("handle", f"di3_cp_wait<{S - 3}>")
+            T.sync_threads()
+            permute(smem, xr, tx, 0)
+            if NK > 1:
+                permute(smem, xr, tx, 1)
+            T.sync_threads()
+            for k in T.serial(NK):
+                group(smem, a, acc, k % S, 0)
+                group(smem, a, acc, k % S, 1)
+                # the MoE kernel's step: stages <= k+2 landed and every warp past step k-1's wgmmas, so step
+                # k-1's slot takes stage k+S-1 and step k+2's activations are permuted
+                T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
+                T.sync_threads()
+                if k + 2 < NK:
+                    permute(smem, xr, tx, (k + 2) % S)
+                if k + S - 1 < NK:
+                    issue(smem, xr, x, w, ws, bn, tx, k_first + k + S - 1, (k + S - 1) % S)
+                T.call_extern("handle", "di3_cp_commit")
+                if NG > 2:
+                    group(smem, a, acc, k % S, 2)
+                    group(smem, a, acc, k % S, 3)
+                if NG > 4:
+                    group(smem, a, acc, k % S, 4)
+                    group(smem, a, acc, k % S, 5)
+                    group(smem, a, acc, k % S, 6)
+                    group(smem, a, acc, k % S, 7)
+            T.call_extern("handle", "di3_wgmma_wait<0>")
+            T.call_extern("handle", "di3_fence_regs", T.address_of(acc[0]), BT // 2)
+            # wgmma D layout (cute CLayout_64xN): acc[i] = (row 16w + g + 8*(i/2%2), token 8*(i/4) + 2q + i%2)
+            for i in T.unroll(BT // 2):
+                c_s[8 * (i // 4) + 2 * (tx % 4) + i % 2,
+                    16 * (tx // 32) + (tx // 4) % 8 + 8 * ((i // 2) % 2)] = acc[i]
+            T.sync_threads()
+            # consecutive threads write consecutive output columns (weight rows)
+            for it in T.unroll(BLOCK_N * BT // THREADS):
+                j = (it * THREADS + tx) // BLOCK_N
+                i = (it * THREADS + tx) % BLOCK_N
+                if bm * BT + j < m:
+                    if partial:
+                        out[bz, bm * BT + j, bn * BLOCK_N + i] = c_s[j, i]
+                    else:
+                        out[bm * BT + j, bn * BLOCK_N + i] = T.cast(c_s[j, i], "bfloat16")
+
+    return fp8_linear
+
+
+REDUCE_THREADS = 64  # one thread per output column of a 64-wide tile (N is a multiple of 64)
+
+
+def build_split_reduce(n_rows: int, k_splits: int):
+    """part [k_splits, m, N] fp32 -> out [m, N] bf16: each element summed in split order from 0, rounded once."""
+    N = n_rows
+    assert N % REDUCE_THREADS == 0
+    m = T.dynamic("m")
+
+    @T.prim_func
+    def split_reduce(part: T.Tensor((k_splits, m, N), "float32"), out: T.Tensor((m, N), "bfloat16")):
+        with T.Kernel(N // REDUCE_THREADS, m, threads=REDUCE_THREADS) as (bn, row):
+            tx = T.get_thread_binding()
+            acc = T.alloc_var("float32", init=0)
+            for s in T.unroll(k_splits):
+                acc = acc + part[s, row, bn * REDUCE_THREADS + tx]
+            out[row, bn * REDUCE_THREADS + tx] = T.cast(acc, "bfloat16")
+
+    return split_reduce

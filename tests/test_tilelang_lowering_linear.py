@@ -1,0 +1,97 @@
+"""CPU checks of the FP8 linear (kernels/tilelang/linear_kernel.py, launcher linear.py): the kernel and its split
+reduction lower to CUDA for sm_90a (wgmma with the dequantised weights as the register A operand) and sm_100a,
+and the launcher picks one kernel configuration per weight shape whatever the batch size (the batch-invariance
+precondition; the GPU test checks the bits)."""
+
+import importlib.util
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from deepinfer.kernels.fp8_weight import Fp8BlockWeight
+
+tilelang_missing = importlib.util.find_spec("tilelang") is None
+pytestmark = pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+
+# V4.1-Flash projections: (N, K)
+FLASH = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_a_group": (1024, 4096),
+         "wo_b": (5120, 8192), "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("name", ["wq_a", "wq_b"])  # split K (partials) and unsplit (bf16 out)
+def test_fp8_linear_lowers_to_cuda(name, arch):
+    from deepinfer.kernels.tilelang._build import lower_source
+    from deepinfer.kernels.tilelang.linear import split_count
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_T, build_fp8_linear
+
+    n, k = FLASH[name]
+    src = lower_source(build_fp8_linear(n, k, split_count(n, k)), arch)
+    assert "__global__" in src and "di3_group<1," in src and "di3_permute_x<" in src  # FP8 (format 1) fragments
+    if arch == "sm_90a":
+        assert f"wgmma.mma_async.sync.aligned.m64n{BLOCK_T}k16.f32.bf16.bf16" in src and "wgmma.wait_group" in src
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src  # the non-Hopper fallback
+
+
+def test_split_reduce_lowers_and_sums_in_split_order():
+    from deepinfer.kernels.tilelang._build import lower_source
+    from deepinfer.kernels.tilelang.linear_kernel import build_split_reduce
+
+    src = lower_source(build_split_reduce(1280, 10), "sm_90a")
+    assert "__global__" in src and "for (int s = 0; s < 10; ++s)" in src and "atomic" not in src.lower()
+
+
+def test_every_flash_shape_is_covered_with_enough_blocks():
+    """Splits fill ~2 blocks per SM where the K steps allow it (wkv: 8 weight tiles, at most 16 splits)."""
+    from deepinfer.kernels.tilelang.linear import BLOCK_N, split_count
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K
+
+    want = {"wq_a": 10, "wq_b": 1, "wkv": 10, "wo_a_group": 16, "wo_b": 4, "shared_w13": 8, "shared_w2": 6}
+    for name, (n, k) in FLASH.items():
+        assert n % BLOCK_N == 0 and k % (BLOCK_K * want[name]) == 0
+        assert split_count(n, k) == want[name], name
+
+
+def test_launcher_uses_one_kernel_configuration_for_every_batch_size(monkeypatch):
+    """fp8_linear's jit specs for M = 1 .. 1000 are identical: no M-dependent tile, split or reduction."""
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    specs = []
+
+    def fake_jit(builder, *args):
+        specs[-1].append((builder.__name__, args))
+        return lambda *tensors: None  # record only: no GPU here
+
+    monkeypatch.setattr(launcher, "jit", fake_jit)
+    for n, k in FLASH.values():
+        w = Fp8BlockWeight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n // 32, k // 32, dtype=torch.uint8))
+        seen = set()
+        for m in (1, 3, 8, 64, 256, 1000):
+            specs.append([])
+            launcher.fp8_linear(torch.zeros(m, k, dtype=torch.bfloat16), w)
+            seen.add(tuple(specs[-1]))
+        assert len(seen) == 1, (n, k, seen)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_fp8_linear_sm90_machine_code(tmp_path):
+    """ptxas: no spills, registers within the occupancy the launch bounds ask for, no serialized wgmma."""
+    from tilelang import env
+
+    from deepinfer.kernels.tilelang._build import lower_source
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear
+    from deepinfer.kernels.tilelang.moe_kernel import shared_bytes
+
+    cu = tmp_path / "k.cu"
+    cu.write_text(lower_source(build_fp8_linear(1280, 5120, 10), "sm_90a"))
+    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
+           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = res.stdout + res.stderr
+    assert "0 bytes spill stores" in log and "serialized" not in log, log[-2000:]
+    regs = int(log.split("Used ")[1].split(" registers")[0])
+    blocks = min(4, (227 * 1024) // (shared_bytes("fp8", BLOCK_T, BLOCK_K, STAGES) + 1024))
+    assert regs * 128 * blocks <= 65536, (regs, blocks)
