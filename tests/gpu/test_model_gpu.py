@@ -65,12 +65,14 @@ def test_kernel_sized_model_in_bf16_is_as_accurate_as_the_torch_ops(monkeypatch)
     the same model in float32 with the torch ops, the TileLang backend is as accurate as the torch ops in bf16 (a
     random-weight model amplifies bf16 rounding through its layers: bf16 vs fp32 differs by ~10% on the CPU too,
     so the bar is relative), and the kernels really ran (spied)."""
+    from deepinfer.kernels.fp8_weight import Fp8BlockWeight
     from deepinfer.kernels.registry import OpSet
-    from deepinfer.kernels.tilelang import attention, indexer, moe
+    from deepinfer.kernels.tilelang import attention, indexer, linear, moe
     from deepinfer.models import synthetic
 
     calls = {}
-    for module, name in ((moe, "moe_experts_packed"), (moe, "jit"), (attention, "_run"), (indexer, "jit")):
+    for module, name in ((moe, "moe_experts_packed"), (moe, "jit"), (attention, "_run"), (indexer, "jit"),
+                         (linear, "fp8_linear")):
         _spy(monkeypatch, module, name, calls)
     cfg = synthetic.config(SMALL)
     gen = torch.Generator().manual_seed(0)
@@ -80,7 +82,9 @@ def test_kernel_sized_model_in_bf16_is_as_accurate_as_the_torch_ops(monkeypatch)
     model = synthetic.build_model(cfg, "cuda", torch.bfloat16, backends={"default": ["tilelang-sm90", "torch"]},
                                   seed=3)
     got = _run(model, prompts, follow)
-    assert set(calls) >= {"moe.moe_experts_packed", "moe.jit", "attention._run", "indexer.jit"}, calls
+    assert set(calls) >= {"moe.moe_experts_packed", "moe.jit", "attention._run", "indexer.jit",
+                          "linear.fp8_linear"}, calls
+    assert isinstance(model.layers[0].wq_b, Fp8BlockWeight)  # synthetic models on CUDA hold FP8 projections
     model.use_ops(OpSet.build("cuda", ["torch"]))
     base = _run(model, prompts, follow)
 

@@ -1,0 +1,138 @@
+"""FP8 linear (kernels/tilelang/linear.py + linear_kernel.py) against the dequantised-bf16 torch path on random
+data (marker gpu): V4.1-Flash projection shapes and a small one, M from 1 to 1000, outputs poisoned beforehand;
+a row's result is bitwise the same at every batch size and position; the registered `linear` op takes the kernel
+for FP8 weights (spied) and counts a fallback for inputs it does not cover."""
+
+import pytest
+import torch
+
+from deepinfer.kernels.fp8_weight import Fp8BlockWeight
+
+from ._helpers import fp8_blocks, poison_allocator, rel_err
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPES = {  # name: (N, K)
+    "small": (256, 512),
+    "wq_a": (1280, 5120),
+    "wq_b": (32768, 1280),
+    "wkv": (512, 5120),
+    "wo_a_group": (1024, 4096),
+    "wo_b": (5120, 8192),
+    "shared_w2": (5120, 2304),
+}
+ROWS = [1, 3, 8, 64, 256, 1000]
+_WEIGHTS = {}
+
+
+def _weight(name):
+    """(Fp8BlockWeight, dequantised fp32) on the GPU, one shape at a time (the large ones are ~0.7 GB in fp32)."""
+    if name not in _WEIGHTS:
+        _WEIGHTS.clear()
+        n, k = SHAPES[name]
+        codes, scale, deq = fp8_blocks(n, k, torch.Generator(device="cuda").manual_seed(n + k))
+        _WEIGHTS[name] = (Fp8BlockWeight(codes, scale), deq)
+    return _WEIGHTS[name]
+
+
+def _x(m, k, seed):
+    return torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda").bfloat16()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompile():
+    """Every kernel the cases need, built on a thread pool first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepinfer.kernels.tilelang._build import jit
+    from deepinfer.kernels.tilelang.linear import split_count
+    from deepinfer.kernels.tilelang.linear_kernel import build_fp8_linear, build_split_reduce
+
+    specs = []
+    for n, k in SHAPES.values():
+        s = split_count(n, k)
+        specs.append((build_fp8_linear, n, k, s))
+        if s > 1:
+            specs.append((build_split_reduce, n, s))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda spec: jit(*spec), specs))
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_kernel_matches_the_dequantised_bf16_path(name, m):
+    from deepinfer.kernels.tilelang.linear import fp8_linear, why_not
+
+    w, deq = _weight(name)
+    x = _x(m, w.shape[1], seed=m)
+    assert why_not(x, w) is None
+    exact = x.double() @ deq.double().T
+    ref = torch.nn.functional.linear(x, deq.bfloat16())  # today's path: cuBLAS on the bf16 weight
+    poison_allocator()
+    out = fp8_linear(x, w)
+    torch.cuda.synchronize()
+    assert out.shape == (m, w.shape[0]) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all(), "an output element was never written (poisoned NaN)"
+    # both round the fp32 sum to bf16 once: the same band (2^-9 relative per element)
+    assert rel_err(out, exact) <= max(1.5 * rel_err(ref, exact), 3e-3), (rel_err(out, exact), rel_err(ref, exact))
+    assert rel_err(out, ref) < 6e-3
+
+
+@pytest.mark.parametrize("name", ["small", "wq_a", "wq_b", "wkv"])
+def test_a_row_is_bitwise_the_same_at_every_batch_size_and_position(name):
+    from deepinfer.kernels.tilelang.linear import fp8_linear
+
+    w, _ = _weight(name)
+    k = w.shape[1]
+    x64 = _x(64, k, seed=7)
+    out64 = fp8_linear(x64, w)
+    for i in (0, 1, 31, 32, 63):  # first/last rows of both 32-token tiles
+        assert torch.equal(fp8_linear(x64[i:i + 1].clone(), w)[0], out64[i]), i
+    for m, at in ((3, 0), (256, 100), (1000, 937)):
+        x = _x(m, k, seed=m)
+        rows = min(64, m)
+        x[at:at + rows] = x64[:rows]
+        assert torch.equal(fp8_linear(x, w)[at:at + rows], out64[:rows]), (m, at)
+
+
+def test_row_groups_run_the_kernel_on_views_and_match_the_whole():
+    """wo_a as the model applies it: group g of [8 * 1024, 4096] through the kernel equals rows g of the whole."""
+    from deepinfer.kernels.tilelang.linear import fp8_linear, why_not
+
+    codes, scale, _ = fp8_blocks(8 * 1024, 4096, torch.Generator(device="cuda").manual_seed(3))
+    whole = Fp8BlockWeight(codes, scale)
+    x = _x(5, 4096, seed=3)
+    full = fp8_linear(x, whole)
+    for g, part in enumerate(whole.row_groups(8)):
+        assert why_not(x, part) is None
+        got = fp8_linear(x, part)
+        # a view at a row offset reads the same bytes as a copy of the group (bits); the whole [8192, 4096] splits
+        # K differently from one [1024, 4096] group (values)
+        copy = Fp8BlockWeight(part.weight.clone(), part.scale.clone())
+        assert torch.equal(got, fp8_linear(x, copy))
+        assert rel_err(got, full[:, g * 1024:(g + 1) * 1024]) < 6e-3
+
+
+def test_registered_op_takes_the_kernel_for_fp8_and_counts_what_it_cannot_take(monkeypatch):
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.registry import OpSet
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    ops = OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]})
+    assert ops.chosen["linear"] == "tilelang-sm90"
+    calls = []
+    real = launcher.fp8_linear
+    monkeypatch.setattr(launcher, "fp8_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w, deq = _weight("small")
+    x = _x(4, 512, seed=1)
+    out = ops.linear(x.view(2, 2, 512), w)
+    assert calls and out.shape == (2, 2, 256)
+    before = registry.fallback_counts().get("linear", {})
+    y32 = ops.linear(x.float(), w)  # fp32 activations: the torch op on the dequantised weight
+    after = registry.fallback_counts().get("linear", {})
+    assert sum(after.values()) == sum(before.values()) + 1 and len(calls) == 1
+    assert torch.equal(y32, torch.nn.functional.linear(x.float(), deq))
+    dense = ops.linear(x, deq.bfloat16())  # a dense weight is cuBLAS by design, not a counted fallback
+    assert sum(registry.fallback_counts().get("linear", {}).values()) == sum(after.values())
+    assert rel_err(dense, out.view(4, 256)) < 6e-3
