@@ -119,7 +119,7 @@ def measure(fn, calls=8, iters=30):
 
 
 # ------------------------------------------------------------------------------------------------ MoE
-def bench_moe(rows, bw, peak, batches, with_torch, sweeps, sweep_at=(1, 64)):
+def bench_moe(rows, bw, peak, batches, with_torch):
     from deepinfer.kernels.tilelang import moe as tl_moe
     from deepinfer.kernels.torch import moe as ref
     from deepinfer.kernels.torch import quant
@@ -174,24 +174,13 @@ def bench_moe(rows, bw, peak, batches, with_torch, sweeps, sweep_at=(1, 64)):
         nbytes = touched * per_expert + 3 * HID * INTER * FP8_W + B * HID * 2 * 2 + B * TOPK * 12
         flops = 2 * B * (TOPK + 1) * 3 * HID * INTER
         run = lambda i: tl_moe.moe_experts_packed(xs[i % 8], routes[i % 8][0], routes[i % 8][1], routed, shared, 10.0)
-        if B in sweep_at:
-            # pipeline depth of the weight stream: measured, the best is kept for the table
-            best = None
-            for st in (2, 3, 4):
-                tl_moe.STAGES = st
-                g_ms = graph_time(run, calls=4, iters=10)
-                print(f"  sweep B={B} stages={st}: {g_ms[0]*1e3 if g_ms else float('nan'):.1f} us", flush=True)
-                sweeps.append(dict(B=B, stages=st, ms=g_ms[0] if g_ms else None))
-                if g_ms and (best is None or g_ms[0] < best[1]):
-                    best = (st, g_ms[0])
-            tl_moe.STAGES = best[0] if best else 3
         ms, mn, eg = measure(run, calls=4)
         t_ms = None
         if with_torch:
             t_ms = timeit(lambda i: ref.moe_experts(xs[i % 8], routes[i % 8][0], routes[i % 8][1], dense,
                                                     shared_dense, 10.0), iters=5, warmup=1)[0]
         record(rows, "moe_experts", f"B={B} fp4x384+fp8 shared", ms, mn, nbytes, flops, bw, peak, t_ms,
-               note=f"experts touched {touched:.1f} (uniform-routing estimate {expect:.1f}); stages {tl_moe.STAGES}",
+               note=f"experts touched {touched:.1f} (uniform-routing estimate {expect:.1f})",
                eager_ms=eg)
     del routed, shared, dense
 
@@ -312,7 +301,7 @@ def main():
     _SINK.update(path=a.out, meta=meta, sweeps=sweeps)
     batches = [1, 64] if a.quick else [1, 8, 64, 256]
     sections = {
-        "moe": lambda: bench_moe(rows, bw, peak, batches, not a.no_torch, sweeps),
+        "moe": lambda: bench_moe(rows, bw, peak, batches, not a.no_torch),
         "attn": lambda: (bench_attention(rows, bw, peak, batches, [4096, 32768], not a.no_torch),
                          bench_attention(rows, bw, peak, [64], [32768], False, q_per_seq=4)),
         "indexer": lambda: bench_indexer(rows, bw, peak, batches, [4096, 32768], not a.no_torch),

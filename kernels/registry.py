@@ -5,12 +5,19 @@ module registers the kinds it implements and the devices it supports; `OpSet.bui
 the first backend of the hardware config's preference list that is registered and supports the
 device, and records the choice (and any fallback) for the run summary. Implementations are imported
 only when chosen, so a CPU machine never imports GPU code.
+
+A chosen backend may still hand single calls to the torch op (inputs its kernels do not cover); every such call
+goes through `fall_back`, which counts it per (kind, reason) for the run summary and logs each pair once, so no
+op the summary attributes to a kernel backend runs on torch unnoticed.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,6 +95,48 @@ def _ensure_builtin() -> None:
                 raise  # a manifest that exists but fails to import is a bug, not a missing backend
 
 
+_MODE = {"batch_invariant": False}
+
+
+def batch_invariant() -> bool:
+    """Whether kernel launchers must give each row a result independent of the batch it runs in (fixed split
+    counts, tile shapes and reduction orders instead of ones chosen by batch size); set by OpSet.build."""
+    return _MODE["batch_invariant"]
+
+
+_FALLBACKS: Counter[tuple[str, str]] = Counter()
+_FALLBACKS_LOCK = threading.Lock()
+
+
+def fall_back(kind: str, reason: str, torch_op: Callable, *args, **kwargs):
+    """Run `torch_op(*args, **kwargs)` for a kernel backend's `kind` whose kernels do not cover this call, and
+    count it under `reason` (a short, shape-free phrase, so the counts stay a short list)."""
+    key = (kind, reason)
+    with _FALLBACKS_LOCK:
+        _FALLBACKS[key] += 1
+        first = _FALLBACKS[key] == 1
+    if first:
+        log.warning("kernel fallback per call: %s -> torch (%s); counted in the run summary", kind, reason)
+    return torch_op(*args, **kwargs)
+
+
+def fallback_counts() -> dict[str, dict[str, int]]:
+    """kind -> reason -> calls that fell back to the torch op in this process so far."""
+    with _FALLBACKS_LOCK:
+        items = sorted(_FALLBACKS.items())
+    out: dict[str, dict[str, int]] = {}
+    for (kind, reason), n in items:
+        out.setdefault(kind, {})[reason] = n
+    return out
+
+
+def kernel_stats() -> dict:
+    """This process's per-call fallbacks and, once a TileLang kernel was requested, its JIT statistics (compiles,
+    disk-cache hits, seconds). Cumulative since the process started: the engine core sends it with every step."""
+    build = sys.modules.get("deepinfer.kernels.tilelang._build")  # not imported: nothing was compiled
+    return {"fallbacks": fallback_counts(), "jit": build.jit_stats() if build is not None else None}
+
+
 @dataclass
 class OpSet:
     """Resolved implementations, one per op kind, plus what was chosen and why."""
@@ -95,6 +144,7 @@ class OpSet:
     device: str
     chosen: dict[str, str] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)
+    batch_invariant: bool = False
     _fns: dict[str, Callable] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -103,12 +153,15 @@ class OpSet:
         device: str = "cpu",
         preference: dict[str, list[str]] | list[str] | None = None,
         strict: bool = False,
+        batch_invariant: bool = False,
     ) -> "OpSet":
         """`preference` maps kind -> ordered backends (key `default` for the rest), or is one list for
         every kind. With `strict`, a preferred backend that is missing is an error instead of a
-        logged fallback."""
+        logged fallback. `batch_invariant` switches the kernel launchers of this process to their
+        batch-invariant choices (see batch_invariant(); the torch ops are row-invariant already)."""
         _ensure_builtin()
-        ops = cls(device=device)
+        _MODE["batch_invariant"] = bool(batch_invariant)
+        ops = cls(device=device, batch_invariant=bool(batch_invariant))
         for kind in OP_KINDS:
             if isinstance(preference, dict):
                 prefs = list(preference.get(kind, preference.get("default", ["torch"])))
@@ -137,5 +190,13 @@ class OpSet:
             return fns[kind]
         raise AttributeError(kind)
 
+    def fallback_counts(self) -> dict[str, dict[str, int]]:
+        """Per-call fallbacks (kind -> reason -> calls) of the kinds this set runs on a non-torch backend."""
+        return {k: v for k, v in fallback_counts().items() if self.chosen.get(k, "torch") != "torch"}
+
     def summary(self) -> dict[str, str]:
-        return {k: self.chosen[k] + (" (fallback)" if k in self.fallbacks else "") for k in OP_KINDS}
+        """kind -> backend, "(fallback)" where the preferred backend was missing, and the calls that the chosen
+        backend handed to the torch op."""
+        calls = {k: sum(v.values()) for k, v in self.fallback_counts().items()}
+        return {k: self.chosen[k] + (" (fallback)" if k in self.fallbacks else "")
+                + (f" ({calls[k]} calls fell back to torch)" if k in calls else "") for k in OP_KINDS}

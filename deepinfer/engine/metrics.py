@@ -9,6 +9,9 @@ Definitions (all times in seconds):
 - scheduling_share: Python bookkeeping (planning steps, folding in their samples, and the runner building batch
   inputs and sampler rows) over that plus the model and sampler time: the share of a synchronous step spent on
   bookkeeping. Async scheduling overlaps the planning part with the device instead of adding it to the step.
+- kernels: the engine process's kernel counters as of its last step (cumulative since that process started, so
+  they include warm-up): calls a kernel backend handed to the torch op, per kind and reason, and TileLang JIT
+  compiles, disk-cache hits and the seconds spent in them (None until a TileLang kernel was requested).
 """
 
 from __future__ import annotations
@@ -100,8 +103,26 @@ class RunMetrics:
             "scheduling_cpu_s": cpu,
             "runner_prepare_s": prep,
             "scheduling_share": (cpu + prep) / (cpu + device) if cpu + device > 0 else 0.0,
+            "kernels": steps[-1].kernels if steps else {"fallbacks": {}, "jit": None},
             "cache_utilization": {
                 "mean": sum(s.cache_utilization for s in steps) / len(steps) if steps else 0.0,
                 "peak": max((s.cache_utilization for s in steps), default=0.0),
             },
         }
+
+
+def kernel_lines(kernels: dict | None) -> list[tuple[str, str]]:
+    """Run-summary lines ("fallbacks", "jit") for RunMetrics.summary()["kernels"]; none when there is nothing to
+    report (torch only, nothing fell back)."""
+    if not kernels:
+        return []
+    lines = []
+    calls = kernels.get("fallbacks") or {}
+    if calls:
+        lines.append(("per call", "; ".join(f"{kind}: {n} calls to torch ({reason})" for kind, reasons in calls.items()
+                                            for reason, n in reasons.items())))
+    jit = kernels.get("jit")
+    if jit:
+        lines.append(("jit", f"{jit['compiled']} compiled, {jit['cache_hits']} from cache, {jit['seconds']:.1f} s "
+                             f"({jit['cache_dir']})"))
+    return lines

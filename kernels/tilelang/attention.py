@@ -1,22 +1,39 @@
-"""Registry-facing `sink_attention` and the decode fast path over the FP8 window ring and FP4 compressed pool.
+"""Registry-facing `sink_attention` (per-query bf16 key slates) and the decode fast path `sink_attention_decode`
+over the FP8 window ring and FP4 compressed pool, as stored.
 
 `sink_attention` keeps the torch op's contract (per-query bf16 key slates, K = V, additive bias) but computes the
 logits and the softmax in fp32 (the torch op rounds logits to bf16 first), so it matches a float64 reference
-more closely than the torch op does. `sink_attention_decode` is the kernel-level entry for a decode batch.
+more closely than the torch op does. Both paths split each query's keys over CTAs so that a small batch still
+fills the GPU; the splits are merged by attention_combine_kernel.
+
+The split count follows the number of queries (default_splits), and with it the order in which a query's key
+blocks are summed: a query's output can differ in the last bits between batch sizes. With the registry's
+batch-invariant mode every query runs as one split (the order of its key blocks is then fixed; the masked
+padding blocks of a longer slate add exact zeros), at the cost of parallelism at small batch.
 """
 
 import torch
 
+from deepinfer.kernels import registry
 from deepinfer.kernels.torch import attention as torch_attention
 
-from ._build import jit
-from .attention_kernel import build_sink_attention, build_sink_combine
+from ._build import jit, sm_count
+from ._fallback import reason
+from .attention_combine_kernel import build_sink_combine
+from .attention_decode_kernel import build_sink_attention_decode
+from .attention_kernel import build_sink_attention_dense
 
-SMS = 132  # H200 multiprocessors; only steers the key-split count (correct for any value)
+BLOCK_KEYS = 64  # keys per block of both kernels
 
 
-def _splits(n_q: int, n_blocks: int) -> int:
-    return max(1, min(n_blocks, SMS // max(n_q, 1)))
+def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
+    """Key splits per query: about one CTA per SM over the batch (n_q * splits ~ SMs; the decode kernel takes a
+    whole SM per CTA), at least one key block per split. Only speed depends on it (and the last bits of the sum)."""
+    return max(1, min(n_blocks, sms // max(n_q, 1)))
+
+
+def _splits(n_q: int, n_blocks: int, device) -> int:
+    return 1 if registry.batch_invariant() else default_splits(n_q, n_blocks, sm_count(str(device)))
 
 
 def _run(kernel, n_q, splits, heads, dim, sink, out, args, permuted):
@@ -36,29 +53,25 @@ def sink_attention(q, keys, bias, sink, scale):
     S, H, D = q.shape
     if not (q.is_cuda and q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and H == 64 and D % 64 == 0
             and keys.shape[1] > 0 and S > 0):
-        return torch_attention.sink_attention(q, keys, bias, sink, scale)
-    kv = keys
-    n_blocks = -(-kv.shape[1] // 64)
-    splits = _splits(S, n_blocks)
-    kernel = jit(build_sink_attention, "dense", H, D, 128, 512, 64, splits)
+        if keys.shape[1] == 0:
+            why = "no keys"
+        elif keys.dtype != q.dtype:
+            why = "keys and q differ in dtype"
+        else:
+            why = reason(q, "heads != 64 or head dim not a multiple of 64")
+        return registry.fall_back("sink_attention", why, torch_attention.sink_attention, q, keys, bias, sink, scale)
+    n_blocks = -(-keys.shape[1] // BLOCK_KEYS)
+    splits = _splits(S, n_blocks, q.device)
+    kernel = jit(build_sink_attention_dense, H, D, BLOCK_KEYS, splits)
     out = torch.empty(S, H, D, dtype=torch.bfloat16, device=q.device)
-    args = ((q.contiguous(), kv.contiguous(), bias.float().contiguous()), (float(scale),))
+    args = ((q.contiguous(), keys.contiguous(), bias.float().contiguous()), (float(scale),))
     return _run(kernel, S, splits, H, D, sink.float().contiguous(), out, args, permuted=False)
 
 
 def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
                           window: int = 128, splits: int | None = None):
-    """The decode fast path: the warp-specialised v2 kernel (attention_kernel_v2; 1.3-1.8x v1 on an H200,
-    benchmarks/results/attn_v2_gpu_h200.json). Contract: sink_attention_decode_v1."""
-    from .attention_kernel_v2 import sink_attention_decode_v2
-
-    return sink_attention_decode_v2(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink,
-                                    scale, window, splits)
-
-
-def sink_attention_decode_v1(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
-                             window: int = 128, splits: int | None = None):
-    """Decode attention for a batch of query tokens (1..6 per sequence, any mix), reading the caches as stored.
+    """Decode attention for a batch of query tokens (1..6 per sequence, any mix), reading the caches as stored
+    (attention_decode_kernel; 16-19% of the roofline at B=64..256, 32K, on an H200).
 
     q [Nq, 64, 512] bf16 (RoPE applied); q_seq [Nq] int32 sequence of each query; q_pos [Nq] int32 its position.
     win_kv [B, W, 512] uint8 (e4m3 bits) with win_scale [B, W, 16] uint8 (ue8m0 per 32 channels) and win_pos
@@ -66,13 +79,13 @@ def sink_attention_decode_v1(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv
     p - W < pos <= p. cmp_kv [P, 256] uint8 (e2m1 pairs, low nibble = even channel) with cmp_scale [P, 32] uint8
     (e4m3 per 16 channels): the compressed pool; sel [Nq, topk] int32 rows of it chosen by the indexer (-1 none).
     sink [64] fp32. Returns [Nq, 64, 512] bf16 = softmax-with-sink over [window ∥ selected] keys times the keys.
+    splits: key splits per query (None: default_splits, or 1 in the batch-invariant mode).
     """
     n_q, H, D = q.shape
     W, topk = win_kv.shape[1], sel.shape[1]
-    assert W == window and H == 64
-    n_blocks = (W + topk) // 64
-    splits = splits or _splits(n_q, n_blocks)
-    kernel = jit(build_sink_attention, "paged", H, D, W, topk, 64, splits)
+    assert W == window and H == 64 and D == 512 and n_q > 0
+    splits = splits or _splits(n_q, (W + topk) // BLOCK_KEYS, q.device)
+    kernel = jit(build_sink_attention_decode, H, D, W, topk, splits)
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),
             (float(scale),))

@@ -15,7 +15,8 @@ bf16x2 multiply (exact: a representable value times 2^k).
   weights sit near 2^-10, window-KV scales near 2^-6).
 
 All emit elements in one *twiddled* order inside each group of 8 ([0,4,1,5,2,6,3,7]), which is free because the
-GEMM permutes the other operand's K index the same way (`fp4_perm`): the dot product is unchanged.
+GEMM permutes the other operand's K index the same way (`fp4_perm`; e4m3 uses the same order, so KV tiles from
+both caches share one permutation of the head dim): the dot product is unchanged.
 """
 
 CUDA_SOURCE = r"""
@@ -78,7 +79,3 @@ def fp4_perm(j):
     """Source K offset of twiddled position j (e2m1): inside each group of 8, [0,4,1,5,2,6,3,7]."""
     return (j // 8) * 8 + (j % 8) // 2 + 4 * (j % 2)
 
-
-def fp8_perm(j):
-    """e4m3 uses the e2m1 order too, so KV tiles from both caches share one permutation of the head dim."""
-    return fp4_perm(j)

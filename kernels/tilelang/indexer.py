@@ -2,25 +2,27 @@
 
 The kernels feed the tensor cores bf16: exact for the model's inputs (the indexer's q and k are FP4
 fake-quantised, e2m1 x 2^k, which bf16 holds exactly); a general fp32 input is rounded to bf16 first.
-The top-k (`index_topk`, incl. the two-level candidate blocks) stays on the torch op: not ported yet.
 """
 
 import torch
 
+from deepinfer.kernels.registry import fall_back
 from deepinfer.kernels.torch import indexer as torch_indexer
 
 from ._build import jit
+from ._fallback import reason
 from .indexer_kernel import build_indexer_scores
 
 
-def indexer_scores(q, k, weights, softmax_scale):
-    """Same contract as deepinfer.kernels.torch.indexer.indexer_scores: q [S, h, d], k [G, d], weights [S, h]
-    -> [S, G] fp32."""
-    S, h, d = q.shape
-    if not (q.is_cuda and 64 % h == 0 and d % 64 == 0 and k.shape[0] > 0 and S > 0):
-        return torch_indexer.indexer_scores(q, k, weights, softmax_scale)
-    out = torch.empty(S, k.shape[0], dtype=torch.float32, device=q.device)
-    jit(build_indexer_scores, "dense", h, d)(q.bfloat16().contiguous(), k.bfloat16().contiguous(),
+def indexer_scores(q, k, q_seq, weights, softmax_scale):
+    """Same contract as deepinfer.kernels.torch.indexer.indexer_scores: q [T, h, d], k [B, G, d] per-sequence keys,
+    q_seq [T], weights [T, h] -> [T, G] fp32. The dense kernel scores one key set: a step of one sequence (a
+    prefill chunk) runs on it; several sequences take the torch op (decode steps use indexer_scores_fp4)."""
+    T, h, d = q.shape
+    if not (q.is_cuda and k.shape[0] == 1 and 64 % h == 0 and d % 64 == 0 and k.shape[1] > 0 and T > 0):
+        return torch_indexer.indexer_scores(q, k, q_seq, weights, softmax_scale)
+    out = torch.empty(T, k.shape[1], dtype=torch.float32, device=q.device)
+    jit(build_indexer_scores, "dense", h, d)(q.bfloat16().contiguous(), k[0].bfloat16().contiguous(),
                                              weights.float().contiguous(), out, float(softmax_scale))
     return out
 

@@ -10,9 +10,11 @@ in the last bits between batch sizes (not batch-invariant, like the MoE kernels'
 
 import torch
 
+from deepinfer.kernels.registry import fall_back
 from deepinfer.kernels.torch import mhc as torch_mhc
 
 from ._build import jit
+from ._fallback import reason
 from .mhc_kernel import (NOUT, build_mhc_collapse, build_mhc_expand, build_mhc_mix_finalize, build_mhc_premix,
                          mix_width)
 
@@ -68,7 +70,8 @@ def mhc_mixes(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps):
                 and scale.numel() >= 3 and base.numel() == n and streams.numel() > 0 and int(sinkhorn_iters) >= 1
                 and all(t.device == streams.device for t in (fn, scale, base)))
     if not fast:
-        return torch_mhc.mhc_mixes(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps)
+        return fall_back("mhc_mixes", reason(streams, "streams / fn shapes not covered"), torch_mhc.mhc_mixes,
+                         streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps)
     n_tok = streams.numel() // (hc * dim)
     return mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps,
                              _splits(n_tok, hc * dim // BLOCK_K))
@@ -81,7 +84,8 @@ def mhc_collapse(streams, pre):
             and pre.shape == streams.shape[:-1] and pre.device == streams.device and streams.numel() > 0
             and _block_d(streams.shape[-1]) is not None)
     if not fast:
-        return torch_mhc.mhc_collapse(streams, pre)
+        return fall_back("mhc_collapse", reason(streams, "width or pre not covered"), torch_mhc.mhc_collapse,
+                         streams, pre)
     hc, dim = streams.shape[-2:]
     bd = _block_d(dim)
     x = streams.reshape(-1, hc, dim).contiguous()
@@ -101,7 +105,8 @@ def mhc_expand(x, residual, post, comb):
         fast = (x.shape == (*lead, dim) and post.shape == (*lead, hc) and comb.shape == (*lead, hc, hc)
                 and all(t.device == residual.device for t in (x, post, comb)))
     if not fast:
-        return torch_mhc.mhc_expand(x, residual, post, comb)
+        return fall_back("mhc_expand", reason(residual, "width or operands not covered"), torch_mhc.mhc_expand, x,
+                         residual, post, comb)
     bd = _block_d(dim)
     res = residual.reshape(-1, hc, dim).contiguous()
     out = torch.empty_like(res)

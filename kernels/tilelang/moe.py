@@ -1,24 +1,32 @@
-"""Registry-facing MoE ops (`moe_router`, `moe_experts`) and the fast path over packed FP4/FP8 expert weights.
+"""Registry-facing MoE ops (`moe_router`, `moe_experts`) and the fast path `moe_experts_packed` over packed FP4/FP8
+expert weights: the launchers and tile policy of moe_router_kernel, moe_prep_kernel and moe_kernel.
 
 `moe_experts` keeps the torch op's signature. Its fast path needs the experts in the released quantised format,
 stacked once at load time (`PackedExperts`, deepinfer.kernels.packed_experts; the model holds experts this way on
 CUDA); a plain list of dequantised (w1, w2, w3) tensors cannot be streamed by one grouped kernel, so it goes to
-the torch reference unchanged. `moe_experts_packed` is the kernel-level entry.
+the torch reference.
+
+What varies with the batch unless the registry's batch-invariant mode is on: the token tiles (router and experts)
+follow the token count, and a token's routed experts and the shared expert add into one fp32 buffer with atomics in
+no fixed order. In the batch-invariant mode the tiles are fixed and every (token, expert) contribution is written to
+its own row, then summed per token in a fixed order (shared expert, then routed experts by ascending id).
 """
 
 import functools
 
 import torch
 
+from deepinfer.kernels import registry
 from deepinfer.kernels.packed_experts import BLOCK_N, PackedExperts, pack_experts  # noqa: F401 (re-export)
 from deepinfer.kernels.torch import moe as torch_moe
 
-from ._build import jit
-from .moe_gemm import build_grouped_gemm
-from .moe_prep import build_moe_prep
-from .moe_router import SCORES, build_router_logits, build_router_topk
+from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
+from ._fallback import reason
+from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
+from .moe_prep_kernel import build_moe_prep
+from .moe_router_kernel import SCORES, build_router_logits, build_router_topk
 
-STAGES = 2    # cp.async pipeline depth of the weight stream (2, 3 and 4 measured: 4 is slower, 2 ~ 3)
+INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-invariant mode
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -34,12 +42,13 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
     fast = (x.is_cuda and x.dtype == torch.bfloat16 and gate_weight.dtype == torch.bfloat16 and scoring_func in SCORES
             and E % 64 == 0 and D % 256 == 0 and E <= 1024 and x.shape[0] > 0)
     if not fast:
-        return torch_moe.moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_prob,
-                                    routed_scaling_factor)
+        why = reason(x, f"scoring {scoring_func}" if scoring_func not in SCORES else "experts or hidden not covered")
+        return registry.fall_back("moe_router", why, torch_moe.moe_router, x, gate_weight, bias, top_k,
+                                  scoring_func, gate_temp, norm_topk_prob, routed_scaling_factor)
     x = x.contiguous()
     T_ = x.shape[0]
     splits = _router_splits(D)
-    block_t = 16 if T_ <= 16 else 64
+    block_t = 16 if T_ <= 16 or registry.batch_invariant() else 64
     part = torch.empty(splits, T_, E, dtype=torch.float32, device=x.device)
     jit(build_router_logits, E, D, block_t, 256, splits)(x, gate_weight.contiguous(), part)
     if bias is None:
@@ -51,8 +60,58 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
     return weights, ids
 
 
-# ---------------------------------------------------------------------------------------------- packing
-# The layout lives in deepinfer.kernels.packed_experts (shared with the torch reference); re-exported here.
+# ---------------------------------------------------------------------------------------------- tile policy
+def routed_block_t(n_tok: int, top_k: int, n_experts: int) -> int:
+    """Token tile for the routed pass: about twice the mean tokens per expert, so few experts need a second
+    chunk (each chunk streams the expert's weights again)."""
+    if registry.batch_invariant():
+        return INVARIANT_ROUTED_BT
+    mean = n_tok * top_k / n_experts
+    return next((b for b in (8, 16, 32) if mean <= b / 2), 64)
+
+
+def shared_block_t(n_tok: int) -> int:
+    """Token tile for the shared expert (one slot holding every token)."""
+    if registry.batch_invariant():
+        return INVARIANT_SHARED_BT
+    return next((b for b in (8, 16, 32) if n_tok <= b), 64)
+
+
+def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
+    """(block_k, num_stages) of one pass. Four stages everywhere: the activation permute's proxy fence then
+    never has a cp.async of its own thread in flight (see moe_kernel's K loop). FP4 (routed): 256-K steps, 8.5 KB
+    of weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
+    expert, 72-80 blocks, the longest chain at decode): the largest step dividing K that keeps 4 stages within
+    ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
+    if fmt == "fp4":
+        return 256, 4
+    for bk in (512, 256, 128):
+        if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4) <= 220 * 1024:
+            return bk, 4
+    return 128, 4
+
+
+def ffn_specs(p: PackedExperts, block_t: int, down_splits: int = 1):
+    """jit(...) argument tuples of the up (+SwiGLU) and down passes of PackedExperts p at one token tile."""
+    E, I, D = p.n_experts, p.inter, p.hidden
+    bk, st = pass_config(p.fmt, D, block_t)
+    up = (build_grouped_gemm, p.fmt, "swiglu", E, 2 * I, D, BLOCK_N, block_t, bk, THREADS, st, True, 1, 0)
+    bk, st = pass_config(p.fmt, I, block_t)
+    down = (build_grouped_gemm, p.fmt, "add", E, D, I, BLOCK_N, block_t, bk, THREADS, st, False, down_splits, 0)
+    return up, down
+
+
+def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: int, top_k: int,
+                  shared_down_splits: int = 1):
+    """Every jit spec moe_experts_packed needs at n_tok tokens (for precompile / warm-up)."""
+    specs = [(build_moe_prep, routed.n_experts, top_k)]
+    specs += ffn_specs(routed, routed_block_t(n_tok, top_k, routed.n_experts))
+    if shared is not None:
+        specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------- experts
 def _scales_in_range(p: PackedExperts) -> bool:
     """The bf16 bit tricks in dequant.py bound the block-scale byte; checked once per weight set."""
     ok = getattr(p, "_scales_ok", None)
@@ -63,7 +122,6 @@ def _scales_in_range(p: PackedExperts) -> bool:
     return ok
 
 
-# ---------------------------------------------------------------------------------------------- experts
 @functools.lru_cache(maxsize=64)
 def _shared_table(n_tok: int, device: str):
     """Routing table that sends every token to the single shared expert with weight 1."""
@@ -73,64 +131,80 @@ def _shared_table(n_tok: int, device: str):
             torch.zeros(1, dtype=torch.int32, device=dev), torch.full((1,), n_tok, dtype=torch.int32, device=dev))
 
 
-def _bucket(n: int, sizes=(16, 32, 64)) -> int:
-    # larger token tiles would not fit shared memory with block_k 256 (bigger batches loop over chunks)
-    return next((s for s in sizes if n <= s), sizes[-1])
-
-
 @functools.lru_cache(maxsize=8)
 def _side_stream(device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
-def _ffn(p: PackedExperts, x, table, out_y, block_t: int, limit: float):
-    """One SwiGLU expert pass over `table` (rows, aw, slot_expert, slot_start, slot_count): up (+gate, SwiGLU,
-    routing weight) into h, then down, atomically added into out_y (fp32)."""
-    rows, aw = table[0], table[1]
-    E, I, D = p.n_experts, p.inter, p.hidden
-    h = torch.empty(rows.shape[0], I, dtype=torch.bfloat16, device=x.device)
-    jit(build_grouped_gemm, p.fmt, "swiglu", E, 2 * I, D, BLOCK_N, block_t, 256, 128, STAGES, True)(
-        x, *table, p.w13, p.s13, h, limit)
-    jit(build_grouped_gemm, p.fmt, "add", E, D, I, BLOCK_N, block_t, 256, 128, STAGES, False)(
-        h, *table, p.w2, p.s2, out_y, limit)
-
-
-def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, routed: PackedExperts,
-                       shared: PackedExperts | None, swiglu_limit: float) -> torch.Tensor:
-    """x [T, D] bf16, weights/idx [T, k] from the router -> [T, D] bf16; same math as torch moe_experts with the
-    experts dequantised from `routed` (and the single expert in `shared`). Runs the v3 grouped GEMM
-    (moe_gemm_v3: dequant straight into the wgmma A registers; 1.6-1.9x v2, 60-67% of copy bandwidth at B=8..256
-    on an H200, benchmarks/results/moe_v3_gpu_h200.json)."""
-    from .moe_gemm_v3 import moe_experts_packed_v3
-
-    return moe_experts_packed_v3(x, weights, idx, routed, shared, swiglu_limit)
-
-
-def moe_experts_packed_v2(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, routed: PackedExperts,
-                          shared: PackedExperts | None, swiglu_limit: float) -> torch.Tensor:
-    """The v2 path (moe_gemm.py: dequant -> bf16 shared-memory tile -> wgmma), kept for comparison."""
-    assert x.dtype == torch.bfloat16
-    x = x.contiguous()
+def routing_table(idx, weights, n_experts: int):
+    """moe_prep's (rows, aw, slot_expert, slot_start, slot_count) for router output idx/weights [T, k]."""
     T_, k = idx.shape
-    n_slots = min(routed.n_experts, T_ * k)
-    dev = x.device
+    n_slots = min(n_experts, T_ * k)
+    dev = idx.device
     rows = torch.empty(T_ * k, dtype=torch.int32, device=dev)
     aw = torch.empty(T_ * k, dtype=torch.float32, device=dev)
     slots = [torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3)]
-    jit(build_moe_prep, routed.n_experts, k)(idx.contiguous(), weights.float().contiguous(), rows, aw, *slots)
-    # fp32 accumulator: the routed and the shared passes both add into it. The shared expert (one expert, a few
-    # dozen blocks: it cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed one.
-    y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
+    jit(build_moe_prep, n_experts, k)(idx.contiguous(), weights.float().contiguous(), rows, aw, *slots)
+    return (rows, aw, *slots)
+
+
+def ffn(p: PackedExperts, x, table, out_y, block_t: int, limit: float, down_splits: int = 1, out_rows=None):
+    """One SwiGLU expert pass over `table`: up (+gate, SwiGLU, routing weight) into h, then down, added into the
+    fp32 out_y at the token of each assignment (at `out_rows[pos]` instead, when given)."""
+    up, down = ffn_specs(p, block_t, down_splits)
+    h = torch.empty(table[0].shape[0], p.inter, dtype=torch.bfloat16, device=x.device)
+    jit(*up)(x, *table, p.w13, p.s13, h, limit)
+    down_table = table if out_rows is None else (out_rows, *table[1:])
+    jit(*down)(h, *down_table, p.w2, p.s2, out_y, limit)
+
+
+def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, routed: PackedExperts,
+                       shared: PackedExperts | None, swiglu_limit: float, shared_down_splits: int = 1) -> torch.Tensor:
+    """x [T, D] bf16, weights/idx [T, k] from the router -> [T, D] bf16; same math as torch moe_experts with the
+    experts dequantised from `routed` (and the single expert in `shared`). 60-67% of copy bandwidth at B=8..256
+    on an H200 (benchmarks/results/moe_v3_gpu_h200.json). The shared expert (one expert, a few dozen blocks: it
+    cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed pass."""
+    if registry.batch_invariant():
+        return _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit)
+    assert x.dtype == torch.bfloat16
+    x = x.contiguous()
+    T_, k = idx.shape
+    dev = x.device
+    table = routing_table(idx, weights, routed.n_experts)
+    y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)  # both passes add into it (fp32 atomics)
     limit = float(swiglu_limit)
     main = torch.cuda.current_stream(dev)
     if shared is not None:
         side = _side_stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            _ffn(shared, x, _shared_table(T_, str(dev)), y, _bucket(T_), limit)
-    _ffn(routed, x, (rows, aw, *slots), y, 16 if T_ <= 256 else 64, limit)
+            ffn(shared, x, _shared_table(T_, str(dev)), y, shared_block_t(T_), limit, shared_down_splits)
+    ffn(routed, x, table, y, routed_block_t(T_, k, routed.n_experts), limit)
     if shared is not None:
         main.wait_stream(side)
+    return y.to(x.dtype)
+
+
+def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):
+    """moe_experts_packed with a fixed reduction order: every (token, expert) contribution lands in its own fp32
+    row (one add into zeros: exact), then y = shared + routed experts in ascending id order, element-wise."""
+    assert x.dtype == torch.bfloat16
+    x = x.contiguous()
+    T_, k = idx.shape
+    dev = x.device
+    limit = float(swiglu_limit)
+    table = routing_table(idx, weights, routed.n_experts)
+    positions = torch.arange(T_ * k, dtype=torch.int32, device=dev)
+    parts = torch.zeros(T_ * k, routed.hidden, dtype=torch.float32, device=dev)
+    ffn(routed, x, table, parts, routed_block_t(T_, k, routed.n_experts), limit, out_rows=positions)
+    # moe_prep sorts assignments by expert, tokens ascending inside one: a stable sort by token leaves each
+    # token's k rows in ascending expert order
+    parts = parts[torch.argsort(table[0], stable=True)].view(T_, k, routed.hidden)
+    y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
+    if shared is not None:
+        ffn(shared, x, _shared_table(T_, str(dev)), y, shared_block_t(T_), limit)
+    for j in range(k):
+        y += parts[:, j]
     return y.to(x.dtype)
 
 
@@ -146,4 +220,9 @@ def moe_experts(x, weights, idx, experts, shared, swiglu_limit):
     if (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0 and _kernel_ok(x, experts)
             and (shared is None or _kernel_ok(x, shared))):
         return moe_experts_packed(x, weights, idx, experts, shared, swiglu_limit)
-    return torch_moe.moe_experts(x, weights, idx, experts, shared, swiglu_limit)
+    if not isinstance(experts, PackedExperts) or (shared is not None and not isinstance(shared, PackedExperts)):
+        why = "experts not packed (PackedExperts)"
+    else:
+        why = reason(x, "expert shapes or scales not covered")
+    return registry.fall_back("moe_experts", why, torch_moe.moe_experts, x, weights, idx, experts, shared,
+                              swiglu_limit)

@@ -12,18 +12,18 @@ RMSNorm's statistic follows ATen's summation order for its [rows, dim] launch (t
 count below 16 rows), so, like the torch op, a row's result can depend on how many rows are normalised together.
 """
 
-import concurrent.futures
 import functools
-import os
 
 import numpy as np
 import torch
 
+from deepinfer.kernels.registry import fall_back
 from deepinfer.kernels.torch import norm as torch_norm
 from deepinfer.kernels.torch import quant as torch_quant
 from deepinfer.kernels.torch import rope as torch_rope
 
-from ._build import jit
+from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with kernels_for's jobs)
+from ._fallback import reason
 from .rowwise_kernel import build_fake_quant, build_rms_norm_block, build_rms_norm_warp, build_rope, last_pow2
 
 _MAX_REDUCE_THREADS = 512  # Reduce.cuh mnt_wrapper<float>::MAX_NUM_THREADS
@@ -80,7 +80,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """Same contract as deepinfer.kernels.torch.norm.rms_norm; one launch on the kernel path (module docstring)."""
     plan = _rms_plan(x, weight)
     if plan is None:
-        return torch_norm.rms_norm(x, weight, eps)
+        return fall_back("rms_norm", reason(x, "width, row count or weight not covered"), torch_norm.rms_norm, x,
+                         weight, eps)
     dim, rows, lanes = plan
     if weight is None:
         weight = _ones(dim, str(x.device))  # bf16(1 * y) == y
@@ -110,7 +111,8 @@ def _rope_ok(x, positions, inv_freq) -> bool:
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Same contract as deepinfer.kernels.torch.rope.rope; one launch on the kernel path (module docstring)."""
     if not _rope_ok(x, positions, inv_freq):
-        return torch_rope.rope(x, positions, inv_freq, inverse)
+        return fall_back("rope", reason(x, "width, positions or inv_freq not covered"), torch_rope.rope, x,
+                         positions, inv_freq, inverse)
     dim, rd = x.shape[-1], 2 * inv_freq.numel()
     heads = x.numel() // (x.shape[0] * dim)
     x2 = _dense(x.reshape(-1, dim))
@@ -138,7 +140,8 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Same contract as deepinfer.kernels.torch.quant.fake_quant_fp8 (widths not divisible by `block` pass
     through as the same tensor); one launch on the kernel path (module docstring)."""
     if not _quant_ok(x, block):
-        return torch_quant.fake_quant_fp8(x, block)
+        return fall_back("fake_quant_fp8", reason(x, "block or width not covered"), torch_quant.fake_quant_fp8, x,
+                         block)
     return _fake_quant(x, "fp8", block)
 
 
@@ -146,7 +149,8 @@ def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> to
     """Same contract as deepinfer.kernels.torch.quant.fake_quant_fp4; one launch on the kernel path (module
     docstring)."""
     if not _quant_ok(x, block):
-        return torch_quant.fake_quant_fp4(x, block, e4m3_scales)
+        return fall_back("fake_quant_fp4", reason(x, "block or width not covered"), torch_quant.fake_quant_fp4, x,
+                         block, e4m3_scales)
     return _fake_quant(x, "fp4_e4m3" if e4m3_scales else "fp4_ue8m0", block)
 
 
@@ -164,15 +168,3 @@ def kernels_for(*, norm_dims=(), rope_shapes=(), quant=()) -> list[tuple]:
     jobs += [(build_rope, dim, rd, bool(inv)) for dim, rd, inv in rope_shapes]
     jobs += [(build_fake_quant, kind, block) for kind, block in quant]
     return jobs
-
-
-def precompile(jobs, workers: int | None = None) -> None:
-    """Compile `jobs` (from kernels_for) concurrently: lowering releases the GIL and nvcc is a subprocess, so
-    threads overlap the compiles (TileLang's par_compile does the same)."""
-    jobs = list(dict.fromkeys(jobs))
-    if not jobs:
-        return
-    workers = workers or min(len(jobs), os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for f in [pool.submit(jit, *job) for job in jobs]:
-            f.result()

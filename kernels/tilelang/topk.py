@@ -15,9 +15,11 @@ the contract (the indexer never produces them).
 
 import torch
 
+from deepinfer.kernels.registry import fall_back
 from deepinfer.kernels.torch import indexer as torch_indexer
 
 from ._build import jit
+from ._fallback import reason
 from .topk_kernel import MAX_ENTRIES, build_index_topk
 
 CACHE = 16384  # keys per row held in shared memory (64 KB, 3 blocks/SM); entries beyond it are re-read from L2
@@ -57,9 +59,16 @@ def index_topk(scores, visible, topk, candidates=None, candidate_blocks=0, candi
     """Same contract as deepinfer.kernels.torch.indexer.index_topk: scores [S, G] fp32, visible [S] -> (selected
     [S, G] bool, candidate mask [S, G] bool or None)."""
     if not _covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size):
-        return torch_indexer.index_topk(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
+        return fall_back("index_topk", _why_not(scores), torch_indexer.index_topk, scores, visible, topk, candidates,
+                         candidate_blocks, candidate_block_size)
     _, sel, cand = _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size, want_mask=True)
     return sel, cand
+
+
+def _why_not(scores) -> str:
+    if not isinstance(scores, torch.Tensor):
+        return "scores not a tensor"
+    return reason(scores, "entries, top-k or candidates not covered", (torch.float32,))
 
 
 def mask_to_ids(selected: torch.Tensor, topk: int) -> torch.Tensor:
@@ -78,6 +87,7 @@ def index_topk_ids(scores, visible, topk, candidates=None, candidate_blocks=0, c
         ids, _, cand = _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size,
                                want_mask=False)
     else:
-        sel, cand = torch_indexer.index_topk(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
+        sel, cand = fall_back("index_topk", _why_not(scores), torch_indexer.index_topk, scores, visible, topk,
+                              candidates, candidate_blocks, candidate_block_size)
         ids = mask_to_ids(sel, max(topk, 0))
     return (ids, cand) if candidate_blocks > 0 else ids

@@ -1,6 +1,6 @@
-"""v3 grouped expert GEMM (kernels/tilelang/moe_gemm_v3.py) vs the torch reference ops on fresh random inputs
-(marker gpu): the whole MoE through moe_experts_packed_v3 (moe.py's routing-table / side-stream launch code with
-the v3 kernels) against deepinfer.kernels.torch.moe.moe_experts and float64 math, FP4 and FP8 routed experts, with
+"""The grouped expert GEMM (kernels/tilelang/moe_kernel.py) vs the torch reference ops on fresh random inputs
+(marker gpu): the whole MoE through moe.moe_experts_packed (routing table, side-stream launch) against
+deepinfer.kernels.torch.moe.moe_experts and float64 math, FP4 and FP8 routed experts, with
 and without the FP8 shared expert; and the two kernels alone at every token tile and with split K."""
 
 import pytest
@@ -70,7 +70,7 @@ def _weights(E, D, I, fmt, with_shared):
 def _precompile():
     """Build every kernel the cases below need on a thread pool first (52 of them on a cold machine)."""
     from deepinfer.kernels.packed_experts import PackedExperts
-    from deepinfer.kernels.tilelang import moe_gemm_v3 as v3
+    from deepinfer.kernels.tilelang import moe as moe
 
     def fake(fmt, E, D, I):  # specs depend on shapes only
         t = torch.empty(0)
@@ -79,14 +79,14 @@ def _precompile():
     specs = []
     for E, D, I, tokens, fmt, with_shared, _ in CASES:
         shared = fake("fp8", 1, D, I) if with_shared else None
-        specs += v3.experts_specs(fake(fmt, E, D, I), shared, tokens, min(TOP_K, E))
+        specs += moe.experts_specs(fake(fmt, E, D, I), shared, tokens, min(TOP_K, E))
     specs += _kernel_specs()
-    v3.precompile(specs)
+    moe.precompile(specs)
 
 
 @pytest.mark.parametrize("E,D,I,tokens,fmt,with_shared,skew", CASES)
-def test_v3_experts_match_torch(E, D, I, tokens, fmt, with_shared, skew):
-    from deepinfer.kernels.tilelang.moe_gemm_v3 import moe_experts_packed_v3
+def test_experts_match_torch(E, D, I, tokens, fmt, with_shared, skew):
+    from deepinfer.kernels.tilelang.moe import moe_experts_packed
 
     routed, dense, shared, shared_dense = _weights(E, D, I, fmt, with_shared)
     g = _gen(E * 1000 + tokens + 7 * with_shared)
@@ -99,7 +99,7 @@ def test_v3_experts_match_torch(E, D, I, tokens, fmt, with_shared, skew):
     idx = idx.cuda()
     weights = torch.rand(tokens, k, generator=g).cuda() + 0.1
     poison_allocator()
-    out = moe_experts_packed_v3(x, weights, idx, routed, shared, LIMIT)
+    out = moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
     torch.cuda.synchronize()
     expect = ref.moe_experts(x, weights, idx, dense, shared_dense, LIMIT)
     assert out.shape == expect.shape and out.dtype == torch.bfloat16
@@ -128,26 +128,26 @@ KD, KI, KE = 512, 768, 4  # small shapes: K of the down pass = 768 = 3 steps of 
 
 
 def _kernel_specs():
-    from deepinfer.kernels.tilelang import moe_gemm_v3 as v3
+    from deepinfer.kernels.tilelang import moe as moe
 
     out = []
     for fmt in ("fp4", "fp8"):
         for bt in (8, 16, 32, 64):
-            bk, st = v3.pass_config(fmt, KD, bt)
-            out.append((v3.build_grouped_gemm_v3, fmt, "swiglu", KE, 2 * KI, KD, 64, bt, bk, 128, st, True, 1, 0))
-            bk, st = v3.pass_config(fmt, KI, bt)
+            bk, st = moe.pass_config(fmt, KD, bt)
+            out.append((moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, 64, bt, bk, 128, st, True, 1, 0))
+            bk, st = moe.pass_config(fmt, KI, bt)
             for splits in (1, 3):
-                out.append((v3.build_grouped_gemm_v3, fmt, "add", KE, KD, KI, 64, bt, bk, 128, st, False, splits, 0))
+                out.append((moe.build_grouped_gemm, fmt, "add", KE, KD, KI, 64, bt, bk, 128, st, False, splits, 0))
     return out
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 @pytest.mark.parametrize("block_t", [8, 16, 32, 64])
-def test_v3_kernels_each_tile(fmt, block_t):
+def test_kernels_each_tile(fmt, block_t):
     """Up (SwiGLU epilogue) and down ("add" epilogue, whole K and split in 3) at one token tile, against torch
     with the same bf16 rounding points; 37 tokens x top-2 over 4 experts: every expert spans several chunks at
     the small tiles, and a partial chunk at the large ones."""
-    from deepinfer.kernels.tilelang import moe_gemm_v3 as v3
+    from deepinfer.kernels.tilelang import moe as moe
     from deepinfer.kernels.tilelang._build import jit
 
     routed, dense = _experts(KE, KD, KI, fmt, torch.Generator(device="cuda").manual_seed(block_t))
@@ -156,12 +156,12 @@ def test_v3_kernels_each_tile(fmt, block_t):
     x = torch.randn(T_, KD, generator=g).bfloat16().cuda()
     idx = torch.stack([torch.randperm(KE, generator=g)[:k] for _ in range(T_)]).cuda()
     weights = (torch.rand(T_, k, generator=g) + 0.1).cuda()
-    table = v3.routing_table(idx, weights, KE)
+    table = moe.routing_table(idx, weights, KE)
     rows, aw, s_exp, s_start, s_cnt = table
     poison_allocator()
     h = torch.empty(T_ * k, KI, dtype=torch.bfloat16, device="cuda")
-    bk, st = v3.pass_config(fmt, KD, block_t)
-    jit(v3.build_grouped_gemm_v3, fmt, "swiglu", KE, 2 * KI, KD, 64, block_t, bk, 128, st, True, 1, 0)(
+    bk, st = moe.pass_config(fmt, KD, block_t)
+    jit(moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, 64, block_t, bk, 128, st, True, 1, 0)(
         x, *table, routed.w13, routed.s13, h, LIMIT)
     torch.cuda.synchronize()
     # reference h per assignment position, in the table's (expert-sorted) order
@@ -178,10 +178,10 @@ def test_v3_kernels_each_tile(fmt, block_t):
         h_ref[a:a + n] = (torch.nn.functional.silu(gate) * up * aw[a:a + n, None]).bfloat16()
         y_ref.index_add_(0, rows[a:a + n].long(), (h[a:a + n] @ w2.T).float())  # down from the kernel's own h
     assert torch.isfinite(h).all() and rel_err(h, h_ref) < 1e-2, rel_err(h, h_ref)
-    bk, st = v3.pass_config(fmt, KI, block_t)
+    bk, st = moe.pass_config(fmt, KI, block_t)
     for splits in (1, 3):
         y = torch.zeros(T_, KD, dtype=torch.float32, device="cuda")
-        jit(v3.build_grouped_gemm_v3, fmt, "add", KE, KD, KI, 64, block_t, bk, 128, st, False, splits, 0)(
+        jit(moe.build_grouped_gemm, fmt, "add", KE, KD, KI, 64, block_t, bk, 128, st, False, splits, 0)(
             h, *table, routed.w2, routed.s2, y, LIMIT)
         torch.cuda.synchronize()
         assert torch.isfinite(y).all() and rel_err(y, y_ref) < 5e-3, (splits, rel_err(y, y_ref))

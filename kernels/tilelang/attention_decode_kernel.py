@@ -1,9 +1,13 @@
-"""Decode attention v2: warp-specialised, double-buffered version of attention_kernel.py's "paged" kernel.
+"""Decode attention over the caches as stored: shared-latent MQA (K = V, 64 heads x 512) with a per-head sink,
+keys [0, W) from the sequence's FP8 window ring (e4m3 + ue8m0 per 32 channels), keys [W, W + topk) from the FP4
+compressed-pool rows the indexer selected (e2m1 + e4m3 per 16 channels), split over keys; the partials go to
+attention_combine_kernel. A window key is visible when q_pos - window < key_pos <= q_pos, a pool key when its
+selected row is >= 0.
 
-Same inputs, outputs and partial layout as v1 (v1's split combine is reused). v1 runs each 64-key block as
-load -> barrier -> QK -> softmax -> PV in one 256-thread group, so the tensor cores idle while keys are loaded
-and dequantised and while the softmax runs. v2 follows FlashMLA's sparse-FP8 Hopper kernel: 384 threads, three
-warpgroups, one CTA per SM (211 KB shared: Q 64 KB, two bf16 key buffers 2 x 64 KB, two P buffers 2 x 8 KB):
+Warp-specialised and double-buffered (the earlier one-group kernel, load -> barrier -> QK -> softmax -> PV per
+64-key block, left the tensor cores idle during loads and the softmax; 1.3-1.8x slower, git history and
+benchmarks/results/attn_v2_gpu_h200.json). The structure follows FlashMLA's sparse-FP8 Hopper kernel: 384
+threads, three warpgroups, one CTA per SM (211 KB shared: Q 64 KB, two bf16 key buffers 2 x 64 KB, two P buffers 2 x 8 KB):
 
   WG0 (192 regs): S = Q K^T (4 x 8 wgmma m64n64k16, Q and K from shared), masked online softmax in the log2
                   domain, P -> shared, O[:, :256] += P V[:, :256] (4 x m64n256k16); QK of block n+1 is issued
@@ -21,12 +25,11 @@ sequence are separate CTAs: two tokens cannot share a CTA (two O accumulators = 
 window rows they share are re-read from L2, not HBM.
 
 The head dim is kept in dequant.py's twiddled order inside shared memory (Q is loaded permuted to match) and
-un-twiddled when the output is stored (or by the combine kernel, as in v1).
+un-twiddled when the output is stored (or by the combine kernel).
 """
 
 import tilelang.language as T
 
-from .attention_kernel import build_sink_combine  # v1's combine: v2 writes the same partial layout
 from .dequant import CUDA_SOURCE, fp4_perm
 
 NEG_BIG = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) never sees inf - inf
@@ -43,11 +46,10 @@ def _is_hopper(arch):
     return arch.startswith("sm_90")
 
 
-def build_sink_attention_v2(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
-                            splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152)):
+def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
+                                splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152)):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
-    ml_part, scale) with v1's "paged" signature. grid = (splits, n_q); splits > 1 writes partials for
-    build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
+    ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
     elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer."""
     H, D, W, BK = heads, dim, window, 64
     assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0
@@ -165,7 +167,7 @@ def build_sink_attention_v2(heads: int = 64, dim: int = 512, window: int = 128, 
         T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
 
     @T.prim_func
-    def sink_attention_paged_v2(
+    def sink_attention_decode(
         q: T.Tensor((n_q, H, D), "bfloat16"),
         q_seq: T.Tensor((n_q,), "int32"),
         q_pos: T.Tensor((n_q,), "int32"),
@@ -253,7 +255,7 @@ def build_sink_attention_v2(heads: int = 64, dim: int = 512, window: int = 128, 
                         out[bq, h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
                 else:
                     for h in T.Parallel(H):
-                        ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as v1's combine expects
+                        ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as the combine expects
                         ml_part[bq, bs, 1, h] = l_i[h]
                     for h, d in T.Parallel(H, DH):
                         o_part[bq, bs, h, d] = o_l[h, d]
@@ -313,39 +315,4 @@ def build_sink_attention_v2(heads: int = 64, dim: int = 512, window: int = 128, 
                             load_raw(it * 2 + 2, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
                                      cmp_scale)
 
-    return sink_attention_paged_v2
-
-
-# ------------------------------------------------------------------------------------------------ runtime entry
-SMS = 132  # H200 multiprocessors; only steers the split count (correct for any value)
-
-
-def default_splits(n_q: int, window: int = 128, topk: int = 512) -> int:
-    """One CTA per SM (each takes ~211 KB of shared memory): as v1, n_q * splits ~ SMs, at most one block each."""
-    n_blocks = (window + topk) // 64
-    return max(1, min(n_blocks, SMS // max(n_q, 1)))
-
-
-def sink_attention_decode_v2(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
-                             window: int = 128, splits: int | None = None):
-    """Same contract as attention.sink_attention_decode (v1), computed by build_sink_attention_v2."""
-    import torch
-
-    from ._build import jit
-
-    n_q, H, D = q.shape
-    W, topk = win_kv.shape[1], sel.shape[1]
-    assert W == window and H == 64 and D == 512 and n_q > 0
-    splits = splits or default_splits(n_q, W, topk)
-    kernel = jit(build_sink_attention_v2, H, D, W, topk, splits)
-    dev = q.device
-    out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=dev)
-    # with one split the kernel normalises in place and never touches the partial buffers
-    o_part = torch.empty(n_q, splits, H, D, dtype=torch.float32, device=dev)
-    ml_part = torch.empty(n_q, splits, 2, H, dtype=torch.float32, device=dev)
-    sink = sink.float().contiguous()
-    kernel(q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous(), sink, out,
-           o_part, ml_part, float(scale))
-    if splits > 1:
-        jit(build_sink_combine, H, D, splits, True)(o_part, ml_part, sink, out)
-    return out
+    return sink_attention_decode

@@ -1,4 +1,4 @@
-"""CPU checks of decode attention v2 (kernels/tilelang/attention_kernel_v2.py): it lowers to CUDA for sm_90a and
+"""CPU checks of the decode attention kernel (kernels/tilelang/attention_decode_kernel.py): it lowers to CUDA for sm_90a and
 sm_100a without a GPU, and on sm_90a the source has the intended structure (wgmma, register rebalancing between
 the warpgroups, QK of the next block issued behind PV of the current one, no CTA-wide barrier inside a role)."""
 
@@ -13,14 +13,14 @@ pytestmark = pytest.mark.skipif(tilelang_missing, reason="tilelang is not instal
 
 def _source(arch, splits):
     from deepinfer.kernels.tilelang._build import lower_source
-    from deepinfer.kernels.tilelang.attention_kernel_v2 import build_sink_attention_v2
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-    return lower_source(build_sink_attention_v2(splits=splits, arch=arch), arch)
+    return lower_source(build_sink_attention_decode(splits=splits, arch=arch), arch)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("splits", [1, 3, 10])
-def test_v2_lowers_to_cuda(arch, splits):
+def test_decode_kernel_lowers_to_cuda(arch, splits):
     src = _source(arch, splits)
     assert "__global__" in src and "__launch_bounds__(384, 1)" in src
     # the only CTA-wide barrier is the one after mbarrier init: one inside a role branch would deadlock
@@ -36,20 +36,26 @@ def test_v2_lowers_to_cuda(arch, splits):
             assert "o_part" in src and "ml_part" in src
 
 
-def test_v2_partials_match_v1_combine_layout():
-    """v2 reuses v1's combine kernel: same builder object, partial tensors with v1's shapes."""
-    from deepinfer.kernels.tilelang import attention_kernel, attention_kernel_v2
+def test_decode_partials_have_the_combine_layout():
+    """The decode kernel's partials are what attention_combine_kernel reads: [n_q, splits, H, D] and
+    [n_q, splits, 2, H]."""
+    from deepinfer.kernels.tilelang.attention_combine_kernel import build_sink_combine
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-    assert attention_kernel_v2.build_sink_combine is attention_kernel.build_sink_combine
-    f = attention_kernel_v2.build_sink_attention_v2(splits=4, arch="sm_90a")
+    f = build_sink_attention_decode(splits=4, arch="sm_90a")
     bufs = {f.buffer_map[p].name: f.buffer_map[p] for p in f.params if p in f.buffer_map}
     assert list(bufs) == ["q", "q_seq", "q_pos", "win_kv", "win_scale", "win_pos", "cmp_kv", "cmp_scale", "sel", "sink",
                           "out", "o_part", "ml_part"]
     shapes = {k: [str(x) for x in b.shape] for k, b in bufs.items()}
     assert shapes["o_part"] == ["n_q", "4", "64", "512"] and shapes["ml_part"] == ["n_q", "4", "2", "64"]
+    c = build_sink_combine(splits=4)
+    cbufs = {c.buffer_map[p].name: [str(x) for x in c.buffer_map[p].shape] for p in c.params if p in c.buffer_map}
+    assert cbufs["o_part"] == shapes["o_part"] and cbufs["ml_part"] == shapes["ml_part"]
 
 
-def test_default_splits():
-    from deepinfer.kernels.tilelang.attention_kernel_v2 import default_splits
+def test_default_splits_fill_the_sms_with_at_least_one_block_per_split():
+    from deepinfer.kernels.tilelang.attention import default_splits
 
-    assert [default_splits(n) for n in (1, 8, 64, 66, 256)] == [10, 10, 2, 2, 1]
+    # 640 keys = 10 blocks of 64, on an H200's 132 SMs
+    assert [default_splits(n, 10, 132) for n in (1, 8, 64, 66, 256)] == [10, 10, 2, 2, 1]
+    assert default_splits(4, 10, 78) == 10 and default_splits(16, 10, 78) == 4  # a GPU with fewer SMs

@@ -1,20 +1,32 @@
-"""Grouped expert GEMM v3: FP4/FP8 weights dequantised straight into wgmma A registers (no bf16 weight tile in
-shared memory), a deep cp.async stream that also carries the activations, and one barrier per K step.
+"""Grouped expert GEMM for MoE over FP4 (e2m1, ue8m0 per row x 32) or FP8 (e4m3, ue8m0 per 32x32) weights as
+stored (PackedExperts), dequantised straight into wgmma A registers (no bf16 weight tile in shared memory), with a
+deep cp.async stream that also carries the activations, and one barrier per K step.
 
-Same work description, layouts and epilogues as moe_gemm.py (v2): swap-AB, 64 weight rows per tile on the wgmma M
-side, the tokens of one expert slot on the N side, `rows`/`aw`/`slot_*` from moe_prep.py, the PackedExperts layout
-of moe.py, "swiglu" and "add" epilogues with the same rounding points.
+Layout ("swap AB"): each block computes C^T[rows, tokens] = W_tile[rows, K] . X[tokens, K]^T, so the wide weight
+dimension fills the wgmma M side (64 rows) and the few tokens of an expert sit on the N side (block_t = 8..64).
+Work is described by "slots" (one per distinct expert in the batch, built by moe_prep_kernel): slot s covers
+positions [start, start+count) of the expert-sorted assignment list; `rows[pos]` is the token of position pos.
+Blocks of empty slots exit at once; a slot with more than block_t tokens loops over token chunks.
 
-Why (README "Notes": v2 is not waiting on HBM but on its own per-step chain and on shared memory):
-  * v2 writes every dequantised weight to shared memory as bf16 and wgmma reads it back: 64 KB of shared traffic
+Epilogues:
+  "swiglu": rows of the tile are [32 gate rows | 32 up rows] (PackedExperts packs them tile-interleaved);
+            out[pos, n] = bf16(silu(min(g, L)) * clamp(u, +-L) * aw[pos]) with g, u rounded to bf16 first, as the
+            torch reference's bf16 F.linear does.
+  "add":    y[rows[pos], n] += float(bf16(acc))  (fp32 atomics: a token's routed experts and the shared expert,
+            which may run concurrently on another stream, sum into one zeroed fp32 buffer; with k_splits > 1 each
+            split adds its fp32 partial unrounded). The order of those adds is not fixed, so the last bit of a
+            token's sum can vary between runs and batches (README, Hopper section: what batch invariance covers).
+
+Why this design (the previous generation, in git history and benchmarks/results/moe_v3_gpu_h200.json, was
+1.6-1.9x slower and capped near 65% of HBM bandwidth by shared memory):
+  * writing every dequantised weight to shared memory as bf16 for wgmma to read back costs 64 KB of shared traffic
     per 8.5 KB of FP4 streamed, more than the 128 B/clk an SM has at full HBM rate. Here each thread dequantises
     into its own wgmma A fragment (wgmma RS), so shared traffic is the packed bytes (in by cp.async, out by one
     ld.shared) plus the small activation tile.
-  * v2 loads the activation tile synchronously (global -> registers -> shared) at the top of every K step. Here
-    the activations ride in the same cp.async stage as the weights, S-1 steps ahead.
-  * v2 waits for each wgmma before the next dequant. Here A is double-buffered per 64-K group: the dequant of
-    group g+1 runs while the wgmma of group g is in flight (wait_group 1), and the only barrier per step sits
-    where the previous step's wgmmas are already known complete.
+  * the activations ride in the same cp.async stage as the weights, S-1 steps ahead, instead of a synchronous
+    global -> registers -> shared load at the top of every K step.
+  * A is double-buffered per 64-K group: the dequant of group g+1 runs while the wgmma of group g is in flight
+    (wait_group 1), and the only barrier per step sits where the previous step's wgmmas are already complete.
 
 K order. The dequant bit tricks (dequant.py's e4m3; for e2m1 the same placement with one multiply per pair instead
 of two shifts, di3_e2m1x8) yield bf16 pairs (i, i+4) of each 8 consecutive codes. Lane q of a
@@ -37,19 +49,12 @@ Pipeline per K step k (S stages, NG = BK/64 groups of 64 K, one warpgroup):
 On non-Hopper targets (sm_100a lowering, sm_80/89) the same fragments feed mma.sync m16n8k16 instead (identical
 A/C register layouts), so the kernel still compiles and is correct there, without the async overlap.
 
-Differences from build_grouped_gemm (v2): block_n must be 64 and threads 128 (one warpgroup; M = 64 is the wgmma
-tile); block_t is 8, 16, 32 or 64 (v2: >= 16); block_k is 128, 256 or 512; num_stages >= 4. New, with defaults
-that keep v2's behaviour: k_splits (K split over grid z, "add" epilogue only; each split adds its fp32 partial
-unrounded, whereas k_splits = 1 rounds to bf16 before the add as v2 does) and min_blocks (__launch_bounds__).
-The launcher at the bottom (moe_experts_packed_v3) is moe.py's moe_experts_packed with v3 and its tile policy.
+Limits: block_n must be 64 and threads 128 (one warpgroup; M = 64 is the wgmma tile); block_t is 8, 16, 32 or 64;
+block_k is 128, 256 or 512; num_stages >= 4; k_splits (K split over grid z, "add" epilogue only); min_blocks
+(__launch_bounds__). The tile policy (which block_t / block_k / stages per pass) is moe.py's.
 
-Predictions (benchmarks/moe_v3_gpu.py measures them; v2: 21% of copy bandwidth at B=1, 36% at B=64):
-  * A from registers removes v2's shared-memory ceiling (~65% of HBM for FP4 at 128 B/clk) and the dequant ->
-    barrier -> MMA -> wait chain; activations in the cp.async stream remove the L2 round trip per step. What is
-    left is instruction issue: ~480 instructions per warp per 8.5 KB FP4 step, ~110% of copy bandwidth with 4
-    blocks per SM if perfectly overlapped. Kernels alone: routed FP4 up/down 65-80% of copy bandwidth at B=1..64.
-  * Whole MoE (prep + 4 GEMMs + two streams): B=1 50-65 us (v2 168), B=8 ~300 us (v2 647), B=64 1.5-1.7 ms
-    (v2 3079): 55-72% of copy bandwidth; B=1 loses most to the up -> down launch gap and the shared expert's chain.
+Predictions (before the first GPU run; benchmarks/moe_gpu.py measures, results in benchmarks/results/):
+  * Kernels alone: routed FP4 up/down 65-80% of copy bandwidth at B=1..64 (measured 69-70% at B=8..64, 44% at B=1).
   * Split K is not needed for the routed passes at B=1 (432/480 tiles over 132 SMs x 4 blocks); for the shared
     down pass it changes < 5%. 5 stages vs 4: within 5% if the proxy fence's MEMBAR waits for the thread's
     in-flight cp.async (the loop is ordered so that with 4 stages it has none to wait for), +5-15% if it does not.
@@ -285,11 +290,11 @@ def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int) -> int:
     return num_stages * stage + block_t * (BLOCK_N + CS_PAD) * 4 + block_t * 4
 
 
-def build_grouped_gemm_v3(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_n: int = 64,
-                          block_t: int = 16, block_k: int = 256, threads: int = 128, num_stages: int = 4,
-                          gather: bool = True, k_splits: int = 1, min_blocks: int = 0):
-    """Same arguments, tensors and outputs as moe_gemm.build_grouped_gemm (see the module doc for the limits);
-    k_splits: K split over grid z ("add" only); min_blocks: __launch_bounds__ min blocks per SM (0 = from shared
+def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_n: int = 64,
+                       block_t: int = 16, block_k: int = 256, threads: int = 128, num_stages: int = 4,
+                       gather: bool = True, k_splits: int = 1, min_blocks: int = 0):
+    """fmt: "fp4" (w [E, N, K/2] uint8, scale [E, N, K/32] uint8) or "fp8" (w [E, N, K] uint8 e4m3 bits, scale
+    [E, N/32, K/32] uint8). X is [tokens, K] bf16 read at rows[pos] (gather) or at pos (not gather). k_splits: K split over grid z ("add" only); min_blocks: __launch_bounds__ min blocks per SM (0 = from shared
     memory, capped at 4)."""
     assert fmt in ("fp4", "fp8") and epilogue in ("swiglu", "add")
     assert block_n == BLOCK_N and threads == THREADS, "one warpgroup, 64 weight rows (the wgmma M)"
@@ -361,7 +366,7 @@ def build_grouped_gemm_v3(fmt: str, epilogue: str, n_experts: int, n_rows: int, 
                       T.address_of(smem[(slot * STAGE + OFF_X) // 4]), T.address_of(a[0]), T.address_of(acc[0]))
 
     @T.prim_func
-    def grouped_gemm_v3(
+    def grouped_gemm(
         x: T.Tensor((n_x, K), "bfloat16"),
         rows: T.Tensor((n_pos,), "int32"),
         aw: T.Tensor((n_pos,), "float32"),
@@ -464,122 +469,4 @@ def build_grouped_gemm_v3(fmt: str, epilogue: str, n_experts: int, n_rows: int, 
                                 T.atomic_add(out[rows[start + c * BT + j], bx * BLOCK_N + i], c_s[j, i])
                 T.sync_threads()
 
-    return grouped_gemm_v3
-
-
-# ------------------------------------------------------------------------------------------------ launcher
-# A copy of moe.py's _ffn / moe_experts_packed that calls v3 (moe.py is unchanged; it can adopt these once v3
-# measures faster). Imports of moe.py are deferred so that moe.py may import this module later without a cycle.
-def routed_block_t(n_tok: int, top_k: int, n_experts: int) -> int:
-    """Token tile for the routed pass: about twice the mean tokens per expert, so few experts need a second
-    chunk (each chunk streams the expert's weights again)."""
-    mean = n_tok * top_k / n_experts
-    return next((b for b in (8, 16, 32) if mean <= b / 2), 64)
-
-
-def shared_block_t(n_tok: int) -> int:
-    """Token tile for the shared expert (one slot holding every token)."""
-    return next((b for b in (8, 16, 32) if n_tok <= b), 64)
-
-
-def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
-    """(block_k, num_stages) of one pass. Four stages everywhere: the activation permute's proxy fence then
-    never has a cp.async of its own thread in flight (see the K loop). FP4 (routed): 256-K steps, 8.5 KB of
-    weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
-    expert, 72-80 blocks, the longest chain at decode): the largest step dividing K that keeps 4 stages within
-    ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
-    if fmt == "fp4":
-        return 256, 4
-    for bk in (512, 256, 128):
-        if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4) <= 220 * 1024:
-            return bk, 4
-    return 128, 4
-
-
-def ffn_specs(p, block_t: int, down_splits: int = 1):
-    """jit(...) argument tuples of the up (+SwiGLU) and down passes of PackedExperts p at one token tile."""
-    E, I, D = p.n_experts, p.inter, p.hidden
-    bk, st = pass_config(p.fmt, D, block_t)
-    up = (build_grouped_gemm_v3, p.fmt, "swiglu", E, 2 * I, D, BLOCK_N, block_t, bk, THREADS, st, True, 1, 0)
-    bk, st = pass_config(p.fmt, I, block_t)
-    down = (build_grouped_gemm_v3, p.fmt, "add", E, D, I, BLOCK_N, block_t, bk, THREADS, st, False, down_splits, 0)
-    return up, down
-
-
-def precompile(specs, workers: int = 16):
-    """Build jit(*spec) for many specs on a thread pool (TileLang lowering releases the GIL, nvcc is a
-    subprocess); each lands in jit's cache, so the first call does not pay for it."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ._build import jit
-
-    specs = list(dict.fromkeys(specs))
-    with ThreadPoolExecutor(max(1, min(workers, len(specs)))) as pool:
-        list(pool.map(lambda s: jit(*s), specs))
-
-
-def ffn_v3(p, x, table, out_y, block_t: int, limit: float, down_splits: int = 1):
-    """moe.py's _ffn with the v3 kernels: up (+gate, SwiGLU, routing weight) into h, then down, atomically
-    added into out_y (fp32)."""
-    import torch
-
-    from ._build import jit
-
-    up, down = ffn_specs(p, block_t, down_splits)
-    h = torch.empty(table[0].shape[0], p.inter, dtype=torch.bfloat16, device=x.device)
-    jit(*up)(x, *table, p.w13, p.s13, h, limit)
-    jit(*down)(h, *table, p.w2, p.s2, out_y, limit)
-
-
-def routing_table(idx, weights, n_experts: int):
-    """moe_prep's (rows, aw, slot_expert, slot_start, slot_count) for router output idx/weights [T, k]."""
-    import torch
-
-    from ._build import jit
-    from .moe_prep import build_moe_prep
-
-    T_, k = idx.shape
-    n_slots = min(n_experts, T_ * k)
-    dev = idx.device
-    rows = torch.empty(T_ * k, dtype=torch.int32, device=dev)
-    aw = torch.empty(T_ * k, dtype=torch.float32, device=dev)
-    slots = [torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3)]
-    jit(build_moe_prep, n_experts, k)(idx.contiguous(), weights.float().contiguous(), rows, aw, *slots)
-    return (rows, aw, *slots)
-
-
-def moe_experts_packed_v3(x, weights, idx, routed, shared, swiglu_limit: float, shared_down_splits: int = 1):
-    """moe.moe_experts_packed with the v3 kernels: x [T, D] bf16, weights/idx [T, k] -> [T, D] bf16. The shared
-    expert runs on moe.py's side stream, concurrently with the routed pass, both adding into one fp32 buffer."""
-    import torch
-
-    from .moe import _shared_table, _side_stream
-
-    assert x.dtype == torch.bfloat16
-    x = x.contiguous()
-    T_, k = idx.shape
-    dev = x.device
-    table = routing_table(idx, weights, routed.n_experts)
-    y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
-    limit = float(swiglu_limit)
-    main = torch.cuda.current_stream(dev)
-    if shared is not None:
-        side = _side_stream(dev)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            ffn_v3(shared, x, _shared_table(T_, str(dev)), y, shared_block_t(T_), limit, shared_down_splits)
-    ffn_v3(routed, x, table, y, routed_block_t(T_, k, routed.n_experts), limit)
-    if shared is not None:
-        main.wait_stream(side)
-    return y.to(x.dtype)
-
-
-def experts_specs(routed, shared, n_tok: int, top_k: int, shared_down_splits: int = 1):
-    """Every jit spec moe_experts_packed_v3 needs at n_tok tokens (for precompile)."""
-    from .moe_prep import build_moe_prep
-
-    specs = [(build_moe_prep, routed.n_experts, top_k)]
-    specs += ffn_specs(routed, routed_block_t(n_tok, top_k, routed.n_experts))
-    if shared is not None:
-        specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
-    return specs
+    return grouped_gemm

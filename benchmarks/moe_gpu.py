@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""MoE experts at DeepSeek-V4.1-Flash decode shapes: v2 (moe.moe_experts_packed_v2) vs v3
-(moe_gemm_v3.moe_experts_packed_v3: same routing table and side-stream launch, v3 kernels), 384 FP4 routed experts
-+ one FP8 shared expert, hidden 5120, inter 2304, top-6, uniform random routing.
+"""MoE experts at DeepSeek-V4.1-Flash decode shapes: `moe.moe_experts_packed` (moe_kernel's grouped GEMMs, routing
+table, shared expert on a side stream) vs the torch op, 384 FP4 routed experts + one FP8 shared expert, hidden
+5120, inter 2304, top-6, uniform random routing.
 
-    python3 benchmarks/moe_v3_gpu.py --out moe_v3_gpu.json [--batches 1,8,64,256] [--sweep]
+    source benchmarks/gpu_env.sh && python3 benchmarks/moe_gpu.py --out $OUT/moe.json [--batches 1,8,64,256] [--sweep]
 
 Time = median per call of CUDA-event-timed replays of a CUDA graph holding 4 calls on distinct input sets (the GPU
 time a captured decode step sees). Bytes = the fewest the call must move: the experts its routing touched (FP4 0.5
 + 1/32 B per weight incl. scales) + the shared expert (FP8 1 + 1/1024 B) + activations; % bw = bytes / time / the
-device-to-device copy bandwidth measured in the same run. Self-check: v3's output against v2's on the same inputs
-(relative error, must stay < 1e-2; both follow the torch reference's bf16 rounding points). A per-kernel
-breakdown of v3 follows the table (routed up/down, shared up/down, each alone). The JSON is rewritten after every
-row. All kernels are compiled first, in parallel.
+device-to-device copy bandwidth measured in the same run. torch = deepinfer.kernels.torch.moe.moe_experts on the
+same PackedExperts (it dequantises the experts a call touches), eager. Self-check: the kernel's output against the
+torch op's (relative error, must stay < 1e-2; both follow the same bf16 rounding points); a failed check or a
+variant that did not run exits non-zero. A per-kernel breakdown follows the table (routed up/down, shared up/down,
+each alone). The JSON is rewritten after every row. All kernels are compiled first, in parallel. The previous
+kernel generation's numbers stay in benchmarks/results/moe_v3_gpu_h200.json.
 """
 
 import argparse
@@ -67,18 +69,17 @@ def make_experts(dev, g):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="moe_v3_gpu.json")
+    ap.add_argument("--out", default="moe_gpu.json")
     ap.add_argument("--batches", default="1,8,64,256")
-    ap.add_argument("--sweep", action="store_true", help="also time v3 variants (stages, token tile, split K)")
+    ap.add_argument("--sweep", action="store_true", help="also time tile variants (stages, token tile, split K)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     t_start = time.time()
 
     from deepinfer.kernels.packed_experts import PackedExperts
-    from deepinfer.kernels.tilelang import moe as v2
-    from deepinfer.kernels.tilelang import moe_gemm_v3 as v3
-    from deepinfer.kernels.tilelang._build import jit
-    from deepinfer.kernels.tilelang.moe_gemm import build_grouped_gemm
+    from deepinfer.kernels.tilelang import moe
+    from deepinfer.kernels.tilelang._build import jit, jit_stats
+    from deepinfer.kernels.torch import moe as torch_moe
 
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -88,48 +89,38 @@ def main():
         PackedExperts("fp8", *(t.clone() for t in (shared.w13, shared.s13, shared.w2, shared.s2))) for _ in range(3)]
 
     # ---- compile everything first, in parallel
-    def v2_specs(B):
-        out = []
-        for p, bt in ((routed, 16 if B <= 256 else 64), (shared, v2._bucket(B))):
-            out.append((build_grouped_gemm, p.fmt, "swiglu", p.n_experts, 2 * p.inter, p.hidden, v2.BLOCK_N, bt, 256,
-                        128, v2.STAGES, True))
-            out.append((build_grouped_gemm, p.fmt, "add", p.n_experts, p.hidden, p.inter, v2.BLOCK_N, bt, 256, 128,
-                        v2.STAGES, False))
-        return out
-
-    # sweep variants (each a patch of v3's tile policy): is deeper pipelining worth the occupancy (if the proxy
+    # sweep variants (each a patch of moe.py's tile policy): is deeper pipelining worth the occupancy (if the proxy
     # fence's MEMBAR does not wait on in-flight cp.async, 5 stages should beat 4), are larger FP4 steps, a wider
     # token tile, or smaller shared-expert steps / a split shared down pass better?
-    variants = {"v3": {}}
+    variants = {"kernel": {}}
     if args.sweep:
-        variants.update({"v3 fp4 stages5": {"fp4": (256, 5)}, "v3 fp4 bk512": {"fp4": (512, 4)},
-                         "v3 routed bt16": {"routed_bt": 16}, "v3 fp8 bk256": {"fp8": (256, 4)},
-                         "v3 shared-down split3": {"shared_down_splits": 3}})
+        variants.update({"fp4 stages5": {"fp4": (256, 5)}, "fp4 bk512": {"fp4": (512, 4)},
+                         "routed bt16": {"routed_bt": 16}, "fp8 bk256": {"fp8": (256, 4)},
+                         "shared-down split3": {"shared_down_splits": 3}})
 
     def with_variant(var):
-        """Context: patch v3's tile policy for one sweep variant."""
+        """Context: patch moe.py's tile policy for one sweep variant."""
         class Ctx:
             def __enter__(self):
-                self.saved = (v3.pass_config, v3.routed_block_t)
-                base = v3.pass_config
+                self.saved = (moe.pass_config, moe.routed_block_t)
+                base = moe.pass_config
                 if "fp4" in var or "fp8" in var:
-                    v3.pass_config = lambda fmt, k, bt: var[fmt] if fmt in var and k % var[fmt][0] == 0 \
+                    moe.pass_config = lambda fmt, k, bt: var[fmt] if fmt in var and k % var[fmt][0] == 0 \
                         else base(fmt, k, bt)
                 if "routed_bt" in var:
-                    v3.routed_block_t = lambda n, k, e: var["routed_bt"]
+                    moe.routed_block_t = lambda n, k, e: var["routed_bt"]
 
             def __exit__(self, *a):
-                v3.pass_config, v3.routed_block_t = self.saved
+                moe.pass_config, moe.routed_block_t = self.saved
         return Ctx()
 
     specs = []
     for B in batches:
-        specs += v2_specs(B)
         for var in variants.values():
             with with_variant(var):
-                specs += v3.experts_specs(routed, shared, B, TOPK, var.get("shared_down_splits", 1))
+                specs += moe.experts_specs(routed, shared, B, TOPK, var.get("shared_down_splits", 1))
     t0 = time.time()
-    v3.precompile(specs)
+    moe.precompile(specs)
     print(f"compiled {len(set(specs))} kernels in {time.time() - t0:.0f} s", flush=True)
 
     bw = copy_bandwidth()
@@ -146,7 +137,7 @@ def main():
     def flush():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, v3_kernels=breakdown), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, kernels=breakdown, jit=jit_stats()), f, indent=1)
 
     per_expert = 3 * HID * INTER * FP4_W
     shared_bytes = 3 * HID * INTER * FP8_W
@@ -156,17 +147,15 @@ def main():
         wts = [torch.rand(B, TOPK, device=dev, generator=g) + 0.1 for _ in range(SETS)]
         touched = statistics.mean(len(torch.unique(t)) for t in ids)
         nbytes = touched * per_expert + shared_bytes + B * HID * 2 * 2 + B * TOPK * 12
-        run_v2 = lambda i: v2.moe_experts_packed_v2(xs[i % SETS], wts[i % SETS], ids[i % SETS], routed, shared, LIMIT)
-        ref = run_v2(0)
-        ms_v2 = graph_ms(run_v2)
-        row = dict(B=B, experts_touched=touched, bytes=nbytes, v2_us=ms_v2 * 1e3 if ms_v2 else None)
-        if ms_v2:
-            row.update(v2_tbs=nbytes / (ms_v2 * 1e-3) / 1e12, v2_frac_bw=nbytes / (ms_v2 * 1e-3) / bw)
+        run_torch = lambda i: torch_moe.moe_experts(xs[i % SETS], wts[i % SETS], ids[i % SETS], routed, shared, LIMIT)
+        ref = run_torch(0)
+        ms_torch = timeit(run_torch, iters=3, warmup=1)
+        row = dict(B=B, experts_touched=touched, bytes=nbytes, torch_us=ms_torch * 1e3)
         for name, var in variants.items():
             with with_variant(var):
                 splits = var.get("shared_down_splits", 1)
-                run = lambda i: v3.moe_experts_packed_v3(xs[i % SETS], wts[i % SETS], ids[i % SETS], routed, shared,
-                                                          LIMIT, splits)
+                run = lambda i: moe.moe_experts_packed(xs[i % SETS], wts[i % SETS], ids[i % SETS], routed, shared,
+                                                       LIMIT, splits)
                 out = run(0)
                 torch.cuda.synchronize()
                 err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -174,34 +163,33 @@ def main():
                 ms = graph_ms(run)
             key = name.replace(" ", "_")
             row[f"{key}_us"] = ms * 1e3 if ms else None
-            row[f"{key}_rel_err_vs_v2"] = err
+            row[f"{key}_rel_err_vs_torch"] = err
             row[f"{key}_finite"] = finite
             if ms:
                 row[f"{key}_tbs"] = nbytes / (ms * 1e-3) / 1e12
                 row[f"{key}_frac_bw"] = nbytes / (ms * 1e-3) / bw
-                if ms_v2:
-                    row[f"{key}_speedup"] = ms_v2 / ms
+                row[f"{key}_speedup_vs_torch"] = ms_torch / ms
         rows.append(row)
         flush()
         print(f"B={B:4d}: {touched:.1f} experts touched, {nbytes / 1e6:.1f} MB", flush=True)
         fmt_row = "  {:24s} {:9.1f} us {:6.2f} TB/s {:6.1f}% bw"
-        if ms_v2:
-            print(fmt_row.format("v2 (moe.py)", row["v2_us"], row["v2_tbs"], 100 * row["v2_frac_bw"]), flush=True)
+        print(f"  {'torch op':24s} {row['torch_us']:9.1f} us", flush=True)
         for name in variants:
             key = name.replace(" ", "_")
             if row.get(f"{key}_us"):
                 print(fmt_row.format(name, row[f"{key}_us"], row[f"{key}_tbs"], 100 * row[f"{key}_frac_bw"])
-                      + f"  x{row.get(f'{key}_speedup', 0):.2f} vs v2  rel err vs v2 {row[f'{key}_rel_err_vs_v2']:.1e}",
+                      + f"  x{row[f'{key}_speedup_vs_torch']:.1f} vs torch  rel err vs torch "
+                      f"{row[f'{key}_rel_err_vs_torch']:.1e}",
                       flush=True)
 
-        # ---- v3 kernels alone (the default policy), to see which pass falls short
-        tables = [v3.routing_table(ids[i], wts[i], E) for i in range(SETS)]
-        r_up, r_down = v3.ffn_specs(routed, v3.routed_block_t(B, TOPK, E))
-        s_up, s_down = v3.ffn_specs(shared, v3.shared_block_t(B))
+        # ---- the kernels alone (the default policy), to see which pass falls short
+        tables = [moe.routing_table(ids[i], wts[i], E) for i in range(SETS)]
+        r_up, r_down = moe.ffn_specs(routed, moe.routed_block_t(B, TOPK, E))
+        s_up, s_down = moe.ffn_specs(shared, moe.shared_block_t(B))
         hs = [torch.empty(B * TOPK, INTER, dtype=torch.bfloat16, device=dev) for _ in range(SETS)]
         hsh = [torch.empty(B, INTER, dtype=torch.bfloat16, device=dev) for _ in range(4)]
         y = torch.zeros(B, HID, dtype=torch.float32, device=dev)
-        stab = v2._shared_table(B, str(torch.device(dev)))
+        stab = moe._shared_table(B, str(torch.device(dev)))
         w_up, w_dn = touched * 2 * INTER * HID * FP4_W, touched * HID * INTER * FP4_W
         kern = [
             ("routed up (fp4, SwiGLU)", w_up, lambda i: jit(*r_up)(xs[i % SETS], *tables[i % SETS], routed.w13,
@@ -219,13 +207,16 @@ def main():
                 rec = dict(B=B, kernel=kname, us=ms * 1e3, bytes=kbytes, tbs=kbytes / (ms * 1e-3) / 1e12,
                            frac_bw=kbytes / (ms * 1e-3) / bw, spec=[str(a) for a in spec[1:]])
                 breakdown.append(rec)
-                print(f"    v3 kernel {kname:24s} {rec['us']:8.1f} us {kbytes / 1e6:7.1f} MB {rec['tbs']:5.2f} TB/s "
+                print(f"    kernel {kname:24s} {rec['us']:8.1f} us {kbytes / 1e6:7.1f} MB {rec['tbs']:5.2f} TB/s "
                       f"{100 * rec['frac_bw']:5.1f}% bw", flush=True)
         flush()
 
-    bad = [r for r in rows for k, v in r.items() if (k.endswith("rel_err_vs_v2") and not v < 1e-2)
+    bad = [r for r in rows for k, v in r.items() if (k.endswith("rel_err_vs_torch") and not v < 1e-2)
            or (k.endswith("_finite") and not v)]
-    print(f"\nself-check: v3 vs v2 relative error {'OK (< 1e-2)' if not bad else 'FAILED'}; "
+    not_run = [f"B={r['B']} {name}" for r in rows for name in variants if r.get(f"{name.replace(' ', '_')}_us") is None]
+    bad += not_run
+    print(f"\nself-check: kernel vs torch relative error {'OK (< 1e-2)' if not bad else 'FAILED'}"
+          + (f"; did not run: {', '.join(not_run)}" if not_run else "") + "; "
           f"total {time.time() - t_start:.0f} s; wrote {args.out}", flush=True)
     return 1 if bad else 0
 

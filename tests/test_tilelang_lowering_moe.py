@@ -1,4 +1,4 @@
-"""CPU checks of the v3 grouped expert GEMM (kernels/tilelang/moe_gemm_v3.py): it lowers to CUDA for sm_90a (wgmma
+"""CPU checks of the grouped expert GEMM (kernels/tilelang/moe_kernel.py): it lowers to CUDA for sm_90a (wgmma
 with A from registers) and sm_100a (mma.sync fallback) without a GPU, and a numpy model of its data path (cp.async
 placement with the bank swizzle, in-place activation permute, per-lane dequant into wgmma A fragments, the B
 descriptor's K-major layout, the D fragment -> epilogue tile map) computes exactly W @ x^T. The fragment layouts
@@ -27,16 +27,16 @@ CONFIGS = {  # name: (fmt, epilogue, E, N, K, block_t, block_k, stages, gather)
 
 
 def _build(name, **kw):
-    from deepinfer.kernels.tilelang.moe_gemm_v3 import build_grouped_gemm_v3
+    from deepinfer.kernels.tilelang.moe_kernel import build_grouped_gemm
 
     fmt, epi, E, N, K, bt, bk, st, gather = CONFIGS[name]
-    return build_grouped_gemm_v3(fmt, epi, E, N, K, block_t=bt, block_k=bk, num_stages=st, gather=gather, **kw)
+    return build_grouped_gemm(fmt, epi, E, N, K, block_t=bt, block_k=bk, num_stages=st, gather=gather, **kw)
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_v3_lowers_to_cuda(name, arch):
+def test_moe_kernel_lowers_to_cuda(name, arch):
     from deepinfer.kernels.tilelang._build import lower_source
 
     src = lower_source(_build(name), arch)
@@ -49,7 +49,7 @@ def test_v3_lowers_to_cuda(name, arch):
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
-def test_v3_split_k_lowers():
+def test_moe_kernel_split_k_lowers():
     from deepinfer.kernels.tilelang._build import lower_source
 
     src = lower_source(_build("down_fp4_bt8", k_splits=3), "sm_90a")
@@ -60,13 +60,13 @@ def test_v3_split_k_lowers():
 
 @pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")
 @pytest.mark.parametrize("name", ["up_fp4_bt8", "up_fp8_bt8"])
-def test_v3_sm90_machine_code(name, tmp_path):
+def test_moe_kernel_sm90_machine_code(name, tmp_path):
     """ptxas on the lowered source: no spills, registers within the occupancy the launch bounds ask for, and no
     'wgmma ... serialized' fallback (which would undo the dequant/MMA overlap)."""
     from tilelang import env
 
     from deepinfer.kernels.tilelang._build import lower_source
-    from deepinfer.kernels.tilelang.moe_gemm_v3 import shared_bytes
+    from deepinfer.kernels.tilelang.moe_kernel import shared_bytes
 
     src = lower_source(_build(name), "sm_90a")
     cu = tmp_path / "k.cu"
@@ -99,7 +99,7 @@ def _words_to_vals(words, scale_bits):
 
 
 def _e2m1x8(w, s):
-    """moe_gemm_v3.di3_e2m1x8: 4 bf16x2 words, codes (0,4), (1,5), (2,6), (3,7) of the 32-bit word w."""
+    """moe_kernel.di3_e2m1x8: 4 bf16x2 words, codes (0,4), (1,5), (2,6), (3,7) of the 32-bit word w."""
     m = 0xFFFFFFFF
     w2 = w >> 8
     words = [((w & 0x000F000F) * 4160) & 0x81C081C0 & m, ((w & 0x00F000F0) * 260) & 0x81C081C0 & m,
@@ -139,7 +139,7 @@ def _model_block(fmt, BT, BK, w, ws, x, valid):
     """One block's GEMM through the v3 data path. w: packed [64, KP] uint8 rows of the tile; ws: fp4 [64, K/32],
     fp8 [2, K/32] uint8; x: [BT, K] bf16 as uint16 bits; valid: [BT] bool. Returns D [64, BT] and, per K step,
     the A fragments gathered back to [64, BK] in MMA K order."""
-    from deepinfer.kernels.tilelang.moe_gemm_v3 import smem_layout
+    from deepinfer.kernels.tilelang.moe_kernel import smem_layout
 
     STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK)
     K = x.shape[1]
@@ -223,7 +223,7 @@ def _model_block(fmt, BT, BK, w, ws, x, valid):
 
 
 @pytest.mark.parametrize("fmt,BT,BK", [("fp4", 8, 256), ("fp4", 16, 512), ("fp8", 8, 128), ("fp8", 32, 256)])
-def test_v3_data_path_model(fmt, BT, BK):
+def test_moe_kernel_data_path_model(fmt, BT, BK):
     rng = np.random.default_rng(BT * 7 + BK)
     K = 2 * BK
     if fmt == "fp4":
@@ -239,7 +239,7 @@ def test_v3_data_path_model(fmt, BT, BK):
     x = xf.view(torch.int16).numpy().view(np.uint16)
     valid = np.zeros(BT, dtype=bool)
     valid[rng.choice(BT, size=max(1, BT // 3), replace=False)] = True
-    from deepinfer.kernels.tilelang.moe_gemm_v3 import k_index
+    from deepinfer.kernels.tilelang.moe_kernel import k_index
 
     D, frags = _model_block(fmt, BT, BK, w, ws, x, valid)
     nat = np.array([k_index(kf) for kf in range(BK)])
@@ -250,7 +250,7 @@ def test_v3_data_path_model(fmt, BT, BK):
     np.testing.assert_allclose(D[:, valid], expect, rtol=1e-12, atol=1e-12)
 
 
-def test_v3_epilogue_tile_map():
+def test_moe_kernel_epilogue_tile_map():
     """The kernel's acc -> c_s[token][row] store is cute's CLayout_64xN: every (row, token) exactly once."""
     for BT in (8, 16, 32, 64):
         seen = set()
@@ -263,9 +263,9 @@ def test_v3_epilogue_tile_map():
         assert len(seen) == 64 * BT
 
 
-def test_v3_model_matches_source():
+def test_moe_kernel_model_matches_source():
     """The constants and index expressions the model above reimplements are the ones in the CUDA source."""
-    from deepinfer.kernels.tilelang.moe_gemm_v3 import cuda_source
+    from deepinfer.kernels.tilelang.moe_kernel import cuda_source
 
     src = cuda_source(16)
     for frag in ("0x81C081C0u", "4160u", "260u", "((s + 126u) << 7) * 0x10001u", "(2 * (g & 3))", "(4 * (g & 1))",
@@ -276,7 +276,7 @@ def test_v3_model_matches_source():
         assert frag in src, frag
 
 
-def test_v3_e2m1_matches_torch():
+def test_moe_kernel_e2m1_matches_torch():
     """di3_e2m1x8 (one multiply per pair) reproduces the checkpoint dequantisation exactly, in the pair order."""
     from deepinfer.kernels.tilelang.dequant import fp4_perm
 
