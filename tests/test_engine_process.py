@@ -43,8 +43,8 @@ def test_socket_endpoints_live_in_a_fresh_directory_only_this_user_can_enter():
     endpoints = PrivateEndpoints()
     try:
         assert stat.S_IMODE(os.stat(endpoints.dir).st_mode) == 0o700
-        assert endpoints.to_core.startswith(f"ipc://{endpoints.dir}/")
-        assert endpoints.from_core.startswith(f"ipc://{endpoints.dir}/")
+        assert endpoints.control.startswith(f"ipc://{endpoints.dir}/")
+        assert endpoints.heartbeat.startswith(f"ipc://{endpoints.dir}/")
     finally:
         endpoints.remove()
     assert not os.path.exists(endpoints.dir)
@@ -55,7 +55,7 @@ def test_subprocess_engine_serves_over_a_private_socket_and_cleans_up():
     prompts = [cases[f"case{i}.input_ids"].tolist() for i in range(3)]
     engine = LLMEngine(ModelDirBackend(MODEL), EngineOptions(process="subprocess", memory_budget=1 << 22))
     sock_dir = engine.client._endpoints.dir
-    assert engine.client._endpoints.to_core == f"ipc://{sock_dir}/to_core.sock"
+    assert engine.client._endpoints.control == f"ipc://{sock_dir}/control.sock"
     assert not os.path.exists(sock_dir), "once connected, the socket directory is gone"
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     for i, out in enumerate(outputs):

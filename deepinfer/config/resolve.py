@@ -137,9 +137,16 @@ def _resolve_dtype(s: Settings) -> Settings:
 
 
 def _resolve_memory(s: Settings, found: hw.Found) -> Settings:
-    if s.cache.memory_budget is not None:
-        return s
     total = hw.device_memory_bytes(s.hardware.device, found)
+    if s.cache.memory_budget is not None:
+        # Caches beyond the device's memory can never be filled, and their bookkeeping alone was measured at
+        # ~1 GB per 1e12 bytes of budget: the budget is bounded by the memory it stands for.
+        if total is not None and s.cache.memory_budget > total:
+            raise ConfigError(
+                f"cache.memory_budget={s.cache.memory_budget} is out of range; allowed: at most the "
+                f"{s.hardware.device} device's memory ({total} bytes)"
+            )
+        return s
     if total is None:
         return s
     cache = dataclasses.replace(s.cache, memory_budget=int(total * s.cache.memory_fraction))

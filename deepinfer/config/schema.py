@@ -60,6 +60,23 @@ def setting(default: Any = MISSING, *, allowed: Interval | tuple | None = None, 
 POSITIVE = Interval(0, None, lo_open=True)
 NON_NEGATIVE = Interval(0, None)
 AT_LEAST_1 = Interval(1, None, text="an integer >= 1")
+
+
+def up_to(lo: int, hi: int) -> Interval:
+    """An integer range with an upper bound: no knob may ask for a start-up footprint the machine cannot hold."""
+    return Interval(lo, hi, text=f"an integer in [{lo}, {hi}]")
+
+
+# Upper bounds (why these numbers): generous for the largest deployment in recipes/ (64 sequences, 8192
+# tokens/step, 1M-token contexts), small enough that start-up bookkeeping stays in megabytes.
+MAX_SEQS = 1 << 16
+MAX_BATCHED_TOKENS = 1 << 20
+MAX_MODEL_LEN = 1 << 24
+MAX_BLOCK_SIZE = 1 << 13
+MAX_TOKENS = 1 << 24
+MAX_THREADS = 1024
+MAX_SECONDS = Interval(0, 3600, lo_open=True)  # (0, 1 hour]
+MAX_CACHE_BYTES = 1 << 40
 UINT64 = Interval(0, 2**64 - 1, text="[0, 2**64 - 1]")
 
 HARDWARE_NAMES = ("cpu", "sm90", "sm100", "ascend950", "auto")
@@ -124,18 +141,25 @@ class PipelineSettings:
 class EngineSettings:
     """Knobs of the continuous-batching engine (deepinfer/engine)."""
 
-    max_num_seqs: int = setting(64, allowed=AT_LEAST_1)
-    max_num_batched_tokens: int = setting(1024, allowed=AT_LEAST_1)
-    max_model_len: Optional[int] = setting(None, allowed=AT_LEAST_1)  # null: the model's max_position_embeddings
+    max_num_seqs: int = setting(64, allowed=up_to(1, MAX_SEQS))
+    max_num_batched_tokens: int = setting(1024, allowed=up_to(1, MAX_BATCHED_TOKENS))
+    # null: the model's max_position_embeddings; 2 is the least that holds a prompt token and a generated one
+    max_model_len: Optional[int] = setting(None, allowed=up_to(2, MAX_MODEL_LEN))
     zero_overhead_scheduling: bool = True  # DEEPINFER_ZERO_OVERHEAD_SCHEDULING
     process: str = setting("subprocess", allowed=("subprocess", "inproc"))
+    # seconds without a heartbeat (or without a turn of the step loop) after which the engine core is declared
+    # dead and generate raises EngineDeadError
+    heartbeat_timeout: float = setting(30.0, allowed=MAX_SECONDS)
 
 
 @dataclass(frozen=True)
 class CacheSettings:
-    memory_budget: Optional[int] = setting(None, allowed=AT_LEAST_1)  # bytes for caches; null: from the fraction
+    # bytes for caches; null: from the fraction. At most the device's memory (checked in the resolve step).
+    # (the floor is low on purpose: tests and small deployments size it to a few sequences; the engine says when
+    # a budget cannot hold one)
+    memory_budget: Optional[int] = setting(None, allowed=up_to(1 << 12, 1 << 50))
     memory_fraction: float = setting(0.5, allowed=Interval(0, 1, lo_open=True))
-    block_size: int = setting(64, allowed=AT_LEAST_1)
+    block_size: int = setting(64, allowed=up_to(8, MAX_BLOCK_SIZE))  # below 8 the per-block bookkeeping dominates
 
 
 @dataclass(frozen=True)
@@ -146,7 +170,7 @@ class RuntimeSettings:
     seed: Optional[int] = setting(None, allowed=UINT64)
     # torch intra-op CPU threads for this process (torch.set_num_threads); null: torch's default. Tiny models run
     # fastest with 1: their ops are too small to split, and spare threads only spin.
-    num_threads: Optional[int] = setting(None, allowed=AT_LEAST_1)
+    num_threads: Optional[int] = setting(None, allowed=up_to(1, MAX_THREADS))
 
 
 @dataclass(frozen=True)
@@ -157,20 +181,21 @@ class SamplingDefaults:
     top_p: float = setting(1.0, allowed=Interval(0, 1, lo_open=True))
     top_k: int = setting(-1, allowed=Interval(1, None, also=(-1,), text="-1 (off) or an integer >= 1"))
     min_p: float = setting(0.0, allowed=Interval(0, 1))
-    max_tokens: int = setting(16, allowed=AT_LEAST_1)
-    min_tokens: int = setting(0, allowed=NON_NEGATIVE)
+    max_tokens: int = setting(16, allowed=up_to(1, MAX_TOKENS))
+    min_tokens: int = setting(0, allowed=up_to(0, MAX_TOKENS))
     ignore_eos: bool = False
     stop: Optional[List[str]] = None
     stop_token_ids: Optional[List[int]] = None
     presence_penalty: float = setting(0.0, allowed=Interval(-2, 2))
     frequency_penalty: float = setting(0.0, allowed=Interval(-2, 2))
     repetition_penalty: float = setting(1.0, allowed=POSITIVE)
-    n: int = setting(1, allowed=AT_LEAST_1)
+    n: int = setting(1, allowed=up_to(1, 1024))
     top_logprobs: int = setting(0, allowed=Interval(0, 1000))
     prompt_logprobs: bool = False
     seq_seed: Optional[int] = setting(None, allowed=UINT64)
-    xgrammar_timeout: float = setting(20.0, allowed=POSITIVE)  # DEEPINFER_XGRAMMAR_TIMEOUT, seconds
-    xgrammar_cache_limit_bytes: int = setting(1 << 30, allowed=NON_NEGATIVE)  # DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES
+    xgrammar_timeout: float = setting(20.0, allowed=MAX_SECONDS)  # DEEPINFER_XGRAMMAR_TIMEOUT, seconds
+    # DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES
+    xgrammar_cache_limit_bytes: int = setting(1 << 30, allowed=up_to(0, MAX_CACHE_BYTES))
 
     def params(self, **changes):
         """A SamplingParams from these defaults (grammar limits are engine-wide, not per request)."""

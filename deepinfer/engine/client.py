@@ -6,6 +6,7 @@ Both clients offer the same three calls: add(requests), abort(ids), get(timeout)
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import pickle
 import subprocess
@@ -16,7 +17,7 @@ import weakref
 import zmq
 
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.ipc import PrivateEndpoints, make_socket
+from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, PrivateEndpoints, Signer, Verifier, make_socket, new_key
 from deepinfer.engine.messages import AddRequest, CoreInfo, CoreOutputs
 from deepinfer.engine.options import EngineOptions
 
@@ -50,18 +51,30 @@ class InprocClient:
 
 
 class ProcessClient:
-    """Spawns the engine core in its own process and talks to it over private ipc sockets."""
+    """Spawns the engine core in its own process and talks to it over private, signed ipc sockets (ipc.py).
+
+    Every wait is bounded: the frontend polls in slices of liveness_poll_s and between them checks that the core
+    process exists, that its heartbeat is fresh (heartbeat_timeout_s) and that its step loop is turning; sends
+    time out after send_timeout_s. Any of these raises EngineDeadError naming what happened, and close() never
+    waits on the core for more than a few seconds (it kills it)."""
 
     def __init__(self, factory, options: EngineOptions):
         self.options = options
         self._closed = False
         self._dead: str | None = None
+        self._core_id: bytes | None = None  # the control connection whose messages verified
+        self._inbox: collections.deque = collections.deque()
+        self._last_beat: float | None = None  # monotonic time the newest heartbeat was sent
+        self._loop_age: float | None = None
+        key = new_key()
+        self._signer, self._verifier, self._beats = Signer(key, FRONTEND), Verifier(key, CORE), Verifier(key, HEARTBEAT)
         self._endpoints = PrivateEndpoints()
         self._ctx = zmq.Context()
-        self._send = make_socket(self._ctx, zmq.PUSH, self._endpoints.to_core, bind=True)
-        self._recv = make_socket(self._ctx, zmq.PULL, self._endpoints.from_core, bind=True)
-        args = (factory, options, self._endpoints.to_core, self._endpoints.from_core, os.getpid())
-        payload = pickle.dumps(args)  # fails here, clearly, for a factory that cannot cross processes
+        self._sock = make_socket(self._ctx, zmq.ROUTER, self._endpoints.control, bind=True,
+                                 send_timeout_s=options.send_timeout_s)
+        self._beat_sock = make_socket(self._ctx, zmq.PULL, self._endpoints.heartbeat, bind=True, conflate=True)
+        endpoints = (self._endpoints.control, self._endpoints.heartbeat)
+        payload = pickle.dumps((factory, options, endpoints, key, os.getpid()))  # a factory that cannot cross fails here
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepinfer.engine.core_process"], stdin=subprocess.PIPE, close_fds=True
         )
@@ -72,30 +85,30 @@ class ProcessClient:
         self._atexit = lambda: (c := ref()) is not None and c.close()
         atexit.register(self._atexit)
         try:
-            kind, payload = self._wait(options.startup_timeout_s, what="start")
+            self._start(options.startup_timeout_s)
         except BaseException:
             self.close()
             raise
-        if kind != "ready":
-            self.close()
-            raise EngineDeadError(f"the engine core failed to start:\n{payload}")
-        self.info: CoreInfo = payload
-        # A round trip proves both connections are up; established Unix-socket connections outlive their paths,
-        # so the directory can go now and nothing is left on disk even if this process is killed later.
-        self._send.send_pyobj(("ping", None))
-        kind, _ = self._wait(options.startup_timeout_s, what="start")
-        if kind != "pong":
-            self.close()
-            raise EngineDeadError(f"the engine core answered {kind!r} to its first ping")
+        # Established Unix-socket connections outlive their paths: remove the directory now, so nothing is left on
+        # disk even if this process is killed later, and nobody else can connect from here on.
         self._endpoints.remove()
 
+    def _start(self, timeout: float) -> None:
+        kind, payload = self._wait(timeout, what="start")
+        if kind != "ready":
+            raise EngineDeadError(f"the engine core failed to start:\n{payload}")
+        self.info: CoreInfo = payload
+        self._last_beat = time.monotonic()  # the heartbeat deadline runs from here (loading may take long)
+        self._send(("ping", None))  # a round trip proves both directions are up
+        kind, _ = self._wait(timeout, what="start")
+        if kind != "pong":
+            raise EngineDeadError(f"the engine core answered {kind!r} to its first ping")
+
     def add(self, requests: list[AddRequest]) -> None:
-        self._check_alive()
-        self._send.send_pyobj(("add", requests))
+        self._send(("add", requests))
 
     def abort(self, request_ids: list[int]) -> None:
-        self._check_alive()
-        self._send.send_pyobj(("abort", request_ids))
+        self._send(("abort", request_ids))
 
     def get(self, timeout: float | None = None) -> CoreOutputs | None:
         kind, payload = self._wait(timeout, what="answer")
@@ -105,31 +118,93 @@ class ProcessClient:
             self._mark_dead(f"the engine core failed:\n{payload}")
         return payload
 
+    def _send(self, msg) -> None:
+        self._check_alive()
+        self._pump()
+        self._check_alive()
+        try:
+            self._sock.send_multipart([self._core_id, self._signer.pack(msg)])
+        except zmq.Again:
+            self._mark_dead(f"the engine core (pid {self.process.pid}) did not take a message within "
+                            f"{self.options.send_timeout_s:g} s")
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: its connection is gone
+            self._mark_dead(f"the engine core (pid {self.process.pid}) is unreachable ({exc})")
+
+    def _pump(self) -> None:
+        """Takes every message waiting on the sockets without blocking: heartbeats update the liveness state,
+        the core's messages queue in self._inbox; anything unsigned is dropped."""
+        while True:
+            try:
+                frame = self._beat_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            beat = self._beats.unpack(frame)
+            if beat is not None:
+                self._last_beat, self._loop_age = beat[1]["sent"], beat[1]["loop_age"]
+        while True:
+            try:
+                ident, frame = self._sock.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                break
+            except ValueError:
+                continue  # a peer that sent an empty message
+            if self._core_id is not None and ident != self._core_id:
+                continue  # another connection: not ours, whatever it sends
+            msg = self._verifier.unpack(frame)
+            if msg is None:
+                continue
+            if self._core_id is None:
+                self._core_id = ident
+            if msg[0] != "hello":
+                self._inbox.append(msg)
+
     def _wait(self, timeout: float | None, what: str):
-        """Waits for one message, checking every liveness_poll_s that the engine process still runs."""
+        """Waits for one message from the core, checking between slices that it is alive and not hung."""
         self._check_alive()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._pump()
+            if self._inbox:
+                return self._inbox.popleft()
+            self._check_health(what)
             slice_s = self.options.liveness_poll_s
             if deadline is not None:
                 slice_s = max(0.0, min(slice_s, deadline - time.monotonic()))
-            if self._recv.poll(int(slice_s * 1000)):
-                return self._recv.recv_pyobj()
-            if self.process.poll() is not None:
-                self._mark_dead(
-                    f"the engine core process (pid {self.process.pid}) exited with code {self.process.returncode} "
-                    f"while the frontend waited for its {what}"
-                )
-            if deadline is not None and time.monotonic() >= deadline:
+            zmq.select([self._sock, self._beat_sock], [], [], slice_s)
+            if deadline is not None and time.monotonic() >= deadline and not self._pending_input():
                 if what == "start":
                     raise EngineDeadError(f"the engine core did not start within {timeout:.0f} s")
                 return None, None
+
+    def _pending_input(self) -> bool:
+        return bool(self._sock.poll(0))
+
+    def _check_health(self, what: str) -> None:
+        pid = self.process.pid
+        if self.process.poll() is not None:
+            self._mark_dead(
+                f"the engine core process (pid {pid}) exited with code {self.process.returncode} "
+                f"while the frontend waited for its {what}"
+            )
+        if self._last_beat is None:
+            return  # still starting: startup_timeout_s bounds that
+        limit = self.options.heartbeat_timeout_s
+        silent = time.monotonic() - self._last_beat
+        if silent > limit:
+            self._mark_dead(f"the engine core (pid {pid}) sent no heartbeat for {silent:.0f} s (deadline "
+                            f"{limit:g} s): it is stopped or hung")
+        if self._loop_age is not None and self._loop_age > limit:
+            self._mark_dead(f"the engine core's step loop (pid {pid}) has not turned for {self._loop_age:.0f} s "
+                            f"(deadline {limit:g} s): it is hung")
 
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if self._closed:
             raise EngineDeadError("the engine was closed")
+        if self.process.poll() is not None:
+            self._mark_dead(f"the engine core process (pid {self.process.pid}) exited with code "
+                            f"{self.process.returncode}")
 
     def _mark_dead(self, message: str) -> None:
         self._dead = message
@@ -137,26 +212,32 @@ class ProcessClient:
         raise EngineDeadError(message)
 
     def close(self) -> None:
+        """Stops the core: asks it (if it is healthy), then SIGTERM, then SIGKILL; at most ~2 * close_grace_s."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._atexit)
         try:
-            if self.process.poll() is None:
+            healthy = self._dead is None and self.process.poll() is None
+            if healthy and self._core_id is not None:
                 try:
-                    self._send.send_pyobj(("shutdown", None), zmq.NOBLOCK)
+                    self._sock.send_multipart([self._core_id, self._signer.pack(("shutdown", None))], zmq.NOBLOCK)
                 except zmq.ZMQError:
-                    pass
-            for stop in (None, self.process.terminate, self.process.kill):
-                if stop is not None and self.process.poll() is None:
+                    healthy = False
+            # A stopped (SIGSTOP) or hung core ignores both the message and SIGTERM: go straight to SIGKILL.
+            steps = (None, self.process.terminate, self.process.kill) if healthy else (self.process.kill,)
+            for stop in steps:
+                if self.process.poll() is not None:
+                    break
+                if stop is not None:
                     stop()
                 try:
-                    self.process.wait(timeout=5)  # reaps it: no zombie left behind either
+                    self.process.wait(timeout=self.options.close_grace_s)  # reaps it: no zombie left behind
                     break
                 except subprocess.TimeoutExpired:
                     continue
         finally:
-            self._send.close()
-            self._recv.close()
+            self._sock.close()
+            self._beat_sock.close()
             self._ctx.term()
             self._endpoints.remove()

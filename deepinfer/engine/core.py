@@ -18,7 +18,7 @@ from typing import Callable
 from deepinfer.engine.backend import EngineBackend
 from deepinfer.engine.cache_manager import CacheManager
 from deepinfer.engine.grammars import GrammarCompilations
-from deepinfer.engine.messages import AddRequest, CoreInfo, CoreOutputs, RequestUpdate, StepStats
+from deepinfer.engine.messages import AddRequest, CoreInfo, CoreOutputs, RequestUpdate, StepStats, request_error
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.options import EngineOptions
 from deepinfer.engine.plan import StepPlan, StepResult
@@ -43,12 +43,22 @@ class EngineCore:
                 self._worker.shutdown()
             raise
         self.backend = backend
-        self.runner = ModelRunner(backend)
-        budget = options.memory_budget or int(options.memory_fraction * free_memory_bytes(backend.device))
-        self.cache = CacheManager(budget, backend.cache_bytes_per_token, backend.cache_fixed_bytes, options.block_size)
         max_len = backend.max_position_embeddings
         if options.max_model_len is not None:
             max_len = min(max_len, options.max_model_len)
+        budget = options.memory_budget or int(options.memory_fraction * free_memory_bytes(backend.device))
+        layout = backend.cache_layout(options.block_size)
+        self.cache = CacheManager.from_budget(budget, layout.slot_bytes(), layout.block_bytes(), options.block_size,
+                                              options.max_num_seqs, max_len)
+        # the runner owns the memory: every pool is allocated here, once, on the thread that runs the model
+        self.runner = ModelRunner(backend)
+        alloc = (self.runner.allocate, self.cache.num_slots, self.cache.num_blocks, options.block_size)
+        try:
+            self._worker.call(*alloc) if self._worker else alloc[0](*alloc[1:])
+        except BaseException:
+            if self._worker is not None:
+                self._worker.shutdown()
+            raise
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=options.max_num_seqs,
@@ -74,10 +84,20 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> RequestUpdate | None:
-        """Queues the request; returns its final update at once if it can never run."""
+        """Queues the request; returns its final update at once if it can never run.
+
+        The request is checked again here, whatever the frontend did: params may have been changed after they
+        were built, and one malformed request must end alone instead of raising in the step loop for everyone."""
+        error = request_error(msg)
+        if error is not None:
+            return RequestUpdate(msg.request_id, finish_reason="error", error=error)
         params = msg.params
         request = Request(msg.request_id, list(msg.prompt_ids), params, msg.seed)
-        update = self.scheduler.add(request)
+        try:
+            update = self.scheduler.add(request)
+        except Exception as exc:  # a check the rooms below forgot: still this request's error only
+            self.scheduler.abort(msg.request_id)
+            return RequestUpdate(msg.request_id, finish_reason="error", error=f"invalid request: {exc}")
         so_args = getattr(params, "so_args", None)
         if update is None and so_args:
             # Compiles in the pool's threads; the scheduler prefills meanwhile but samples only once it is ready.

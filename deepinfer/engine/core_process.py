@@ -2,10 +2,16 @@
 
 Started as `python -m deepinfer.engine.core_process` with its arguments pickled on stdin (not multiprocessing):
 a fresh interpreter that never re-imports the user's main script, so `LLM(...)` works in scripts without an
-`if __name__ == "__main__"` guard, and no fork ever copies a process holding torch threads.
+`if __name__ == "__main__"` guard, and no fork ever copies a process holding torch threads. The stdin pipe also
+carries the channel key (deepinfer.engine.ipc): only the frontend that started us holds it.
+
+Liveness: a heartbeat thread (it runs no steps) sends, every heartbeat_interval_s, how long ago the step loop last
+turned. The frontend declares the core dead when heartbeats stop (killed, SIGSTOPped, a GIL held forever) or
+report a loop stuck past its deadline (a deadlock in a step).
 
 It exits when told to, and also on its own when the frontend process disappears (parent pid changes, and on Linux
-the kernel sends SIGKILL via PR_SET_PDEATHSIG), so a killed frontend never leaves a busy engine behind.
+the kernel sends SIGKILL via PR_SET_PDEATHSIG), so a killed frontend never leaves a busy engine behind. Ctrl-C in
+a terminal reaches the whole process group: the core ignores SIGINT and lets the frontend decide.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 
 import zmq
 
-from deepinfer.engine.ipc import make_socket
+from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, make_socket
 from deepinfer.engine.messages import CoreOutputs
 from deepinfer.engine.options import EngineOptions
 
@@ -36,12 +44,49 @@ def _die_with_parent() -> None:
             pass  # best effort; the parent-pid check below still ends the loop
 
 
-def run_engine_core(factory, options: EngineOptions, to_core: str, from_core: str, parent_pid: int) -> None:
-    _die_with_parent()
-    ctx = zmq.Context()
-    inbox = make_socket(ctx, zmq.PULL, to_core, bind=False)
-    outbox = make_socket(ctx, zmq.PUSH, from_core, bind=False)
+class _LoopClock:
+    """When the step loop last turned (None while the core still starts)."""
+
+    def __init__(self):
+        self.last: float | None = None
+
+    def tick(self) -> None:
+        self.last = time.monotonic()
+
+
+def _heartbeat(ctx, addr: str, key: bytes, options: EngineOptions, clock: _LoopClock, stop: threading.Event):
+    sock = make_socket(ctx, zmq.PUSH, addr, bind=False)
+    signer = Signer(key, HEARTBEAT)
     try:
+        while not stop.is_set():
+            last = clock.last
+            age = None if last is None else time.monotonic() - last
+            try:
+                sock.send(signer.pack(("heartbeat", {"sent": time.monotonic(), "loop_age": age})), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # nobody reading yet; the next beat replaces it anyway
+            stop.wait(options.heartbeat_interval_s)
+    finally:
+        sock.close()
+
+
+def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str], key: bytes, parent_pid: int) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    control, heartbeat = endpoints
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.DEALER, control, bind=False, send_timeout_s=options.send_timeout_s)
+    signer, verifier = Signer(key, CORE), Verifier(key, FRONTEND)
+    clock, stop = _LoopClock(), threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(ctx, heartbeat, key, options, clock, stop), daemon=True,
+                            name="deepinfer-heartbeat")
+    beat.start()
+
+    def send(msg) -> None:
+        sock.send(signer.pack(msg))  # zmq.Again after send_timeout_s: the frontend is gone, so are we
+
+    try:
+        send(("hello", os.getpid()))  # lets the frontend learn which connection is ours
         try:
             from deepinfer.engine.core import EngineCore
 
@@ -54,56 +99,65 @@ def run_engine_core(factory, options: EngineOptions, to_core: str, from_core: st
 
             core = EngineCore(build, options)
         except BaseException:
-            outbox.send_pyobj(("startup_error", traceback.format_exc()))
+            send(("startup_error", traceback.format_exc()))
             return
-        outbox.send_pyobj(("ready", core.info()))
+        send(("ready", core.info()))
         try:
-            _loop(core, inbox, outbox, parent_pid)
+            _loop(core, sock, verifier, send, parent_pid, clock)
         except BaseException:
-            outbox.send_pyobj(("fatal", traceback.format_exc()))  # the frontend raises with this text
+            try:
+                send(("fatal", traceback.format_exc()))  # the frontend raises with this text
+            except zmq.ZMQError:
+                pass
             raise
         finally:
             core.close()
     finally:
-        inbox.close()
-        outbox.close()
+        stop.set()
+        beat.join(timeout=2)
+        sock.close()
         ctx.term()
 
 
-def _loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+def _loop(core, sock: zmq.Socket, verifier: Verifier, send, parent_pid: int, clock: _LoopClock) -> None:
     steps = 0
     while True:
+        clock.tick()
         busy = core.has_work()
         if busy and steps % 64 == 0 or not busy:
             if os.getppid() != parent_pid:
                 return  # orphaned: the frontend is gone
-        if inbox.poll(0 if busy else IDLE_POLL_MS):
+        if sock.poll(0 if busy else IDLE_POLL_MS):
             immediate = []
             while True:
                 try:
-                    kind, payload = inbox.recv_pyobj(zmq.NOBLOCK)
+                    frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                msg = verifier.unpack(frame)
+                if msg is None:
+                    continue  # not signed by our frontend: dropped unread
+                kind, payload = msg
                 if kind == "shutdown":
                     return
                 if kind == "ping":
-                    outbox.send_pyobj(("pong", None))
-                if kind == "add":
+                    send(("pong", None))
+                elif kind == "add":
                     immediate += [u for u in map(core.add_request, payload) if u is not None]
                 elif kind == "abort":
                     immediate += [u for u in map(core.abort, payload) if u is not None]
             if immediate:
-                outbox.send_pyobj(("outputs", CoreOutputs(immediate)))
+                send(("outputs", CoreOutputs(immediate)))
         if core.has_work():
             out = core.step()
             steps += 1
             if out.updates or out.stats:
-                outbox.send_pyobj(("outputs", out))
+                send(("outputs", out))
 
 
 def main() -> None:
-    factory, options, to_core, from_core, parent_pid = pickle.load(sys.stdin.buffer)
-    run_engine_core(factory, options, to_core, from_core, parent_pid)
+    factory, options, endpoints, key, parent_pid = pickle.load(sys.stdin.buffer)
+    run_engine_core(factory, options, endpoints, key, parent_pid)
 
 
 if __name__ == "__main__":

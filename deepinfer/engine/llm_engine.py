@@ -17,6 +17,7 @@ from deepinfer.engine.messages import AddRequest, RequestUpdate
 from deepinfer.engine.metrics import RunMetrics
 from deepinfer.engine.options import EngineOptions
 from deepinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from deepinfer.sampling.params import params_error
 
 __all__ = ["LLMEngine", "EngineDeadError"]
 
@@ -154,9 +155,12 @@ class LLMEngine:
         return request_seed(getattr(params, "seq_seed", None))
 
     def _frontend_error(self, prompt_ids: list[int], params: Any) -> str | None:
-        if not all(isinstance(t, int) for t in prompt_ids):
+        if not all(type(t) is int for t in prompt_ids):
             return "prompt token ids must be integers"
-        if getattr(params, "n", 1) != 1:
+        error = params_error(params)  # again: fields may have been set after the params were built
+        if error is not None:
+            return error
+        if params.n != 1:
             return "n > 1 is expanded by the caller (one request per sample, seq_seed from sampling.child_seed)"
         return None
 

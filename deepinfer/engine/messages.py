@@ -14,6 +14,19 @@ class AddRequest:
     seed: int  # resolved by the frontend: seq_seed, or derived from runtime.seed and the caller's request id
 
 
+def request_error(msg) -> str | None:
+    """Why a request cannot enter the engine core, or None: the same checks the frontend and SamplingParams make
+    (one definition, in deepinfer.sampling.params), repeated where the request arrives."""
+    from deepinfer.sampling.params import params_error
+
+    ids = getattr(msg, "prompt_ids", None)
+    if not isinstance(ids, (list, tuple)) or not all(type(t) is int for t in ids):
+        return "prompt token ids must be a list of integers"
+    if type(getattr(msg, "seed", None)) is not int:
+        return "the request's seed must be an integer"
+    return params_error(getattr(msg, "params", None))
+
+
 @dataclass
 class RequestUpdate:
     """New tokens of one request from one step; `finish_reason` set on its last update."""
@@ -24,6 +37,12 @@ class RequestUpdate:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     prompt_logprobs: list | None = None  # once, with the first token, when the params ask for them
+
+
+def _kernel_stats() -> dict:
+    from deepinfer.kernels.registry import kernel_stats
+
+    return kernel_stats()
 
 
 @dataclass
@@ -41,7 +60,9 @@ class StepStats:
     update_s: float  # CPU time turning its samples into updates
     prepare_s: float  # runner-side Python: batch inputs and sampler rows (inside the device interval)
     cache_utilization: float
-
+    # the engine process's kernel counters so far (per-call torch fallbacks, JIT compiles / cache hits / seconds),
+    # read where the step is recorded: deepinfer.kernels.registry.kernel_stats
+    kernels: dict = field(default_factory=_kernel_stats)
 
 @dataclass
 class CoreOutputs:

@@ -1,13 +1,19 @@
-"""SamplingParams: what a request asks of the sample stage, validated when it is built.
+"""SamplingParams: what a request asks of the sample stage, validated when it is built and again where it enters
+the engine.
 
-Validation lives here (not in the engine) so that a bad request fails in the caller's frame with a message that
-names the field, the value and the allowed range, before it ever reaches the step loop.
+Validation is defined here, once: `SamplingParams.__post_init__` runs it so that a bad request fails in the
+caller's frame with a message that names the field, the value and the allowed range. A dataclass field can be
+reassigned after construction (`p.max_tokens = None`), so the engine runs the same checks again through
+`params_error` when the request arrives, and ends only that request with the message.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
+
+from deepinfer.sampling.schema_limits import depth_error
 
 UINT64_MAX = (1 << 64) - 1
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
@@ -16,8 +22,17 @@ SO_SCHEMA_TYPES = ("json", "regex", "ebnf")
 _SO_KEYS = {"schema_type", "schema", "trigger_token_ids", "bound_token_id"}
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 60, 60, 60
+
+
+def _shown(value) -> str:
+    # reprlib: bounded in length and nesting, so a huge or deeply nested value never makes a huge (or recursing) error
+    return _SHORT.repr(value)
+
+
 def _bad(field: str, value, allowed: str) -> ValueError:
-    return ValueError(f"SamplingParams.{field}={value!r} is out of range; allowed: {allowed}")
+    return ValueError(f"SamplingParams.{field}={_shown(value)} is out of range; allowed: {allowed}")
 
 
 def _is_int(value) -> bool:
@@ -71,6 +86,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is a common, unambiguous shorthand
             self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises a one-line ValueError for the first field out of range."""
         self._validate_numbers()
         self._validate_lists()
         if self.so_args is not None:
@@ -121,6 +140,18 @@ class SamplingParams:
                 raise _bad("stop_token_ids", self.stop_token_ids, "None or a list of token ids >= 0")
 
 
+def params_error(params) -> str | None:
+    """The one-line reason `params` cannot run, or None: the constructor's checks, for objects that may have been
+    changed after they were built (or are not SamplingParams at all)."""
+    if not isinstance(params, SamplingParams):
+        return f"sampling params must be a SamplingParams; got {type(params).__name__}"
+    try:
+        params.validate()
+    except Exception as error:  # a field of any type may have been assigned: never let it escape
+        return " ".join(str(error).split()) or type(error).__name__
+    return None
+
+
 def _validate_so_args(so_args) -> None:
     """Checks the shape of so_args; whether the schema compiles is the grammar compiler's business."""
     if not isinstance(so_args, dict):
@@ -136,6 +167,9 @@ def _validate_so_args(so_args) -> None:
     if not isinstance(schema, allowed_schema):
         kinds = "a str or a dict" if schema_type == "json" else "a str"
         raise _bad("so_args['schema']", schema, f"{kinds} for schema_type={schema_type!r}")
+    too_deep = depth_error(schema)
+    if too_deep is not None:  # before anything recursive (repr, pickle, json) touches it
+        raise ValueError(f"SamplingParams.so_args['schema'] is {too_deep}")
     trigger = so_args.get("trigger_token_ids")
     if trigger is not None and (
         not isinstance(trigger, list) or not trigger or not all(_is_int(t) and t >= 0 for t in trigger)
