@@ -53,6 +53,8 @@ def why_not(x: torch.Tensor, w) -> str | None:
         return f"weight shape not a multiple of [{BLOCK_N}, {BLOCK_K}]"
     if w.row_offset:
         return "row group starts inside a 32-row scale block"
+    if not (w.weight.is_contiguous() and w.scale.is_contiguous()):
+        return "weight or scale not contiguous"
     if not _scales_in_range(w):
         return f"a block scale byte exceeds {MAX_SCALE_BYTE}"
     return None
