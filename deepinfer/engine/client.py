@@ -66,6 +66,7 @@ class ProcessClient:
         self._inbox: collections.deque = collections.deque()
         self._last_beat: float | None = None  # monotonic time the newest heartbeat was sent
         self._loop_age: float | None = None
+        self.dropped_frames = 0  # frames from a peer that does not hold the key (never unpickled)
         key = new_key()
         self._signer, self._verifier, self._beats = Signer(key, FRONTEND), Verifier(key, CORE), Verifier(key, HEARTBEAT)
         self._endpoints = PrivateEndpoints()
@@ -149,9 +150,11 @@ class ProcessClient:
             except ValueError:
                 continue  # a peer that sent an empty message
             if self._core_id is not None and ident != self._core_id:
-                continue  # another connection: not ours, whatever it sends
+                self.dropped_frames += 1  # another connection: not ours, whatever it sends
+                continue
             msg = self._verifier.unpack(frame)
             if msg is None:
+                self.dropped_frames += 1
                 continue
             if self._core_id is None:
                 self._core_id = ident
