@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
-from deepinfer.models import ForwardBatch, load_model
+from deepinfer.models import ForwardBatch, ModelConfig, load_model
+from deepinfer.models.cache import CacheLayout
 from deepinfer.sampling import SamplingParams
 
 EOS = 1
@@ -27,6 +28,12 @@ MODELS = ["tiny-swa-csa2", "tiny-engram-hc4"]
 @pytest.fixture(scope="module", params=MODELS)
 def model_dir(request):
     return str(FIXTURES / request.param)
+
+
+def small_budget(model_dir, slots=16, blocks=24, block_size=16) -> int:
+    """Bytes for `slots` sequences' fixed state and `blocks` blocks of context: a 300-token prompt and a few more."""
+    layout = CacheLayout(ModelConfig.from_file(Path(model_dir) / "config.json"), torch.float32, block_size)
+    return slots * layout.slot_bytes() + blocks * layout.block_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +74,7 @@ def test_batched_chunked_preempted_greedy_outputs_equal_each_request_run_alone(w
         zero_overhead_scheduling=zero_overhead,
         max_num_batched_tokens=48,
         max_num_seqs=16,
-        memory_budget=24 * 16 * 384,  # 24 blocks of 16 tokens at 384 B/token: a 300-token prompt and a few more
+        memory_budget=small_budget(model_dir),
         block_size=16,
     )
     with LLMEngine(ModelDirBackend(model_dir), options) as engine:

@@ -4,7 +4,7 @@
 import pytest
 
 from deepinfer import LLM
-from test_engine_exactness import model_dir, solo_outputs, workload  # noqa: F401  (pytest fixtures)
+from test_engine_exactness import model_dir, small_budget, solo_outputs, workload  # noqa: F401  (pytest fixtures)
 
 
 @pytest.mark.parametrize("zero_overhead", [False, True], ids=["sync", "async"])
@@ -13,7 +13,7 @@ def test_llm_generate_equals_each_request_run_alone(workload, model_dir, solo_ou
         model=model_dir,
         engine={"process": "inproc", "zero_overhead_scheduling": zero_overhead, "max_num_batched_tokens": 48,
                 "max_num_seqs": 16},
-        cache={"memory_budget": 24 * 16 * 384, "block_size": 16},
+        cache={"memory_budget": small_budget(model_dir), "block_size": 16},
     ) as llm:
         outputs = llm.generate(prompt_token_ids=workload[0], sampling_params=workload[1], use_tqdm=False)
         metrics = llm.last_metrics

@@ -75,7 +75,8 @@ class HashRunner:
 
 
 def make_scheduler(num_blocks=40, block_size=4, fixed_blocks=1, max_num_seqs=8, budget=32, max_model_len=400):
-    cache = CacheManager(num_blocks * block_size, bytes_per_token=1, fixed_bytes=fixed_blocks * block_size, block_size=block_size)
+    """`num_blocks` blocks of context, less `fixed_blocks` (the pools' per-sequence state lives in slots)."""
+    cache = CacheManager(num_slots=max_num_seqs, num_blocks=num_blocks - fixed_blocks, block_size=block_size)
     return Scheduler(cache, max_num_seqs, budget, max_model_len, VOCAB, eos_token_id=EOS)
 
 

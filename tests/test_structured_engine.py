@@ -107,7 +107,7 @@ def test_scheduler_prefills_while_the_grammar_compiles_but_samples_only_when_rea
     from deepinfer.engine.request import Request
     from deepinfer.engine.scheduler import Scheduler
 
-    sched = Scheduler(CacheManager(4096, bytes_per_token=1, fixed_bytes=0, block_size=16), 8, 64, 512, VOCAB)
+    sched = Scheduler(CacheManager(num_slots=8, num_blocks=256, block_size=16), 8, 64, 512, VOCAB)
     long_, short, plain = (Request(i, ids, params(i, max_tokens=4), i) for i, ids in enumerate([[5] * 10, [6], [7, 8]]))
     long_.grammar_pending = short.grammar_pending = True
     for req in (long_, short, plain):

@@ -14,13 +14,12 @@ from typing import Any, Callable
 class EngineBackend:
     prefill: Callable[[Any], Any]  # ForwardBatch -> float32 logits [num_seqs, vocab] (any mix of new tokens)
     decode: Callable[[Any], Any]  # ForwardBatch -> logits, every sequence carrying one new token
-    new_state: Callable[[], Any]  # a fresh per-sequence state (.num_tokens, .nbytes())
+    cache_layout: Callable[[int], Any]  # block_size -> CacheLayout (bytes per slot and per block, no tensors)
+    allocate_cache: Callable[[int, int, int], Any]  # (num_slots, num_blocks, block_size) -> CachePools, once
     sampler: Any  # deepinfer.sampling.Sampler
     vocab_size: int
     eos_token_id: int | None
     max_position_embeddings: int
-    cache_bytes_per_token: float
-    cache_fixed_bytes: int
     tokenizer: Any = None  # .decode(ids, skip_special_tokens=...): needed only for stop strings
     device: str = "cpu"
 
@@ -49,13 +48,12 @@ def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_
     return EngineBackend(
         prefill=prefill,
         decode=decode,
-        new_state=model.new_state,
+        cache_layout=model.cache_layout,
+        allocate_cache=model.allocate_cache,
         sampler=sampler,
         vocab_size=cfg.vocab_size,
         eos_token_id=cfg.eos_token_id,
         max_position_embeddings=cfg.max_position_embeddings,
-        cache_bytes_per_token=float(model.cache_bytes_per_token()),
-        cache_fixed_bytes=int(model.cache_fixed_bytes()),
         tokenizer=tokenizer,
         device=str(getattr(model, "device", "cpu")),
     )

@@ -1,8 +1,8 @@
 """ModelRunner: the only engine room that touches tensors.
 
-It owns every request's model state (keyed by request id; the CacheManager only accounts for them), turns a
-StepPlan into one ForwardBatch, runs the pipeline's prefill or decode stage, and samples the rows that end at
-their sequence's last token. It executes plans strictly in order, which is what lets a plan carry placeholder
+It owns the memory: the cache pools, allocated once (`allocate`), which every sequence addresses by the slot and
+blocks the CacheManager gave it (carried by the plan's rows). It turns a StepPlan into one ForwardBatch, runs the
+pipeline's prefill or decode stage, and samples the rows that end at their sequence's last token. It executes plans strictly in order, which is what lets a plan carry placeholder
 tokens: by the time a plan runs, the step before it has sampled them.
 """
 
@@ -43,6 +43,14 @@ class ModelRunner:
         self.backend = backend
         self._seqs: dict[int, _Sequence] = {}
         self._masks = MaskBuilder()
+        self.pools = None
+
+    def allocate(self, num_slots: int, num_blocks: int, block_size: int) -> None:
+        """The cache pools for the whole run, sized by the CacheManager from the budget."""
+        from deepinfer.models.cache import SequenceCache
+
+        self._SequenceCache = SequenceCache
+        self.pools = self.backend.allocate_cache(num_slots, num_blocks, block_size)
 
     @property
     def num_sequences(self) -> int:
@@ -77,7 +85,8 @@ class ModelRunner:
         for row in plan.rows:
             if row.new is not None:
                 new = row.new
-                seq = _Sequence(self.backend.new_state(), list(new.token_ids), new.num_prompt_tokens, new.params, new.seed)
+                state = self._SequenceCache(self.pools, row.slot, row.new_blocks)
+                seq = _Sequence(state, list(new.token_ids), new.num_prompt_tokens, new.params, new.seed)
                 seq.penalized = _has_penalties(new.params)
                 seq.prompt_rows = [] if new.prompt_logprobs else None
                 self._seqs[row.request_id] = seq
@@ -86,6 +95,8 @@ class ModelRunner:
                 # this plan was made before the failure was known. Skip the row instead of failing the batch.
                 continue
             seq = self._seqs[row.request_id]
+            if row.new is None and row.new_blocks:
+                seq.state.blocks.extend(row.new_blocks)
             ids = list(row.token_ids)
             if row.placeholder:
                 ids.append(seq.ids[-1])  # sampled by the previous step, which has finished by now

@@ -31,6 +31,8 @@ class ScheduledRow:
     placeholder: bool  # one more new token follows: the one the in-flight step samples for this request
     sample: bool  # the logits after the last new token give this request's next token
     new: NewSequence | None = None
+    slot: int = -1  # the request's slot in the cache pools (CacheManager)
+    new_blocks: tuple[int, ...] = ()  # blocks reserved since its previous row (all of them with `new`)
     # On sampling rows of a request with so_args: its GrammarState (ready; the scheduler plans no sampling row
     # before it is). Lives in the engine core, so it never crosses a process boundary.
     grammar: Any = None

@@ -194,7 +194,9 @@ class Scheduler:
         if sample:
             req.num_pending += 1
         grammar = req.grammar_state if sample else None
-        return ScheduledRow(req.request_id, req.epoch, start, ids, placeholder, sample, new, grammar)
+        rid = req.request_id
+        return ScheduledRow(rid, req.epoch, start, ids, placeholder, sample, new, self.cache.slot_of(rid),
+                            self.cache.take_new_blocks(rid), grammar)
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)

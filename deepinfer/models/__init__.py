@@ -1,8 +1,8 @@
-"""The DeepSeek-V4.1 model: config, per-sequence state, packed forward, checkpoint loading."""
+"""The DeepSeek-V4.1 model: config, cache pools, packed forward, checkpoint loading."""
 
 from .batch import ForwardBatch
 from .config import ModelConfig, ModelConfigError
 from .deepseek_v41 import DeepseekV41Model, load_model
-from .state import SequenceState
+from .cache import SequenceCache
 
-__all__ = ["DeepseekV41Model", "ForwardBatch", "ModelConfig", "ModelConfigError", "SequenceState", "load_model"]
+__all__ = ["DeepseekV41Model", "ForwardBatch", "ModelConfig", "ModelConfigError", "SequenceCache", "load_model"]

@@ -16,12 +16,16 @@ from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.rope import default_inv_freq, yarn_inv_freq
 
 from .attention import Attention
-from .batch import ForwardBatch, PackedBatch, to_device
+from .batch import ForwardBatch
+from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, StepMeta, derive, pack_step
 from .card import ModelCard
 from .config import ModelConfig
 from .engram import EngramTables
-from .state import SequenceState
 from .weights import LayerWeights, arrange
+
+# Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
+STANDALONE_SLOTS = 64
+STANDALONE_TOKENS = 1 << 16
 
 
 class DeepseekV41Model:
@@ -59,6 +63,9 @@ class DeepseekV41Model:
             if tokenizer is None:
                 raise ValueError("Engram layers need the checkpoint's tokenizer.json to build their hash tables")
             self.engram = EngramTables.build(cfg, tokenizer).to(self.device)
+            # token id -> compressed id on the device: the hash gathers it per step without a host round trip
+            self.engram_token_map = torch.tensor(self.engram.token_map, dtype=torch.int64, device=self.device)
+        self._standalone: dict[int, StandaloneAllocator] = {}
 
     def use_ops(self, ops: OpSet) -> None:
         """Run on another op set from now on (e.g. the torch reference, to compare backends on one model)."""
@@ -66,29 +73,66 @@ class DeepseekV41Model:
         for attn in self.attn:
             attn.ops = ops
 
-    # ---- state -----------------------------------------------------------------------------
-    def new_state(self, max_rollback: int = 0) -> SequenceState:
-        return SequenceState(self.config, self.dtype, self.device, max_rollback)
+    # ---- caches ----------------------------------------------------------------------------
+    def cache_layout(self, block_size: int = 64, max_rollback: int = 0) -> CacheLayout:
+        return CacheLayout(self.config, self.dtype, block_size, max_rollback)
 
-    def cache_bytes_per_token(self) -> float:
-        """Bytes of state that grow with context: compressed KV and indexer keys of each source."""
-        c, elt = self.config, torch.finfo(self.dtype).bits // 8
-        return sum((c.head_dim + c.index_head_dim) * elt / c.compress_ratios[s] for s in c.kv_source_layer_ids)
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int = 64, max_rollback: int = 0) -> CachePools:
+        """The pools for `num_slots` sequences and `num_blocks` blocks of context (the engine's runner calls this
+        once, sized from the cache budget)."""
+        return CachePools(self.cache_layout(block_size, max_rollback), num_slots, num_blocks, self.device)
+
+    def new_state(self, max_rollback: int = 0) -> SequenceCache:
+        """A sequence in standalone pools (no engine): its blocks are taken as it grows, and come back when it is
+        freed or garbage-collected."""
+        alloc = self._standalone.get(max_rollback)
+        if alloc is None:
+            block = 64
+            blocks = -(-min(self.config.max_position_embeddings, STANDALONE_TOKENS) // block) * 4
+            alloc = StandaloneAllocator(self.allocate_cache(STANDALONE_SLOTS, blocks, block, max_rollback))
+            self._standalone[max_rollback] = alloc
+        return alloc.new()
+
+    def cache_bytes_per_token(self, block_size: int = 64) -> float:
+        """Bytes of cache that grow with context: compressed KV and indexer keys of each source, as stored."""
+        return self.cache_layout(block_size).bytes_per_token()
 
     def cache_fixed_bytes(self, max_rollback: int = 0) -> int:
-        return self.new_state(max_rollback).nbytes()
+        """Bytes of cache per sequence whatever its length: window rings, open groups, Engram history."""
+        return self.cache_layout(64, max_rollback).slot_bytes()
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if len(batch.token_ids) != len(batch.states):
+            raise ValueError("ForwardBatch: token_ids and states must have the same length")
+        if any(len(t) == 0 for t in batch.token_ids):
+            raise ValueError("ForwardBatch: every sequence needs at least one new token")
+        pools = batch.states[0].pools
+        if any(st.pools is not pools for st in batch.states):
+            raise ValueError("ForwardBatch: every sequence of a step must live in the same cache pools")
+        for st, ids in zip(batch.states, batch.token_ids):
+            if st._allocator is not None:
+                st._allocator.grow(st, st.num_tokens + len(ids))
+        host = pack_step(batch.token_ids, batch.states, pools.layout, self.device, all_logits=batch.all_logits)
+        logits = self.run(derive(host, pools), pools)
+        for st, n in zip(batch.states, host.lengths):
+            st.num_tokens += n
+        return logits
+
+    __call__ = forward
+
+    def run(self, meta: StepMeta, pools: CachePools) -> torch.Tensor:
+        """The step on the device: reads the metadata and pools, writes the pools, returns float logits. Nothing
+        here reads back from the device or loops over sequences (a decode step can be captured as a graph)."""
         cfg, ops = self.config, self.ops
-        pb = PackedBatch.pack(batch, self.device)
-        x = self.embed[pb.ids].to(self.dtype)
+        x = self.embed[meta.ids].to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         # the first attention site collapses stream 0 (the embedding): a one-hot "previous pre-mix"
         pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0
-        hash_ids = self._engram_hash(pb) if self.engram is not None else None
+        hash_ids = self._engram_hash(meta, pools) if self.engram is not None else None
+        pools.win_pos.index_copy_(0, meta.window.write_row, meta.positions.to(torch.int32))
 
         hook = self.layer_hook
         for i, (lw, attn) in enumerate(zip(self.layers, self.attn)):
@@ -96,26 +140,22 @@ class DeepseekV41Model:
                 hook(i)
             if lw.e_table is not None:
                 streams = self._engram(streams, lw, hash_ids[:, cfg.engram_layer_ids.index(i)])
-            streams, pre = self._block(streams, pre, lw, attn, pb)
+            streams, pre = self._block(streams, pre, lw, attn, meta, pools)
         if hook is not None:
             hook(len(self.layers))
 
-        for st, n in zip(pb.states, pb.lengths):
-            st.num_tokens += n
-        if not batch.all_logits:
-            last = to_device([s + n - 1 for s, n in zip(pb.starts, pb.lengths)], self.device)
+        last = meta.host.base.get("last")
+        if last is not None:
             streams, pre = streams[last], pre[last]
         y = ops.rms_norm(ops.mhc_collapse(streams, pre), self.final_norm, cfg.rms_norm_eps)
         return ops.linear(y, self.head).float()
 
-    __call__ = forward
-
-    def _block(self, streams, prev_pre, lw: LayerWeights, attn: Attention, pb: PackedBatch):
+    def _block(self, streams, prev_pre, lw: LayerWeights, attn: Attention, meta: StepMeta, pools: CachePools):
         cfg, ops = self.config, self.ops
         mix = (cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
         a_pre, a_post, a_comb = ops.mhc_mixes(streams, *lw.hc_attn, *mix)
         h = ops.rms_norm(ops.mhc_collapse(streams, prev_pre), lw.attn_norm, cfg.rms_norm_eps)
-        streams = ops.mhc_expand(attn(h, pb), streams, a_post, a_comb)
+        streams = ops.mhc_expand(attn(h, meta, pools), streams, a_post, a_comb)
         f_pre, f_post, f_comb = ops.mhc_mixes(streams, *lw.hc_ffn, *mix)
         g = ops.rms_norm(ops.mhc_collapse(streams, a_pre), lw.ffn_norm, cfg.rms_norm_eps)
         streams = ops.mhc_expand(self._moe(g, lw), streams, f_post, f_comb)
@@ -130,21 +170,16 @@ class DeepseekV41Model:
         return ops.moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit)
 
     # ---- engram ----------------------------------------------------------------------------
-    def _engram_hash(self, pb: PackedBatch) -> torch.Tensor:
-        """[T, n_engram_layers, n_hash_cols] bucket ids of the n-grams ending at each new token."""
-        tabs, n = self.engram, self.config.engram_max_ngram_size
-        compressed = [tabs.token_map[t] for t in pb.id_list]
-        rows = []
-        for i, st in enumerate(pb.states):
-            new = compressed[pb.starts[i] : pb.starts[i] + pb.lengths[i]]
-            hist = st.ngram_history
-            for j, _ in enumerate(new):
-                window = (hist + new[: j + 1])[-n:]
-                window = window[::-1] + [tabs.pad_id] * (n - len(window))  # look-back 0..n-1; pad past the start
-                rows.append(window)
-            st.push_ngram(new)
-        tokens = to_device(rows, self.device)
-        return self.ops.engram_hash(tokens, tabs.multipliers, tabs.primes, tabs.offsets)
+    def _engram_hash(self, meta: StepMeta, pools: CachePools) -> torch.Tensor:
+        """[T, n_engram_layers, n_hash_cols] bucket ids of the n-grams ending at each new token: each token looks
+        back over its own sequence (this step's tokens, then the slot's history ring), the pad id past its start."""
+        tabs = self.engram
+        new = self.engram_token_map[meta.ids]
+        (valid, is_new, ring_row, new_row), write_row = meta.ngram
+        look = torch.where(is_new, new[new_row], pools.ngram[ring_row])
+        look = torch.where(valid, look, tabs.pad_id)
+        pools.ngram.index_copy_(0, write_row, new)  # after the read: a long chunk may reuse rows it read
+        return self.ops.engram_hash(look, tabs.multipliers, tabs.primes, tabs.offsets)
 
     def _engram(self, streams: torch.Tensor, lw: LayerWeights, ids: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.config, self.ops
@@ -164,24 +199,32 @@ def load_model(
     batch_invariant: bool = False,
     weights: bool = True,
     packed_experts: bool | None = None,
+    fp8_linears: bool | None = None,
 ) -> DeepseekV41Model | ModelCard:
     """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
     ModelCard, for a frontend whose engine process holds the weights).
 
-    `batch_invariant` is accepted for every backend; the torch backend is row-invariant by
-    construction (fixed GEMM row tiles, tail-free SIMD, per-query key slates), so it needs no separate path,
-    and no GPU backend has a faster non-invariant variant yet.
+    `batch_invariant`: the torch backend is row-invariant by construction (fixed GEMM row tiles, tail-free SIMD,
+    per-query key slates, order-free indexer scores); the TileLang backend switches to fixed splits and tiles
+    (OpSet.build(batch_invariant=...)).
 
     `packed_experts` (default: on CUDA) keeps FP4/FP8 expert weights as stored, stacked once (PackedExperts): the
     TileLang grouped GEMM streams them, the torch op dequantises the experts each call touches. The values are
-    the same either way; dense dequantised experts would need ~27 GB per layer at V4.1-Flash size."""
+    the same either way; dense dequantised experts would need ~27 GB per layer at V4.1-Flash size.
+
+    `fp8_linears` (default: on CUDA) keeps the other FP8 projections as stored (Fp8BlockWeight, 1 byte per weight
+    instead of 2 in bf16): the TileLang linear dequantises tiles in registers, the torch op dequantises per call
+    (same values, identical logits on the CPU, where the default stays dense)."""
     from .loading import load_checkpoint, resolve_model_dir
 
     model_dir = resolve_model_dir(model)
     if packed_experts is None:
         packed_experts = torch.device(device).type == "cuda"
-    ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts)
-    ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends)
+    if fp8_linears is None:
+        fp8_linears = torch.device(device).type == "cuda"
+    ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts,
+                           quantized_linears=fp8_linears)
+    ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends, batch_invariant=batch_invariant)
     tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_path))
     if not weights:
         return ModelCard(ckpt.config, tokenizer, ops, torch.device(device), Path(model_dir))

@@ -2,15 +2,32 @@
 
 import torch
 
-from .linear import matmul_nt
+
+# Queries are scored in chunks of this many tokens: the keys gathered per query stay bounded in memory.
+QUERY_CHUNK = 256
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """q [S, h, d], k [G, d], weights [S, h] (already scaled by h^-1/2) -> scores [S, G] fp32:
-    sum_h w[s, h] * relu(q[s, h] . k[g]) * softmax_scale."""
-    S, h, d = q.shape
-    scores = matmul_nt(q.float().reshape(S * h, d), k.float()).view(S, h, -1).relu_() * softmax_scale
-    return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, q_seq: torch.Tensor, weights: torch.Tensor,
+                   softmax_scale: float) -> torch.Tensor:
+    """q [T, h, d]; k [B, G, d] each sequence's keys (padded to G); q_seq [T] the sequence of each query;
+    weights [T, h] (already scaled by h^-1/2) -> scores [T, G] fp32: sum_h w[t, h] * relu(q[t, h] . k[g]) * scale.
+
+    The dot products run in float64: the model's q and k are FP4 fake-quantised (e2m1 x 2^k), whose products and
+    sums float64 holds exactly, so a score does not depend on the summation order, the key count or the batch."""
+    T, h, d = q.shape
+    out = []
+    for a in range(0, T, QUERY_CHUNK):
+        b = min(T, a + QUERY_CHUNK)
+        keys = k[q_seq[a:b]].double()  # [t, G, d]
+        dots = torch.bmm(q[a:b].double(), keys.transpose(1, 2)).float()  # [t, h, G]
+        out.append((dots.relu_() * softmax_scale * weights[a:b].float().unsqueeze(-1)).sum(dim=1))
+    return torch.cat(out) if out else q.new_zeros(0, k.shape[1], dtype=torch.float32)
+
+
+def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest per row, ties to the lowest index (a stable sort): the same choice at any row width."""
+    v, i = torch.sort(values, dim=-1, descending=True, stable=True)
+    return v[..., :k], i[..., :k]
 
 
 def index_topk(
@@ -38,14 +55,14 @@ def index_topk(
         nb = block_scores.shape[-1]
         last = (visible - 1).div(bs, rounding_mode="floor")
         block_scores = block_scores.masked_fill(torch.arange(nb, device=scores.device)[None, :] == last[:, None], float("inf"))
-        top = block_scores.topk(min(candidate_blocks, nb), dim=-1)
-        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+        values, indices = _top(block_scores, min(candidate_blocks, nb))
+        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
         cand_mask = keep.repeat_interleave(bs, dim=-1)[:, :G]
     elif candidates is not None:
         scores = scores.masked_fill(~candidates, float("-inf"))
     k = min(topk, G)
     selected = torch.zeros(S, G, dtype=torch.bool, device=scores.device)
     if k > 0:
-        top = scores.topk(k, dim=-1, sorted=False)
-        selected.scatter_(-1, top.indices, top.values > float("-inf"))
+        values, indices = _top(scores, k)
+        selected.scatter_(-1, indices, values > float("-inf"))
     return selected, cand_mask

@@ -1,0 +1,176 @@
+"""One step's metadata: built once per step from the batch, then read by every layer (no loop over sequences).
+
+The host packs a few small integer tensors (token ids, positions, which sequence each token belongs to, slots,
+tokens held before the step, block tables) and copies them to the device once; everything else is derived from
+them on the device with fixed shapes, so the same derivation can run inside a captured CUDA graph:
+  - window: for each query, where each of its `window` keys is (the slot's ring or this step's new rows), and
+    the ring row each new token is written to (only the last `ring` tokens of a sequence: no two writes collide);
+  - compression (per ratio > 1): every token at the end of a group closes it: the group's member rows (open-group
+    ring or new rows) and the pool row of the new entry; other tokens write to the trash row;
+  - entries (per ratio): the pool rows of every entry of each sequence, and how many each query may see;
+  - Engram: the compressed token ids each new token looks back over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .pools import CacheLayout, CachePools
+
+
+def _to(values, device, dtype=torch.int64) -> torch.Tensor:
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # queued in order: no wait for the GPU to drain
+
+
+@dataclass
+class HostStep:
+    """What the host knows about a step (plain ints), and the base tensors it copies to the device."""
+
+    num_tokens: int
+    num_seqs: int
+    lengths: list[int]
+    past: list[int]
+    starts: list[int]
+    decode_only: bool
+    max_blocks: int
+    max_entries: dict[int, int]  # ratio -> entries the widest sequence holds after the step
+    base: dict[str, torch.Tensor]  # on the device: ids, positions, tok_seq, slots, past, lengths, table
+
+
+def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, max_blocks: int | None = None,
+              all_logits: bool = False) -> HostStep:
+    """The base tensors of a step; `max_blocks` fixes the block-table width (a captured graph's), `all_logits`
+    keeps every row's logits (else the last row of each sequence: base["last"])."""
+    lengths = [len(t) for t in token_ids]
+    past = [s.num_tokens for s in seqs]
+    starts, acc = [], 0
+    for n in lengths:
+        starts.append(acc)
+        acc += n
+    for s, p, n in zip(seqs, past, lengths):
+        if p + n > s.capacity:
+            raise ValueError(f"sequence in slot {s.slot} holds {len(s.blocks)} blocks ({s.capacity} tokens); "
+                             f"the step needs {p + n}")
+    mb = max_blocks if max_blocks is not None else max(1, max(len(s.blocks) for s in seqs))
+    table = torch.zeros(len(seqs), mb, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        if s.blocks:
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks[:mb], dtype=torch.int64)
+    ratios = {src.ratio for src in layout.sources.values()}
+    max_entries = {r: max((p + n) // r for p, n in zip(past, lengths)) for r in ratios}
+    base = {
+        "ids": _to([t for ids in token_ids for t in ids], device),
+        "positions": _to([p + j for p, n in zip(past, lengths) for j in range(n)], device),
+        "tok_seq": _to([i for i, n in enumerate(lengths) for _ in range(n)], device),
+        "slots": _to([s.slot for s in seqs], device),
+        "past": _to(past, device),
+        "lengths": _to(lengths, device),
+        "table": _to(table, device),
+    }
+    if not all_logits:
+        base["last"] = _to([st + n - 1 for st, n in zip(starts, lengths)], device)
+    return HostStep(acc, len(seqs), lengths, past, starts, all(n == 1 for n in lengths), mb, max_entries, base)
+
+
+@dataclass
+class WindowIndex:
+    valid: torch.Tensor  # [T, W] the key position exists (>= 0)
+    is_new: torch.Tensor  # [T, W] it is one of this step's tokens (else it is in the ring)
+    ring_row: torch.Tensor  # [T, W]
+    new_row: torch.Tensor  # [T, W]
+    write_row: torch.Tensor  # [T] ring row of each new token (trash: overwritten later in the same step)
+
+
+@dataclass
+class GroupIndex:
+    """Compression groups of one ratio > 1 closed by this step's tokens (one candidate per token)."""
+
+    closes: torch.Tensor  # [T] bool
+    member_is_new: torch.Tensor  # [T, r]
+    member_open_row: torch.Tensor  # [T, r] open-group ring row (when not new)
+    member_new_row: torch.Tensor  # [T, r]
+    entry_row: torch.Tensor  # [T] pool row of the entry it closes (trash if none)
+    rope_pos: torch.Tensor  # [T] the group's first position
+    open_write_row: torch.Tensor  # [T]
+
+
+@dataclass
+class EntryIndex:
+    rows: torch.Tensor  # [B, G] pool row of entry g of sequence b (g beyond its count: row of a valid block)
+    visible: torch.Tensor  # [T] entries query t may see: (p + 1) // ratio
+    width: int  # G
+
+
+@dataclass
+class StepMeta:
+    host: HostStep
+    ids: torch.Tensor
+    positions: torch.Tensor
+    tok_seq: torch.Tensor
+    tok_slot: torch.Tensor
+    slots: torch.Tensor
+    window: WindowIndex
+    groups: dict[int, GroupIndex] = field(default_factory=dict)  # ratio -> index (ratio > 1)
+    entry_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # ratio -> [T] pool row of entry p // r
+    entries: dict[int, EntryIndex] = field(default_factory=dict)
+    ngram: tuple | None = None  # (valid, is_new, ring_row, new_row) [T, n], write_row [T]
+    scratch: dict = field(default_factory=dict)  # per-step values layers hand each other (top-k selections)
+
+
+def derive(host: HostStep, pools: CachePools) -> StepMeta:
+    """Everything the layers read, from the base tensors; fixed shapes given the host ints (graph-capturable)."""
+    layout, S = pools.layout, pools.num_slots
+    b = host.base
+    dev = b["ids"].device
+    pos, tok_seq, slots, table = b["positions"], b["tok_seq"], b["slots"], b["table"]
+    starts = torch.cumsum(b["lengths"], 0) - b["lengths"]
+    tok_slot, tok_past = slots[tok_seq], b["past"][tok_seq]
+    tok_end, tok_start = (b["past"] + b["lengths"])[tok_seq], starts[tok_seq]
+
+    def ring_index(look: torch.Tensor, rows: int):
+        """For positions `look` [T, k] of each token's own sequence: (valid, is_new, ring row, new row)."""
+        valid = look >= 0
+        is_new = look >= tok_past[:, None]
+        ring = tok_slot[:, None] * rows + torch.remainder(look, rows)
+        new = (tok_start[:, None] + look - tok_past[:, None]).clamp_min(0)
+        return valid, is_new, ring, new
+
+    def write_rows(rows: int, trash: int):
+        """Ring row of each new token, or the trash row when a later token of the step takes the same row."""
+        keep = pos >= tok_end - rows
+        return torch.where(keep, tok_slot * rows + torch.remainder(pos, rows), trash)
+
+    W, R = layout.window, layout.ring
+    win_look = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
+    valid, is_new, ring, new = ring_index(win_look, R)
+    meta = StepMeta(host, b["ids"], pos, tok_seq, tok_slot, slots,
+                    WindowIndex(valid, is_new, ring, new, write_rows(R, S * R)))
+    last_block = table.shape[1] - 1
+    for src in layout.sources.values():
+        r, pb = src.ratio, src.per_block
+        trash = pools.num_blocks * pb
+        if r not in meta.entry_rows:
+            ent = pos // r
+            closes = torch.remainder(pos + 1, r) == 0
+            meta.entry_rows[r] = torch.where(closes, table[tok_seq, (ent // pb).clamp_max(last_block)] * pb + ent % pb,
+                                             trash)
+            G = host.max_entries[r]
+            g = torch.arange(G, device=dev)
+            rows = table[:, (g // pb).clamp_max(last_block)] * pb + (g % pb)[None, :]
+            meta.entries[r] = EntryIndex(rows, (pos + 1) // r, G)
+        if r > 1 and r not in meta.groups:
+            look = pos[:, None] - (r - 1) + torch.arange(r, device=dev)[None, :]
+            _, m_new, m_ring, m_newrow = ring_index(look.clamp_min(0), src.open_rows)
+            meta.groups[r] = GroupIndex(
+                torch.remainder(pos + 1, r) == 0, m_new, m_ring, m_newrow, meta.entry_rows[r], pos - (r - 1),
+                write_rows(src.open_rows, S * src.open_rows))
+    if layout.ngram_rows:
+        n = layout.cfg.engram_max_ngram_size
+        look = pos[:, None] - torch.arange(n, device=dev)[None, :]  # look-back 0..n-1
+        meta.ngram = (ring_index(look, layout.ngram_rows), write_rows(layout.ngram_rows, S * layout.ngram_rows))
+    return meta
