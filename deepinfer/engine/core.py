@@ -102,7 +102,8 @@ class EngineCore:
         if update is None and so_args:
             # Compiles in the pool's threads; the scheduler prefills meanwhile but samples only once it is ready.
             request.grammar_pending = True
-            error = self.grammars.submit(msg.request_id, so_args)
+            requests = self.scheduler.requests
+            error = self.grammars.submit(msg.request_id, so_args, alive=lambda: msg.request_id in requests)
             if error is not None:
                 update = self.scheduler.fail(msg.request_id, error)
         return update

@@ -22,8 +22,9 @@ class GrammarCompilations:
         self._pool = None
         self._pending: dict[int, Future] = {}
 
-    def submit(self, request_id: int, so_args: dict) -> str | None:
-        """Starts compiling; returns why structured outputs are impossible here (no tokenizer), else None."""
+    def submit(self, request_id: int, so_args: dict, alive=None) -> str | None:
+        """Starts compiling; returns why structured outputs are impossible here (no tokenizer), else None.
+        alive(): whether the request still exists (a compilation still queued for an aborted one is skipped)."""
         if self._pool is None:
             if self._backend.tokenizer is None or not hasattr(self._backend.tokenizer, "to_str"):
                 return "structured outputs need the model's tokenizers.Tokenizer, and this engine has none"
@@ -36,8 +37,9 @@ class GrammarCompilations:
                 self._backend.eos_token_id,
                 cache_limit_bytes=self._options.xgrammar_cache_limit_bytes,
                 timeout_s=self._options.xgrammar_timeout,
+                max_schema_bytes=self._options.xgrammar_max_schema_bytes,
             )
-        self._pending[request_id] = self._pool.submit(so_args)
+        self._pending[request_id] = self._pool.submit(so_args, alive=alive)
         return None
 
     @property

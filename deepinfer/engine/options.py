@@ -33,6 +33,9 @@ class EngineOptions:
     # request with an error; compiled grammars are cached up to this many bytes (xgrammar: -1 means unbounded).
     xgrammar_timeout: float = 20.0
     xgrammar_cache_limit_bytes: int = 1 << 30
+    enforce_eager: bool = False  # no CUDA graphs (runtime.enforce_eager, DEEPINFER_ENFORCE_EAGER)
+    cudagraph_batch_size_interval: int = 8  # graph batch buckets: 1, 2, 4, <interval, then every interval
+    xgrammar_max_schema_bytes: int = 1 << 20  # larger schemas end their request at once (sampling/grammar.py)
 
     @classmethod
     def from_settings(cls, engine=None, cache=None, runtime=None, sampling=None, **overrides) -> "EngineOptions":
@@ -40,7 +43,7 @@ class EngineOptions:
         for section, names in (
             (engine, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "zero_overhead_scheduling", "process")),
             (cache, ("memory_budget", "memory_fraction", "block_size")),
-            (runtime, ("seed", "num_threads")),
+            (runtime, ("seed", "num_threads", "enforce_eager", "cudagraph_batch_size_interval")),
             (sampling, ("xgrammar_timeout", "xgrammar_cache_limit_bytes")),
         ):
             if section is not None:

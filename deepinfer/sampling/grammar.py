@@ -1,28 +1,33 @@
 """Structured outputs, compile side: xgrammar TokenizerInfo from a `tokenizers.Tokenizer`, and a compiler pool that
 turns a request's so_args into a ready GrammarState off the step loop.
 
-Why a pool with its own timeout: xgrammar compiles in C++ and cannot be interrupted, so a pathological schema would
+Why a pool with its own limits: xgrammar compiles in C++ and cannot be interrupted, so a pathological schema would
 stall whoever waits on it. The step loop never waits: it polls the Future, which settles either with a
-GrammarState or with a GrammarError (bad schema, or no result within timeout_s). A timed-out compile still runs to
-its end in its worker thread; only the request is released.
+GrammarState or with a GrammarError (bad schema, too large or too deep, queue full, or no result within timeout_s
+of the compilation's start). Scheduling, the time bound and the containment of compilations that overrun are
+CompileQueue's (compile_queue.py, which also says why threads and not processes).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import xgrammar as xgr
 
+from deepinfer.sampling.compile_queue import CompileQueue, QueueFull
 from deepinfer.sampling.grammar_state import GrammarState
 from deepinfer.sampling.json_schema_shim import rewrite_length_capped_strings
 from deepinfer.sampling.params import _validate_so_args
+from deepinfer.sampling.schema_limits import schema_size
 from deepinfer.sampling.utf8_guard import Utf8Guard
 
 DEFAULT_TIMEOUT_S = 20.0
 DEFAULT_JSON_MAX_WHITESPACE = 32  # unbounded whitespace lets a weak model pad JSON forever
+# Schema text larger than this is refused before compiling: compile time and memory grow with it (a 100,000-value
+# enum, 1.4 MB, took 25 s and ~0.6 GB alone), so one request could otherwise hold a worker and memory for long.
+DEFAULT_MAX_SCHEMA_BYTES = 1 << 20
 
 
 class GrammarError(Exception):
@@ -77,12 +82,14 @@ def one_line(error: BaseException, limit: int = 300) -> str:
 
 
 class GrammarCompilerPool:
-    """Compiles so_args in worker threads. ``submit(so_args)`` returns a Future that settles with a fresh
+    """Compiles so_args off the caller's thread. ``submit(so_args)`` returns a Future that settles with a fresh
     GrammarState for the request, or with a GrammarError. Compiled grammars are cached by xgrammar (keyed by the
     schema text) up to cache_limit_bytes (-1: unbounded); every request still gets its own matcher.
 
     cache_limit_bytes: config value (env DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES). timeout_s: config value (env
-    DEEPINFER_XGRAMMAR_TIMEOUT, 20 s). json_max_whitespace: whitespace characters allowed between JSON elements."""
+    DEEPINFER_XGRAMMAR_TIMEOUT, 20 s), counted from the compilation's start. max_schema_bytes: larger schemas are
+    refused at once. max_workers: kept for callers; the queue runs one light and one heavy lane.
+    json_max_whitespace: whitespace characters allowed between JSON elements."""
 
     def __init__(
         self,
@@ -91,15 +98,20 @@ class GrammarCompilerPool:
         cache_limit_bytes: int = -1,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         json_max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE,
+        max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES,
+        max_queued: int = 64,
     ):
         if timeout_s <= 0:
             raise ValueError(f"GrammarCompilerPool.timeout_s={timeout_s!r} is out of range; allowed: (0, inf)")
         self.timeout_s = timeout_s
         self.json_max_whitespace = json_max_whitespace
+        self.max_schema_bytes = max_schema_bytes
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=cache_limit_bytes)
         self._utf8_guard = Utf8Guard(info.decoded_vocab, info.vocab_size)
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="deepinfer-grammar")
-        self._settle_lock = threading.Lock()
+        self._queue = CompileQueue(
+            timeout_s, lambda: GrammarError(f"grammar compilation timed out after {timeout_s:g} s"),
+            max_queued=max_queued,
+        )
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int, **kwargs) -> "GrammarCompilerPool":
@@ -108,20 +120,26 @@ class GrammarCompilerPool:
     def cache_size_bytes(self) -> int:
         return self._compiler.get_cache_size_bytes()
 
-    def submit(self, so_args: dict) -> Future:
-        """Starts compiling; never blocks and never raises (errors arrive through the Future)."""
-        result: Future = Future()
-        result.set_running_or_notify_cancel()
+    def submit(self, so_args: dict, alive=None) -> Future:
+        """Starts compiling; never blocks and never raises (errors arrive through the Future). alive(): False once
+        the request is gone, so a compilation still waiting for its turn is skipped."""
         try:
             _validate_so_args(so_args)
-        except ValueError as error:
-            result.set_exception(GrammarError(one_line(error)))
-            return result
-        timer = threading.Timer(self.timeout_s, self._expire, (result,))
-        timer.daemon = True
-        job = self._executor.submit(self._build_state, so_args)
-        job.add_done_callback(lambda done: self._settle(result, done, timer))
-        timer.start()
+            size = schema_size(so_args["schema"])
+            if size > self.max_schema_bytes:
+                raise GrammarError(
+                    f"so_args['schema'] is {size} bytes; allowed: at most {self.max_schema_bytes} bytes"
+                )
+            job = self._queue.submit(lambda: self._build_state(so_args), cost=size, alive=alive)
+        except (ValueError, GrammarError, QueueFull) as error:
+            done: Future = Future()
+            done.set_running_or_notify_cancel()
+            prefix = "grammar compilation queue is full: " if isinstance(error, QueueFull) else ""
+            done.set_exception(error if isinstance(error, GrammarError) else GrammarError(prefix + one_line(error)))
+            return done
+        result: Future = Future()
+        result.set_running_or_notify_cancel()
+        job.add_done_callback(lambda j: _relay(j, result))
         return result
 
     def compile(self, so_args: dict) -> GrammarState:
@@ -129,7 +147,7 @@ class GrammarCompilerPool:
         return self.submit(so_args).result()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
 
     def __enter__(self) -> "GrammarCompilerPool":
         return self
@@ -154,19 +172,15 @@ class GrammarCompilerPool:
             return self._compiler.compile_regex(schema)
         return self._compiler.compile_grammar(schema)
 
-    def _settle(self, result: Future, job: Future, timer: threading.Timer) -> None:
-        timer.cancel()
-        error = GrammarError("grammar compilation was cancelled") if job.cancelled() else job.exception()
-        with self._settle_lock:
-            if result.done():  # the timeout won
-                return
-            if error is None:
-                result.set_result(job.result())
-            else:
-                result.set_exception(GrammarError(f"grammar compilation failed: {one_line(error)}"))
 
-    def _expire(self, result: Future) -> None:
-        with self._settle_lock:
-            if not result.done():
-                result.set_exception(GrammarError(f"grammar compilation timed out after {self.timeout_s:g} s"))
-
+def _relay(job: Future, result: Future) -> None:
+    """Every failure the request sees is a one-line GrammarError."""
+    error = job.exception()
+    if error is None:
+        result.set_result(job.result())
+    elif isinstance(error, GrammarError):
+        result.set_exception(error)
+    elif isinstance(error, RecursionError):
+        result.set_exception(GrammarError("grammar compilation failed: the schema is nested too deeply"))
+    else:
+        result.set_exception(GrammarError(f"grammar compilation failed: {one_line(error)}"))
