@@ -21,13 +21,20 @@ def run(zero_overhead: bool):
 
 
 def test_async_scheduling_shrinks_the_gap_between_device_steps_with_identical_outputs():
-    sync_tokens, sync = run(zero_overhead=False)
-    async_tokens, asyn = run(zero_overhead=True)
+    """Gaps are wall-clock times on a shared machine: one burst of load during one run used to flip a single
+    comparison. Runs alternate (sync, async) five times and the best p50 of each mode is compared, so a load burst
+    would have to hit every async run and spare every sync run to fail the test."""
+    sync_gaps, async_gaps, shares = [], [], []
+    for _ in range(5):
+        sync_tokens, sync = run(zero_overhead=False)
+        async_tokens, asyn = run(zero_overhead=True)
+        assert async_tokens == sync_tokens
+        sync_gaps.append(sync["step_gap_s"]["p50"])
+        async_gaps.append(asyn["step_gap_s"]["p50"])
+        shares.append(sync["scheduling_share"])
     print(
-        f"\nbatch 32 decode, device gap between steps p50: sync {1e3 * sync['step_gap_s']['p50']:.3f} ms, "
-        f"async {1e3 * asyn['step_gap_s']['p50']:.3f} ms; bookkeeping share of a sync step "
-        f"{100 * sync['scheduling_share']:.2f}%"
+        f"\nbatch 32 decode, device gap between steps p50 (best of 5): sync {1e3 * min(sync_gaps):.3f} ms, "
+        f"async {1e3 * min(async_gaps):.3f} ms; bookkeeping share of a sync step {100 * min(shares):.2f}%"
     )
-    assert async_tokens == sync_tokens
-    assert asyn["step_gap_s"]["p50"] < sync["step_gap_s"]["p50"]
-    assert sync["scheduling_share"] < 0.10
+    assert min(async_gaps) < min(sync_gaps)
+    assert min(shares) < 0.10
