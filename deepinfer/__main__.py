@@ -34,12 +34,31 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from deepinfer.models.config import ModelConfigError
     from deepinfer.models.loading.errors import CheckpointError
 
-    return (ConfigError, CheckpointError, ModelConfigError, BackendError, FileNotFoundError)
+    from deepinfer.engine import EngineDeadError
+
+    return (ConfigError, CheckpointError, ModelConfigError, BackendError, FileNotFoundError, EngineDeadError)
+
+
+EXIT_INTERRUPTED = 130  # the shell's code for a run ended by SIGINT
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a job: the message says what was kept."""
 
 
 def _fail(exc: BaseException) -> int:
-    print(f"deepinfer: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    from deepinfer.engine import EngineDeadError
+
+    text = str(exc)
+    if isinstance(exc, EngineDeadError):  # its message may carry the core's traceback: the first line says what
+        text = text.splitlines()[0] if text.strip() else "the engine core died"
+    print(f"deepinfer: error: {' '.join(text.split())}", file=sys.stderr)
     return EXIT_USER_ERROR
+
+
+def _interrupted(message: str = "interrupted") -> int:
+    print(f"deepinfer: {message}", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 # ---- before Hydra: validate every job ------------------------------------------------------------------------
@@ -77,6 +96,8 @@ def validate(argv: list[str]) -> None:
     found = hardware.detect()  # once for all jobs
     for overrides in job_overrides(list(args.overrides), bool(args.multirun)):
         check_inputs(load_settings(overrides, found))
+    if not (args.cfg or args.multirun):
+        check_run_dir(list(args.overrides))
 
 
 def check_inputs(settings) -> None:
@@ -84,9 +105,35 @@ def check_inputs(settings) -> None:
 
     if settings.prompts is not None and settings.input_path is not None:
         raise ConfigError("prompts and input_path are both set; allowed: one of them")
+    if settings.prompts is not None and len(settings.prompts) == 0:
+        raise ConfigError("prompts=[] is empty; allowed: a non-empty list of prompts, or null for the built-in ones")
     if settings.input_path is not None and not Path(settings.input_path).is_file():
         raise ConfigError(f"input_path={settings.input_path!r} is not a file")
     read_requests(settings)  # a malformed line fails here, before any model loads
+
+
+def check_writable_dir(path: Path, key: str) -> None:
+    """The directory exists (or can be made) and takes files: found before any work, not after generating."""
+    from deepinfer.config.errors import ConfigError
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".deepinfer-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{key}={str(path)!r} is not a writable directory ({exc.strerror or exc})") from None
+
+
+def check_run_dir(argv_overrides: list[str]) -> None:
+    """hydra.run.dir / hydra.sweep.dir given on the command line (Hydra itself makes them, with a traceback on
+    failure); without one, Hydra writes under the current directory."""
+    given = {k: v for k, _, v in (o.partition("=") for o in argv_overrides) if k in ("hydra.run.dir", "hydra.sweep.dir")}
+    for key, value in given.items():
+        if "${" not in value:  # an interpolation (e.g. ${now:...}) is Hydra's to expand
+            check_writable_dir(Path(value), key)
+    if not given:
+        check_writable_dir(Path.cwd() / "outputs", "hydra.run.dir (default: ./outputs)")
 
 
 # ---- one Hydra job -------------------------------------------------------------------------------------------
@@ -96,48 +143,93 @@ def read_requests(settings) -> list[dict]:
 
     if settings.input_path is None:
         return [{"prompt": p} for p in (settings.prompts or BUILTIN_PROMPTS)]
+    where = f"input_path={settings.input_path!r}"
+    raw = Path(settings.input_path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{where} line {line}: not UTF-8 text (byte {exc.start}); allowed: UTF-8 JSON lines") from None
     requests = []
-    for n, line in enumerate(Path(settings.input_path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"input_path={settings.input_path!r} line {n}: not JSON ({exc.msg})") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            raise ConfigError(f"{where} line {n}: not JSON ({why})") from None
         if isinstance(item, str):
             item = {"prompt": item}
-        if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
+        error = _request_error(item)
+        if error is not None:
             raise ConfigError(
-                f"input_path={settings.input_path!r} line {n}: allowed: a string, "
-                '{"prompt": "..."} or {"prompt_token_ids": [...]}'
+                f"{where} line {n}: {error}; allowed: a string, "
+                '{"prompt": "..."} or {"prompt_token_ids": [int, ...]}'
             )
         requests.append(item)
+    if not requests:
+        raise ConfigError(f"{where} has no requests; allowed: at least one line")
     return requests
+
+
+def _request_error(item) -> str | None:
+    if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
+        return f"{type(item).__name__ if not isinstance(item, dict) else 'an object without prompt'} is not a request"
+    if "prompt_token_ids" in item:
+        ids = item["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+            return f"prompt_token_ids={json.dumps(ids)[:60]} is not a non-empty list of token ids >= 0"
+    elif not isinstance(item["prompt"], str):
+        return f"prompt={json.dumps(item['prompt'])[:60]} is not a string"
+    return None
+
+
+def output_path(settings, run_dir: Path) -> Path:
+    """Where outputs go, checked writable before any work (a bad path used to surface after generating)."""
+    from deepinfer.config.errors import ConfigError
+
+    out_path = run_dir / settings.output_file
+    check_writable_dir(out_path.parent, "output_file")
+    if out_path.is_dir():
+        raise ConfigError(f"output_file={settings.output_file!r} is a directory; allowed: a file path")
+    return out_path
+
+
+def write_outputs(out_path: Path, outputs) -> None:
+    with out_path.open("w") as f:
+        for o in outputs:
+            f.write(json.dumps(o.to_json()) + "\n")
 
 
 def run_job(settings, run_dir: Path, overrides: list[str]) -> dict:
     from deepinfer.api import LLM
 
+    out_path = output_path(settings, run_dir)
+    requests = read_requests(settings)
     t0 = time.perf_counter()
     llm = LLM.from_settings(settings)
-    load_s = time.perf_counter() - t0
-    requests = read_requests(llm.settings)
-    t1 = time.perf_counter()
-    outputs = llm.generate(requests, use_tqdm=False)
-    gen_s = time.perf_counter() - t1
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out_path = run_dir / llm.settings.output_file
-    with out_path.open("w") as f:
+    try:
+        load_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        try:
+            outputs = llm.generate(requests, use_tqdm=False)
+        except KeyboardInterrupt as exc:
+            finished = getattr(exc, "finished_outputs", [])
+            write_outputs(out_path, finished)
+            raise Interrupted(f"interrupted; {len(finished)} of {len(requests)} requests had finished, their "
+                              f"outputs are in {out_path}") from None
+        gen_s = time.perf_counter() - t1
+        write_outputs(out_path, outputs)
         for o in outputs:
-            f.write(json.dumps(o.to_json()) + "\n")
-    for o in outputs:
-        shown = o.prompt if o.prompt is not None else f"<{len(o.prompt_token_ids)} token ids>"
-        result = o.text if o.finish_reason != "error" else f"<error: {o.error}>"
-        print(f"[{o.request_id}] {shown!r} -> {result!r} ({o.finish_reason})")
-    summary = make_summary(llm, outputs, load_s, gen_s, overrides, out_path)
-    print_summary(summary)
-    (run_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
-    llm.close()
+            shown = o.prompt if o.prompt is not None else f"<{len(o.prompt_token_ids)} token ids>"
+            result = o.text if o.finish_reason != "error" else f"<error: {o.error}>"
+            print(f"[{o.request_id}] {shown!r} -> {result!r} ({o.finish_reason})")
+        summary = make_summary(llm, outputs, load_s, gen_s, overrides, out_path)
+        print_summary(summary)
+        (run_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+    finally:
+        llm.close()  # bounded: the engine core is killed if it does not stop within seconds
     return summary
 
 
@@ -203,10 +295,21 @@ def _hydra_task(cfg) -> None:
         run_job(settings, Path(hc.runtime.output_dir), list(hc.overrides.task))
     except _user_errors() as exc:
         raise SystemExit(_fail(exc))
+    except Interrupted as exc:
+        raise SystemExit(_interrupted(str(exc)))
+    except KeyboardInterrupt:
+        raise SystemExit(_interrupted())
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return _interrupted()
+
+
+def _main(argv: list[str]) -> int:
     try:
         validate(argv)
     except _user_errors() as exc:

@@ -137,8 +137,11 @@ class LLMEngine:
                     if upd.finish_reason is not None:
                         pending.discard(upd.request_id)
                         bar.update(1)
-        except BaseException:
+        except BaseException as exc:
             self._abort_quietly(pending)  # e.g. KeyboardInterrupt: the core stops working on them
+            # what had finished is not lost: the CLI writes these on Ctrl-C
+            exc.finished_outputs = [self._assemble(t) for t in sorted(tracked.values(), key=lambda t: t.index)
+                                    if t.finish_reason is not None]
             raise
         finally:
             bar.close()
