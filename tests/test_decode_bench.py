@@ -1,0 +1,111 @@
+"""benchmarks/decode_gpu.py on the CPU: its fill backend leaves the cache pools as a real prefill would (same rows,
+valid codes, same token counts), the engine runs it end to end on the embedded tiny model and writes its rows, and
+its roofline arithmetic is roofline.py's (checked against a recorded layer-benchmark figure)."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("decode_gpu", ROOT / "benchmarks" / "decode_gpu.py")
+bench = importlib.util.module_from_spec(spec)
+sys.modules["decode_gpu"] = bench
+spec.loader.exec_module(bench)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from deepinfer.embedded import materialize
+    from deepinfer.models import load_model
+
+    return load_model(materialize("tiny"), device="cpu", dtype=torch.float32)
+
+
+def _pools(model):
+    from deepinfer.models.cache import SequenceCache
+
+    pools = model.allocate_cache(num_slots=2, num_blocks=6, block_size=64)
+    return pools, SequenceCache(pools, 1, [4, 2])  # slot 1, blocks out of order: addressing is the metadata's
+
+
+def _written_rows(t):
+    return t.reshape(t.shape[0], -1).ne(0).any(-1)[:-1]  # the trash row (last) is never read: not compared
+
+
+def test_fill_writes_the_rows_a_real_prefill_writes_with_valid_codes(tiny):
+    from deepinfer.models import ForwardBatch
+
+    ids = torch.randint(3, 500, (75,), generator=torch.Generator().manual_seed(0)).tolist()  # odd: an open group
+    real_pools, real = _pools(tiny)
+    fill_pools, filled = _pools(tiny)
+    tiny.forward(ForwardBatch([ids], [real]))
+    logits = bench.fill_step(tiny, ForwardBatch([ids], [filled]), torch.Generator().manual_seed(1), chunk=32)
+    assert logits.shape == (1, tiny.config.vocab_size) and logits.dtype == torch.float32
+    assert filled.num_tokens == real.num_tokens == 75
+    assert torch.equal(fill_pools.win_pos[:-1], real_pools.win_pos[:-1])  # the last row is the trash row
+    assert torch.equal(fill_pools.ngram[:-1], real_pools.ngram[:-1])
+    pairs = [(a, b) for la, lb in zip(fill_pools.window, real_pools.window) for a, b in zip(la, lb)]
+    for d_fill, d_real in ((fill_pools.compressed, real_pools.compressed), (fill_pools.index_keys, real_pools.index_keys)):
+        pairs += [(a, b) for s in d_real for a, b in zip(d_fill[s], d_real[s])]
+    pairs += [(fill_pools.open_groups[s], real_pools.open_groups[s]) for s in real_pools.open_groups]
+    assert pairs
+    for a, b in pairs:
+        assert torch.equal(_written_rows(a), _written_rows(b))
+    for parts in fill_pools.window:  # FP8 codes: never the NaN patterns 0x7F / 0xFF
+        if parts[0].dtype == torch.uint8:
+            assert not ((parts[0] & 0x7F) == 0x7F).any()
+
+
+def test_engine_with_the_fill_backend_times_decode_steps_and_writes_rows(tmp_path):
+    out = tmp_path / "decode.json"
+    rc = bench.main(["--model", "tiny", "--device", "cpu", "--batches", "2", "--contexts", "64", "--steps", "3",
+                     "--warmup", "0", "--variants", "eager", "--prefill", "64", "--chunk", "32", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["failures"] == [] and "not prefilled" in data["meta"]["note"]
+    (pre,) = [r for r in data["rows"] if r["mode"] == "prefill"]
+    assert pre["steps"] == 2 and pre["tokens"] == 64 and pre["tok_s"] > 0  # 64 tokens in chunks of 32
+    (dec,) = [r for r in data["rows"] if r["mode"] == "decode"]
+    assert (dec["batch"], dec["context"], dec["timed_steps"], dec["graph_steps_timed"]) == (2, 64, 3, 0)
+    assert dec["context_source"] == "filled" and not dec["errors"]
+    assert dec["step_ms"] > 0 and dec["tok_s_per_user"] == pytest.approx(dec["tok_s"] / 2)
+    assert dec["pct_roofline"] == pytest.approx(dec["floor"]["floor_ms"] / dec["step_ms"] * 100)
+
+
+def test_check_decode_names_a_graph_run_without_graphs():
+    row = dict(variant="graphs", backend="tilelang", graphs=True, batch=8, context=4096, errors=[], timed_steps=4,
+               graph_steps_timed=0, graph_steps=0, fallbacks={"moe_experts": {"x": 3}, "engram_gate": {"y": 1}})
+    bad = bench.check_decode(row, 4)
+    assert len(bad) == 2 and "ran eagerly" in bad[0] and "moe_experts" in bad[1] and "engram" not in bad[1]
+
+
+def test_roofline_copy_is_the_shared_tool_verbatim():
+    shared = ROOT.parent / "shared" / "tools" / "roofline.py"
+    if not shared.is_file():
+        pytest.skip("shared/tools/roofline.py is not beside this checkout")
+    copy = [l for l in (ROOT / "benchmarks" / "roofline.py").read_text().splitlines() if not l.startswith("# Verbatim")]
+    assert copy == shared.read_text().splitlines()
+
+
+def test_roofline_arithmetic_matches_the_recorded_layer_figures():
+    """README's layer table (H200, 4.27 TB/s, 791 TFLOP/s): the Flash-width six layers' mean floor is 0.074 ms at
+    B=1, 4K and 1.125 ms at B=64, 4K; the whole step adds the lm head (129280 x 5120 bf16) to the bytes."""
+    from deepinfer.models import synthetic
+
+    roofline = bench.load_roofline()
+    c = bench.roofline_config(roofline, synthetic.config())
+    bw, peak = 4.27e12, 791e12
+    for batch, want in ((1, 0.074), (64, 1.125)):
+        per_layer = [roofline.layer_floor(c, i, batch, 4096) for i in range(6)]
+        mean_ms = sum(max(b / bw, f / peak) for b, f in per_layer) / 6 * 1e3
+        assert round(mean_ms, 3) == want
+    step = bench.step_roofline(roofline, c, bw, peak, 1, 4096)
+    layers_bytes = sum(roofline.layer_floor(c, i, 1, 4096)[0] for i in range(6))
+    assert step["bytes"] == pytest.approx(layers_bytes + 129280 * 5120 * 2)
+    assert step["floor_ms"] == pytest.approx(max(step["bytes"] / bw, step["flops"] / peak) * 1e3)
+    assert math.isclose(step["floor_ms"], step["bw_ms"])  # batch 1 decode is bandwidth-bound
