@@ -22,6 +22,7 @@ class EngineBackend:
     max_position_embeddings: int
     tokenizer: Any = None  # .decode(ids, skip_special_tokens=...): needed only for stop strings
     device: str = "cpu"
+    model: Any = None  # the model itself, for CUDA-graph capture of decode steps (model.run(meta, pools))
 
 
 def backend_from_program(program) -> EngineBackend:
@@ -56,6 +57,7 @@ def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_
         max_position_embeddings=cfg.max_position_embeddings,
         tokenizer=tokenizer,
         device=str(getattr(model, "device", "cpu")),
+        model=model,
     )
 
 

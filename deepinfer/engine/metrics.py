@@ -5,6 +5,7 @@ Definitions (all times in seconds):
   of one request (a step returns one token per request, so this is the per-request step interval).
 - prefill/decode tokens per second: tokens of that kind over the device time they used; a mixed step's device
   time is split between its prefill and decode tokens in proportion to their counts.
+- graph_steps: decode steps whose forward replayed a captured CUDA graph (the rest ran eagerly).
 - step_gap: device idle time between the end of one step and the start of the next (engine-process clock).
 - scheduling_share: Python bookkeeping (planning steps, folding in their samples, and the runner building batch
   inputs and sampler rows) over that plus the model and sampler time: the share of a synchronous step spent on
@@ -97,6 +98,7 @@ class RunMetrics:
             "preemptions": sum(s.num_preempted for s in steps),
             "steps": len(steps),
             "mixed_steps": sum(1 for s in steps if s.num_prefill_tokens and s.num_decode_tokens),
+            "graph_steps": sum(1 for s in steps if s.graph),  # decode steps that replayed a captured CUDA graph
             "mean_rows_per_step": sum(s.num_rows for s in steps) / len(steps) if steps else 0.0,
             "device_busy_s": device,
             "step_gap_s": percentiles(gaps),

@@ -44,13 +44,23 @@ class ModelRunner:
         self._seqs: dict[int, _Sequence] = {}
         self._masks = MaskBuilder()
         self.pools = None
+        self.graphs = None
+        self._graph_step = False
 
-    def allocate(self, num_slots: int, num_blocks: int, block_size: int) -> None:
-        """The cache pools for the whole run, sized by the CacheManager from the budget."""
+    def allocate(self, num_slots: int, num_blocks: int, block_size: int, max_model_len: int = 0,
+                 graphs: bool = False, graph_interval: int = 8) -> None:
+        """The cache pools for the whole run, sized by the CacheManager from the budget; with `graphs` (CUDA, a
+        model that can run from step metadata), decode steps of up to num_slots sequences replay CUDA graphs."""
         from deepinfer.models.cache import SequenceCache
 
         self._SequenceCache = SequenceCache
         self.pools = self.backend.allocate_cache(num_slots, num_blocks, block_size)
+        model = self.backend.model
+        if graphs and self.pools.device.type == "cuda" and hasattr(model, "run"):
+            from deepinfer.engine.cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(model, self.pools, num_slots, graph_interval, max_blocks)
 
     @property
     def num_sequences(self) -> int:
@@ -71,6 +81,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not plan.rows:
             return StepResult(plan.step_id, [], t_start=t0, t_end=t0)
+        self._graph_step = False
         try:
             samples, prepare_s = self._run(plan, t0)
         except Exception as exc:  # a failed step ends its requests with an error instead of killing the engine
@@ -78,7 +89,8 @@ class ModelRunner:
             msg = f"model step failed: {type(exc).__name__}: {exc}"
             traceback.print_exc()
             return StepResult(plan.step_id, [], error=msg, t_start=t0, t_end=time.perf_counter())
-        return StepResult(plan.step_id, samples, t_start=t0, t_end=time.perf_counter(), prepare_s=prepare_s)
+        return StepResult(plan.step_id, samples, t_start=t0, t_end=time.perf_counter(), prepare_s=prepare_s,
+                          graph=self._graph_step)
 
     def _run(self, plan: StepPlan, t0: float) -> tuple[list[SampledToken], float]:
         rows, token_lists, states, sampled, grammars = [], [], [], [], []
@@ -132,7 +144,12 @@ class ModelRunner:
         mask_job = self._masks.start(sample_rows, self.backend.vocab_size)
         prepare_s = time.perf_counter() - t0
         try:
-            logits = stage(batch)
+            logits = None
+            if self.graphs is not None and decode_only and not all_logits:
+                logits = self.graphs.run(token_lists, states)
+                self._graph_step = logits is not None
+            if logits is None:
+                logits = stage(batch)
         finally:
             mask = mask_job.result() if mask_job is not None else None  # never leave a fill running on a state
         prompt_lps = {}

@@ -82,3 +82,4 @@ class StepResult:
     t_start: float = 0.0  # device-side timing (perf_counter) of forward + sample
     t_end: float = 0.0
     prepare_s: float = 0.0  # of which Python bookkeeping in the runner: batch inputs and sampler rows
+    graph: bool = False  # the forward replayed a captured CUDA graph

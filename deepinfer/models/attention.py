@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.torch.cache_formats import Fp4Codec, Fp8Codec
+
 from .cache import CachePools, StepMeta
 from .weights import LayerWeights
 
@@ -91,8 +93,12 @@ class Attention:
         if ent.width == 0:  # nothing compressed yet in any sequence of the step
             meta.scratch["selected"] = (self.source, torch.full((T, topk), -1, dtype=torch.int64, device=h.device))
             return
-        keys = L.key_codec.decode(*(p[ent.rows] for p in pools.index_keys[self.source]), dtype=torch.float32)
-        scores = ops.indexer_scores(iq, keys, meta.tok_seq, weights, cfg.index_head_dim**-0.5)
+        stored = [p[ent.rows] for p in pools.index_keys[self.source]]  # [B, G, ...] each sequence's keys as stored
+        if isinstance(L.key_codec, Fp4Codec):
+            scores = ops.indexer_scores_fp4(iq, meta.tok_seq, ent.visible, *stored, weights, cfg.index_head_dim**-0.5)
+        else:
+            keys = L.key_codec.decode(*stored, dtype=torch.float32)
+            scores = ops.indexer_scores(iq, keys, meta.tok_seq, weights, cfg.index_head_dim**-0.5)
         selected, candidates = ops.index_topk(
             scores,
             ent.visible,
@@ -116,6 +122,8 @@ class Attention:
         cfg, ops, L = self.cfg, self.ops, pools.layout
         ring = pools.window[self.layer]
         wi = meta.window
+        if meta.host.decode_only and isinstance(L.win_codec, Fp8Codec) and isinstance(L.cmp_codec, Fp4Codec):
+            return self._attend_decode(q, kv_parts, meta, pools)
         win = L.win_codec.decode(*(p[wi.ring_row] for p in ring), dtype=kv.dtype)
         keys = torch.where(wi.is_new[..., None], kv[wi.new_row], win)
         valid = wi.valid
@@ -134,3 +142,23 @@ class Attention:
         for part, new in zip(ring, kv_parts):  # after the read: a long chunk's writes may reuse rows it read
             part.index_copy_(0, wi.write_row, new)
         return out
+
+    def _attend_decode(self, q, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:
+        """One new token per sequence: write it into the ring, then attend over the caches as stored (the decode
+        kernel on the GPU; the same slate as the prefill path, so bitwise the same result on the CPU)."""
+        L, S, R = pools.layout, pools.slots_alloc, pools.layout.ring
+        ring = pools.window[self.layer]
+        for part, new in zip(ring, kv_parts):
+            part.index_copy_(0, meta.window.write_row, new)
+        codes, scales = (p[: S * R].view(S, R, -1) for p in ring)
+        if self.ratio:
+            selected = meta.scratch.get("selected")
+            rows = selected[1] if selected is not None and selected[0] == self.source else \
+                torch.full((q.shape[0], self.cfg.index_topk), -1, dtype=torch.int64, device=q.device)
+            cmp_kv, cmp_scale = pools.compressed[self.source]
+        else:
+            rows = torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
+            cmp_kv, cmp_scale = pools.no_compressed
+        return self.ops.sink_attention_decode(q, meta.tok_slot, meta.positions, codes, scales,
+                                              pools.win_pos[: S * R].view(S, R), cmp_kv, cmp_scale, rows,
+                                              self.w.attn_sink, self.scale, L.window)

@@ -7,6 +7,7 @@ the reference's config does (MODEL_V41_SPEC.md §1.2), then the layer schedule i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -123,6 +124,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ModelConfigError(f"config.json: the top level is a {type(data).__name__}; allowed: a JSON object")
         model_type = data.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
@@ -138,8 +141,36 @@ class ModelConfig:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if key not in text and key in top:
                 text[key] = top[key]
+        if not isinstance(text, dict):
+            raise ModelConfigError(f"config.json: text_config is a {type(text).__name__}; allowed: a JSON object")
+        _check_number_types(text)
         quant = _parse_quant(top.get("quantization_config") or text.get("quantization_config"))
-        return _build(text, quant)
+        try:
+            return _build(text, quant)
+        except ModelConfigError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError) as exc:  # a field of a shape the checks above missed
+            raise ModelConfigError(f"config.json: malformed field ({type(exc).__name__}: {exc})") from None
+
+
+def _check_number_types(t: dict) -> None:
+    """A numeric field holding a string, list or bool is named in one line (int("abc") would say nothing)."""
+    hints = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    for key, value in t.items():
+        kind = hints.get(key)
+        if kind not in ("int", "float") or value is None:
+            continue
+        ok = type(value) is int or (kind == "float" and type(value) is float)
+        if not ok:
+            allowed = "an integer" if kind == "int" else "a number"
+            raise ModelConfigError(f"config.json: {key}={value!r} has the wrong type; allowed: {allowed}")
+
+
+# Sizes that must be positive for any model to exist; checked before the layer schedule, whose messages would
+# otherwise describe the consequence (e.g. "allowed: 0..-2" for num_hidden_layers=-1) instead of the cause.
+_AT_LEAST = {"vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 1,
+             "q_lora_rank": 1, "o_groups": 1, "o_lora_rank": 1, "sliding_window": 1, "moe_intermediate_size": 1,
+             "n_routed_experts": 1, "num_experts_per_tok": 1, "max_position_embeddings": 2}
 
 
 def _parse_quant(q: dict | None) -> QuantConfig | None:
@@ -299,6 +330,14 @@ def _build(t: dict, quant: QuantConfig | None) -> ModelConfig:
 
 
 def _validate(c: ModelConfig) -> None:
+    for name, low in _AT_LEAST.items():
+        if getattr(c, name) < low:
+            raise ModelConfigError(f"config.json: {name}={getattr(c, name)} is out of range; allowed: >= {low}")
+    if c.num_experts_per_tok > c.n_routed_experts:
+        raise ModelConfigError(
+            f"config.json: num_experts_per_tok={c.num_experts_per_tok} is out of range; allowed: at most "
+            f"n_routed_experts={c.n_routed_experts}"
+        )
     n, r = c.num_hidden_layers, c.compress_ratios
     for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
         for layer in getattr(c, name):

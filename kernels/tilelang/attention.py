@@ -70,6 +70,23 @@ def sink_attention(q, keys, bias, sink, scale):
 
 def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
                           window: int = 128, splits: int | None = None):
+    """The registered op (contract: deepinfer.kernels.torch.attention.sink_attention_decode): the kernel for
+    64 heads of 512 in bf16 over a ring of exactly `window` rows; the selection is padded to whole key blocks."""
+    n_q, H, D = q.shape
+    if not (q.is_cuda and q.dtype == torch.bfloat16 and H == 64 and D == 512 and win_kv.shape[1] == window
+            and window % BLOCK_KEYS == 0 and n_q > 0):
+        why = reason(q, "heads != 64, head dim != 512 or a ring wider than the window (rollback rows)")
+        return registry.fall_back("sink_attention_decode", why, torch_attention.sink_attention_decode, q, q_seq,
+                                  q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale, window)
+    pad = -sel.shape[1] % BLOCK_KEYS or (BLOCK_KEYS if sel.shape[1] == 0 else 0)
+    if pad:  # unused slots are -1: masked in the kernel
+        sel = torch.nn.functional.pad(sel, (0, pad), value=-1)
+    return sink_attention_decode_kernel(q, q_seq.int(), q_pos.int(), win_kv, win_scale, win_pos, cmp_kv, cmp_scale,
+                                        sel.int(), sink, scale, window, splits)
+
+
+def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
+                                 window: int = 128, splits: int | None = None):
     """Decode attention for a batch of query tokens (1..6 per sequence, any mix), reading the caches as stored
     (attention_decode_kernel; 16-19% of the roofline at B=64..256, 32K, on an H200).
 

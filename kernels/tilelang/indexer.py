@@ -20,7 +20,9 @@ def indexer_scores(q, k, q_seq, weights, softmax_scale):
     prefill chunk) runs on it; several sequences take the torch op (decode steps use indexer_scores_fp4)."""
     T, h, d = q.shape
     if not (q.is_cuda and k.shape[0] == 1 and 64 % h == 0 and d % 64 == 0 and k.shape[1] > 0 and T > 0):
-        return torch_indexer.indexer_scores(q, k, q_seq, weights, softmax_scale)
+        why = reason(q, "several sequences' keys, or a head count or width the kernel does not tile",
+                     (torch.bfloat16, torch.float32))
+        return fall_back("indexer_scores", why, torch_indexer.indexer_scores, q, k, q_seq, weights, softmax_scale)
     out = torch.empty(T, k.shape[1], dtype=torch.float32, device=q.device)
     jit(build_indexer_scores, "dense", h, d)(q.bfloat16().contiguous(), k[0].bfloat16().contiguous(),
                                              weights.float().contiguous(), out, float(softmax_scale))
@@ -32,7 +34,12 @@ def indexer_scores_fp4(q, q_seq, visible, k, k_scale, weights, softmax_scale):
     entries each query may see; k [B, G, 64] uint8 e2m1 pairs (low nibble = even channel) with k_scale
     [B, G, 4] uint8 ue8m0 per 32 channels; weights [Nq, 32] fp32 -> scores [Nq, G] fp32, -inf past visible."""
     n_q, h, d = q.shape
+    if not (q.is_cuda and 64 % h == 0 and d % 64 == 0 and k.shape[1] > 0 and n_q > 0):
+        why = reason(q, "a head count or width the kernel does not tile", (torch.bfloat16, torch.float32))
+        return fall_back("indexer_scores_fp4", why, torch_indexer.indexer_scores_fp4, q, q_seq, visible, k, k_scale,
+                         weights, softmax_scale)
     out = torch.empty(n_q, k.shape[1], dtype=torch.float32, device=q.device)
-    jit(build_indexer_scores, "fp4", h, d)(q.contiguous(), q_seq, visible, k, k_scale, weights.float().contiguous(),
-                                           out, float(softmax_scale))
+    jit(build_indexer_scores, "fp4", h, d)(q.bfloat16().contiguous(), q_seq.int(), visible.int(), k.contiguous(),
+                                           k_scale.contiguous(), weights.float().contiguous(), out,
+                                           float(softmax_scale))
     return out

@@ -66,3 +66,15 @@ def index_topk(
         values, indices = _top(scores, k)
         selected.scatter_(-1, indices, values > float("-inf"))
     return selected, cand_mask
+
+
+def indexer_scores_fp4(q, q_seq, visible, k, k_scale, weights, softmax_scale):
+    """The indexer over keys as stored (the TileLang FP4 kernel's contract): q [T, h, d] (FP4 fake-quantised
+    values), q_seq [T] the sequence of each query, visible [T] entries it may see; k [B, G, d/2] e2m1 pairs with
+    k_scale [B, G, d/32] ue8m0 bytes; weights [T, h] -> [T, G] fp32, -inf past `visible`."""
+    from .cache_formats import Fp4Codec
+
+    keys = Fp4Codec(32, False).decode(k, k_scale, torch.float32)
+    scores = indexer_scores(q, keys, q_seq.long(), weights, softmax_scale)
+    G = scores.shape[1]
+    return scores.masked_fill(torch.arange(G, device=q.device)[None, :] >= visible.long()[:, None], float("-inf"))

@@ -20,7 +20,7 @@ import torch
 from .pools import CacheLayout, CachePools
 
 
-def _to(values, device, dtype=torch.int64) -> torch.Tensor:
+def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
@@ -57,23 +57,20 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, max
             raise ValueError(f"sequence in slot {s.slot} holds {len(s.blocks)} blocks ({s.capacity} tokens); "
                              f"the step needs {p + n}")
     mb = max_blocks if max_blocks is not None else max(1, max(len(s.blocks) for s in seqs))
-    table = torch.zeros(len(seqs), mb, dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        if s.blocks:
-            table[i, : len(s.blocks)] = torch.tensor(s.blocks[:mb], dtype=torch.int64)
+    table = torch.tensor([s.blocks[:mb] + [0] * (mb - len(s.blocks)) for s in seqs], dtype=torch.int64)
     ratios = {src.ratio for src in layout.sources.values()}
     max_entries = {r: max((p + n) // r for p, n in zip(past, lengths)) for r in ratios}
     base = {
-        "ids": _to([t for ids in token_ids for t in ids], device),
-        "positions": _to([p + j for p, n in zip(past, lengths) for j in range(n)], device),
-        "tok_seq": _to([i for i, n in enumerate(lengths) for _ in range(n)], device),
-        "slots": _to([s.slot for s in seqs], device),
-        "past": _to(past, device),
-        "lengths": _to(lengths, device),
-        "table": _to(table, device),
+        "ids": to_device([t for ids in token_ids for t in ids], device),
+        "positions": to_device([p + j for p, n in zip(past, lengths) for j in range(n)], device),
+        "tok_seq": to_device([i for i, n in enumerate(lengths) for _ in range(n)], device),
+        "slots": to_device([s.slot for s in seqs], device),
+        "past": to_device(past, device),
+        "lengths": to_device(lengths, device),
+        "table": to_device(table, device),
     }
     if not all_logits:
-        base["last"] = _to([st + n - 1 for st, n in zip(starts, lengths)], device)
+        base["last"] = to_device([st + n - 1 for st, n in zip(starts, lengths)], device)
     return HostStep(acc, len(seqs), lengths, past, starts, all(n == 1 for n in lengths), mb, max_entries, base)
 
 
@@ -124,7 +121,7 @@ class StepMeta:
 
 def derive(host: HostStep, pools: CachePools) -> StepMeta:
     """Everything the layers read, from the base tensors; fixed shapes given the host ints (graph-capturable)."""
-    layout, S = pools.layout, pools.num_slots
+    layout, S = pools.layout, pools.slots_alloc
     b = host.base
     dev = b["ids"].device
     pos, tok_seq, slots, table = b["positions"], b["tok_seq"], b["slots"], b["table"]
@@ -153,7 +150,7 @@ def derive(host: HostStep, pools: CachePools) -> StepMeta:
     last_block = table.shape[1] - 1
     for src in layout.sources.values():
         r, pb = src.ratio, src.per_block
-        trash = pools.num_blocks * pb
+        trash = pools.blocks_alloc * pb
         if r not in meta.entry_rows:
             ent = pos // r
             closes = torch.remainder(pos + 1, r) == 0

@@ -9,7 +9,8 @@ Per sequence *slot* (a fixed amount, whatever the context length):
 Per *block* of `block_size` tokens of context: per KV source, `block_size / ratio` compressed-KV entries (FP4) and
 as many indexer keys (FP4); entry e of a sequence lives at row `blocks[e // per_block] * per_block + e % per_block`.
 Every pool has one extra last row, the *trash row*: masked writes go there (so a step writes with static shapes and
-no host decision), and nothing ever reads it back.
+no host decision), and nothing ever reads it back. One spare slot and one spare block beyond those handed out serve
+the padding rows of a replayed CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import compressed_codec, index_key_codec, row_bytes, window_codec
+from deepinfer.kernels.torch.cache_formats import compressed_codec, index_key_codec, row_bytes, window_codec
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,11 @@ class CachePools:
 
     def __init__(self, layout: CacheLayout, num_slots: int, num_blocks: int, device):
         self.layout, self.num_slots, self.num_blocks = layout, num_slots, num_blocks
+        self.spare_slot, self.spare_block = num_slots, num_blocks
+        self.slots_alloc, self.blocks_alloc = num_slots + 1, num_blocks + 1
         self.device = torch.device(device)
         L = layout
+        num_slots, num_blocks = self.slots_alloc, self.blocks_alloc
 
         def alloc(rows: int, codec, width: int):
             return tuple(torch.zeros(rows + 1, *shape, dtype=dt, device=self.device) for shape, dt in codec.parts(width))
@@ -102,6 +106,8 @@ class CachePools:
                 self.open_groups[s] = torch.zeros(num_slots * src.open_rows + 1, 2, L.head_dim,
                                                   dtype=torch.float32, device=self.device)
         self.ngram = torch.zeros(num_slots * max(L.ngram_rows, 1) + 1, dtype=torch.int64, device=self.device)
+        # a one-row compressed pool for layers that have none (the decode kernel takes one anyway)
+        self.no_compressed = alloc(0, L.cmp_codec, L.head_dim)
 
     def nbytes(self) -> int:
         tensors = [t for parts in self.window for t in parts] + [self.win_pos, self.ngram]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.torch.quant import FP4_MAX, FP8_MAX, e2m1_codes, e2m1_values
+from .quant import FP4_MAX, FP8_MAX, e2m1_codes, e2m1_values
 
 
 def _exponent_byte(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""CUDA graphs for decode steps: one captured forward per batch-size bucket, replayed over static input buffers.
+
+A decode step's forward (models: `model.run(meta, pools)`) reads only device tensors of fixed shape once the batch
+size and the block-table width are fixed, so it can be captured. Buckets follow DeepInfer's spacing: powers of two
+below `interval`, then every `interval` up to the largest batch. A batch of B real sequences replays the smallest
+bucket >= B; the padding rows point at the pools' spare slot and spare block, so whatever they write lands where
+no sequence reads.
+
+Capture happens on first use of a bucket, with every row a padding row (the warm-up run before capture writes
+only there), never with a live step's inputs: running a live step twice would not be idempotent (a ring row read
+by the step can be rewritten by it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deepinfer.models.cache import HostStep, derive
+from deepinfer.models.cache.metadata import to_device
+
+log = logging.getLogger("deepinfer.engine")
+
+
+def graph_batch_sizes(max_size: int, interval: int) -> list[int]:
+    """Powers of two below `interval`, then multiples of `interval`, then `max_size` (DeepInfer's buckets)."""
+    interval = max(1, min(interval, max_size))
+    sizes, size = [], 1
+    while size < interval:
+        sizes.append(size)
+        size *= 2
+    sizes.extend(range(interval, max_size, interval))
+    sizes.append(max_size)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, model, pools, max_batch: int, interval: int, max_blocks: int):
+        self.model, self.pools = model, pools
+        self.sizes = graph_batch_sizes(max_batch, interval)
+        self.max_blocks = max_blocks
+        self.max_entries = {src.ratio: max_blocks * src.per_block for src in pools.layout.sources.values()}
+        dev, n = pools.device, self.sizes[-1]
+        self._pool = None  # one memory pool shared by every bucket's graph (they never run at once)
+        self.inputs = {  # the static buffers every graph reads; padding rows hold the spare slot and block
+            "ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+            "tok_seq": torch.arange(n, dtype=torch.int64, device=dev),
+            "slots": torch.full((n,), pools.spare_slot, dtype=torch.int64, device=dev),
+            "past": torch.zeros(n, dtype=torch.int64, device=dev),
+            "lengths": torch.ones(n, dtype=torch.int64, device=dev),
+            "table": torch.full((n, max_blocks), pools.spare_block, dtype=torch.int64, device=dev),
+        }
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._failed: dict[int, str] = {}
+        self.replays = 0
+
+    def bucket(self, batch: int) -> int | None:
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def _host(self, size: int) -> HostStep:
+        base = {k: v[:size] for k, v in self.inputs.items()}
+        return HostStep(size, size, [1] * size, [0] * size, list(range(size)), True, self.max_blocks,
+                        dict(self.max_entries), base)
+
+    def _pad(self, start: int, end: int) -> None:
+        i = self.inputs
+        i["ids"][start:end] = 0
+        i["positions"][start:end] = 0
+        i["slots"][start:end] = self.pools.spare_slot
+        i["past"][start:end] = 0
+        i["table"][start:end] = self.pools.spare_block
+
+    @torch.inference_mode()
+    def _capture(self, size: int):
+        self._pad(0, size)
+        host = self._host(size)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, JIT compiles, one-time syncs
+            self.model.run(derive(host, self.pools), self.pools)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.model.run(derive(host, self.pools), self.pools)
+        return graph, out
+
+    def run(self, token_ids: list[list[int]], states) -> torch.Tensor | None:
+        """Logits [B, vocab] of one decode step by graph replay, or None when no graph serves this batch (then
+        the caller runs it eagerly)."""
+        B = len(states)
+        size = self.bucket(B)
+        if size is None or size in self._failed or any(len(s.blocks) > self.max_blocks for s in states):
+            return None
+        if size not in self._graphs:
+            try:
+                self._graphs[size] = self._capture(size)
+            except Exception as exc:  # e.g. an op that syncs with the host: this bucket stays eager
+                self._failed[size] = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed for batch %d; those steps run eagerly: %s", size,
+                            self._failed[size])
+                torch.cuda.synchronize()
+                return None
+        i, mb, spare = self.inputs, self.max_blocks, self.pools.spare_block
+        dev = i["ids"].device
+        rows = to_device([[ids[0], s.num_tokens, s.slot] for ids, s in zip(token_ids, states)], dev)
+        i["ids"][:B].copy_(rows[:, 0])
+        i["positions"][:B].copy_(rows[:, 1])
+        i["past"][:B].copy_(rows[:, 1])
+        i["slots"][:B].copy_(rows[:, 2])
+        i["table"][:B].copy_(to_device([s.blocks + [spare] * (mb - len(s.blocks)) for s in states], dev))
+        if B < size:
+            self._pad(B, size)
+        graph, out = self._graphs[size]
+        graph.replay()
+        self.replays += 1
+        for s in states:
+            s.num_tokens += 1
+        return out[:B]
+
+    def failures(self) -> dict[int, str]:
+        return dict(self._failed)

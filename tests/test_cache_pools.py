@@ -1,0 +1,141 @@
+"""The runner-owned cache pools (issue 10): stored formats lose nothing, a decode step reads the caches as stored
+and agrees bitwise with the prefill path, a step's work does not grow with the batch, and a replayed decode step
+(the CUDA-graph path, here with the graph replaced by re-running the captured function) equals an eager one."""
+
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from deepinfer.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from deepinfer.kernels.torch.cache_formats import Fp4Codec, Fp8Codec
+from deepinfer.kernels.torch.quant import fake_quant_fp4, fake_quant_fp8
+from deepinfer.models import ForwardBatch, load_model
+from deepinfer.models.cache import CacheLayout, derive
+from deepinfer.models.synthetic import config as synthetic_config
+from model_fixtures import FIXTURES
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stored_formats_decode_to_exactly_the_fake_quantised_values(dtype):
+    x = (torch.randn(257, 512) * torch.logspace(-6, 3, 257)[:, None]).to(dtype)
+    for codec, fake in ((Fp8Codec(), lambda t: fake_quant_fp8(t, 32)),
+                        (Fp4Codec(16, True), lambda t: fake_quant_fp4(t, 16, True)),
+                        (Fp4Codec(32, False), lambda t: fake_quant_fp4(t, 32, False))):
+        parts = codec.encode(x)
+        assert all(p.dtype == torch.uint8 for p in parts)
+        assert torch.equal(codec.decode(*parts, dtype=dtype), fake(x)), codec.name
+
+
+def test_cache_bytes_per_token_are_the_formats_minimum_at_flash_width():
+    cfg = synthetic_config({"compress_ratios": [0, 0] + [2] * 18 + [1] * 20, "num_hidden_layers": 40,
+                            "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24],
+                            "candidate_source_layer_id": 20})
+    layout = CacheLayout(cfg, torch.bfloat16, block_size=64)
+    # MODEL_V41_SPEC §5.2: compressed KV 288 B/entry, indexer keys 68 B/entry; three ratio-2 sources and one ratio-1
+    assert layout.bytes_per_token() == pytest.approx(3 * (288 + 68) / 2 + (288 + 68))
+    assert layout.block_bytes() == 64 * layout.bytes_per_token()
+    # fixed per sequence: 40 rings of 128 rows x 528 B (+ positions), 3 open groups of 1 row of fp32 (kv, gate)
+    assert layout.slot_bytes() == 40 * 128 * 528 + 4 * 128 + 3 * 2 * 512 * 4 + 8 * 3  # + 3 Engram token ids
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(FIXTURES / "tiny-engram-hc4")
+
+
+def test_a_decode_step_through_the_stored_caches_equals_the_prefill_path_bitwise(model):
+    rng = random.Random(0)
+    ids = [rng.randrange(3, 512) for _ in range(70)]
+    one_shot = model.forward(ForwardBatch([ids], [model.new_state()], all_logits=True))
+    st = model.new_state()
+    model.forward(ForwardBatch([ids[:40]], [st]))
+    rows = [model.forward(ForwardBatch([[t]], [st])) for t in ids[40:]]  # decode-only steps: the decode op
+    assert torch.equal(torch.cat(rows), one_shot[40:])
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n, self.paused = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not self.paused
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_work_of_a_decode_step_does_not_grow_with_the_batch(model, monkeypatch):
+    """Every op covers the whole batch: the op count of a decode step is the same at batch 1 and batch 9 (host
+    packing included). The torch MoE reference loops over the experts a batch touches (the GPU's grouped GEMM is
+    one launch), so it counts as one op here."""
+    counter = CountOps()
+    experts = model.ops._fns["moe_experts"]
+
+    def opaque_experts(*args, **kwargs):
+        counter.paused = True
+        try:
+            return experts(*args, **kwargs)
+        finally:
+            counter.paused = False
+
+    monkeypatch.setitem(model.ops._fns, "moe_experts", opaque_experts)
+    counts = {}
+    for batch in (1, 9):
+        states = [model.new_state() for _ in range(batch)]
+        model.forward(ForwardBatch([[5 + i] * (20 + 7 * i) for i in range(batch)], states))
+        counter.n = 0
+        with counter:
+            model.forward(ForwardBatch([[7]] * batch, states))
+        counts[batch] = counter.n
+    assert counts[1] == counts[9] > 0
+
+
+def test_graph_batch_buckets_follow_deepinfers_spacing():
+    assert graph_batch_sizes(64, 8) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(5, 8) == [1, 2, 4, 5]
+    assert graph_batch_sizes(1, 8) == [1]
+
+
+class ReplayedByRerun(DecodeGraphs):
+    """DecodeGraphs with the captured graph replaced by re-running what was captured (no CUDA here): what is
+    checked is everything around the graph — static buffers, padding rows, the spare slot and block."""
+
+    def _capture(self, size):
+        self._pad(0, size)
+        host = self._host(size)
+        self.model.run(derive(host, self.pools), self.pools)  # the warm-up run writes only padding rows
+        out = self.model.run(derive(host, self.pools), self.pools).clone()
+
+        class Graph:
+            def replay(inner):
+                out.copy_(self.model.run(derive(host, self.pools), self.pools))
+
+        return Graph(), out
+
+
+def test_a_replayed_decode_step_equals_the_eager_step_for_every_batch_size(model):
+    rng = random.Random(1)
+    layout = model.cache_layout(16)
+    eager_pools = model.allocate_cache(12, 200, 16)
+    graph_pools = model.allocate_cache(12, 200, 16)
+    graphs = ReplayedByRerun(model, graph_pools, max_batch=12, interval=4, max_blocks=16)
+    from deepinfer.models.cache import SequenceCache
+
+    for batch in (1, 3, 4, 7, 12):
+        lens = [rng.randint(1, 120) for _ in range(batch)]
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
+        slots = rng.sample(range(12), batch)
+        blocks = list(range(200))
+        rng.shuffle(blocks)
+        seqs = {}
+        for name, pools in (("eager", eager_pools), ("graph", graph_pools)):
+            seqs[name] = [SequenceCache(pools, s, blocks[16 * i: 16 * i + 16]) for i, s in enumerate(slots)]
+            model.forward(ForwardBatch(prompts, seqs[name]))
+        for step in range(3):
+            tokens = [[rng.randrange(3, 512)] for _ in range(batch)]
+            want = model.forward(ForwardBatch(tokens, seqs["eager"]))
+            got = graphs.run(tokens, seqs["graph"])
+            assert got is not None and torch.equal(got, want), (batch, step)
+    assert graphs.replays == 15 and set(graphs._graphs) == {1, 4, 8, 12}
+    assert layout.ring == model.config.sliding_window
