@@ -171,6 +171,10 @@ class RuntimeSettings:
     # torch intra-op CPU threads for this process (torch.set_num_threads); null: torch's default. Tiny models run
     # fastest with 1: their ops are too small to split, and spare threads only spin.
     num_threads: Optional[int] = setting(None, allowed=up_to(1, MAX_THREADS))
+    # CUDA graphs for decode steps (DEEPINFER_ENFORCE_EAGER=1 turns them off), captured per batch-size bucket:
+    # powers of two below the interval, then every `cudagraph_batch_size_interval` (DeepInfer's spacing, default 8)
+    enforce_eager: bool = False  # DEEPINFER_ENFORCE_EAGER
+    cudagraph_batch_size_interval: int = setting(8, allowed=up_to(1, 1024))  # DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL
 
 
 @dataclass(frozen=True)

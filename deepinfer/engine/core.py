@@ -52,7 +52,8 @@ class EngineCore:
                                               options.max_num_seqs, max_len)
         # the runner owns the memory: every pool is allocated here, once, on the thread that runs the model
         self.runner = ModelRunner(backend)
-        alloc = (self.runner.allocate, self.cache.num_slots, self.cache.num_blocks, options.block_size)
+        alloc = (self.runner.allocate, self.cache.num_slots, self.cache.num_blocks, options.block_size, max_len,
+                 not options.enforce_eager, options.cudagraph_batch_size_interval)
         try:
             self._worker.call(*alloc) if self._worker else alloc[0](*alloc[1:])
         except BaseException:
@@ -194,6 +195,7 @@ class EngineCore:
             update_s=time.perf_counter() - t0,
             prepare_s=result.prepare_s,
             cache_utilization=self.cache.utilization,
+            graph=result.graph,
         )
         return CoreOutputs(updates, [stats])
 

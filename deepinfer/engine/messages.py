@@ -60,6 +60,7 @@ class StepStats:
     update_s: float  # CPU time turning its samples into updates
     prepare_s: float  # runner-side Python: batch inputs and sampler rows (inside the device interval)
     cache_utilization: float
+    graph: bool = False  # the forward replayed a captured CUDA graph
     # the engine process's kernel counters so far (per-call torch fallbacks, JIT compiles / cache hits / seconds),
     # read where the step is recorded: deepinfer.kernels.registry.kernel_stats
     kernels: dict = field(default_factory=_kernel_stats)
