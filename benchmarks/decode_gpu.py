@@ -458,6 +458,9 @@ def main(argv=None) -> int:
                     row = decode_row(variant, backend, graphs, b, ctx, timed, all_steps, summary, fallbacks, errors,
                                      roof, steps)
                     row["run_s"] = time.time() - t0
+                    graphs_obj = getattr(getattr(getattr(engine.client, "core", None), "runner", None), "graphs", None)
+                    if graphs_obj is not None:  # buckets whose capture failed run eagerly: say why in the row
+                        row["graph_capture_failures"] = {str(k): v for k, v in graphs_obj.failures().items()}
                     rows.append(row)
                     bad = check_decode(row, steps)
                     failures += bad
