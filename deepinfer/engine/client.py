@@ -23,7 +23,12 @@ from deepinfer.engine.options import EngineOptions
 
 
 class EngineDeadError(RuntimeError):
-    """The engine-core process is gone (crashed, killed, or failed to start)."""
+    """The engine-core process is gone (crashed, killed, hung, or failed to start). The message is one line;
+    `details` holds the core's traceback when it sent one."""
+
+    def __init__(self, message: str, details: str | None = None):
+        super().__init__(message)
+        self.details = details
 
 
 class InprocClient:
@@ -97,7 +102,8 @@ class ProcessClient:
     def _start(self, timeout: float) -> None:
         kind, payload = self._wait(timeout, what="start")
         if kind != "ready":
-            raise EngineDeadError(f"the engine core failed to start:\n{payload}")
+            line, details = payload if isinstance(payload, tuple) else (str(payload), None)
+            raise EngineDeadError(f"the engine core failed to start: {line}", details)
         self.info: CoreInfo = payload
         self._last_beat = time.monotonic()  # the heartbeat deadline runs from here (loading may take long)
         self._send(("ping", None))  # a round trip proves both directions are up
@@ -116,7 +122,8 @@ class ProcessClient:
         if kind is None:
             return None
         if kind == "fatal":
-            self._mark_dead(f"the engine core failed:\n{payload}")
+            line, details = payload
+            self._mark_dead(f"the engine core failed: {line}", details)
         return payload
 
     def _send(self, msg) -> None:
@@ -209,10 +216,10 @@ class ProcessClient:
             self._mark_dead(f"the engine core process (pid {self.process.pid}) exited with code "
                             f"{self.process.returncode}")
 
-    def _mark_dead(self, message: str) -> None:
+    def _mark_dead(self, message: str, details: str | None = None) -> None:
         self._dead = message
         self.close()
-        raise EngineDeadError(message)
+        raise EngineDeadError(message, details)
 
     def close(self) -> None:
         """Stops the core: asks it (if it is healthy), then SIGTERM, then SIGKILL; at most ~2 * close_grace_s."""

@@ -98,15 +98,15 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
                 return factory()
 
             core = EngineCore(build, options)
-        except BaseException:
-            send(("startup_error", traceback.format_exc()))
+        except BaseException as exc:
+            send(("startup_error", (summary(exc), traceback.format_exc())))
             return
         send(("ready", core.info()))
         try:
             _loop(core, sock, verifier, send, parent_pid, clock)
-        except BaseException:
+        except BaseException as exc:
             try:
-                send(("fatal", traceback.format_exc()))  # the frontend raises with this text
+                send(("fatal", (summary(exc), traceback.format_exc())))  # the frontend raises with these
             except zmq.ZMQError:
                 pass
             raise
@@ -117,6 +117,19 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
         beat.join(timeout=2)
         sock.close()
         ctx.term()
+
+
+def summary(exc: BaseException) -> str:
+    """One line for the user: the message alone for the errors that are written as one line (bad checkpoint,
+    config), else the exception's type and message; the full traceback travels beside it."""
+    from deepinfer.config.errors import ConfigError
+    from deepinfer.models.config import ModelConfigError
+    from deepinfer.models.loading.errors import CheckpointError
+
+    text = " ".join(str(exc).split())
+    if isinstance(exc, (CheckpointError, ModelConfigError, ConfigError)):
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _loop(core, sock: zmq.Socket, verifier: Verifier, send, parent_pid: int, clock: _LoopClock) -> None:

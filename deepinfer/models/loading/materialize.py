@@ -8,6 +8,7 @@ import torch
 
 from deepinfer.kernels.torch.quant import dequant_fp4_rows, dequant_fp8_blocks
 
+from .errors import CheckpointError
 from .plan import ROW_BLOCK, LoadItem
 from .safetensors_reader import SafetensorsFiles
 from .tensors import FLOAT, FP4_ROWS, FP8_BLOCK
@@ -21,6 +22,7 @@ def materialize(
     out = torch.empty(item.shape, dtype=dtype, device=device)
     if len(item.shape) < 2:
         out.copy_(files.rows(item.weight))
+        _check_finite(item, out, 0)
         return out
     rows, cols = item.shape
     # FP8 block scales cover `block[0]` rows each, so chunk boundaries must fall on block boundaries.
@@ -29,7 +31,22 @@ def materialize(
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         out[start:stop].copy_(_chunk(files, item, start, stop, device, block))
+        _check_finite(item, out[start:stop], start)
     return out
+
+
+def _check_finite(item: LoadItem, values: torch.Tensor, first_row: int) -> None:
+    """A NaN/Inf weight makes the model emit one token forever with NaN logprobs: refuse it, naming the tensor.
+    Checked on the chunk just written (still in cache), after dequantization (a NaN scale shows up too), with
+    aminmax: min and max propagate NaN and show an Inf, at ~2.7 ms per 16M float32 values (a copy of them: 12 ms;
+    isfinite().all(): 90 ms). The exact, slower test runs only to say where."""
+    if not values.is_floating_point() or values.numel() == 0:
+        return
+    low, high = torch.aminmax(values)
+    if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+        bad = (~torch.isfinite(values)).nonzero()[0].tolist()
+        bad[0] += first_row
+        raise CheckpointError(f"tensor {item.name} holds a non-finite value (NaN or Inf) at {bad}; the checkpoint is corrupt")
 
 
 def _chunk(files, item: LoadItem, start: int, stop: int, device, block) -> torch.Tensor:
