@@ -146,6 +146,9 @@ class LLM:
         ids, sps, texts, rids, owners = [], [], [], [], []
         for i, ((text, tok), sp) in enumerate(zip(items, params)):
             rid, self._next_id = self._next_id, self._next_id + 1
+            if tok is not None and not isinstance(tok, list):
+                outputs[i] = error_output(rid, text, [], f"prompt_token_ids={tok!r} is not a list of token ids")
+                continue
             if tok is None:
                 if not isinstance(text, str):
                     outputs[i] = error_output(rid, None, [], f"prompt {text!r} is not a string")
@@ -194,7 +197,9 @@ def _normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, list
     items = []
     for p in prompts:
         if isinstance(p, dict):
-            items.append((p.get("prompt"), list(p["prompt_token_ids"]) if "prompt_token_ids" in p else None))
+            ids = p.get("prompt_token_ids")
+            # ids that are not a list stay as they are: the engine answers that request alone with an error
+            items.append((p.get("prompt"), list(ids) if isinstance(ids, (list, tuple)) else ids))
         elif isinstance(p, (list, tuple)):
             items.append((None, list(p)))
         else:

@@ -159,3 +159,14 @@ def test_a_peer_without_the_key_is_ignored_and_reads_nothing(tmp_path, monkeypat
         ctx.term()
         eng.close()
         shutil.rmtree(endpoints.dir, ignore_errors=True)
+
+
+def test_llm_answers_a_malformed_prompt_alone_and_takes_the_heartbeat_deadline_from_the_config():
+    from deepinfer import LLM
+
+    with LLM(process="inproc", engine={"heartbeat_timeout": 7}) as llm:
+        assert llm._engine.options.heartbeat_timeout_s == 7
+        outs = llm.generate([{"prompt_token_ids": 5}, {"prompt_token_ids": [0, 5, 6]}],
+                            SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert outs[0].finish_reason == "error" and outs[0].error == "prompt_token_ids=5 is not a list of token ids"
+    assert outs[1].finish_reason == "length"
