@@ -159,22 +159,6 @@ def fill_step(model, batch, gen, chunk: int = 32768, banks: dict | None = None) 
     return torch.randn(n, model.config.vocab_size, generator=gen, device=dev)
 
 
-class FoldedSampler:
-    """The model's sampler, with drawn ids folded into [0, n): the synthetic Flash-width model has the full
-    129280-token head but Engram hashes through the package tokenizer's 512-token map, so a drawn id >= 512 fed back
-    would index past that map. The draw itself (over the full vocabulary) is unchanged, so its cost is real."""
-
-    def __init__(self, inner, n: int):
-        self.inner, self.n = inner, n
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def sample(self, logits, rows, token_bitmask=None):
-        outs = self.inner.sample(logits, rows, token_bitmask=token_bitmask)
-        return [dataclasses.replace(o, token_id=o.token_id % self.n) for o in outs]
-
-
 def engine_backend(model, fill: bool, seed: int = 0):
     """The engine's backend for `model`: the plain one (real prefill and decode), or with `fill` the benchmark's
     (prefill = fill_step, decode = the model). Built from backend_from_model so every other field the runner uses
@@ -182,9 +166,6 @@ def engine_backend(model, fill: bool, seed: int = 0):
     from deepinfer.engine.backend import backend_from_model
 
     backend = backend_from_model(model)
-    token_map = getattr(model, "engram_token_map", None)
-    if token_map is not None and token_map.numel() < model.config.vocab_size:
-        backend = dataclasses.replace(backend, sampler=FoldedSampler(backend.sampler, int(token_map.numel())))
     if fill:
         gen = torch.Generator(model.device).manual_seed(seed)
         banks: dict = {}

@@ -101,9 +101,9 @@ class ReplayedByRerun(DecodeGraphs):
     """DecodeGraphs with the captured graph replaced by re-running what was captured (no CUDA here): what is
     checked is everything around the graph — static buffers, padding rows, the spare slot and block."""
 
-    def _capture(self, size):
-        self._pad(0, size)
-        host = self._host(size)
+    def _capture(self, key):
+        self._pad(0, key[0])
+        host = self._host(*key)
         self.model.run(derive(host, self.pools), self.pools)  # the warm-up run writes only padding rows
         out = self.model.run(derive(host, self.pools), self.pools).clone()
 
@@ -137,5 +137,6 @@ def test_a_replayed_decode_step_equals_the_eager_step_for_every_batch_size(model
             want = model.forward(ForwardBatch(tokens, seqs["eager"]))
             got = graphs.run(tokens, seqs["graph"])
             assert got is not None and torch.equal(got, want), (batch, step)
-    assert graphs.replays == 15 and set(graphs._graphs) == {1, 4, 8, 12}
+    assert graphs.replays == 15 and {size for size, _ in graphs._graphs} == {1, 4, 8, 12}
+    assert all(width in (1, 2, 4, 8, 16) for _, width in graphs._graphs)
     assert layout.ring == model.config.sliding_window

@@ -1,10 +1,11 @@
 """CUDA graphs for decode steps: one captured forward per batch-size bucket, replayed over static input buffers.
 
 A decode step's forward (models: `model.run(meta, pools)`) reads only device tensors of fixed shape once the batch
-size and the block-table width are fixed, so it can be captured. Buckets follow DeepInfer's spacing: powers of two
-below `interval`, then every `interval` up to the largest batch. A batch of B real sequences replays the smallest
-bucket >= B; the padding rows point at the pools' spare slot and spare block, so whatever they write lands where
-no sequence reads.
+size and the block-table width are fixed, so it can be captured. Batch buckets follow DeepInfer's spacing: powers
+of two below `interval`, then every `interval` up to the largest batch; the block-table width (how many entries
+the indexer scores) is bucketed by powers of two, so a short context does not pay for max_model_len. A batch of B
+real sequences replays the smallest buckets that hold it; the padding rows point at the pools' spare slot and spare
+block, so whatever they write lands where no sequence reads.
 
 Capture happens on first use of a bucket, with every row a padding row (the warm-up run before capture writes
 only there), never with a live step's inputs: running a live step twice would not be idempotent (a ring row read
@@ -40,7 +41,7 @@ class DecodeGraphs:
         self.model, self.pools = model, pools
         self.sizes = graph_batch_sizes(max_batch, interval)
         self.max_blocks = max_blocks
-        self.max_entries = {src.ratio: max_blocks * src.per_block for src in pools.layout.sources.values()}
+        self.block_sizes = graph_batch_sizes(max_blocks, max_blocks)  # powers of two, then max_blocks
         dev, n = pools.device, self.sizes[-1]
         self._pool = None  # one memory pool shared by every bucket's graph (they never run at once)
         self.inputs = {  # the static buffers every graph reads; padding rows hold the spare slot and block
@@ -52,17 +53,20 @@ class DecodeGraphs:
             "lengths": torch.ones(n, dtype=torch.int64, device=dev),
             "table": torch.full((n, max_blocks), pools.spare_block, dtype=torch.int64, device=dev),
         }
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._failed: dict[int, str] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._failed: dict[tuple[int, int], str] = {}
         self.replays = 0
 
-    def bucket(self, batch: int) -> int | None:
-        return next((s for s in self.sizes if s >= batch), None)
+    def bucket(self, batch: int, blocks: int = 1) -> tuple[int, int] | None:
+        size = next((s for s in self.sizes if s >= batch), None)
+        width = next((b for b in self.block_sizes if b >= blocks), None)
+        return None if size is None or width is None else (size, width)
 
-    def _host(self, size: int) -> HostStep:
+    def _host(self, size: int, width: int) -> HostStep:
         base = {k: v[:size] for k, v in self.inputs.items()}
-        return HostStep(size, size, [1] * size, [0] * size, list(range(size)), True, self.max_blocks,
-                        dict(self.max_entries), base)
+        base["table"] = self.inputs["table"][:size, :width]
+        entries = {src.ratio: width * src.per_block for src in self.pools.layout.sources.values()}
+        return HostStep(size, size, [1] * size, [0] * size, list(range(size)), True, width, entries, base)
 
     def _pad(self, start: int, end: int) -> None:
         i = self.inputs
@@ -73,9 +77,10 @@ class DecodeGraphs:
         i["table"][start:end] = self.pools.spare_block
 
     @torch.inference_mode()
-    def _capture(self, size: int):
+    def _capture(self, key: tuple[int, int]):
+        size, width = key
         self._pad(0, size)
-        host = self._host(size)
+        host = self._host(size, width)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, JIT compiles, one-time syncs
@@ -92,29 +97,29 @@ class DecodeGraphs:
         """Logits [B, vocab] of one decode step by graph replay, or None when no graph serves this batch (then
         the caller runs it eagerly)."""
         B = len(states)
-        size = self.bucket(B)
-        if size is None or size in self._failed or any(len(s.blocks) > self.max_blocks for s in states):
+        key = self.bucket(B, max(1, max(len(s.blocks) for s in states)))
+        if key is None or key in self._failed:
             return None
-        if size not in self._graphs:
+        if key not in self._graphs:
             try:
-                self._graphs[size] = self._capture(size)
+                self._graphs[key] = self._capture(key)
             except Exception as exc:  # e.g. an op that syncs with the host: this bucket stays eager
-                self._failed[size] = f"{type(exc).__name__}: {exc}"
-                log.warning("CUDA graph capture failed for batch %d; those steps run eagerly: %s", size,
-                            self._failed[size])
-                torch.cuda.synchronize()
+                self._failed[key] = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed for batch %d x %d blocks; those steps run eagerly: %s",
+                            *key, self._failed[key])
                 return None
-        i, mb, spare = self.inputs, self.max_blocks, self.pools.spare_block
+        size, mb = key
+        i, spare = self.inputs, self.pools.spare_block
         dev = i["ids"].device
         rows = to_device([[ids[0], s.num_tokens, s.slot] for ids, s in zip(token_ids, states)], dev)
         i["ids"][:B].copy_(rows[:, 0])
         i["positions"][:B].copy_(rows[:, 1])
         i["past"][:B].copy_(rows[:, 1])
         i["slots"][:B].copy_(rows[:, 2])
-        i["table"][:B].copy_(to_device([s.blocks + [spare] * (mb - len(s.blocks)) for s in states], dev))
+        i["table"][:B, :mb].copy_(to_device([s.blocks + [spare] * (mb - len(s.blocks)) for s in states], dev))
         if B < size:
             self._pad(B, size)
-        graph, out = self._graphs[size]
+        graph, out = self._graphs[key]
         graph.replay()
         self.replays += 1
         for s in states:

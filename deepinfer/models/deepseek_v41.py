@@ -63,8 +63,13 @@ class DeepseekV41Model:
             if tokenizer is None:
                 raise ValueError("Engram layers need the checkpoint's tokenizer.json to build their hash tables")
             self.engram = EngramTables.build(cfg, tokenizer).to(self.device)
-            # token id -> compressed id on the device: the hash gathers it per step without a host round trip
-            self.engram_token_map = torch.tensor(self.engram.token_map, dtype=torch.int64, device=self.device)
+            # token id -> compressed id on the device: the hash gathers it per step without a host round trip. Ids
+            # past the tokenizer (a head wider than its vocabulary) hash as the pad token instead of reading past
+            # the table.
+            known = torch.tensor(self.engram.token_map, dtype=torch.int64)
+            token_map = torch.full((max(cfg.vocab_size, len(known)),), self.engram.pad_id, dtype=torch.int64)
+            token_map[: len(known)] = known
+            self.engram_token_map = token_map.to(self.device)
         self._standalone: dict[int, StandaloneAllocator] = {}
 
     def use_ops(self, ops: OpSet) -> None:
