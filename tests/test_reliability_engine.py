@@ -87,6 +87,22 @@ def test_a_stopped_core_is_reported_even_while_generate_is_waiting_for_tokens():
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_step_loop_stuck_while_the_heartbeat_runs_is_reported_within_the_step_deadline(monkeypatch):
+    from reliability_helpers import StallingParams
+
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    eng = engine(step_timeout_s=2.0)
+    try:
+        took, exc = timed(lambda: eng.generate([PROMPT], StallingParams(temperature=0, max_tokens=4),
+                                               use_tqdm=False))
+        assert exc is not None and took < 2.0 + 3.0
+        assert "step loop" in str(exc) and "it is hung" in str(exc)
+    finally:
+        took, _ = timed(eng.close)
+    assert took < 10
+
+
 @pytest.mark.parametrize("field, value", [("max_tokens", None), ("max_tokens", "8"), ("max_tokens", -5),
                                           ("temperature", float("nan")), ("top_p", 2.0)])
 def test_a_params_field_changed_after_construction_errors_only_its_request(field, value):

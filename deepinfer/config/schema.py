@@ -150,6 +150,9 @@ class EngineSettings:
     # seconds without a heartbeat (or without a turn of the step loop) after which the engine core is declared
     # dead and generate raises EngineDeadError
     heartbeat_timeout: float = setting(30.0, allowed=MAX_SECONDS)
+    # seconds the step loop may go without turning while the core's heartbeat still comes (a deadlocked step);
+    # long because a first step on a GPU may compile kernels
+    step_timeout: float = setting(300.0, allowed=MAX_SECONDS)
 
 
 @dataclass(frozen=True)

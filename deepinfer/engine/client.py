@@ -59,7 +59,8 @@ class ProcessClient:
     """Spawns the engine core in its own process and talks to it over private, signed ipc sockets (ipc.py).
 
     Every wait is bounded: the frontend polls in slices of liveness_poll_s and between them checks that the core
-    process exists, that its heartbeat is fresh (heartbeat_timeout_s) and that its step loop is turning; sends
+    process exists, that its heartbeat is fresh (heartbeat_timeout_s) and that its step loop is turning
+    (step_timeout_s); sends
     time out after send_timeout_s. Any of these raises EngineDeadError naming what happened, and close() never
     waits on the core for more than a few seconds (it kills it)."""
 
@@ -203,9 +204,10 @@ class ProcessClient:
         if silent > limit:
             self._mark_dead(f"the engine core (pid {pid}) sent no heartbeat for {silent:.0f} s (deadline "
                             f"{limit:g} s): it is stopped or hung")
-        if self._loop_age is not None and self._loop_age > limit:
+        step_limit = self.options.step_timeout_s
+        if self._loop_age is not None and self._loop_age > step_limit:
             self._mark_dead(f"the engine core's step loop (pid {pid}) has not turned for {self._loop_age:.0f} s "
-                            f"(deadline {limit:g} s): it is hung")
+                            f"(deadline {step_limit:g} s): it is hung")
 
     def _check_alive(self) -> None:
         if self._dead is not None:

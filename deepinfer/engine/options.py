@@ -23,9 +23,12 @@ class EngineOptions:
     num_threads: int | None = None  # torch intra-op threads in the engine process (None: torch's default)
     startup_timeout_s: float = 300.0  # model loading in the engine process
     liveness_poll_s: float = 0.2  # how often a waiting frontend checks that the engine process is alive
-    # engine.heartbeat_timeout: the core is declared dead (EngineDeadError) when its heartbeat is older than this,
-    # or its step loop has not turned for this long (a step never takes that long on a working engine).
+    # engine.heartbeat_timeout: the core is declared dead (EngineDeadError) when its heartbeat is older than this
+    # (killed, SIGSTOPped, frozen with the GIL held).
     heartbeat_timeout_s: float = 30.0
+    # engine.step_timeout: a step loop that has not turned for this long while heartbeats still come (a deadlock in
+    # a step) is reported as hung. Longer than the heartbeat's: a first step on a GPU may JIT-compile kernels.
+    step_timeout_s: float = 300.0
     heartbeat_interval_s: float = 0.5
     send_timeout_s: float = 5.0  # a message the core's socket does not take within this long: the core is gone
     close_grace_s: float = 2.0  # close(): how long the core gets after the shutdown message, then after SIGTERM
@@ -48,8 +51,9 @@ class EngineOptions:
         ):
             if section is not None:
                 values.update({n: getattr(section, n) for n in names if hasattr(section, n)})
-        if engine is not None and hasattr(engine, "heartbeat_timeout"):
-            values["heartbeat_timeout_s"] = engine.heartbeat_timeout
+        for key in ("heartbeat_timeout", "step_timeout"):
+            if engine is not None and hasattr(engine, key):
+                values[f"{key}_s"] = getattr(engine, key)
         values.update(overrides)
         return cls(**values)
 
