@@ -186,3 +186,17 @@ def test_llm_answers_a_malformed_prompt_alone_and_takes_the_heartbeat_deadline_f
                             SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert outs[0].finish_reason == "error" and outs[0].error == "prompt_token_ids=5 is not a list of token ids"
     assert outs[1].finish_reason == "length"
+
+
+def test_a_frame_is_accepted_only_with_the_key_the_senders_label_and_a_new_sequence_number():
+    from deepinfer.engine.ipc import CORE, FRONTEND, Signer, Verifier, new_key
+
+    key = new_key()
+    core_in = Verifier(key, FRONTEND)
+    frame = Signer(key, FRONTEND).pack(("add", [1]))
+    assert core_in.unpack(frame) == ("add", [1])
+    assert core_in.unpack(frame) is None  # replayed
+    assert core_in.unpack(Signer(new_key(), FRONTEND).pack(("add", [2]))) is None  # another key
+    assert core_in.unpack(Signer(key, CORE).pack(("add", [3]))) is None  # the core's own message reflected back
+    assert core_in.unpack(b"short") is None
+    assert core_in.rejected == 4
