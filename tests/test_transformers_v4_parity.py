@@ -47,6 +47,7 @@ from deepinfer.kernels.torch import compressor as k_comp  # noqa: E402
 from deepinfer.kernels.torch import indexer as k_index  # noqa: E402
 from deepinfer.kernels.torch import mhc as k_mhc  # noqa: E402
 from deepinfer.kernels.torch import moe as k_moe  # noqa: E402
+from deepinfer.kernels.torch.cache_formats import RawCodec  # noqa: E402
 from deepinfer.kernels.torch.linear import linear  # noqa: E402
 from deepinfer.kernels.torch.norm import rms_norm  # noqa: E402
 from deepinfer.kernels.torch.rope import default_inv_freq, rope, yarn_inv_freq  # noqa: E402
@@ -339,9 +340,10 @@ def test_grouped_output_projection(cfg):
         linear=linear, rms_norm=lambda x, wt, eps: x, rope=lambda x, *a, **k: x, fake_quant_fp8=lambda x, *a: x,
     )
     ours_attn = Attention(mcfg, 0, w, ident, rope_freqs=torch.ones(D // 4), compress_freqs=torch.ones(D // 4))
-    ours_attn._attend = lambda q, kv, pb: o.reshape(T, H, D)
+    ours_attn._attend = lambda q, kv, kv_parts, meta, pools: o.reshape(T, H, D)
+    pools = SimpleNamespace(layout=SimpleNamespace(win_codec=RawCodec(torch.float32)))  # the window cache as is
     with torch.no_grad():
-        ours = ours_attn(torch.randn(T, cfg.hidden_size), SimpleNamespace(positions=torch.arange(T)))
+        ours = ours_attn(torch.randn(T, cfg.hidden_size), SimpleNamespace(positions=torch.arange(T)), pools)
     _check("grouped output projection", ours, ref.reshape(T, -1))
 
 
@@ -463,10 +465,10 @@ def test_indexer_scores(cfg):
     x = torch.randn(B, S, cfg.hidden_size)
     with torch.no_grad():
         ref = scorer(q, keys, x)  # [B, S, G]
-        for b in range(B):
-            wts = linear(x[b], scorer.weights_proj.weight) * h**-0.5
-            ours = k_index.indexer_scores(q[b], keys[b], wts, d**-0.5)
-            _check("indexer scores", ours, ref[b])
+        wts = linear(x.flatten(0, 1), scorer.weights_proj.weight) * h**-0.5
+        q_seq = torch.arange(B).repeat_interleave(S)  # our op scores every query against its own sequence's keys
+        ours = k_index.indexer_scores(q.flatten(0, 1), keys, q_seq, wts, d**-0.5)
+        _check("indexer scores", ours, ref.flatten(0, 1))
     assert (ref < 0).any() and (ref > 0).any()  # weights are signed: relu alone does not decide
 
 
@@ -499,7 +501,8 @@ def test_indexer_causal_topk(cfg):
     with torch.no_grad():
         for b in range(B):
             wts = linear(hid[b], idx_mod.scorer.weights_proj.weight) * cfg.index_n_heads**-0.5
-            scores = k_index.indexer_scores(q[b], keys[b], wts, cfg.index_head_dim**-0.5)
+            scores = k_index.indexer_scores(q[b], keys[b][None], torch.zeros(S, dtype=torch.long), wts,
+                                            cfg.index_head_dim**-0.5)
             _check("indexer scores (live indexer inputs)", scores, seen["out"][b])
             # tie-free where the cut matters
             for t in range(S):
