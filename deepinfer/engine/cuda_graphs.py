@@ -98,15 +98,16 @@ class DecodeGraphs:
         the caller runs it eagerly)."""
         B = len(states)
         key = self.bucket(B, max(1, max(len(s.blocks) for s in states)))
-        if key is None or key in self._failed:
+        if key is None or self._failed:
             return None
         if key not in self._graphs:
             try:
                 self._graphs[key] = self._capture(key)
-            except Exception as exc:  # e.g. an op that syncs with the host: this bucket stays eager
-                self._failed[key] = f"{type(exc).__name__}: {exc}"
-                log.warning("CUDA graph capture failed for batch %d x %d blocks; those steps run eagerly: %s",
-                            *key, self._failed[key])
+            except Exception as exc:  # e.g. an op that syncs with the host
+                # a failed capture can leave the CUDA context unfit for another: every step runs eagerly from now
+                self._failed[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                log.warning("CUDA graph capture failed for batch %d x %d blocks; every decode step runs eagerly "
+                            "from now on: %s", *key, self._failed[key])
                 return None
         size, mb = key
         i, spare = self.inputs, self.pools.spare_block

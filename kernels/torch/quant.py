@@ -10,6 +10,17 @@ _LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.f
 # boundaries (0.75, 1.75, 3.5) round up and ties at even-code boundaries round down.
 _BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _TIES_UP = torch.tensor([False, True, False, True, False, True, False])
+_ON_DEVICE: dict = {}
+
+
+def _on(device, name: str, table: torch.Tensor) -> torch.Tensor:
+    """A constant table on `device`, copied once: a copy per call would be a host-to-device transfer inside every
+    step (and is not allowed while a CUDA graph is being captured)."""
+    key = (str(device), name)
+    t = _ON_DEVICE.get(key)
+    if t is None:
+        t = _ON_DEVICE[key] = table.to(device)
+    return t
 
 
 def ceil_pow2(t: torch.Tensor) -> torch.Tensor:
@@ -21,14 +32,15 @@ def ceil_pow2(t: torch.Tensor) -> torch.Tensor:
 
 def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
     """Round fp32 values (already within ±6) to e2m1 codes, ties to even; sign in bit 3."""
-    bounds = _BOUNDS.to(q.device)
-    thresholds = torch.where(_TIES_UP.to(q.device), bounds, torch.nextafter(bounds, torch.full_like(bounds, 7.0)))
+    bounds = _on(q.device, "bounds", _BOUNDS)
+    ties_up = _on(q.device, "ties_up", _TIES_UP)
+    thresholds = torch.where(ties_up, bounds, torch.nextafter(bounds, torch.full_like(bounds, 7.0)))
     codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
     return codes | (torch.signbit(q).to(torch.uint8) << 3)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    return _LUT.to(codes.device)[codes.long() & 15]
+    return _on(codes.device, "lut", _LUT)[codes.long() & 15]
 
 
 def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
