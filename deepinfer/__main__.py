@@ -110,6 +110,8 @@ def check_inputs(settings) -> None:
     if settings.input_path is not None and not Path(settings.input_path).is_file():
         raise ConfigError(f"input_path={settings.input_path!r} is not a file")
     read_requests(settings)  # a malformed line fails here, before any model loads
+    if Path(settings.output_file).is_absolute():  # a relative one lands in the run directory, checked below
+        check_writable_dir(Path(settings.output_file).parent, "output_file")
 
 
 def check_writable_dir(path: Path, key: str) -> None:

@@ -54,9 +54,18 @@ CONFIG_CASES = [
 ]
 
 
+def main_in_process(args, cwd, monkeypatch, capsys):
+    """The CLI's entry point in this process (no interpreter start-up): these errors come before Hydra runs."""
+    from deepinfer.__main__ import main
+
+    monkeypatch.chdir(cwd)
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("overrides, message", CONFIG_CASES, ids=[c[0][0] for c in CONFIG_CASES])
-def test_a_bad_config_value_is_one_line_and_exit_2(overrides, message, tmp_path):
-    code, stderr = cli(overrides, tmp_path)
+def test_a_bad_config_value_is_one_line_and_exit_2(overrides, message, tmp_path, monkeypatch, capsys):
+    code, stderr = main_in_process(overrides, tmp_path, monkeypatch, capsys)
     assert code == 2
     assert message in one_error_line(stderr)
 
@@ -78,8 +87,9 @@ INPUT_CASES = [
 
 
 @pytest.mark.parametrize("content, message", INPUT_CASES, ids=["ids-int", "null", "prompt-int", "non-utf8", "empty"])
-def test_a_bad_input_line_is_one_line_and_exit_2_before_the_model_loads(content, message, inputs, tmp_path):
-    code, stderr = cli([f"input_path={inputs('in.jsonl', content)}"], tmp_path)
+def test_a_bad_input_line_is_one_line_and_exit_2_before_the_model_loads(content, message, inputs, tmp_path,
+                                                                         monkeypatch, capsys):
+    code, stderr = main_in_process([f"input_path={inputs('in.jsonl', content)}"], tmp_path, monkeypatch, capsys)
     assert code == 2
     assert message in one_error_line(stderr)
 

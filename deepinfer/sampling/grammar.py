@@ -131,7 +131,7 @@ class GrammarCompilerPool:
                     f"so_args['schema'] is {size} bytes; allowed: at most {self.max_schema_bytes} bytes"
                 )
             job = self._queue.submit(lambda: self._build_state(so_args), cost=size, alive=alive)
-        except (ValueError, GrammarError, QueueFull) as error:
+        except (ValueError, GrammarError, QueueFull, RuntimeError) as error:  # RuntimeError: closed
             done: Future = Future()
             done.set_running_or_notify_cancel()
             prefix = "grammar compilation queue is full: " if isinstance(error, QueueFull) else ""
