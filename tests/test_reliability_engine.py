@@ -60,7 +60,7 @@ def test_a_stopped_core_is_reported_within_its_heartbeat_deadline_and_close_kill
         eng.generate([PROMPT], greedy(), use_tqdm=False)
         os.kill(pid, signal.SIGSTOP)  # alive to the OS, silent to us: the case a pid check cannot see
         took, exc = timed(lambda: eng.generate([PROMPT], greedy(64), use_tqdm=False))
-        assert exc is not None and took < 3.0 + 2.0
+        assert exc is not None and took < 3.0 + 3.0  # the deadline, a poll slice, slack for a loaded CI machine
         assert "no heartbeat" in str(exc) and "stopped or hung" in str(exc)
     finally:
         took, _ = timed(eng.close)

@@ -197,8 +197,8 @@ class ProcessClient:
                 f"the engine core process (pid {pid}) exited with code {self.process.returncode} "
                 f"while the frontend waited for its {what}"
             )
-        if self._last_beat is None:
-            return  # still starting: startup_timeout_s bounds that
+        if what == "start" or self._last_beat is None:
+            return  # still starting (loading may hold the GIL for long): startup_timeout_s bounds that
         limit = self.options.heartbeat_timeout_s
         silent = time.monotonic() - self._last_beat
         if silent > limit:
