@@ -241,6 +241,29 @@ def run_decode(engine, tap, batch: int, context: int, warmup: int, steps: int, v
     return decode[warmup: warmup + steps], all_steps, engine.last_metrics, fallbacks, errors
 
 
+def profile_decode(engine, tap, batch: int, context: int, vocab: int, steps: int = 4) -> dict:
+    """Kernel time of one decode step (graphs replay their kernels individually under CUPTI): a short run of the
+    same cell under torch.profiler; per-kernel CUDA time summed over the run's decode steps, divided by their
+    count. Untimed otherwise: the profiler's own overhead never enters the table's step times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed, *_ = run_decode(engine, tap, batch, context, 1, steps, vocab, seed=99)
+    n = max(len(timed), 1)
+    per = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
+        if t > 0 and ev.count:
+            per[ev.key] = (t / 1e3, ev.count)
+    # the run also prefilled (fill) and ran warm-up steps: scale by the share of decode steps is not exact, so
+    # report totals over the run and per decode step (steps + warm-up), both
+    decode_steps = steps + 1
+    top = sorted(((k, ms / decode_steps, max(1, c // decode_steps)) for k, (ms, c) in per.items()),
+                 key=lambda r: -r[1])
+    return dict(decode_steps=decode_steps, timed_steps=n, kernels=sum(c for _, _, c in top),
+                cuda_ms=sum(ms for _, ms, _ in top), top=top[:40])
+
+
 def decode_row(variant, backend, graphs, batch, context, timed, all_steps, summary, fallbacks, errors, roof, steps):
     dur = [s.device_end - s.device_start for s in timed]
     gaps = [b.device_start - a.device_end for a, b in zip(timed, timed[1:])]
@@ -355,6 +378,9 @@ def parse(argv=None):
     ap.add_argument("--chunk", type=int, default=8192, help="prefill max_num_batched_tokens")
     ap.add_argument("--roofline", default=None, help="roofline.py to use (default benchmarks/roofline.py)")
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
+    ap.add_argument("--profile", default=None,
+                    help="B:CTX,... cells of the first variant to profile once more after timing (torch.profiler): the "
+                         "kernels of one decode step by CUDA time, in the JSON row and the printed output")
     ap.add_argument("--quick", action="store_true",
                     help="B 1 and 64, ctx 4K and 32K, graphs on/off, torch only at B=64/4K, prefill 8K")
     a = ap.parse_args(argv)
@@ -442,6 +468,13 @@ def main(argv=None) -> int:
                     graphs_obj = getattr(getattr(getattr(engine.client, "core", None), "runner", None), "graphs", None)
                     if graphs_obj is not None:  # buckets whose capture failed run eagerly: say why in the row
                         row["graph_capture_failures"] = {str(k): v for k, v in graphs_obj.failures().items()}
+                    if variant == a.variants[0] and a.profile and (b, ctx) in {
+                            tuple(map(int, x.split(":"))) for x in a.profile.split(",")}:
+                        row["profile"] = profile_decode(engine, tap, b, ctx, model.config.vocab_size)
+                        print(f"profile B={b} ctx={ctx}: one decode step, {row['profile']['kernels']} kernels, "
+                              f"{row['profile']['cuda_ms']:.3f} ms of kernel time; top:", flush=True)
+                        for name, ms, n in row["profile"]["top"][:15]:
+                            print(f"   {ms:8.3f} ms  x{n:<4d} {name[:110]}", flush=True)
                     rows.append(row)
                     bad = check_decode(row, steps)
                     failures += bad

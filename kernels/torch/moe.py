@@ -49,6 +49,9 @@ def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch
     return linear(y.to(x.dtype), w2)
 
 
+DENSE_ON_CUDA_UP_TO = 64  # experts: up to this many, the CUDA path runs them all, masked (no host sync)
+
+
 def moe_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -58,12 +61,24 @@ def moe_experts(
     swiglu_limit: float,
 ) -> torch.Tensor:
     """Routed experts (w1, w2, w3 per expert, or PackedExperts: each touched expert is dequantised for the call)
-    plus the shared expert, accumulated in fp32 in expert order; returns [T, D] in x's dtype."""
+    plus the shared expert, accumulated in fp32 in expert order; returns [T, D] in x's dtype.
+
+    The experts a batch touches are found on the host, which a captured CUDA graph cannot do: on CUDA, a model
+    with few experts runs every expert over every token instead, masked by its routing weight (0 for tokens that
+    did not choose it, whose rows add exact zeros). With hundreds of experts that would read them all each call,
+    so those stay on the touched-experts loop (not capturable; the TileLang grouped GEMM is)."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in torch.unique(idx).tolist():
-        rows, slot = torch.where(idx == e)
-        w1, w2, w3 = _expert(experts, e, x.dtype)
-        y[rows] += swiglu_expert(x[rows], w1, w2, w3, swiglu_limit, weights[rows, slot, None]).float()
+    num_experts = experts.n_experts if isinstance(experts, PackedExperts) else len(experts)
+    if x.is_cuda and num_experts <= DENSE_ON_CUDA_UP_TO:
+        for e in range(num_experts):
+            w1, w2, w3 = _expert(experts, e, x.dtype)
+            weight = (weights * (idx == e)).sum(-1, keepdim=True)  # a token chooses an expert at most once
+            y += swiglu_expert(x, w1, w2, w3, swiglu_limit, weight).float()
+    else:
+        for e in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == e)
+            w1, w2, w3 = _expert(experts, e, x.dtype)
+            y[rows] += swiglu_expert(x[rows], w1, w2, w3, swiglu_limit, weights[rows, slot, None]).float()
     if shared is not None:
         y += swiglu_expert(x, *_expert(shared, 0, x.dtype) if isinstance(shared, PackedExperts) else shared,
                            swiglu_limit).float()
