@@ -29,6 +29,8 @@ def parse_args(argv=None):
     ap.add_argument("--memory-budget", type=int, default=None, help="cache bytes (default: the engine's fraction)")
     ap.add_argument("--mode", choices=("async", "sync", "both"), default="both")
     ap.add_argument("--process", choices=("subprocess", "inproc"), default="subprocess")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the same workload on the GPU: bf16, CUDA graphs)")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on the CPU, bfloat16 on CUDA)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the engine process (runtime.num_threads; 0: torch's default)")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
@@ -63,7 +65,9 @@ def run_mode(args, path: str, zero_overhead: bool) -> dict:
         max_model_len=2 * args.max_len + 1,
         memory_budget=args.memory_budget,
     )
-    with LLMEngine(ModelDirBackend(path, num_threads=args.threads or None), options) as engine:
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    backend = ModelDirBackend(path, device=args.device, dtype=dtype, num_threads=args.threads or None)
+    with LLMEngine(backend, options) as engine:
         prompts, out_lens = workload(args, engine.info.vocab_size)
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seq_seed=i) for i, n in enumerate(out_lens)]
         engine.generate([[0, 5]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -76,6 +80,8 @@ def run_mode(args, path: str, zero_overhead: bool) -> dict:
             raise SystemExit(f"{len(bad)} requests failed, e.g.: {bad[0]}")
         return {
             "mode": "async" if zero_overhead else "sync",
+            "device": args.device,
+            "graph_steps": m.get("graph_steps", 0),
             "cache": engine.info.cache_description,
             "output_tokens": m["generated_tokens"],
             "wall_s": wall,
@@ -111,6 +117,7 @@ def main(argv=None):
             f"mean {r['step_gap_ms_mean']:.3f} ms; scheduling {100 * r['scheduling_share']:.1f}% of step time "
             f"({r['scheduling_ms_per_step']:.2f} ms of {r['device_ms_per_step']:.1f} ms/step); "
             f"ttft p50 {r['ttft_s_p50']:.2f} s; itl p50 {r['itl_ms_p50']:.1f} ms; preemptions {r['preemptions']}"
+            + (f"; {r['graph_steps']} of {r['steps']} steps replayed a CUDA graph" if r["device"] != "cpu" else "")
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -22,8 +22,9 @@ def test_dense_scores_match_torch(S, G):
     k = quant.fake_quant_fp4(torch.randn(G, 128, generator=g), 32).cuda()
     w = (torch.randn(S, 32, generator=g) * 32**-0.5).cuda()
     poison_allocator()
-    out = indexer_scores(q, k, w, 128**-0.5)
-    expect = ref.indexer_scores(q.double(), k.double(), w.double(), 128**-0.5)
+    one = torch.zeros(S, dtype=torch.long, device="cuda")  # every query scores the one sequence's keys
+    out = indexer_scores(q, k[None], one, w, 128**-0.5)
+    expect = ref.indexer_scores(q.double(), k[None].double(), one, w.double(), 128**-0.5)
     assert out.shape == (S, G) and out.dtype == torch.float32 and torch.isfinite(out).all()
     assert rel_err(out, expect) < 1e-5   # exact products, fp32 sums
 
@@ -45,6 +46,7 @@ def test_fp4_cache_scores(visible):
                              scale.cuda(), w.cuda(), 128**-0.5).cpu()
     for b in range(B):
         n = visible[b]
-        expect = ref.indexer_scores(q[b : b + 1].double(), keys[b, :n].double(), w[b : b + 1].double(), 128**-0.5)
+        expect = ref.indexer_scores(q[b : b + 1].double(), keys[b : b + 1, :n].double(), torch.zeros(1, dtype=torch.long),
+                                    w[b : b + 1].double(), 128**-0.5)
         assert rel_err(out[b : b + 1, :n], expect) < 1e-5
         assert torch.isneginf(out[b, n:]).all()
