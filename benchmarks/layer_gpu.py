@@ -1,20 +1,28 @@
 #!/usr/bin/env python3
 """One forward step of a DeepSeek-V4.1-Flash-width model of reduced depth on the GPU, layer by layer, through the
-model's own code and cache state: decode at several batches and contexts, and prefill; TileLang backend vs the
+model's own code and cache pools: decode at several batches and contexts, and prefill; TileLang backend vs the
 torch reference ops on the same GPU in the same run, against the roofline.
 
+    source benchmarks/gpu_env.sh
     python3 benchmarks/layer_gpu.py [--out benchmarks/results/layer_gpu.json] [--plot layer_gpu.png] [--quick]
+    python3 benchmarks/layer_gpu.py --model tiny --device cpu ...   # the CPU test's path (embedded tiny model)
 
 Model: deepinfer.models.synthetic.FLASH_REDUCED (hidden 5120, 64 heads x 512, 384 experts top-6 of width 2304,
 window 128, index top-512; six layers: SWA, SWA + Engram, ratio-2 KV+index source, ratio-2 reuse, ratio-1
 KV+index+candidate source, ratio-1 reindex) with random weights in the released formats (FP4 routed experts and
-FP8 shared expert held as stored; FP8 projections dequantised to bf16 at load, as load_model does).
-Context: one sequence is prefilled to the context (chunks of --chunk tokens, each chunk timed: the prefill rows),
-its state is cloned for every sequence of the batch, then decode steps append one random token per sequence.
-Times: CUDA events at the model's layer boundaries (model.layer_hook), median over --steps steps, eager (Python
-dispatch included: no CUDA graph; the model's per-sequence Python work is part of the step). Roofline: bytes and
-FLOPs per layer from ../shared/tools/roofline.py (its FP8-projection / FP4-expert byte counts; the same layer
-schedule) over the copy bandwidth and bf16 GEMM rate measured at the start of the run.
+FP8 shared expert held as stored; FP8 projections too, as load_model does on CUDA).
+DECODE CONTEXT IS FILLED, NOT PREFILLED: one set of cache pools (model.allocate_cache, block size 64) sized for the
+largest batch x the largest context; per cell every sequence of the batch gets its own slot and blocks
+(SequenceCache), and its context is written by decode_gpu.py's fill_step (random valid FP8/FP4 cache codes at the
+rows the step metadata names; the token count advances as a prefill would leave it), then decode steps append one
+random token per sequence through the real model. The attention work of a decode step depends on the context
+length and the pool layout, not on the cached values. PREFILL rows are the real model: one sequence prefilled to
+each context in chunks of --chunk tokens, each chunk timed.
+Times: CUDA events at the model's layer boundaries (model.layer_hook; perf_counter on the CPU), median over --steps
+steps, eager (Python dispatch included: no CUDA graph; the model's per-step host work is part of the step).
+Roofline: bytes and FLOPs per layer from ../shared/tools/roofline.py (or its verbatim copy benchmarks/roofline.py;
+its FP8-projection / FP4-expert byte counts; the same layer schedule) over the copy bandwidth and bf16 GEMM rate
+measured at the start of the run (roofline.py's defaults on the CPU).
 """
 
 import argparse
@@ -32,9 +40,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from kernels_gpu import ceilings  # noqa: E402
+from decode_gpu import build, ceilings, fill_step, roofline_config  # noqa: E402
 
-ROOFLINE_PATHS = (HERE.parent.parent / "shared" / "tools" / "roofline.py", HERE.parent / ".devtools" / "roofline.py")
+ROOFLINE_PATHS = (HERE.parent.parent / "shared" / "tools" / "roofline.py", HERE.parent / ".devtools" / "roofline.py",
+                  HERE / "roofline.py")
+BLOCK_SIZE = 64
+FILLED_NOTE = "decode context filled with random valid cache codes (decode_gpu.fill_step), not prefilled by the model"
 
 
 def load_roofline(path):
@@ -47,45 +58,67 @@ def load_roofline(path):
     raise SystemExit(f"roofline.py not found (looked at {', '.join(map(str, ROOFLINE_PATHS))}); pass --roofline")
 
 
-def roofline_config(roofline, cfg):
-    c = dict(roofline.FLASH)
-    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
-              "qk_rope_head_dim", "o_groups", "o_lora_rank", "moe_intermediate_size", "n_routed_experts",
-              "num_experts_per_tok", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
-              "candidate_source_layer_id", "candidate_topk_blocks", "candidate_block_size", "hc_mult", "vocab_size",
-              "engram_max_ngram_size", "engram_n_heads", "engram_head_dim"):
-        c[k] = getattr(cfg, k)
-    for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
-        c[k] = list(getattr(cfg, k))
-    return c
-
-
 class LayerClock:
-    """model.layer_hook: one CUDA event per layer boundary."""
+    """model.layer_hook: one CUDA event per layer boundary (host perf_counter on the CPU)."""
 
-    def __init__(self):
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
         self.events = []
 
-    def __call__(self, i):
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
+    def __call__(self, i=None):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+        else:
+            e = time.perf_counter()
         self.events.append(e)
 
-    def layer_ms(self):
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+    def elapsed(self):
+        """ms between consecutive marks."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.events, self.events[1:])]
 
 
 def timed_forward(model, batch):
-    clock = LayerClock()
+    """(step ms, [ms per layer]) of one model.forward."""
+    cuda = model.device.type == "cuda"
+    clock, outer = LayerClock(cuda), LayerClock(cuda)
     model.layer_hook = clock
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    model.forward(batch)
-    end.record()
-    layers = clock.layer_ms()
-    model.layer_hook = None
-    return start.elapsed_time(end), layers
+    try:
+        outer()
+        model.forward(batch)
+        outer()
+        (step,) = outer.elapsed()
+        layers = clock.elapsed()
+    finally:
+        model.layer_hook = None
+    return step, layers
+
+
+def token_ids(model, n, gen):
+    return torch.randint(3, min(500, model.config.vocab_size), (n,), generator=gen).tolist()
+
+
+def decode_blocks(context, extra_tokens):
+    """Blocks per sequence for `context` tokens plus `extra_tokens` decoded ones."""
+    return -(-(context + extra_tokens) // BLOCK_SIZE)
+
+
+def filled_sequences(model, pools, batch, context, blocks_per_seq, gen, fill_gen, banks):
+    """`batch` sequences in `pools` (sequence i: slot i, blocks i*blocks_per_seq ...), each holding `context`
+    tokens written by decode_gpu.fill_step (random valid cache codes at the rows the step metadata names), not by a
+    prefill of the model."""
+    from deepinfer.models import ForwardBatch
+    from deepinfer.models.cache import SequenceCache
+
+    if batch > pools.num_slots or batch * blocks_per_seq > pools.num_blocks:
+        raise ValueError(f"pools of {pools.num_slots} slots / {pools.num_blocks} blocks cannot hold {batch} "
+                         f"sequences of {blocks_per_seq} blocks")
+    states = [SequenceCache(pools, i, range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    fill_step(model, ForwardBatch([token_ids(model, context, gen) for _ in states], states), fill_gen, banks=banks)
+    return states
 
 
 def decode(model, states, steps, warmup, gen):
@@ -93,7 +126,7 @@ def decode(model, states, steps, warmup, gen):
 
     step_ms, layer_ms = [], []
     for s in range(warmup + steps):
-        toks = torch.randint(3, 500, (len(states),), generator=gen).tolist()
+        toks = token_ids(model, len(states), gen)
         ms, layers = timed_forward(model, ForwardBatch([[t] for t in toks], states))
         if s >= warmup:
             step_ms.append(ms)
@@ -108,7 +141,7 @@ def count_syncs(model, states, gen):
 
     from deepinfer.models import ForwardBatch
 
-    toks = torch.randint(3, 500, (len(states),), generator=gen).tolist()
+    toks = token_ids(model, len(states), gen)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -125,16 +158,18 @@ def count_syncs(model, states, gen):
 
 
 def prefill(model, n_tokens, chunk, gen):
-    """A fresh sequence prefilled to n_tokens in chunks; returns (state, [(chunk step ms, layer ms)])."""
+    """A fresh sequence (in pools of its own, freed on return) prefilled by the real model to n_tokens in chunks;
+    returns [(chunk step ms, layer ms)]."""
     from deepinfer.models import ForwardBatch
+    from deepinfer.models.cache import SequenceCache
 
-    state = model.new_state()
+    blocks = decode_blocks(n_tokens, 0)
+    state = SequenceCache(model.allocate_cache(1, blocks, BLOCK_SIZE), 0, range(blocks))
     out = []
     for start in range(0, n_tokens, chunk):
         n = min(chunk, n_tokens - start)
-        ids = torch.randint(3, 500, (n,), generator=gen).tolist()
-        out.append(timed_forward(model, ForwardBatch([ids], [state])))
-    return state, out
+        out.append(timed_forward(model, ForwardBatch([token_ids(model, n, gen)], [state])))
+    return out
 
 
 def floors(roofline, c, n_layers, bw, peak, batch, context, prefill_tokens=0):
@@ -146,10 +181,13 @@ def floors(roofline, c, n_layers, bw, peak, batch, context, prefill_tokens=0):
     return res
 
 
-def main():
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/layer_gpu.json")
     ap.add_argument("--plot", default=None, help="PNG of decode time per layer vs batch beside the roofline")
+    ap.add_argument("--model", choices=("flash", "tiny"), default="flash",
+                    help="flash: synthetic FLASH_REDUCED; tiny: the embedded checkpoint (the CPU test's model)")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (a prefill row per chunk count)")
@@ -159,30 +197,42 @@ def main():
     ap.add_argument("--roofline", default=None)
     ap.add_argument("--torch-kinds", default="", help="op kinds kept on the torch ops in the TileLang run (a,b)")
     ap.add_argument("--quick", action="store_true", help="batches 1 64, context 4096, no torch prefill")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.contexts, a.torch_prefill = [1, 64], [4096], 0
+    return a
 
+
+def main(argv=None) -> int:
+    a = parse(argv)
     from deepinfer.kernels.registry import OpSet
     from deepinfer.models import synthetic
 
+    on_cuda = a.device.startswith("cuda")
+    fast = "tilelang" if on_cuda else "default"  # the backend name of the first op set (torch ops on the CPU)
     roofline = load_roofline(a.roofline)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    bw, peak = ceilings()
+    bw, peak = ceilings(a.device, roofline)
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {peak / 1e12:.0f} TFLOP/s", flush=True)
     t0 = time.time()
-    cfg = synthetic.config()
-    prefs = {"default": ["tilelang-sm90", "torch"], **{k: ["torch"] for k in a.torch_kinds.split(",") if k}}
-    model = synthetic.build_model(cfg, "cuda", torch.bfloat16, backends=prefs)
+    prefs = ({"default": ["tilelang-sm90", "torch"], **{k: ["torch"] for k in a.torch_kinds.split(",") if k}}
+             if on_cuda else ["torch"])
+    model = build(a.model, a.device, prefs)
+    cfg = model.config
+    fill_gen = torch.Generator(model.device).manual_seed(0)
+    banks = {}
     n_layers = cfg.num_hidden_layers
-    tl_ops, ref_ops = model.ops, OpSet.build("cuda", ["torch"])
-    print(f"model built in {time.time() - t0:.0f} s; {torch.cuda.memory_allocated() / 2**30:.1f} GiB; ops: "
+    tl_ops, ref_ops = model.ops, OpSet.build(model.device.type, ["torch"])
+    mem = f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; " if on_cuda else ""
+    print(f"model {a.model} built in {time.time() - t0:.0f} s; {mem}ops: "
           + ", ".join(f"{k}={v}" for k, v in tl_ops.summary().items()), flush=True)
     c = roofline_config(roofline, cfg)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, bf16_flops=peak,
+    meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu",
+                torch=torch.__version__, copy_bw=bw, bf16_flops=peak, model=a.model,
                 time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), cmd=" ".join(sys.argv), host=platform.node(),
-                config=synthetic.FLASH_REDUCED, ops=tl_ops.summary())
+                config=synthetic.FLASH_REDUCED if a.model == "flash" else a.model, ops=tl_ops.summary(),
+                note=FILLED_NOTE, block_size=BLOCK_SIZE)
     rows = []
 
     def flush():
@@ -210,34 +260,46 @@ def main():
         for n in sizes:
             if n:
                 prefill(model, n, n, gen)
-    bases = {}
+    # prefill rows: the real model, one sequence per context
     for ctx in sorted(set(a.contexts)):
         model.use_ops(tl_ops)
-        state, chunks = prefill(model, ctx, a.chunk, gen)
-        bases[ctx] = state
         done = 0
-        for ms, layers in chunks:
+        for ms, layers in prefill(model, ctx, a.chunk, gen):
             n = min(a.chunk, ctx - done)
-            add(dict(mode="prefill", backend="tilelang", batch=1, context=done + n, tokens=n, step_ms=ms,
+            add(dict(mode="prefill", backend=fast, batch=1, context=done + n, tokens=n, step_ms=ms,
                      layer_ms=layers, floor=floors(roofline, c, n_layers, bw, peak, 1, done + n, n)))
             done += n
     if a.torch_prefill:
         model.use_ops(ref_ops)
-        _, chunks = prefill(model, a.torch_prefill, a.chunk, gen)
-        ms, layers = chunks[0]
+        ms, layers = prefill(model, a.torch_prefill, a.chunk, gen)[0]
         n = min(a.chunk, a.torch_prefill)
         add(dict(mode="prefill", backend="torch", batch=1, context=n, tokens=n, step_ms=ms, layer_ms=layers,
                  floor=floors(roofline, c, n_layers, bw, peak, 1, n, n)))
+    if on_cuda:
+        torch.cuda.empty_cache()
 
+    # decode: one set of pools for the largest batch x the largest context (+ the decoded tokens); every cell's
+    # sequences take slots 0..B-1 and their own blocks, their context filled (random valid codes), not prefilled
+    variants = [(fast, tl_ops, a.steps), ("torch", ref_ops, a.torch_steps)]
+    extra = 1 + sum(1 + steps for _, _, steps in variants if steps > 0)  # the sync-count step + warm-up + timed
+    blocks_per_seq = decode_blocks(max(a.contexts), extra)
+    pools = model.allocate_cache(max(a.batches), max(a.batches) * blocks_per_seq, BLOCK_SIZE)
+    meta["decode_pools_bytes"] = pools.nbytes()
+    print(f"decode pools: {max(a.batches)} slots x {blocks_per_seq} blocks of {BLOCK_SIZE}, "
+          f"{pools.nbytes() / 2**30:.2f} GiB ({pools.layout.describe()})", flush=True)
     for ctx in a.contexts:
         for b in a.batches:
-            states = [synthetic.clone_state(bases[ctx]) for _ in range(b)]
-            if b == a.batches[0] and ctx == a.contexts[0]:
+            t0 = time.time()
+            states = filled_sequences(model, pools, b, ctx, blocks_per_seq, gen, fill_gen, banks)
+            if on_cuda:
+                torch.cuda.synchronize()
+            print(f"fill B={b} ctx={ctx}: {time.time() - t0:.1f} s", flush=True)
+            if on_cuda and b == a.batches[0] and ctx == a.contexts[0]:
                 model.use_ops(tl_ops)
                 syncs = count_syncs(model, states, gen)
                 meta["decode_syncs"] = syncs
                 print(f"host-device syncs in one decode step: {sum(syncs.values())} {syncs}", flush=True)
-            for backend, ops, steps in (("tilelang", tl_ops, a.steps), ("torch", ref_ops, a.torch_steps)):
+            for backend, ops, steps in variants:
                 if steps <= 0:
                     continue
                 model.use_ops(ops)
@@ -246,27 +308,32 @@ def main():
                 except torch.OutOfMemoryError as exc:
                     print(f"decode {backend} B={b} ctx={ctx}: out of memory ({str(exc)[:120]})", flush=True)
                     rows.append(dict(mode="decode", backend=backend, batch=b, context=ctx, error="out of memory"))
-                    torch.cuda.empty_cache()
+                    if on_cuda:
+                        torch.cuda.empty_cache()
                     continue
                 add(dict(mode="decode", backend=backend, batch=b, context=ctx, tokens=b, step_ms=ms,
-                         layer_ms=layers, floor=floors(roofline, c, n_layers, bw, peak, b, ctx)))
+                         layer_ms=layers, context_source="filled",
+                         floor=floors(roofline, c, n_layers, bw, peak, b, ctx)))
             del states
-            torch.cuda.empty_cache()
+    del pools
+    if on_cuda:
+        torch.cuda.empty_cache()
     model.use_ops(tl_ops)
-    summarize(rows)
+    summarize(rows, fast)
     flush()
     print("wrote", a.out)
     if a.plot:
         plot(rows, a.plot, n_layers)
         print("wrote", a.plot)
+    return 0
 
 
-def summarize(rows):
+def summarize(rows, fast="tilelang"):
     """Per-layer mean time, fraction of roofline and speedup over torch, decode rows."""
     by = {(r["backend"], r["batch"], r["context"], r["mode"]): r for r in rows if "error" not in r}
-    print("\nmode    B    ctx    | tilelang ms/layer | roofline ms/layer | % roofline | torch ms/layer | speedup")
+    print(f"\nmode    B    ctx    | {fast:>8s} ms/layer | roofline ms/layer | % roofline | torch ms/layer | speedup")
     for (backend, b, ctx, mode), r in sorted(by.items(), key=lambda kv: (kv[0][3], kv[0][2], kv[0][1])):
-        if backend != "tilelang":
+        if backend != fast:
             continue
         n = len(r["layer_ms"])
         t = sum(r["layer_ms"]) / n
@@ -287,7 +354,8 @@ def plot(rows, path, n_layers):
     contexts = sorted({r["context"] for r in dec})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
-        for backend, style in (("tilelang", "o-"), ("torch", "s--")):
+        for backend in sorted({r["backend"] for r in dec}, key=lambda x: x == "torch"):  # TileLang (fast) first
+            style = "s--" if backend == "torch" else "o-"
             pts = sorted((r["batch"], sum(r["layer_ms"]) / n_layers) for r in dec
                          if r["backend"] == backend and r["context"] == ctx)
             if pts:
@@ -308,4 +376,4 @@ def plot(rows, path, n_layers):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

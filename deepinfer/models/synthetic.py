@@ -13,7 +13,6 @@ deepinfer.embedded._init).
 
 from __future__ import annotations
 
-import copy
 import math
 from importlib import resources
 
@@ -146,8 +145,3 @@ def build_model(cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, backends=
     ops = OpSet.build(torch.device(device).type, backends)
     weights = random_weights(cfg, device, dtype, seed, packed_experts, fp8_linears)
     return DeepseekV41Model(cfg, weights, package_tokenizer() if cfg.engram_layer_ids else None, ops, device, dtype)
-
-
-def clone_state(state):
-    """An independent copy of a SequenceState (its tensors copied): many sequences at one context, prefilled once."""
-    return copy.deepcopy(state)
