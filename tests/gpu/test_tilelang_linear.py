@@ -89,7 +89,7 @@ def test_a_row_is_bitwise_the_same_at_every_batch_size_and_position(name):
     out64 = fp8_linear(x64, w)
     for i in (0, 1, 31, 32, 63):  # first/last rows of both 32-token tiles
         assert torch.equal(fp8_linear(x64[i:i + 1].clone(), w)[0], out64[i]), i
-    for m, at in ((3, 0), (256, 100), (1000, 937)):
+    for m, at in ((3, 0), (256, 100), (1000, 936)):
         x = _x(m, k, seed=m)
         rows = min(64, m)
         x[at:at + rows] = x64[:rows]
