@@ -67,19 +67,22 @@ class CountOps(TorchDispatchMode):
 
 def test_the_work_of_a_decode_step_does_not_grow_with_the_batch(model, monkeypatch):
     """Every op covers the whole batch: the op count of a decode step is the same at batch 1 and batch 9 (host
-    packing included). The torch MoE reference loops over the experts a batch touches (the GPU's grouped GEMM is
-    one launch), so it counts as one op here."""
+    packing included). Two torch references branch on data, not on the batch, and count as one op each here: the
+    MoE loops over the experts a batch touches (the GPU's grouped GEMM is one launch) and the top-k sorts a row only
+    when a tie straddles its k-th place (the GPU's radix select never branches)."""
     counter = CountOps()
-    experts = model.ops._fns["moe_experts"]
 
-    def opaque_experts(*args, **kwargs):
-        counter.paused = True
-        try:
-            return experts(*args, **kwargs)
-        finally:
-            counter.paused = False
+    def opaque(fn):
+        def run(*args, **kwargs):
+            counter.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter.paused = False
+        return run
 
-    monkeypatch.setitem(model.ops._fns, "moe_experts", opaque_experts)
+    for kind in ("moe_experts", "index_topk"):
+        monkeypatch.setitem(model.ops._fns, kind, opaque(model.ops._fns[kind]))
     counts = {}
     for batch in (1, 9):
         states = [model.new_state() for _ in range(batch)]

@@ -25,7 +25,7 @@ from .weights import LayerWeights, arrange
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
 STANDALONE_SLOTS = 64
-STANDALONE_TOKENS = 1 << 16
+STANDALONE_TOKENS = 1 << 13  # per slot: every slot can hold this much context at once
 
 
 class DeepseekV41Model:
@@ -93,7 +93,7 @@ class DeepseekV41Model:
         alloc = self._standalone.get(max_rollback)
         if alloc is None:
             block = 64
-            blocks = -(-min(self.config.max_position_embeddings, STANDALONE_TOKENS) // block) * 4
+            blocks = -(-min(self.config.max_position_embeddings, STANDALONE_TOKENS) // block) * STANDALONE_SLOTS
             alloc = StandaloneAllocator(self.allocate_cache(STANDALONE_SLOTS, blocks, block, max_rollback))
             self._standalone[max_rollback] = alloc
         return alloc.new()

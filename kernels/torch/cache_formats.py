@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .quant import FP4_MAX, FP8_MAX, e2m1_codes, e2m1_values
+from .quant import FP4_MAX, FP8_MAX, _on, e2m1_codes, e2m1_values
+
+# byte -> (value of the low nibble, value of the high nibble): an FP4 pair decoded with one gather
+_E2M1_PAIRS = torch.stack([e2m1_values(torch.arange(256) & 15), e2m1_values(torch.arange(256) >> 4)], dim=-1)
 
 
 def _exponent_byte(t: torch.Tensor) -> torch.Tensor:
@@ -87,9 +90,11 @@ class Fp4Codec:
         return codes[..., 0::2] | (codes[..., 1::2] << 4), byte
 
     def decode(self, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+        # [..., width / 2, 2]: one lookup a byte (index_select with int32 ids: several times faster than [] indexing)
+        table = _on(packed.device, "e2m1_pairs", _E2M1_PAIRS)
+        pairs = torch.index_select(table, 0, packed.int().flatten()).view(*packed.shape, 2)
         s = scale.view(torch.float8_e4m3fn).float() if self.e4m3_scales else _exp2_byte(scale)
-        v = e2m1_values(codes).unflatten(-1, (-1, self.block)) * s.unsqueeze(-1)
+        v = pairs.flatten(-2).unflatten(-1, (-1, self.block)) * s.unsqueeze(-1)
         return v.flatten(-2).to(dtype)
 
 

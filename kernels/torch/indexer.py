@@ -12,20 +12,49 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, q_seq: torch.Tensor, weight
     """q [T, h, d]; k [B, G, d] each sequence's keys (padded to G); q_seq [T] the sequence of each query;
     weights [T, h] (already scaled by h^-1/2) -> scores [T, G] fp32: sum_h w[t, h] * relu(q[t, h] . k[g]) * scale.
 
-    The dot products run in float64: the model's q and k are FP4 fake-quantised (e2m1 x 2^k), whose products and
-    sums float64 holds exactly, so a score does not depend on the summation order, the key count or the batch."""
+    The dot products are order-free (`_dots`): the model's q and k are FP4 fake-quantised (e2m1 x 2^k), so a score
+    does not depend on the summation order, the key count or the batch."""
     T, h, d = q.shape
+    B, G = k.shape[0], k.shape[1]
+    if q.device.type == "cpu" and T == B and torch.equal(q_seq, torch.arange(B)):  # one query per sequence: no gather
+        return _weighted(_dots(q, k), weights, softmax_scale)
     out = []
     for a in range(0, T, QUERY_CHUNK):
         b = min(T, a + QUERY_CHUNK)
-        keys = k[q_seq[a:b]].double()  # [t, G, d]
-        dots = torch.bmm(q[a:b].double(), keys.transpose(1, 2)).float()  # [t, h, G]
-        out.append((dots.relu_() * softmax_scale * weights[a:b].float().unsqueeze(-1)).sum(dim=1))
-    return torch.cat(out) if out else q.new_zeros(0, k.shape[1], dtype=torch.float32)
+        out.append(_weighted(_dots(q[a:b], k[q_seq[a:b]]), weights[a:b], softmax_scale))
+    return torch.cat(out) if out else q.new_zeros(0, G, dtype=torch.float32)
+
+
+def _dots(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [n, h, d] . k [n, G, d] -> [n, h, G], order-free: per 32-channel block in fp32 (FP4 values share a
+    power-of-two scale inside a block, so a block's products and sums are small integers times one power of two,
+    exact in any order), the blocks then added in a fixed order; other widths in float64."""
+    n, h, d = q.shape
+    if d % 32:
+        return torch.bmm(q.double(), k.double().transpose(1, 2)).float()
+    nb = d // 32
+    qb = q.float().view(n, h, nb, 32).transpose(1, 2).reshape(n * nb, h, 32)
+    kb = k.float().view(n, -1, nb, 32).transpose(1, 2).reshape(n * nb, -1, 32)
+    parts = torch.bmm(qb, kb.transpose(1, 2)).view(n, nb, h, -1)
+    out = parts[:, 0]
+    for j in range(1, nb):  # fixed order: block 0, 1, ...
+        out = out + parts[:, j]
+    return out
+
+
+def _weighted(dots: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """sum_h w[., h] * relu(dots[., h, g]) * scale, in fp32, in head order."""
+    return (dots.relu_() * softmax_scale * weights.float().unsqueeze(-1)).sum(dim=1)
 
 
 def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest per row, ties to the lowest index (a stable sort): the same choice at any row width."""
+    """The k largest per row, ties to the lowest index (a stable sort): the same choice at any row width. Callers
+    use the chosen *set*, which only a tie across the k-th place can make ambiguous: on the CPU a top-(k+1) shows
+    whether any row has one (a finite one: -inf picks are dropped anyway), and only then is the row sorted."""
+    if values.device.type == "cpu" and 0 < k < values.shape[-1]:
+        v, i = values.topk(k + 1, dim=-1)
+        if not bool(((v[..., k - 1] == v[..., k]) & (v[..., k] > float("-inf"))).any()):
+            return v[..., :k], i[..., :k]
     v, i = torch.sort(values, dim=-1, descending=True, stable=True)
     return v[..., :k], i[..., :k]
 
