@@ -136,7 +136,8 @@ class Attention:
                 rows = torch.full((T, cfg.index_topk), -1, dtype=torch.int64, device=q.device)
             chosen = L.cmp_codec.decode(*(p[rows.clamp_min(0)] for p in pools.compressed[self.source]), dtype=kv.dtype)
             keys, valid = torch.cat([keys, chosen], 1), torch.cat([valid, rows >= 0], 1)
-        keys = torch.where(valid[..., None], keys, 0)  # a masked slot must not carry a stale row's value
+        # masked slots keep whatever row they point at: every pool row holds a decoded finite value (pools start
+        # zeroed and are written only through the codecs), and a -inf bias gives it a weight of exactly 0
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
         out = ops.sink_attention(q, keys, bias, self.w.attn_sink, self.scale)
         for part, new in zip(ring, kv_parts):  # after the read: a long chunk's writes may reuse rows it read

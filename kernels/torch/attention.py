@@ -40,6 +40,5 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
         rows = sel.long().clamp_min(0)
         chosen = Fp4Codec(16, True).decode(cmp_kv[rows], cmp_scale[rows], q.dtype)
         keys, valid = torch.cat([keys, chosen], 1), torch.cat([valid, sel >= 0], 1)
-    keys = torch.where(valid[..., None], keys, 0)
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
     return sink_attention(q, keys, bias, sink, scale)

@@ -16,6 +16,7 @@ import torch
 
 from .quant import FP4_MAX, FP8_MAX, _on, e2m1_codes, e2m1_values
 
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # byte -> value (NaN codes too)
 # byte -> (value of the low nibble, value of the high nibble): an FP4 pair decoded with one gather
 _E2M1_PAIRS = torch.stack([e2m1_values(torch.arange(256) & 15), e2m1_values(torch.arange(256) >> 4)], dim=-1)
 
@@ -63,7 +64,9 @@ class Fp8Codec:
         return q.view(torch.uint8).flatten(-2), byte
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        v = codes.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, self.block))
+        # a 256-entry table gathered with int32 ids: ~6x faster than torch's e4m3 -> fp32 conversion on the CPU
+        table = _on(codes.device, "e4m3", _E4M3)
+        v = torch.index_select(table, 0, codes.int().flatten()).view(codes.shape).unflatten(-1, (-1, self.block))
         return (v * _exp2_byte(scale).unsqueeze(-1)).flatten(-2).to(dtype)
 
 

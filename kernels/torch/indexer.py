@@ -8,21 +8,47 @@ QUERY_CHUNK = 256
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, q_seq: torch.Tensor, weights: torch.Tensor,
-                   softmax_scale: float) -> torch.Tensor:
+                   softmax_scale: float, visible: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, h, d]; k [B, G, d] each sequence's keys (padded to G); q_seq [T] the sequence of each query;
     weights [T, h] (already scaled by h^-1/2) -> scores [T, G] fp32: sum_h w[t, h] * relu(q[t, h] . k[g]) * scale.
+    With `visible` [T] (entries each query may see), scores past it may be left -inf (the top-k ignores them).
 
     The dot products are order-free (`_dots`): the model's q and k are FP4 fake-quantised (e2m1 x 2^k), so a score
     does not depend on the summation order, the key count or the batch."""
     T, h, d = q.shape
     B, G = k.shape[0], k.shape[1]
-    if q.device.type == "cpu" and T == B and torch.equal(q_seq, torch.arange(B)):  # one query per sequence: no gather
-        return _weighted(_dots(q, k), weights, softmax_scale)
-    out = []
+    if q.device.type == "cpu":
+        return _scores_by_segment(q, k, q_seq, weights, softmax_scale, visible)
+    out = []  # on a device: no host read of q_seq (a CUDA graph may be capturing); each query gathers its keys
     for a in range(0, T, QUERY_CHUNK):
         b = min(T, a + QUERY_CHUNK)
         out.append(_weighted(_dots(q[a:b], k[q_seq[a:b]]), weights[a:b], softmax_scale))
     return torch.cat(out) if out else q.new_zeros(0, G, dtype=torch.float32)
+
+
+def _scores_by_segment(q, k, q_seq, weights, softmax_scale, visible=None):
+    """CPU: a sequence's queries are contiguous. Sequences with one query (decode rows) are scored together in one
+    batched product over their own keys; a sequence with several (a prefill chunk) in one product against its keys
+    (only as many as its last query sees, when `visible` says), so no key is copied per query. A decode step's work
+    does not depend on how many sequences it holds."""
+    T, h, _ = q.shape
+    out = torch.full((T, k.shape[1]), float("-inf")) if visible is not None else torch.empty(T, k.shape[1])
+    ids, counts = torch.unique_consecutive(q_seq, return_counts=True)
+    ends = torch.cumsum(counts, 0)
+    single = counts == 1
+    if bool(single.any()):
+        rows = (ends - 1)[single]
+        out[rows] = _weighted(_dots(q[rows], k[ids[single]]), weights[rows], softmax_scale)
+    for seq, n, end in zip(ids[~single].tolist(), counts[~single].tolist(), ends[~single].tolist()):
+        a = end - n
+        g = k.shape[1] if visible is None else int(visible[end - 1])  # a chunk's last query sees the most
+        rows, keys = q[a:end].reshape(n * h, -1), k[seq, :g]
+        if rows.shape[1] == 32:  # one block: a plain GEMM (CPU bmm with a batch of one takes a much slower path)
+            dots = torch.mm(rows.float(), keys.float().t()).view(n, h, -1)
+        else:
+            dots = _dots(rows[None], keys[None]).view(n, h, -1)
+        out[a:end, :g] = _weighted(dots, weights[a:end], softmax_scale)
+    return out
 
 
 def _dots(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -104,6 +130,6 @@ def indexer_scores_fp4(q, q_seq, visible, k, k_scale, weights, softmax_scale):
     from .cache_formats import Fp4Codec
 
     keys = Fp4Codec(32, False).decode(k, k_scale, torch.float32)
-    scores = indexer_scores(q, keys, q_seq.long(), weights, softmax_scale)
+    scores = indexer_scores(q, keys, q_seq.long(), weights, softmax_scale, visible.long())
     G = scores.shape[1]
     return scores.masked_fill(torch.arange(G, device=q.device)[None, :] >= visible.long()[:, None], float("-inf"))
