@@ -257,10 +257,16 @@ def make_summary(llm, outputs, load_s: float, gen_s: float, overrides: list[str]
         "tokens_per_s": round(generated / gen_s, 2) if gen_s > 0 else None,
         "first_text": outputs[0].text if outputs else "",
         "outputs": str(out_path),
+        # the engine process's counters: per-call fallbacks to torch, JIT compiles; decode steps graph-replayed
+        "kernels": (llm.last_metrics or {}).get("kernels"),
+        "steps": (llm.last_metrics or {}).get("steps"),
+        "graph_steps": (llm.last_metrics or {}).get("graph_steps"),
     }
 
 
 def print_summary(s: dict) -> None:
+    from deepinfer.engine.metrics import kernel_lines
+
     by_backend: dict[str, list[str]] = {}
     for kind, backend in s["ops"].items():
         by_backend.setdefault(backend, []).append(kind)
@@ -275,6 +281,9 @@ def print_summary(s: dict) -> None:
     ]
     if s["fallbacks"]:
         lines.append(("fallbacks", "; ".join(f"{k}: {v}" for k, v in s["fallbacks"].items())))
+    lines += kernel_lines(s.get("kernels"))
+    if s.get("device") == "cuda" and s.get("steps"):
+        lines.append(("graphs", f"{s.get('graph_steps') or 0} of {s['steps']} steps replayed a CUDA graph"))
     lines += [
         ("requests", f"{s['requests']} ({s['errors']} errors)"),
         ("tokens", f"{s['prompt_tokens']} prompt, {s['generated_tokens']} generated"),
