@@ -111,6 +111,7 @@ def test_state_accounting_reports_growth_and_frees():
     before = st.nbytes()
     m.forward(ForwardBatch([list(range(3, 200))], [st]))
     assert st.nbytes() > before
-    assert m.cache_bytes_per_token() > 0 and m.cache_fixed_bytes() > 0
+    layout = m.cache_layout()
+    assert layout.bytes_per_token() > 0 and layout.slot_bytes() > 0
     st.free()
     assert st.nbytes() == 0

@@ -98,14 +98,6 @@ class DeepseekV41Model:
             self._standalone[max_rollback] = alloc
         return alloc.new()
 
-    def cache_bytes_per_token(self, block_size: int = 64) -> float:
-        """Bytes of cache that grow with context: compressed KV and indexer keys of each source, as stored."""
-        return self.cache_layout(block_size).bytes_per_token()
-
-    def cache_fixed_bytes(self, max_rollback: int = 0) -> int:
-        """Bytes of cache per sequence whatever its length: window rings, open groups, Engram history."""
-        return self.cache_layout(64, max_rollback).slot_bytes()
-
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -117,8 +109,7 @@ class DeepseekV41Model:
         if any(st.pools is not pools for st in batch.states):
             raise ValueError("ForwardBatch: every sequence of a step must live in the same cache pools")
         for st, ids in zip(batch.states, batch.token_ids):
-            if st._allocator is not None:
-                st._allocator.grow(st, st.num_tokens + len(ids))
+            st.reserve(st.num_tokens + len(ids))
         host = pack_step(batch.token_ids, batch.states, pools.layout, self.device, all_logits=batch.all_logits)
         logits = self.run(derive(host, pools), pools)
         for st, n in zip(batch.states, host.lengths):

@@ -134,6 +134,12 @@ class SequenceCache:
     def capacity(self) -> int:
         return len(self.blocks) * self.pools.layout.block_size
 
+    def reserve(self, num_tokens: int) -> None:
+        """Blocks for `num_tokens` of context: a standalone sequence takes them now; an engine's sequence already
+        holds what the CacheManager reserved (a shortfall is an error when the step is packed)."""
+        if self._allocator is not None:
+            self._allocator.grow(self, num_tokens)
+
     def rollback(self, n: int) -> None:
         """Forget the last n tokens (n <= max_rollback). Every cache is addressed by position, so moving the
         token count back is the whole undo: later writes overwrite what the forgotten tokens left behind."""
