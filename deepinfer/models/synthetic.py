@@ -141,7 +141,8 @@ def _fp8_values(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def build_model(cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, backends=None, seed: int = 0,
-                packed_experts: bool = True, fp8_linears: bool | None = None) -> DeepseekV41Model:
-    ops = OpSet.build(torch.device(device).type, backends)
+                packed_experts: bool = True, fp8_linears: bool | None = None,
+                batch_invariant: bool = False) -> DeepseekV41Model:
+    ops = OpSet.build(torch.device(device).type, backends, batch_invariant=batch_invariant)
     weights = random_weights(cfg, device, dtype, seed, packed_experts, fp8_linears)
     return DeepseekV41Model(cfg, weights, package_tokenizer() if cfg.engram_layer_ids else None, ops, device, dtype)
