@@ -241,6 +241,17 @@ def run_decode(engine, tap, batch: int, context: int, warmup: int, steps: int, v
     return decode[warmup: warmup + steps], all_steps, engine.last_metrics, fallbacks, errors
 
 
+def portable_json(obj) -> str:
+    """JSON for benchmarks/results/: the machine's own paths (the device's $OUT, the JIT cache, the checkout)
+    written as the names the README's commands use, so a result reads the same wherever it was made."""
+    text = json.dumps(obj, indent=1, default=str)
+    for var in ("OUT", "DEEPINFER_JIT_CACHE_DIR", "TILELANG_CACHE_DIR"):
+        value = os.environ.get(var)
+        if value and len(value) > 1:
+            text = text.replace(value.rstrip("/"), f"${var}")
+    return text.replace(os.getcwd().rstrip("/") + "/", "")
+
+
 def profile_decode(engine, tap, batch: int, context: int, vocab: int, steps: int = 4) -> dict:
     """Kernel time of one decode step (graphs replay their kernels individually under CUPTI): a short run of the
     same cell under torch.profiler; per-kernel CUDA time summed over the run's decode steps, divided by their
@@ -418,7 +429,7 @@ def main(argv=None) -> int:
         meta["kernels"] = kernel_stats()
         meta["wall_s"] = time.time() - t_start
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, failures=failures), f, indent=1, default=str)
+            f.write(portable_json(dict(meta=meta, rows=rows, failures=failures)))
 
     # Prefill: the real model. The first, untimed, compiles every kernel variant the timed chunks use.
     model.use_ops(fast_ops)

@@ -40,7 +40,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from decode_gpu import build, ceilings, fill_step, roofline_config  # noqa: E402
+from decode_gpu import build, ceilings, fill_step, portable_json, roofline_config  # noqa: E402
 
 ROOFLINE_PATHS = (HERE.parent.parent / "shared" / "tools" / "roofline.py", HERE.parent / ".devtools" / "roofline.py",
                   HERE / "roofline.py")
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     def flush():
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            f.write(portable_json(dict(meta=meta, rows=rows)))
 
     def add(row):
         rows.append(row)

@@ -66,7 +66,7 @@ class DecodeGraphs:
         base = {k: v[:size] for k, v in self.inputs.items()}
         base["table"] = self.inputs["table"][:size, :width]
         entries = {src.ratio: width * src.per_block for src in self.pools.layout.sources.values()}
-        return HostStep(size, size, [1] * size, [0] * size, list(range(size)), True, width, entries, base)
+        return HostStep([1] * size, True, entries, base)
 
     def _pad(self, start: int, end: int) -> None:
         i = self.inputs

@@ -31,21 +31,15 @@ def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
 class HostStep:
     """What the host knows about a step (plain ints), and the base tensors it copies to the device."""
 
-    num_tokens: int
-    num_seqs: int
-    lengths: list[int]
-    past: list[int]
-    starts: list[int]
-    decode_only: bool
-    max_blocks: int
+    lengths: list[int]  # new tokens of each sequence
+    decode_only: bool  # every sequence brings one token
     max_entries: dict[int, int]  # ratio -> entries the widest sequence holds after the step
     base: dict[str, torch.Tensor]  # on the device: ids, positions, tok_seq, slots, past, lengths, table
 
 
-def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, max_blocks: int | None = None,
-              all_logits: bool = False) -> HostStep:
-    """The base tensors of a step; `max_blocks` fixes the block-table width (a captured graph's), `all_logits`
-    keeps every row's logits (else the last row of each sequence: base["last"])."""
+def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all_logits: bool = False) -> HostStep:
+    """The base tensors of a step (a captured graph fills its own static ones); `all_logits` keeps every row's
+    logits (else the last row of each sequence: base["last"])."""
     lengths = [len(t) for t in token_ids]
     past = [s.num_tokens for s in seqs]
     starts, acc = [], 0
@@ -56,7 +50,7 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, max
         if p + n > s.capacity:
             raise ValueError(f"sequence in slot {s.slot} holds {len(s.blocks)} blocks ({s.capacity} tokens); "
                              f"the step needs {p + n}")
-    mb = max_blocks if max_blocks is not None else max(1, max(len(s.blocks) for s in seqs))
+    mb = max(1, max(len(s.blocks) for s in seqs))
     table = torch.tensor([s.blocks[:mb] + [0] * (mb - len(s.blocks)) for s in seqs], dtype=torch.int64)
     ratios = {src.ratio for src in layout.sources.values()}
     max_entries = {r: max((p + n) // r for p, n in zip(past, lengths)) for r in ratios}
@@ -71,7 +65,7 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, max
     }
     if not all_logits:
         base["last"] = to_device([st + n - 1 for st, n in zip(starts, lengths)], device)
-    return HostStep(acc, len(seqs), lengths, past, starts, all(n == 1 for n in lengths), mb, max_entries, base)
+    return HostStep(lengths, all(n == 1 for n in lengths), max_entries, base)
 
 
 @dataclass

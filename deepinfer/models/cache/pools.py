@@ -70,10 +70,6 @@ class CacheLayout:
         groups = sum(src.open_rows * 2 * self.head_dim * 4 for src in self.sources.values())
         return win + groups + 8 * self.ngram_rows
 
-    def min_bytes_per_token(self) -> float:
-        """The format's minimum: compressed KV (e2m1 + e4m3/16) and indexer keys (e2m1 + ue8m0/32) per entry."""
-        return self.bytes_per_token()  # pools store exactly the format, no padding inside a row
-
     def describe(self) -> str:
         return (f"window {self.win_codec.name} x{self.ring} rows/slot, compressed KV {self.cmp_codec.name}, "
                 f"indexer keys {self.key_codec.name}: {self.bytes_per_token():.1f} B/token + "
