@@ -37,6 +37,9 @@ class RequestUpdate:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     prompt_logprobs: list | None = None  # once, with the first token, when the params ask for them
+    # speculative decoding (DSpark): drafts verified in this update's step and how many of them were accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def _kernel_stats() -> dict:
@@ -61,6 +64,10 @@ class StepStats:
     prepare_s: float  # runner-side Python: batch inputs and sampler rows (inside the device interval)
     cache_utilization: float
     graph: bool = False  # the forward replayed a captured CUDA graph
+    num_draft_tokens: int = 0  # DSpark drafts verified in this step
+    num_accepted_tokens: int = 0  # of which accepted
+    accepted_lengths: list = field(default_factory=list)  # per verifying request: drafts accepted (histogram input)
+    replay_rows_saved: int = 0  # YOCO compact: decoder-layer rows not computed in this step's prefill
     # the engine process's kernel counters so far (per-call torch fallbacks, JIT compiles / cache hits / seconds),
     # read where the step is recorded: deepinfer.kernels.registry.kernel_stats
     kernels: dict = field(default_factory=_kernel_stats)
