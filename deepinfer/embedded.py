@@ -7,7 +7,9 @@ through the same loader as a real checkpoint:
   - FP8 e4m3 projections with one ue8m0 scale per 32x32 block; FP4 e2m1 routed experts (two codes per byte,
     low nibble = even column) with one ue8m0 scale per row and 32 columns; FP8 Engram tables with per-row,
     per-32-channel ue8m0 scales; F32 for the mHC parameters, attention sinks and router biases; BF16 for the rest;
-  - tokenizer.json: the package's byte-level BPE (vocab 512, BOS 0 / EOS 1 / PAD 2).
+  - tokenizer.json: the package's byte-level BPE (512 ids, BOS 0 / EOS 1 / PAD 2) plus DeepSeek-V4.1's chat special
+    tokens at 512..527 (`<think>`, `</think>`, `<｜User｜>`, `<｜Assistant｜>`, `｜DSML｜`, ...: the spellings
+    deepseek_recipe renders), so chat prompts render and encode on it offline (vocab 528).
 The tensor list comes from the loader's own table (deepinfer.models.loading.expected_tensors), so the two cannot
 disagree. The hash covers the config, the tokenizer, the seed and BUILD_VERSION: change any and a new directory
 is built next to the old one.
@@ -36,7 +38,7 @@ NAMES = ("tiny",)
 #   6 ratio-1 Reindex (own indexer query, keys and candidates from 4) | 7 ratio-1 reuse
 TEXT_CONFIG = {
     "model_type": "deepseek_v41_text",
-    "vocab_size": 512,
+    "vocab_size": 528,  # 512 BPE ids + 16 chat special tokens (tokenizer.json's added_tokens)
     "hidden_size": 128,
     "num_hidden_layers": 8,
     "num_attention_heads": 4,
@@ -85,7 +87,7 @@ TEXT_CONFIG = {
     "engram_n_heads": 4,
     "engram_head_dim": 32,
     "engram_pad_id": 2,
-    "engram_compressed_vocab_size": 406,  # what the shipped tokenizer's normalised vocabulary has (spec §4.9)
+    "engram_compressed_vocab_size": 422,  # what the shipped tokenizer's normalised vocabulary has (spec §4.9)
     "num_nextn_predict_layers": 0,
     "hidden_act": "silu",
     "attention_bias": False,

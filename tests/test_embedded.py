@@ -58,11 +58,11 @@ def test_config_is_the_released_composite_format_with_every_layer_role(built):
     assert any(c.compress_ratios[i] == 2 and i not in c.kv_source_layer_ids for i in range(c.num_hidden_layers))
     reindex = [s for s in c.index_source_layer_ids if s not in c.kv_source_layer_ids]
     assert reindex, "a Reindex layer: an index source that is not a KV source"
-    assert len(c.engram_layer_ids) == 2 and c.engram_compressed_vocab_size == 406
+    assert len(c.engram_layer_ids) == 2 and c.engram_compressed_vocab_size == 422
     assert list(c.engram_num_embeddings) == embedded.engram_table_rows(
         c.engram_vocab_size, 2, c.engram_max_ngram_size, c.engram_n_heads
     )
-    assert c.hc_mult == 4 and c.index_n_heads == 16 and c.sliding_window == 16 and c.vocab_size == 512
+    assert c.hc_mult == 4 and c.index_n_heads == 16 and c.sliding_window == 16 and c.vocab_size == 528
     assert c.head_dim % 32 == 0 and c.index_head_dim % 32 == 0 and c.max_position_embeddings >= 4096
 
 
