@@ -190,25 +190,59 @@ def materialize(name: str = "tiny") -> Path:
 
 
 def write_checkpoint(out: Path) -> None:
+    cfg = config_json()
+    write_release(out, cfg, _tokenizer_bytes(), random_weights(cfg))
+
+
+def write_release(out: Path, cfg: dict, tokenizer_json: bytes, weights: dict[str, torch.Tensor]) -> None:
+    """Any V4.1 text checkpoint into `out` in the released layout: config.json, tokenizer.json and
+    model.safetensors with `weights` (canonical name -> dense fp32 values) stored by `release_tensors`. The embedded
+    random model and tools/train_default_model.py both write through here."""
     from safetensors.torch import save_file
 
-    cfg = config_json()
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "tokenizer.json").write_bytes(_tokenizer_bytes())
-    save_file(build_tensors(cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "tokenizer.json").write_bytes(tokenizer_json)
+    save_file(release_tensors(cfg, weights), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def build_tensors(cfg: dict) -> dict[str, torch.Tensor]:
-    """Random weights in the released storage formats, drawn in sorted-name order from one seeded CPU generator."""
+    """Random weights in the released storage formats."""
+    return release_tensors(cfg, random_weights(cfg))
+
+
+def random_weights(cfg: dict) -> dict[str, torch.Tensor]:
+    """Dense random values for every tensor the config implies, drawn in sorted-name order from one seeded CPU
+    generator."""
+    from deepinfer.models.config import ModelConfig
+    from deepinfer.models.loading import tensors as kinds
+
+    model_cfg = ModelConfig.from_dict(cfg)
+    gen = torch.Generator().manual_seed(SEED)
+    return {name: _init(name, spec.shape, model_cfg.hidden_size, gen)
+            for name, spec in sorted(kinds.expected_tensors(model_cfg).items())}
+
+
+def release_tensors(cfg: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Dense values -> the tensors a released checkpoint stores, by the loader's own table: FP8 e4m3 projections
+    with 32x32 ue8m0 block scales, FP4 e2m1 experts with per-row ue8m0 scales per 32 columns, FP8 Engram rows, F32
+    for the mHC parameters / sinks / router biases, BF16 for the rest. Every required tensor must be given at its
+    logical shape (optional ones may be left out); anything else is an error, not silently dropped."""
     from deepinfer.models.config import ModelConfig
     from deepinfer.models.loading import tensors as kinds
     from deepinfer.models.loading.names import keeps_float32, scale_sibling
 
-    model_cfg = ModelConfig.from_dict(cfg)
-    gen = torch.Generator().manual_seed(SEED)
+    specs = kinds.expected_tensors(ModelConfig.from_dict(cfg))
+    missing = sorted(n for n, s in specs.items() if n not in weights and not s.optional)
+    unexpected = sorted(set(weights) - set(specs))
+    if missing or unexpected:
+        raise ValueError(f"release_tensors: missing {missing[:10]}, unexpected {unexpected[:10]}")
     out: dict[str, torch.Tensor] = {}
-    for name, spec in sorted(kinds.expected_tensors(model_cfg).items()):
-        w = _init(name, spec.shape, model_cfg.hidden_size, gen)
+    for name, spec in sorted(specs.items()):
+        if name not in weights:
+            continue
+        w = weights[name].detach().float().cpu()
+        if tuple(w.shape) != tuple(spec.shape):
+            raise ValueError(f"release_tensors: {name} has shape {tuple(w.shape)}, expected {spec.shape}")
         if kinds.FP4_ROWS in spec.allowed:
             out[name], out[scale_sibling(name)] = quantize_fp4_rows(w)
         elif kinds.FP8_BLOCK in spec.allowed:
@@ -271,7 +305,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
 
     rows, cols = w.shape
     pr, pc = -(-rows // block) * block, -(-cols // block) * block
-    padded = torch.zeros(pr, pc)
+    padded = w.new_zeros(pr, pc, dtype=torch.float32)  # on w's device: training quantises in its forward
     padded[:rows, :cols] = w
     amax = padded.view(pr // block, block, pc // block, block).abs().amax(dim=(1, 3))
     scale = _pow2_scale(amax, FP8_MAX)
