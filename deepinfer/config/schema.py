@@ -219,6 +219,24 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True)
+class ServeSettings:
+    """`serve=offline` (the default: run prompts, write outputs) or `serve=openai` (the HTTP server,
+    deepinfer/serving). The server keys are read only by the server."""
+
+    name: str = setting("offline", allowed=("offline", "openai"))
+    host: str = "127.0.0.1"  # loopback: exposing the server is an explicit choice (serve.host=0.0.0.0)
+    port: int = setting(8000, allowed=up_to(0, 65535))  # 0: any free port (printed at start)
+    # requests accepted beyond engine.max_num_seqs; one more is answered 429 (the bound keeps memory and latency
+    # bounded under overload instead of queueing without limit)
+    max_queued_requests: int = setting(1024, allowed=up_to(0, 1 << 20))
+    served_model_name: Optional[str] = None  # the name /v1/models lists and requests use; null: DeepSeek-V4.1-Flash
+    default_thinking: bool = True  # thinking mode of chat requests that do not say ("thinking": {"type": ...})
+    # seconds uvicorn waits for open streams after SIGTERM/Ctrl-C before closing them
+    shutdown_timeout: float = setting(5.0, allowed=MAX_SECONDS)
+    log_level: str = setting("warning", allowed=("critical", "error", "warning", "info", "debug"))
+
+
+@dataclass(frozen=True)
 class Settings:
     """The whole resolved configuration. Top-level run keys drive the CLI."""
 
@@ -232,6 +250,7 @@ class Settings:
     cache: CacheSettings = field(default_factory=CacheSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    serve: ServeSettings = field(default_factory=ServeSettings)
     recipe: Optional[str] = None  # set by recipes/*.yaml, named in errors and the summary
     prompts: Optional[List[str]] = None  # CLI: prompts to run (default: a few built-in ones)
     input_path: Optional[str] = None  # CLI: a .jsonl file of {"prompt": ...} lines
