@@ -1,22 +1,20 @@
-"""Objects the reliability tests send into an engine-core process (importable there through PYTHONPATH)."""
+"""Backends the reliability tests start an engine-core process with (deepinfer.engine.ImportedBackend: importable
+there through PYTHONPATH)."""
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
-
-from deepinfer.sampling import SamplingParams
 
 
-@dataclass
-class StallingParams(SamplingParams):
-    """Valid params whose fields, read in any process but the one that made them, block for an hour: a step
-    loop stuck in a call that never returns, while the rest of the process (its heartbeat thread) runs on."""
+def stalling_backend(model: str):
+    """The real model, except that every forward blocks for an hour: a step loop stuck in a call that never
+    returns, while the rest of the process (its heartbeat thread) runs on."""
+    from deepinfer.engine import ModelDirBackend
 
-    made_in: int = field(default_factory=os.getpid)
+    backend = ModelDirBackend(model)()
 
-    def __getattribute__(self, name):
-        if name != "made_in" and not name.startswith("__") and os.getpid() != object.__getattribute__(self, "made_in"):
-            time.sleep(3600)
-        return object.__getattribute__(self, name)
+    def stall(batch):
+        time.sleep(3600)
+
+    backend.prefill = backend.decode = stall
+    return backend

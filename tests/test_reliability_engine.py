@@ -88,14 +88,14 @@ def test_a_stopped_core_is_reported_even_while_generate_is_waiting_for_tokens():
 
 
 def test_a_step_loop_stuck_while_the_heartbeat_runs_is_reported_within_the_step_deadline(monkeypatch):
-    from reliability_helpers import StallingParams
+    from deepinfer.engine import ImportedBackend
 
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
-    eng = engine(step_timeout_s=2.0)
+    eng = LLMEngine(ImportedBackend("reliability_helpers:stalling_backend", (MODEL,)),
+                    EngineOptions(process="subprocess", memory_budget=1 << 22, step_timeout_s=2.0))
     try:
-        took, exc = timed(lambda: eng.generate([PROMPT], StallingParams(temperature=0, max_tokens=4),
-                                               use_tqdm=False))
+        took, exc = timed(lambda: eng.generate([PROMPT], greedy(), use_tqdm=False))
         assert exc is not None and took < 2.0 + 3.0
         assert "step loop" in str(exc) and "it is hung" in str(exc)
     finally:
@@ -190,13 +190,14 @@ def test_llm_answers_a_malformed_prompt_alone_and_takes_the_heartbeat_deadline_f
 
 def test_a_frame_is_accepted_only_with_the_key_the_senders_label_and_a_new_sequence_number():
     from deepinfer.engine.ipc import CORE, FRONTEND, Signer, Verifier, new_key
+    from deepinfer.engine.messages import TO_CORE, Abort
 
     key = new_key()
-    core_in = Verifier(key, FRONTEND)
-    frame = Signer(key, FRONTEND).pack(("add", [1]))
-    assert core_in.unpack(frame) == ("add", [1])
+    core_in = Verifier(key, FRONTEND, TO_CORE)
+    frame = Signer(key, FRONTEND).pack(Abort([1]))
+    assert core_in.unpack(frame) == Abort([1])
     assert core_in.unpack(frame) is None  # replayed
-    assert core_in.unpack(Signer(new_key(), FRONTEND).pack(("add", [2]))) is None  # another key
-    assert core_in.unpack(Signer(key, CORE).pack(("add", [3]))) is None  # the core's own message reflected back
+    assert core_in.unpack(Signer(new_key(), FRONTEND).pack(Abort([2]))) is None  # another key
+    assert core_in.unpack(Signer(key, CORE).pack(Abort([3]))) is None  # the core's own message reflected back
     assert core_in.unpack(b"short") is None
     assert core_in.rejected == 4

@@ -29,7 +29,7 @@ def test_greedy_below_1e_5_temperature():
         ({"temperature": float("nan")}, "SamplingParams.temperature=nan is out of range"),
         ({"top_k": 0}, "SamplingParams.top_k=0 is out of range; allowed: -1 (off) or an integer >= 1"),
         ({"min_p": 1.5}, "SamplingParams.min_p=1.5 is out of range; allowed: [0, 1]"),
-        ({"max_tokens": 0}, "SamplingParams.max_tokens=0 is out of range; allowed: an integer >= 1"),
+        ({"max_tokens": -1}, "SamplingParams.max_tokens=-1 is out of range; allowed: an integer >= 1"),
         ({"min_tokens": 17}, "SamplingParams.min_tokens=17 is out of range; allowed: an integer in [0, max_tokens=16]"),
         ({"presence_penalty": 3}, "SamplingParams.presence_penalty=3 is out of range; allowed: [-2, 2]"),
         ({"frequency_penalty": -2.5}, "SamplingParams.frequency_penalty=-2.5 is out of range; allowed: [-2, 2]"),

@@ -45,6 +45,16 @@ def resolve(cfg: DictConfig, found: hw.Found | None = None) -> Settings:
     return settings
 
 
+def rebuild(data: dict) -> Settings:
+    """Settings that were resolved elsewhere and sent as plain data (msgspec.to_builtins: the engine core's
+    start-up message): field types checked by msgspec against the schema, keys and ranges by the same builder as
+    `resolve`, lists back to tuples. Hardware, dtypes and memory are already concrete: nothing is resolved twice."""
+    import msgspec
+
+    msgspec.convert(data, Settings)  # types (a ValidationError names the path)
+    return _build(Settings, data, "")
+
+
 def with_model_limits(settings: Settings, max_position_embeddings: int) -> Settings:
     """engine.max_model_len null -> the model's limit; a larger explicit value is an error."""
     limit = settings.engine.max_model_len
@@ -55,6 +65,28 @@ def with_model_limits(settings: Settings, max_position_embeddings: int) -> Setti
         )
     engine = dataclasses.replace(settings.engine, max_model_len=limit or max_position_embeddings)
     return dataclasses.replace(settings, engine=engine)
+
+
+def max_backtracking_tokens(decoding) -> int:
+    """The most tokens the engine may roll back (DeepInfer: max(DEEPINFER_MAX_BACKTRACKING_TOKENS, drafts + 1));
+    1 with plain decoding. Read with getattr: the DSpark settings may be absent from DecodingSettings."""
+    drafts = getattr(decoding, "num_draft_tokens", 0) or 0
+    return max(getattr(decoding, "max_backtracking_tokens", 0) or 0, drafts + 1)
+
+
+def check_replay_fits(settings: Settings, sliding_window: int) -> None:
+    """YOCO: K >= the model's sliding window + max backtracking tokens, so that after a rollback every decoder
+    layer's window still lies in rows that were replayed (MODEL_V41_SPEC.md §7)."""
+    y = settings.yoco
+    if y.mode == "off":
+        return
+    back = max_backtracking_tokens(settings.decoding)
+    if y.keep_tokens < sliding_window + back:
+        raise ConfigError(
+            f"yoco.keep_tokens={y.keep_tokens} (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS) is out of range; allowed: at "
+            f"least sliding_window ({sliding_window}) + max backtracking tokens ({back}) = {sliding_window + back} "
+            f"for this model"
+        )
 
 
 # ---- 1 + 2: structure, types, ranges ------------------------------------------------------------------------
@@ -169,10 +201,21 @@ def _check_pipeline(s: Settings) -> None:
         if name not in stages or stages[name].component is None:
             raise ConfigError(f"pipeline.stages.{name}.component is required; allowed: {REGISTRY.names(name)}")
     replay = stages.get("replay")
-    if s.yoco.mode == "off" and replay is not None and replay.component is not None:
+    component = replay.component if replay is not None else None
+    if s.yoco.mode == "off" and component is not None:
         raise ConfigError(
-            f"pipeline.stages.replay.component={replay.component!r} needs YOCO; allowed with yoco=off: null"
+            f"pipeline.stages.replay.component={component!r} needs YOCO; allowed with yoco=off: null"
         )
+    if s.yoco.mode != "off":  # the replay stage is what runs the mode: it must be there, and agree on K
+        want = f"yoco_{s.yoco.mode}"
+        if component != want:
+            raise ConfigError(f"yoco.mode={s.yoco.mode} needs pipeline.stages.replay.component={want!r}, found "
+                              f"{component!r}; select the mode with yoco={s.yoco.mode} (or "
+                              "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE), which sets both")
+        k = replay.options.get("keep_tokens")
+        if k != s.yoco.keep_tokens:
+            raise ConfigError(f"pipeline.stages.replay.options.keep_tokens={k} differs from yoco.keep_tokens="
+                              f"{s.yoco.keep_tokens}; allowed: set yoco.keep_tokens (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)")
     for name, spec in stages.items():
         if spec.component is not None and not REGISTRY.has(name, spec.component):
             raise ConfigError(

@@ -5,7 +5,14 @@ tensors), EngineCore (the step loop, synchronous or zero-overhead), the frontend
 its own process over private ipc sockets (or in-process).
 """
 
-from deepinfer.engine.backend import EngineBackend, ModelDirBackend, SettingsBackend, backend_from_model, backend_from_program
+from deepinfer.engine.backend import (
+    EngineBackend,
+    ImportedBackend,
+    ModelDirBackend,
+    SettingsBackend,
+    backend_from_model,
+    backend_from_program,
+)
 from deepinfer.engine.cache_manager import CacheManager
 from deepinfer.engine.client import EngineDeadError
 from deepinfer.engine.core import EngineCore
@@ -19,6 +26,7 @@ __all__ = [
     "EngineCore",
     "EngineDeadError",
     "EngineOptions",
+    "ImportedBackend",
     "LLMEngine",
     "ModelDirBackend",
     "Scheduler",

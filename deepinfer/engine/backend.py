@@ -1,7 +1,9 @@
 """What the engine core needs from the model side, gathered in one object the ModelRunner drives.
 
-The core runs in its own process, so it builds its backend there from a picklable zero-argument factory
-(`BackendFactory`): loading the model never happens in the frontend, and no tensor crosses the process boundary.
+The core runs in its own process, so it builds its backend there from a zero-argument factory (`BackendFactory`)
+that is a typed description (SettingsBackend, ModelDirBackend, ImportedBackend: deepinfer.engine.startup sends it
+as data, never pickled): loading the model never happens in the frontend, and no tensor crosses the process
+boundary. In-process (engine.process=inproc) any zero-argument callable works.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class EngineBackend:
     tokenizer: Any = None  # .decode(ids, skip_special_tokens=...): needed only for stop strings
     device: str = "cpu"
     model: Any = None  # the model itself, for CUDA-graph capture of decode steps (model.run(meta, pools))
+    replay: Any = None  # the pipeline's YOCO replay stage (models/replay.py BoundedReplay); None: yoco=off
 
 
 def backend_from_program(program) -> EngineBackend:
@@ -58,12 +61,13 @@ def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_
         tokenizer=tokenizer,
         device=str(getattr(model, "device", "cpu")),
         model=model,
+        replay=getattr(program, "replay", None),
     )
 
 
 @dataclass(frozen=True)
 class SettingsBackend:
-    """Picklable factory: builds the configured StepProgram (deepinfer.pipeline.build.load_program) from the
+    """Factory: builds the configured StepProgram (deepinfer.pipeline.build.load_program) from the
     resolved Settings in the process that calls it."""
 
     settings: Any
@@ -77,7 +81,7 @@ class SettingsBackend:
 
 @dataclass(frozen=True)
 class ModelDirBackend:
-    """Picklable factory: loads a model directory (or hub id) with deepinfer.models.load_model in the process
+    """Factory: loads a model directory (or hub id) with deepinfer.models.load_model in the process
     that calls it, with the directory's tokenizer.json (if any) for stop strings."""
 
     model: str
@@ -108,3 +112,25 @@ class ModelDirBackend:
 
 
 BackendFactory = Callable[[], EngineBackend]
+
+
+@dataclass(frozen=True)
+class ImportedBackend:
+    """Factory named by import path: `target` is "module:function" (a zero-argument callable after `args` are
+    applied), imported and called in the process that calls this, e.g. the engine core. For backends that are
+    neither a config nor a model directory (tests, benchmarks); the module must be importable there.
+    `args` are plain values (they travel to the engine core as MessagePack)."""
+
+    target: str
+    args: tuple = ()
+
+    def __call__(self) -> EngineBackend:
+        import importlib
+
+        module, sep, name = self.target.partition(":")
+        if not sep or not module or not name:
+            raise ValueError(f"ImportedBackend.target={self.target!r}; allowed: 'module:function'")
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj(*self.args)

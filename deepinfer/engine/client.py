@@ -8,18 +8,24 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import pickle
 import subprocess
 import sys
 import time
 import weakref
 
+import logging
+
 import zmq
 
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine import messages as m
+from deepinfer.engine import startup
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, PrivateEndpoints, Signer, Verifier, make_socket, new_key
 from deepinfer.engine.messages import AddRequest, CoreInfo, CoreOutputs
 from deepinfer.engine.options import EngineOptions
+
+
+log = logging.getLogger("deepinfer.engine")
 
 
 class EngineDeadError(RuntimeError):
@@ -56,7 +62,9 @@ class InprocClient:
 
 
 class ProcessClient:
-    """Spawns the engine core in its own process and talks to it over private, signed ipc sockets (ipc.py).
+    """Spawns the engine core in its own process and talks to it over private, signed ipc sockets (ipc.py), in
+    the typed messages of messages.py. `factory` must be a typed description (startup.describe: SettingsBackend,
+    ModelDirBackend, ImportedBackend): the core is started from data, never from a pickled callable.
 
     Every wait is bounded: the frontend polls in slices of liveness_poll_s and between them checks that the core
     process exists, that its heartbeat is fresh (heartbeat_timeout_s) and that its step loop is turning
@@ -72,16 +80,18 @@ class ProcessClient:
         self._inbox: collections.deque = collections.deque()
         self._last_beat: float | None = None  # monotonic time the newest heartbeat was sent
         self._loop_age: float | None = None
-        self.dropped_frames = 0  # frames from a peer that does not hold the key (never unpickled)
+        self.dropped_frames = 0  # frames from a peer that does not hold the key, or not a message (never decoded)
+        spec = startup.describe(factory)  # a factory with no typed description fails here, before any process
         key = new_key()
-        self._signer, self._verifier, self._beats = Signer(key, FRONTEND), Verifier(key, CORE), Verifier(key, HEARTBEAT)
+        self._signer = Signer(key, FRONTEND)
+        self._verifier, self._beats = Verifier(key, CORE, m.TO_FRONTEND), Verifier(key, HEARTBEAT, m.HEARTBEAT)
         self._endpoints = PrivateEndpoints()
         self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER, self._endpoints.control, bind=True,
                                  send_timeout_s=options.send_timeout_s)
         self._beat_sock = make_socket(self._ctx, zmq.PULL, self._endpoints.heartbeat, bind=True, conflate=True)
-        endpoints = (self._endpoints.control, self._endpoints.heartbeat)
-        payload = pickle.dumps((factory, options, endpoints, key, os.getpid()))  # a factory that cannot cross fails here
+        payload = startup.encode(startup.CoreStartup(spec, options, self._endpoints.control, self._endpoints.heartbeat,
+                                                     key, os.getpid()))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepinfer.engine.core_process"], stdin=subprocess.PIPE, close_fds=True
         )
@@ -101,31 +111,34 @@ class ProcessClient:
         self._endpoints.remove()
 
     def _start(self, timeout: float) -> None:
-        kind, payload = self._wait(timeout, what="start")
-        if kind != "ready":
-            line, details = payload if isinstance(payload, tuple) else (str(payload), None)
-            raise EngineDeadError(f"the engine core failed to start: {line}", details)
-        self.info: CoreInfo = payload
+        msg = self._wait(timeout, what="start")
+        if isinstance(msg, m.Failure):
+            raise EngineDeadError(f"the engine core failed to start: {msg.line}", msg.details)
+        if not isinstance(msg, m.Ready):
+            raise EngineDeadError(f"the engine core sent {type(msg).__name__} before it was ready")
+        self.info: CoreInfo = msg.info
         self._last_beat = time.monotonic()  # the heartbeat deadline runs from here (loading may take long)
-        self._send(("ping", None))  # a round trip proves both directions are up
-        kind, _ = self._wait(timeout, what="start")
-        if kind != "pong":
-            raise EngineDeadError(f"the engine core answered {kind!r} to its first ping")
+        self._send(m.Ping())  # a round trip proves both directions are up
+        msg = self._wait(timeout, what="start")
+        if not isinstance(msg, m.Pong):
+            raise EngineDeadError(f"the engine core answered {type(msg).__name__} to its first ping")
 
     def add(self, requests: list[AddRequest]) -> None:
-        self._send(("add", requests))
+        self._send(m.to_wire(requests))
 
     def abort(self, request_ids: list[int]) -> None:
-        self._send(("abort", request_ids))
+        self._send(m.Abort(list(request_ids)))
 
     def get(self, timeout: float | None = None) -> CoreOutputs | None:
-        kind, payload = self._wait(timeout, what="answer")
-        if kind is None:
+        msg = self._wait(timeout, what="answer")
+        if msg is None:
             return None
-        if kind == "fatal":
-            line, details = payload
-            self._mark_dead(f"the engine core failed: {line}", details)
-        return payload
+        if isinstance(msg, m.Failure):
+            self._mark_dead(f"the engine core failed: {msg.line}", msg.details)
+        if not isinstance(msg, m.Outputs):
+            log.warning("ignored a %s message from the engine core while waiting for outputs", type(msg).__name__)
+            return None
+        return msg.outputs
 
     def _send(self, msg) -> None:
         self._check_alive()
@@ -149,7 +162,7 @@ class ProcessClient:
                 break
             beat = self._beats.unpack(frame)
             if beat is not None:
-                self._last_beat, self._loop_age = beat[1]["sent"], beat[1]["loop_age"]
+                self._last_beat, self._loop_age = beat.sent, beat.loop_age
         while True:
             try:
                 ident, frame = self._sock.recv_multipart(zmq.NOBLOCK)[:2]
@@ -166,7 +179,7 @@ class ProcessClient:
                 continue
             if self._core_id is None:
                 self._core_id = ident
-            if msg[0] != "hello":
+            if not isinstance(msg, m.Hello):
                 self._inbox.append(msg)
 
     def _wait(self, timeout: float | None, what: str):
@@ -185,7 +198,7 @@ class ProcessClient:
             if deadline is not None and time.monotonic() >= deadline and not self._pending_input():
                 if what == "start":
                     raise EngineDeadError(f"the engine core did not start within {timeout:.0f} s")
-                return None, None
+                return None
 
     def _pending_input(self) -> bool:
         return bool(self._sock.poll(0))
@@ -233,7 +246,7 @@ class ProcessClient:
             healthy = self._dead is None and self.process.poll() is None
             if healthy and self._core_id is not None:
                 try:
-                    self._sock.send_multipart([self._core_id, self._signer.pack(("shutdown", None))], zmq.NOBLOCK)
+                    self._sock.send_multipart([self._core_id, self._signer.pack(m.Shutdown())], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     healthy = False
             # A stopped (SIGSTOP) or hung core ignores both the message and SIGTERM: go straight to SIGKILL.

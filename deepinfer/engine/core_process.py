@@ -1,9 +1,11 @@
 """The engine-core process: builds the backend, then loops receive requests -> step -> send outputs.
 
-Started as `python -m deepinfer.engine.core_process` with its arguments pickled on stdin (not multiprocessing):
-a fresh interpreter that never re-imports the user's main script, so `LLM(...)` works in scripts without an
-`if __name__ == "__main__"` guard, and no fork ever copies a process holding torch threads. The stdin pipe also
-carries the channel key (deepinfer.engine.ipc): only the frontend that started us holds it.
+Started as `python -m deepinfer.engine.core_process` with its typed start-up message on stdin
+(deepinfer.engine.startup: MessagePack, not pickle; not multiprocessing): a fresh interpreter that never
+re-imports the user's main script, so `LLM(...)` works in scripts without an `if __name__ == "__main__"` guard,
+and no fork ever copies a process holding torch threads. The stdin pipe also carries the channel key
+(deepinfer.engine.ipc): only the frontend that started us holds it. Every frame it then receives is decoded
+against the frontend's message types (deepinfer.engine.messages.TO_CORE); anything else is dropped and logged.
 
 Liveness: a heartbeat thread (it runs no steps) sends, every heartbeat_interval_s, how long ago the step loop last
 turned. The frontend declares the core dead when heartbeats stop (killed, SIGSTOPped, a GIL held forever) or
@@ -16,8 +18,8 @@ a terminal reaches the whole process group: the core ignores SIGINT and lets the
 
 from __future__ import annotations
 
+import logging
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -26,9 +28,12 @@ import traceback
 
 import zmq
 
+from deepinfer.engine import messages as m
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, make_socket
 from deepinfer.engine.messages import CoreOutputs
 from deepinfer.engine.options import EngineOptions
+
+log = logging.getLogger("deepinfer.engine.core")
 
 IDLE_POLL_MS = 200
 
@@ -62,7 +67,7 @@ def _heartbeat(ctx, addr: str, key: bytes, options: EngineOptions, clock: _LoopC
             last = clock.last
             age = None if last is None else time.monotonic() - last
             try:
-                sock.send(signer.pack(("heartbeat", {"sent": time.monotonic(), "loop_age": age})), zmq.NOBLOCK)
+                sock.send(signer.pack(m.Heartbeat(time.monotonic(), age)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # nobody reading yet; the next beat replaces it anyway
             stop.wait(options.heartbeat_interval_s)
@@ -76,7 +81,7 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
     control, heartbeat = endpoints
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER, control, bind=False, send_timeout_s=options.send_timeout_s)
-    signer, verifier = Signer(key, CORE), Verifier(key, FRONTEND)
+    signer, verifier = Signer(key, CORE), Verifier(key, FRONTEND, m.TO_CORE)
     clock, stop = _LoopClock(), threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(ctx, heartbeat, key, options, clock, stop), daemon=True,
                             name="deepinfer-heartbeat")
@@ -86,7 +91,7 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
         sock.send(signer.pack(msg))  # zmq.Again after send_timeout_s: the frontend is gone, so are we
 
     try:
-        send(("hello", os.getpid()))  # lets the frontend learn which connection is ours
+        send(m.Hello(os.getpid()))  # lets the frontend learn which connection is ours
         try:
             from deepinfer.engine.core import EngineCore
 
@@ -99,14 +104,14 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
 
             core = EngineCore(build, options)
         except BaseException as exc:
-            send(("startup_error", (summary(exc), traceback.format_exc())))
+            send(m.Failure(summary(exc), traceback.format_exc(), startup=True))
             return
-        send(("ready", core.info()))
+        send(m.Ready(core.info()))
         try:
             _loop(core, sock, verifier, send, parent_pid, clock)
         except BaseException as exc:
             try:
-                send(("fatal", (summary(exc), traceback.format_exc())))  # the frontend raises with these
+                send(m.Failure(summary(exc), traceback.format_exc(), startup=False))  # the frontend raises with these
             except zmq.ZMQError:
                 pass
             raise
@@ -149,28 +154,38 @@ def _loop(core, sock: zmq.Socket, verifier: Verifier, send, parent_pid: int, clo
                     break
                 msg = verifier.unpack(frame)
                 if msg is None:
-                    continue  # not signed by our frontend: dropped unread
-                kind, payload = msg
-                if kind == "shutdown":
+                    continue  # not signed by our frontend, or not a message: dropped (and logged) unread
+                if isinstance(msg, m.Shutdown):
                     return
-                if kind == "ping":
-                    send(("pong", None))
-                elif kind == "add":
-                    immediate += [u for u in map(core.add_request, payload) if u is not None]
-                elif kind == "abort":
-                    immediate += [u for u in map(core.abort, payload) if u is not None]
+                if isinstance(msg, m.Ping):
+                    send(m.Pong())
+                elif isinstance(msg, m.Add):
+                    for wire in msg.requests:
+                        req = m.from_wire(wire)  # a malformed request ends alone, with its one-line error
+                        upd = core.add_request(req) if isinstance(req, m.AddRequest) else req
+                        if upd is not None:
+                            immediate.append(upd)
+                elif isinstance(msg, m.Abort):
+                    immediate += [u for u in map(core.abort, msg.request_ids) if u is not None]
             if immediate:
-                send(("outputs", CoreOutputs(immediate)))
+                send(m.Outputs(CoreOutputs(immediate)))
         if core.has_work():
             out = core.step()
             steps += 1
             if out.updates or out.stats:
-                send(("outputs", out))
+                send(m.Outputs(out))
 
 
 def main() -> None:
-    factory, options, endpoints, key, parent_pid = pickle.load(sys.stdin.buffer)
-    run_engine_core(factory, options, endpoints, key, parent_pid)
+    from deepinfer.engine import startup
+
+    try:
+        args = startup.decode(sys.stdin.buffer.read())
+        factory = startup.factory_from(args.backend)
+    except Exception as exc:  # nobody to tell over the socket yet (no key): stderr and a non-zero exit
+        print(f"deepinfer engine core: bad start-up message: {' '.join(str(exc).split())}", file=sys.stderr)
+        sys.exit(2)
+    run_engine_core(factory, args.options, (args.control, args.heartbeat), args.key, args.parent_pid)
 
 
 if __name__ == "__main__":

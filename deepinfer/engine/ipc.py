@@ -8,22 +8,29 @@ Sockets (the frontend binds both, the core connects):
 
 Why signatures: the directory is 0700, but any process of the same user can still connect while the core starts.
 The secret is a random key the frontend hands the core over the child's stdin (a pipe nobody else holds); every
-frame is HMAC-SHA256(key, label | seq | payload) | seq | payload, checked before the payload is unpickled, with a
+frame is HMAC-SHA256(key, label | seq | payload) | seq | payload, checked before the payload is decoded, with a
 per-sender label (a frontend message cannot be reflected back as the core's) and an increasing sequence number
 (a captured message cannot be replayed). Frames that fail are dropped unread.
+
+Payloads are MessagePack of the typed messages in deepinfer.engine.messages, never pickle: even a correctly
+signed frame (a bug, or a process that stole the key) is decoded against the receiver's message types only, and
+anything else (a pickle, a wrong type, an unknown message kind) is dropped and logged, never executed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
-import pickle
 import secrets
 import shutil
 import tempfile
 
+import msgspec
 import zmq
+
+log = logging.getLogger("deepinfer.engine.ipc")
 
 MAC_BYTES = 32
 SEQ_BYTES = 8
@@ -56,16 +63,21 @@ class Signer:
     def pack(self, obj) -> bytes:
         self._seq += 1
         seq = self._seq.to_bytes(SEQ_BYTES, "big")
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = _ENCODER.encode(obj)
         return _mac(self._key, self._label, seq, payload) + seq + payload
 
 
-class Verifier:
-    """Accepts frames from one sender; `unpack` returns None for anything not signed by it (never unpickled)."""
+_ENCODER = msgspec.msgpack.Encoder()
 
-    def __init__(self, key: bytes, label: bytes):
+
+class Verifier:
+    """Accepts frames from one sender; `unpack` returns None for anything not signed by it (never decoded) and
+    for a signed payload that is not one of `types` (a msgspec type: a tagged union of message structs)."""
+
+    def __init__(self, key: bytes, label: bytes, types):
         self._key, self._label, self._last = key, label, 0
-        self.rejected = 0  # frames dropped: from a peer without the key, or replayed
+        self._decoder = msgspec.msgpack.Decoder(types)
+        self.rejected = 0  # frames dropped: from a peer without the key, replayed, or malformed
 
     def unpack(self, frame: bytes):
         mac, seq, payload = frame[:MAC_BYTES], frame[MAC_BYTES : MAC_BYTES + SEQ_BYTES], frame[MAC_BYTES + SEQ_BYTES :]
@@ -77,7 +89,13 @@ class Verifier:
             self.rejected += 1
             return None
         self._last = n
-        return pickle.loads(payload)
+        try:
+            return self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            self.rejected += 1
+            log.warning("dropped a signed %s frame that is not a valid message (%d bytes): %s",
+                        self._label.decode(), len(payload), " ".join(str(exc).split())[:200])
+            return None
 
 
 def _mac(key: bytes, label: bytes, seq: bytes, payload: bytes) -> bytes:

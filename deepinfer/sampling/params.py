@@ -9,6 +9,7 @@ reassigned after construction (`p.max_tokens = None`), so the engine runs the sa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
 from dataclasses import dataclass
@@ -63,6 +64,14 @@ class SamplingParams:
         optional "trigger_token_ids": [int, ...], "bound_token_id": int}.
     seq_seed: uint64 seed of the request's random draws; None = a fresh random seed drawn when the engine admits
         the request (``deepinfer.sampling.seeds.request_seed``).
+    logprobs: report each generated token's logprob (RequestOutput.logprobs); False: none are reported unless
+        top_logprobs > 0 (DeepInfer's field; its own default False is kept by deepinfer.sampling_params).
+    first_n_token_no_eos: the token eos_id cannot be drawn as any of the first n generated tokens (DeepInfer).
+    eos_id: the token first_n_token_no_eos suppresses; None = the model's EOS (DeepInfer's engine overwrites the
+        field with the tokenizer's EOS, which None reproduces). It does not change what ends the request.
+    golden_token_ids: forced output: generated token i is golden_token_ids[i] (teacher forcing; its logprob is
+        reported and stops apply as to a drawn token), then sampling continues. Each id must be in the vocabulary.
+    max_tokens=0 is DeepInfer's spelling of 1 (one token, the prefill's): it becomes 1.
     """
 
     temperature: float = 1.0
@@ -82,11 +91,21 @@ class SamplingParams:
     prompt_logprobs: bool = False
     so_args: dict | None = None
     seq_seed: int | None = None
+    logprobs: bool = True
+    first_n_token_no_eos: int = 0
+    eos_id: int | None = None
+    golden_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is a common, unambiguous shorthand
             self.stop = [self.stop]
+        if self.max_tokens == 0 and _is_int(self.max_tokens):  # DeepInfer: 0 means the one prefill token
+            self.max_tokens = 1
         self.validate()
+
+    @property
+    def reports_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     def validate(self) -> None:
         """Raises a one-line ValueError for the first field out of range."""
@@ -128,6 +147,12 @@ class SamplingParams:
             raise _bad("prompt_logprobs", self.prompt_logprobs, "True or False")
         if self.seq_seed is not None and (not _is_int(self.seq_seed) or not 0 <= self.seq_seed <= UINT64_MAX):
             raise _bad("seq_seed", self.seq_seed, "None or an integer in [0, 2**64 - 1]")
+        if not isinstance(self.logprobs, bool):
+            raise _bad("logprobs", self.logprobs, "True or False")
+        if not _is_int(self.first_n_token_no_eos) or self.first_n_token_no_eos < 0:
+            raise _bad("first_n_token_no_eos", self.first_n_token_no_eos, "an integer >= 0")
+        if self.eos_id is not None and (not _is_int(self.eos_id) or self.eos_id < 0):
+            raise _bad("eos_id", self.eos_id, "None (the model's EOS) or a token id >= 0")
 
     def _validate_lists(self) -> None:
         if self.stop is not None:
@@ -138,6 +163,11 @@ class SamplingParams:
                 _is_int(t) and t >= 0 for t in self.stop_token_ids
             ):
                 raise _bad("stop_token_ids", self.stop_token_ids, "None or a list of token ids >= 0")
+        if self.golden_token_ids is not None:
+            if not isinstance(self.golden_token_ids, list) or not all(
+                _is_int(t) and t >= 0 for t in self.golden_token_ids
+            ):
+                raise _bad("golden_token_ids", self.golden_token_ids, "None or a list of token ids >= 0")
 
 
 def params_error(params) -> str | None:
@@ -150,6 +180,27 @@ def params_error(params) -> str | None:
     except Exception as error:  # a field of any type may have been assigned: never let it escape
         return " ".join(str(error).split()) or type(error).__name__
     return None
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def params_from_dict(data: dict, cls: type = None) -> tuple["SamplingParams | None", str | None]:
+    """(SamplingParams(**data), None), or (None, a one-line reason): an unknown field is named with the allowed
+    ones; a bad value gets the constructor's message. For data from outside Python (a JSONL line, the engine
+    socket), where a TypeError for an unknown keyword would be the wrong kind of answer."""
+    cls = cls or SamplingParams
+    if not isinstance(data, dict):
+        return None, f"sampling params must be a dict of SamplingParams fields; got {type(data).__name__}"
+    allowed = field_names()
+    unknown = [k for k in data if k not in allowed]
+    if unknown:
+        return None, f"unknown SamplingParams field {_shown(unknown[0])}; allowed: {', '.join(allowed)}"
+    try:
+        return cls(**data), None
+    except Exception as error:  # values of any type: never let it escape
+        return None, " ".join(str(error).split()) or type(error).__name__
 
 
 def _validate_so_args(so_args) -> None:

@@ -137,24 +137,43 @@ class Sampler:
         if sampled:
             for r, t in zip(sampled, self._draw(x[sampled], [rows[r] for r in sampled])):
                 tokens[r] = t
+        forced = self._golden_(tokens, rows, vocab)
 
         chosen = logprobs.gather(1, torch.tensor(tokens, device=x.device).clamp(max=vocab - 1).unsqueeze(1))
         tops = top_n(logprobs, [row.params.top_logprobs for row in rows])
         outputs = []
         for r, (t, lp, top) in enumerate(zip(tokens, chosen.squeeze(1).tolist(), tops)):
             error = "no token is allowed: the grammar and min_tokens exclude every token" if stuck[r] else None
-            outputs.append(SampleOutput(t, lp, top, error))
+            error = forced.get(r, error)  # a forced token needs no allowed one, only a valid id
+            outputs.append(SampleOutput(t, lp if rows[r].params.reports_logprobs else None, top, error))
         return outputs
+
+    @staticmethod
+    def _golden_(tokens: list[int], rows: list[SampleRow], vocab: int) -> dict[int, str | None]:
+        """golden_token_ids (DeepInfer's teacher forcing): the drawn token of a row whose position the list covers
+        is replaced by the forced one (the grammar, if any, must still accept it). Returns {row: error or None}."""
+        forced = {}
+        for r, row in enumerate(rows):
+            golden = row.params.golden_token_ids
+            if golden and row.position < len(golden):
+                t = golden[row.position]
+                tokens[r] = t
+                forced[r] = None if t < vocab else (
+                    f"SamplingParams.golden_token_ids[{row.position}]={t} is out of range; allowed: a token id < {vocab}")
+        return forced
 
     def _blacklist_(self, x: torch.Tensor, rows: list[SampleRow], vocab: int) -> None:
         x[:, vocab:] = float("-inf")
         for r, row in enumerate(rows):
             p = row.params
-            if row.position >= p.min_tokens:
-                continue
-            banned = list(p.stop_token_ids or [])
-            if self.eos_token_id is not None and not p.ignore_eos:
-                banned.append(self.eos_token_id)
+            banned = []
+            if row.position < p.min_tokens:
+                banned += p.stop_token_ids or []
+                if self.eos_token_id is not None and not p.ignore_eos:
+                    banned.append(self.eos_token_id)
+            if row.position < p.first_n_token_no_eos:  # DeepInfer: eos_id (default the model's EOS) is never drawn
+                eos = self.eos_token_id if p.eos_id is None else p.eos_id
+                banned += [] if eos is None else [eos]
             banned = [t for t in banned if t < x.shape[1]]
             if banned:
                 x[r, banned] = float("-inf")

@@ -1,0 +1,84 @@
+"""The engine core's start-up message: what the frontend writes on the child's stdin, as typed MessagePack.
+
+It names the backend by description (the resolved Settings, a model directory, or an import path), never as a
+pickled callable, so the core process runs only code that its own installation holds. Decoding checks every
+field's type; the Settings are rebuilt through the config's own builder (deepinfer.config.resolve.rebuild), so
+their ranges are checked again and nothing is resolved twice (hardware, memory: already concrete).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import msgspec
+
+from deepinfer.engine.backend import ImportedBackend, ModelDirBackend, SettingsBackend
+from deepinfer.engine.options import EngineOptions
+
+
+class _Spec(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
+    pass
+
+
+class SettingsSpec(_Spec, tag="settings"):
+    settings: dict[str, Any]  # msgspec.to_builtins(Settings)
+
+
+class ModelDirSpec(_Spec, tag="model_dir"):
+    model: str
+    device: str
+    dtype: str
+    batch_invariant: bool
+    num_threads: Optional[int]
+
+
+class ImportSpec(_Spec, tag="import"):
+    target: str  # module:function
+    args: list[Any]
+
+
+BackendSpec = Union[SettingsSpec, ModelDirSpec, ImportSpec]
+
+
+class CoreStartup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    backend: BackendSpec
+    options: EngineOptions
+    control: str  # ipc:// endpoints (deepinfer.engine.ipc.PrivateEndpoints)
+    heartbeat: str
+    key: bytes  # the channel's HMAC key
+    parent_pid: int
+
+
+def describe(factory) -> BackendSpec:
+    """The typed description of a backend factory; TypeError (one line) for one that has none."""
+    if isinstance(factory, SettingsBackend):
+        return SettingsSpec(msgspec.to_builtins(factory.settings))
+    if isinstance(factory, ModelDirBackend):
+        return ModelDirSpec(str(factory.model), factory.device, factory.dtype, factory.batch_invariant,
+                            factory.num_threads)
+    if isinstance(factory, ImportedBackend):
+        return ImportSpec(factory.target, list(factory.args))
+    raise TypeError(
+        f"engine.process=subprocess starts the engine core from a typed description: SettingsBackend, "
+        f"ModelDirBackend or ImportedBackend('module:function'); got {type(factory).__name__} "
+        f"(use engine.process=inproc for any other callable)"
+    )
+
+
+def factory_from(spec: BackendSpec):
+    """The zero-argument factory the core builds its backend with."""
+    if isinstance(spec, SettingsSpec):
+        from deepinfer.config.resolve import rebuild
+
+        return SettingsBackend(rebuild(spec.settings))
+    if isinstance(spec, ModelDirSpec):
+        return ModelDirBackend(spec.model, spec.device, spec.dtype, spec.batch_invariant, spec.num_threads)
+    return ImportedBackend(spec.target, tuple(spec.args))
+
+
+def encode(startup: CoreStartup) -> bytes:
+    return msgspec.msgpack.encode(startup)
+
+
+def decode(data: bytes) -> CoreStartup:
+    return msgspec.msgpack.decode(data, type=CoreStartup)
