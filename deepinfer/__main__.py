@@ -302,6 +302,10 @@ def _hydra_task(cfg) -> None:
 
     try:
         settings = resolve(cfg)
+        if settings.serve.name != "offline":  # serve=openai: the HTTP server, until SIGTERM / Ctrl-C
+            from deepinfer.serving import serve
+
+            return serve(settings)
         hc = HydraConfig.get()
         run_job(settings, Path(hc.runtime.output_dir), list(hc.overrides.task))
     except _user_errors() as exc:

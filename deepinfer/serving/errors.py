@@ -1,0 +1,40 @@
+"""HTTP errors of the server: one line of text, the protocol's error shape, never a traceback.
+
+A request the server cannot run is the client's error (400, 404 for an unknown model, 413 for a too-long prompt
+is still 400 as OpenAI answers it), a full admission queue is 429, a dead or stopping engine is 503.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(" ".join(str(message).split()))
+        self.status, self.kind, self.param = status, kind, param
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+    def body(self, endpoint: str) -> dict:
+        if endpoint == "messages":  # Anthropic's shape
+            return {"type": "error", "error": {"type": self.kind, "message": self.message}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.kind}}
+
+
+def bad_request(message: str, param: str | None = None) -> HTTPError:
+    return HTTPError(400, message, param=param)
+
+
+def from_conversion(exc) -> HTTPError:
+    """deepseek_recipe's ConversionError carries its status and an OpenAI-shaped body: keep both."""
+    status = getattr(exc, "status_code", None) or 400
+    message = str(exc)
+    try:
+        err = json.loads(exc.body)["error"]
+        message, kind = err.get("message") or message, err.get("type") or "invalid_request_error"
+    except Exception:
+        kind = "invalid_request_error"
+    return HTTPError(int(status), message, kind)
