@@ -1,0 +1,68 @@
+"""Model and run sizes of the training presets, and the checkpoint's config.json.
+
+The architecture constants (layer schedule with every V4.1 role, scoring, mHC, rope bases, eps, Engram n-gram
+layout, ...) are the embedded default model's (deepinfer.embedded.TEXT_CONFIG); a preset overrides sizes only.
+`vocab_size` and `engram_compressed_vocab_size` come from the trained tokenizer, `engram_num_embeddings` from
+the prime rule, so config.json is always consistent with tokenizer.json.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from deepinfer import embedded
+from deepinfer.models.engram import compressed_token_map
+
+
+@dataclass(frozen=True)
+class Run:
+    vocab_size: int  # tokenizer ids in all (BPE + special tokens)
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_windows: int  # held-out windows of seq_len
+    max_bytes: int | None  # training text (None: the whole stdlib)
+    plausibility_prompts: int  # held-out function headers completed by the engine
+    model: dict  # TEXT_CONFIG overrides
+
+
+PRESETS = {
+    # CI: one CPU thread, < 60 s including tokenizer, data, export, reload and the logits check. Same 8-layer
+    # schedule, every mechanism live: window 16 < seq_len, top-k 8 < visible entries, 2 candidate blocks of 8
+    # < visible blocks.
+    "smoke": Run(vocab_size=400, seq_len=64, batch_size=4, steps=30, lr=1e-2, warmup=3, eval_windows=4,
+                 max_bytes=400_000, plausibility_prompts=0,
+                 model=dict(hidden_size=64, num_attention_heads=2, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32,
+                            o_groups=2, o_lora_rank=32, sliding_window=16, index_n_heads=4, index_head_dim=32,
+                            index_topk=8, candidate_topk_blocks=2, candidate_block_size=8, moe_intermediate_size=32,
+                            n_routed_experts=4, num_experts_per_tok=2, engram_vocab_size=200, engram_n_heads=2,
+                            engram_head_dim=32)),
+    # The H200 run (a few minutes): ~5 MB exported. Window 64 and 512-token sequences: ratio-2 entries (256 per
+    # sequence) and ratio-1 entries (512) reach far past the window; the indexer keeps 32 of them.
+    "h200": Run(vocab_size=2048, seq_len=512, batch_size=32, steps=2000, lr=3e-3, warmup=100, eval_windows=256,
+                max_bytes=None, plausibility_prompts=100,
+                model=dict(hidden_size=192, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=96,
+                           o_groups=2, o_lora_rank=64, sliding_window=64, index_n_heads=16, index_head_dim=32,
+                           index_topk=32, candidate_topk_blocks=8, candidate_block_size=8, moe_intermediate_size=96,
+                           n_routed_experts=8, num_experts_per_tok=2, engram_vocab_size=1000, engram_n_heads=4,
+                           engram_head_dim=32, max_position_embeddings=8192)),
+}
+
+
+def config_json(run: Run, tokenizer: Tokenizer) -> dict:
+    """The composite deepseek_v41 config.json of a trained model (embedded.config_json's layout)."""
+    cfg = embedded.config_json()
+    text = {**cfg["text_config"], **run.model}
+    text["vocab_size"] = tokenizer.get_vocab_size(with_added_tokens=True)
+    # the backbone only: DSpark draft layers (mtp.*) are trained later on the frozen backbone's context features
+    # (TrainModel.forward(features_at=...)) and exported with it then
+    text["num_nextn_predict_layers"] = 0
+    text["engram_compressed_vocab_size"] = compressed_token_map(tokenizer)[1]
+    text["engram_num_embeddings"] = embedded.engram_table_rows(
+        text["engram_vocab_size"], len(text["engram_layer_ids"]), text["engram_max_ngram_size"], text["engram_n_heads"])
+    cfg["text_config"] = text
+    return cfg
