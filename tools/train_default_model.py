@@ -78,7 +78,7 @@ def train(model: TrainModel, batches: data.Batches, run: presets.Run, steps: int
         for group in opt.param_groups:
             group["lr"] = lr_at(step, run, steps)
         x, y = (t.to(device) for t in batches.next())
-        logits, kl, counts = model(x)
+        logits, kl, counts, _ = model(x)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         (loss + kl).backward()  # the KL reaches only the indexer's own weights (its inputs are detached)
@@ -101,7 +101,7 @@ def logit_agreement(model: TrainModel, out_dir: Path, inputs: torch.Tensor, devi
     engine_model = load_model(out_dir)
     diffs, agree, total, scale = [], 0, 0, 0.0
     for row in inputs:
-        mine = model(row[None].to(device))[0][0].cpu()
+        mine = model(row[None].to(device)).logits[0].cpu()
         theirs = engine_model.forward(ForwardBatch([row.tolist()], [engine_model.new_state()], all_logits=True))
         diffs.append(float((mine - theirs).abs().max()))
         agree += int((mine.argmax(-1) == theirs.argmax(-1)).sum())

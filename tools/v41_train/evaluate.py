@@ -30,7 +30,7 @@ def heldout_loss(model, inputs: torch.Tensor, targets: torch.Tensor, batch: int,
     """Mean cross-entropy (nats per token) of the training forward over the held-out windows."""
     total, count = 0.0, 0
     for a in range(0, len(inputs), batch):
-        logits, _, _ = model(inputs[a: a + batch].to(device))
+        logits = model(inputs[a: a + batch].to(device)).logits
         y = targets[a: a + batch].to(device)
         total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()

@@ -17,6 +17,7 @@ the embedded writer. The router's selection bias is not a parameter: it follows 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from tokenizers import Tokenizer
@@ -38,6 +39,13 @@ from .ops import entry_visibility, indexer_kl, indexer_scores_dense, sink_attent
 from .stored import fq_fp4, fq_fp8, quantized_weight
 
 BIAS = ".ffn.gate.bias"
+
+
+class Output(NamedTuple):
+    logits: torch.Tensor  # [B, T, V] fp32
+    indexer_kl: torch.Tensor  # scalar: mean over the index layers
+    expert_counts: list[torch.Tensor]  # tokens per routed expert, per layer (for the noaux_tc bias update)
+    features: dict[int, torch.Tensor]  # layer -> [B, T, D], for the layers asked for in `features_at`
 
 
 def _key(name: str) -> str:  # nn.ParameterDict keys may not contain "."
@@ -103,9 +111,10 @@ class TrainModel(nn.Module):
             self.bias(i).add_(rate * torch.sign(c.mean() - c))
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """ids [B, T] (each row a sequence from position 0) -> (logits [B, T, V] fp32, indexer KL (scalar),
-        tokens per expert per layer)."""
+    def forward(self, ids: torch.Tensor, features_at: tuple[int, ...] = ()) -> Output:
+        """ids [B, T] (each row a sequence from position 0). `features_at`: layers whose attention-input streams
+        (the trunk entering the layer, before its Engram and mixes) come back averaged over the hc streams — the
+        DSpark context features (MODEL_V41_SPEC.md §6.2), the input the draft layers will be trained on."""
         cfg = self.cfg
         B, T = ids.shape
         W = self.weights()
@@ -116,14 +125,17 @@ class TrainModel(nn.Module):
         pre[:, 0] = 1.0  # the first attention site collapses stream 0 (the embedding)
         hash_ids = self._engram_hash(ids) if self.engram is not None else None
         ctx = _Context(B, T, pos, window_mask(T, cfg.sliding_window, ids.device))
+        features = {}
         for i in range(cfg.num_hidden_layers):
+            if i in features_at:
+                features[i] = streams.mean(1).view(B, T, -1)
             if i in cfg.engram_layer_ids:
                 streams = self._engram(i, streams, W, hash_ids[:, cfg.engram_layer_ids.index(i)])
             streams, pre = self._block(i, streams, pre, W, ctx)
         y = rms_norm(mhc_collapse(streams, pre), W["norm.weight"], cfg.rms_norm_eps)
         logits = linear(y, W["head.weight"]).float().view(B, T, -1)
         kl = torch.stack(ctx.kl).mean() if ctx.kl else logits.new_zeros(())
-        return logits, kl, ctx.counts
+        return Output(logits, kl, ctx.counts, features)
 
     def _block(self, i: int, streams, prev_pre, W, ctx):
         """deepseek_v41.py::_block: shifted mHC (each site collapses with the previous site's pre-mix)."""
