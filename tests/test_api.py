@@ -102,8 +102,8 @@ def test_seq_seed_makes_sampling_reproducible(llm):
 
 
 def test_default_sampling_params_come_from_the_config(llm):
-    assert llm.default_sampling_params().max_tokens == llm.settings.sampling.max_tokens == 32
-    assert len(llm.generate("x", use_tqdm=False)[0].token_ids) <= 32
+    assert llm.default_sampling_params().max_tokens == llm.settings.sampling.max_tokens == 16
+    assert len(llm.generate("x", use_tqdm=False)[0].token_ids) <= 16
 
 
 def test_close_and_context_manager():

@@ -188,7 +188,7 @@ def test_resolved_settings_are_frozen_plain_objects():
 
 def test_sampling_defaults_become_sampling_params():
     params = settle(["sampling.top_k=5", "sampling.stop=[x]"]).sampling.params(max_tokens=3)
-    assert (params.top_k, params.stop, params.max_tokens, params.temperature) == (5, ["x"], 3, 0.0)
+    assert (params.top_k, params.stop, params.max_tokens, params.temperature) == (5, ["x"], 3, 1.0)
 
 
 # ---- environment variables ---------------------------------------------------------------------------------

@@ -64,6 +64,12 @@ def with_model_limits(settings: Settings, max_position_embeddings: int) -> Setti
             "(the model's max_position_embeddings)"
         )
     engine = dataclasses.replace(settings.engine, max_model_len=limit or max_position_embeddings)
+    if not engine.chunked_prefill and engine.max_num_batched_tokens < engine.max_model_len:
+        raise ConfigError(
+            f"engine.max_num_batched_tokens={engine.max_num_batched_tokens} is out of range with "
+            f"engine.chunked_prefill=false; allowed: at least engine.max_model_len ({engine.max_model_len}), so "
+            "every prompt prefills in one step (or chunked_prefill=true, or a smaller max_model_len)"
+        )
     return dataclasses.replace(settings, engine=engine)
 
 

@@ -153,6 +153,9 @@ class EngineSettings:
     # seconds the step loop may go without turning while the core's heartbeat still comes (a deadlocked step);
     # long because a first step on a GPU may compile kernels
     step_timeout: float = setting(300.0, allowed=MAX_SECONDS)
+    # DeepInfer's chunked_prefill: false = every prompt prefills in one step, so max_num_batched_tokens must
+    # be at least max_model_len (checked once the model's limit is known: resolve.with_model_limits)
+    chunked_prefill: bool = True
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,9 @@ class RuntimeSettings:
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """Default SamplingParams of the CLI (and of LLM.generate when none are given), plus grammar limits."""
+    """Default SamplingParams of the CLI (and of LLM.generate when none are given), plus grammar limits.
+    The defaults are SamplingParams' own (DeepInfer's: temperature 1.0, max_tokens 16, seq_seed None), restated
+    here because the schema must not import torch; tests/test_config_defaults.py fails if the two drift."""
 
     temperature: float = setting(1.0, allowed=Interval(0, None, text="[0, inf) (below 1e-5 = greedy)"))
     top_p: float = setting(1.0, allowed=Interval(0, 1, lo_open=True))
@@ -200,6 +205,10 @@ class SamplingDefaults:
     top_logprobs: int = setting(0, allowed=Interval(0, 1000))
     prompt_logprobs: bool = False
     seq_seed: Optional[int] = setting(None, allowed=UINT64)
+    logprobs: bool = True
+    first_n_token_no_eos: int = setting(0, allowed=up_to(0, MAX_TOKENS))
+    eos_id: Optional[int] = setting(None, allowed=NON_NEGATIVE)
+    golden_token_ids: Optional[List[int]] = None
     xgrammar_timeout: float = setting(20.0, allowed=MAX_SECONDS)  # DEEPINFER_XGRAMMAR_TIMEOUT, seconds
     # DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES
     xgrammar_cache_limit_bytes: int = setting(1 << 30, allowed=up_to(0, MAX_CACHE_BYTES))
@@ -211,7 +220,7 @@ class SamplingDefaults:
         from deepinfer.sampling.params import SamplingParams
 
         fields = {k: v for k, v in asdict(self).items() if not k.startswith("xgrammar_")}
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_token_ids", "golden_token_ids"):
             if fields[key] is not None:
                 fields[key] = list(fields[key])
         fields.update(changes)

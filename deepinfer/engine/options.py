@@ -19,7 +19,7 @@ class EngineOptions:
     memory_budget: int | None = None  # bytes for per-request model state; None: memory_fraction of free memory
     memory_fraction: float = 0.5
     block_size: int = 64
-    seed: int | None = 0  # requests without seq_seed: child_seed(seed, request id); None: a random seed each
+    seed: int | None = None  # requests without seq_seed: child_seed(seed, request id); None: a random seed each (runtime.seed's default)
     num_threads: int | None = None  # torch intra-op threads in the engine process (None: torch's default)
     startup_timeout_s: float = 300.0  # model loading in the engine process
     liveness_poll_s: float = 0.2  # how often a waiting frontend checks that the engine process is alive

@@ -1,0 +1,62 @@
+"""One set of defaults: SamplingParams' (DeepInfer's) are what the config's `sampling` section, the CLI and
+LLM.generate use; EngineSettings' are what EngineOptions uses; conf/config.yaml restates none of them."""
+
+import dataclasses
+
+from omegaconf import OmegaConf
+
+from deepinfer.api import load_settings
+from deepinfer.config.resolve import ConfigError
+from deepinfer.config.schema import CacheSettings, EngineSettings, RuntimeSettings, SamplingDefaults
+from deepinfer.engine.options import EngineOptions
+from deepinfer.sampling.params import SamplingParams
+
+
+def _defaults(cls) -> dict:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def test_the_sampling_section_defaults_are_sampling_params_own():
+    ours, schema = _defaults(SamplingParams), _defaults(SamplingDefaults)
+    assert {k: v for k, v in schema.items() if not k.startswith("xgrammar_")} == {
+        k: v for k, v in ours.items() if k != "so_args"}
+    composed = load_settings([]).sampling.params()
+    assert composed == SamplingParams()  # temperature 1.0, max_tokens 16, seq_seed None: DeepInfer's
+
+
+def test_engine_options_defaults_are_the_schemas():
+    options = _defaults(EngineOptions)
+    for cls, names in ((EngineSettings, ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                         "zero_overhead_scheduling", "process")),
+                       (CacheSettings, ("memory_budget", "memory_fraction", "block_size")),
+                       (RuntimeSettings, ("seed", "enforce_eager", "cudagraph_batch_size_interval"))):
+        schema = _defaults(cls)
+        assert {n: options[n] for n in names} == {n: schema[n] for n in names}, cls.__name__
+    assert options["heartbeat_timeout_s"] == _defaults(EngineSettings)["heartbeat_timeout"]
+    assert options["step_timeout_s"] == _defaults(EngineSettings)["step_timeout"]
+
+
+def test_config_yaml_restates_no_sampling_default():
+    from importlib import resources
+
+    cfg = OmegaConf.create((resources.files("deepinfer.conf") / "config.yaml").read_text())
+    assert set(cfg.sampling) <= {"xgrammar_timeout", "xgrammar_cache_limit_bytes"}
+
+
+def test_chunked_prefill_false_needs_a_step_that_holds_the_longest_prompt():
+    from deepinfer.config.resolve import with_model_limits
+
+    s = load_settings(["engine.chunked_prefill=false", "engine.max_num_batched_tokens=64"])
+    try:
+        with_model_limits(s, 4096)
+    except ConfigError as exc:
+        assert str(exc).startswith("engine.max_num_batched_tokens=64 is out of range with engine.chunked_prefill=false")
+    else:
+        raise AssertionError("no error")
+    assert with_model_limits(s, 64).engine.max_num_batched_tokens == 64
