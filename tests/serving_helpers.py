@@ -1,0 +1,54 @@
+"""A DeepInfer server on the embedded model, in this process on a background thread (loopback, a free port), with
+the engine core in-process so tests can look at its cache manager."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from deepinfer.api import load_settings
+from deepinfer.serving.app import build_app
+from deepinfer.serving.server import build_state
+
+MODEL = "DeepSeek-V4.1-Flash"
+
+
+class ThreadServer:
+    def __init__(self, overrides: list[str] = ()):
+        settings = load_settings(["serve=openai", "serve.port=0", "engine.process=inproc", "runtime.seed=0",
+                                  "cache.memory_budget=134217728", *overrides])
+        self.state, self.engine = build_state(settings)
+        config = uvicorn.Config(build_app(self.state), host="127.0.0.1", port=0, log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def cache(self):
+        return self.engine.client.core.cache
+
+    def idle(self, timeout: float = 30.0) -> bool:
+        """True once no request is in flight and the engine holds no cache block or slot."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            c = self.cache
+            if (self.engine.num_in_flight == 0 and c.num_used_blocks == 0 and c.num_free_slots == c.num_slots
+                    and not self.engine.client.core.has_work()):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        self.engine.close()
