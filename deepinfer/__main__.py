@@ -261,11 +261,13 @@ def make_summary(llm, outputs, load_s: float, gen_s: float, overrides: list[str]
         "kernels": (llm.last_metrics or {}).get("kernels"),
         "steps": (llm.last_metrics or {}).get("steps"),
         "graph_steps": (llm.last_metrics or {}).get("graph_steps"),
+        "speculative": (llm.last_metrics or {}).get("speculative"),
+        "replay_rows_saved": (llm.last_metrics or {}).get("replay_rows_saved"),
     }
 
 
 def print_summary(s: dict) -> None:
-    from deepinfer.engine.metrics import kernel_lines
+    from deepinfer.engine.metrics import kernel_lines, speculative_line
 
     by_backend: dict[str, list[str]] = {}
     for kind, backend in s["ops"].items():
@@ -284,6 +286,7 @@ def print_summary(s: dict) -> None:
     lines += kernel_lines(s.get("kernels"))
     if s.get("device") == "cuda" and s.get("steps"):
         lines.append(("graphs", f"{s.get('graph_steps') or 0} of {s['steps']} steps replayed a CUDA graph"))
+    lines += speculative_line(s.get("speculative"))
     lines += [
         ("requests", f"{s['requests']} ({s['errors']} errors)"),
         ("tokens", f"{s['prompt_tokens']} prompt, {s['generated_tokens']} generated"),

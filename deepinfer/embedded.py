@@ -88,7 +88,13 @@ TEXT_CONFIG = {
     "engram_head_dim": 32,
     "engram_pad_id": 2,
     "engram_compressed_vocab_size": 422,  # what the shipped tokenizer's normalised vocabulary has (spec §4.9)
-    "num_nextn_predict_layers": 0,
+    # DSpark draft layers (random, like the rest): drafting and verification run end to end on every machine
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 2,
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 8,
+    "dspark_num_experts_per_tok": 2,
     "hidden_act": "silu",
     "attention_bias": False,
     "tie_word_embeddings": False,
@@ -217,9 +223,13 @@ def random_weights(cfg: dict) -> dict[str, torch.Tensor]:
     from deepinfer.models.loading import tensors as kinds
 
     model_cfg = ModelConfig.from_dict(cfg)
-    gen = torch.Generator().manual_seed(SEED)
-    return {name: _init(name, spec.shape, model_cfg.hidden_size, gen)
-            for name, spec in sorted(kinds.expected_tensors(model_cfg).items())}
+    out = {}
+    # the draft layers draw from their own generator: adding them leaves the backbone's weights unchanged
+    for seed, specs in ((SEED, kinds.expected_tensors(model_cfg, draft_layers=False)),
+                        (SEED + 1, kinds.draft_tensors(model_cfg))):
+        gen = torch.Generator().manual_seed(seed)
+        out.update({name: _init(name, spec.shape, model_cfg.hidden_size, gen) for name, spec in sorted(specs.items())})
+    return out
 
 
 def release_tensors(cfg: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -83,6 +83,7 @@ HARDWARE_NAMES = ("cpu", "sm90", "sm100", "ascend950", "auto")
 DEVICES = ("cpu", "cuda", "npu", "auto")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 STAGES = ("tokenize", "prefill", "replay", "decode", "sample")
+YOCO_MODES = ("off", "mask", "compact")
 
 
 # ---- sections ------------------------------------------------------------------------------------------------
@@ -108,13 +109,36 @@ class ParallelSettings:
 
 @dataclass(frozen=True)
 class DecodingSettings:
-    name: str = setting("plain", allowed=("plain",))
+    """plain: one token per step. dspark: the checkpoint's DSpark draft layers propose up to num_draft_tokens
+    tokens after every sampled one and the next step verifies them losslessly (conf/decoding/dspark.yaml)."""
+
+    name: str = setting("plain", allowed=("plain", "dspark"))
+    num_draft_tokens: int = setting(0, allowed=up_to(0, 16))  # DEEPINFER_USE_NEXTN_DECODE; 0: drafting off
+    # DEEPINFER_MAX_BACKTRACKING_TOKENS: tokens every rolling cache keeps for rollback (at least drafts + 1)
+    max_backtracking_tokens: int = setting(0, allowed=up_to(0, 1024))
+    varlen: bool = False  # DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled verification lengths
+    perf_cache_dir: Optional[str] = None  # DEEPINFER_DECODE_PERF_CACHE_DIR: where its step-time curve is cached
+    # DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE: one value, or one per draft position
+    confidence_temperature: List[float] = setting(factory=lambda: [1.0])
+
+    @property
+    def max_rollback(self) -> int:
+        """DeepInfer's rule: max(DEEPINFER_MAX_BACKTRACKING_TOKENS, drafts + 1) with drafting on."""
+        if self.name != "dspark" or not self.num_draft_tokens:
+            return self.max_backtracking_tokens
+        return max(self.max_backtracking_tokens, self.num_draft_tokens + 1)
 
 
 @dataclass(frozen=True)
 class YocoSettings:
-    # Only `off` exists until the YOCO issue builds the replay stage; `mask`/`compact` come with it.
-    mode: str = setting("off", allowed=("off",))
+    """YOCO bounded replay (deepinfer/models/replay.py): in prefill steps the decoder layers see only the last
+    `keep_tokens` rows of each sequence. The option (conf/yoco/) is DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE; a
+    mode other than off needs the matching pipeline replay component (yoco_mask / yoco_compact)."""
+
+    mode: str = setting("off", allowed=YOCO_MODES)
+    # K, DEEPINFER_YOCO_PREFILL_KEEP_TOKENS (140: DeepInfer's README value for V4.1-Flash); must be at least the
+    # model's sliding window + the max backtracking tokens (checked once the model's config is read)
+    keep_tokens: int = setting(140, allowed=up_to(1, MAX_MODEL_LEN))
 
 
 @dataclass(frozen=True)

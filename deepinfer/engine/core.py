@@ -47,13 +47,21 @@ class EngineCore:
         if options.max_model_len is not None:
             max_len = min(max_len, options.max_model_len)
         budget = options.memory_budget or int(options.memory_fraction * free_memory_bytes(backend.device))
-        layout = backend.cache_layout(options.block_size)
+        self.runner = ModelRunner(backend, options.num_draft_tokens, options.confidence_temperature)
+        if options.num_draft_tokens and self.runner.drafter is None:
+            self._shutdown_worker()
+            raise ValueError("decoding=dspark needs a checkpoint with DSpark draft layers (num_nextn_predict_layers "
+                             "> 0, mtp.* tensors) loaded; this model has none (use decoding=plain)")
+        speculative = self.runner.num_draft > 0
+        extra = {"max_rollback": options.max_rollback} if options.max_rollback else {}
+        if speculative:
+            extra["drafts"] = True
+        layout = backend.cache_layout(options.block_size, **extra)
         self.cache = CacheManager.from_budget(budget, layout.slot_bytes(), layout.block_bytes(), options.block_size,
                                               options.max_num_seqs, max_len)
         # the runner owns the memory: every pool is allocated here, once, on the thread that runs the model
-        self.runner = ModelRunner(backend)
         alloc = (self.runner.allocate, self.cache.num_slots, self.cache.num_blocks, options.block_size, max_len,
-                 not options.enforce_eager, options.cudagraph_batch_size_interval)
+                 not options.enforce_eager, options.cudagraph_batch_size_interval, options.max_rollback)
         try:
             self._worker.call(*alloc) if self._worker else alloc[0](*alloc[1:])
         except BaseException:
@@ -67,9 +75,32 @@ class EngineCore:
             max_model_len=max_len,
             vocab_size=backend.vocab_size,
             stopper=stopper_factory(backend.eos_token_id, backend.tokenizer),
+            num_draft_tokens=self.runner.num_draft,
+            planner=self._varlen_planner(options) if speculative and options.spec_varlen else None,
         )
         self._inflight: tuple[StepPlan, Future, float] | None = None
         self.grammars = GrammarCompilations(backend, options)
+
+    def _shutdown_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _varlen_planner(self, options: EngineOptions):
+        """Confidence-scheduled verification: the step-time curve (tokens -> ms) measured on this model now, or
+        read from DEEPINFER_DECODE_PERF_CACHE_DIR when a run with the same model, device and sizes saved one."""
+        from deepinfer.engine.spec_schedule import VarlenPlanner, load_or_profile_cost_curve
+
+        cap = min(options.max_num_batched_tokens, self.cache.num_slots * (self.runner.num_draft + 1))
+        sizes = sorted({min(cap, 1 << i) for i in range(cap.bit_length() + 1)})
+        model = self.backend.model
+        cfg = getattr(model, "config", None)
+        key = {"model": repr(sorted(getattr(cfg, "raw", {}).items())), "device": self.backend.device,
+               "dtype": str(getattr(model, "dtype", "")), "draft": self.runner.num_draft, "sizes": sizes,
+               "graphs": not options.enforce_eager}
+        run = (lambda n: self._worker.call(self.runner.profile_step, n)) if self._worker else self.runner.profile_step
+        curve = load_or_profile_cost_curve(options.decode_perf_cache_dir, key, options.decode_perf_cache_ttl_s,
+                                           run, sizes)
+        return VarlenPlanner(curve, self.runner.num_draft)
 
     def info(self) -> CoreInfo:
         return CoreInfo(
@@ -90,6 +121,8 @@ class EngineCore:
         The request is checked again here, whatever the frontend did: params may have been changed after they
         were built, and one malformed request must end alone instead of raising in the step loop for everyone."""
         error = request_error(msg)
+        if error is None and self.backend.replay is not None and getattr(msg.params, "prompt_logprobs", False):
+            error = self.backend.replay.prompt_logprobs_error()
         if error is not None:
             return RequestUpdate(msg.request_id, finish_reason="error", error=error)
         params = msg.params
@@ -196,7 +229,14 @@ class EngineCore:
             prepare_s=result.prepare_s,
             cache_utilization=self.cache.utilization,
             graph=result.graph,
+            replay_rows_saved=result.replay_rows_saved,
+            num_draft_tokens=result.num_draft_tokens,
+            num_accepted_tokens=result.num_accepted_tokens,
+            accepted_lengths=[len(s.accepted) for s in result.samples if s.num_draft_tokens],
         )
+        planner = self.scheduler.planner
+        if planner is not None and result.error is None and not plan.num_prefill_tokens:
+            planner.update_runtime(len(plan.rows), plan.num_decode_tokens, (result.t_end - result.t_start) * 1e3)
         return CoreOutputs(updates, [stats])
 
     def _stuck(self, plan: StepPlan) -> list[RequestUpdate]:

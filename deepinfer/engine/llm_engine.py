@@ -28,7 +28,7 @@ class _Tracked:
     """Frontend-side record of one submitted request."""
 
     __slots__ = ("index", "user_id", "prompt", "prompt_ids", "params", "token_ids", "logprobs", "prompt_logprobs",
-                 "finish_reason", "error", "metrics")
+                 "finish_reason", "error", "metrics", "num_draft_tokens", "num_accepted_tokens")
 
     def __init__(self, index, user_id, prompt, prompt_ids, params):
         self.index, self.user_id, self.prompt, self.prompt_ids, self.params = index, user_id, prompt, prompt_ids, params
@@ -36,6 +36,7 @@ class _Tracked:
         self.logprobs: list = []
         self.prompt_logprobs = None
         self.finish_reason = self.error = None
+        self.num_draft_tokens = self.num_accepted_tokens = 0
         self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
 
 
@@ -73,7 +74,7 @@ class LLMEngine:
         from deepinfer.engine.backend import SettingsBackend, backend_from_program
 
         options = EngineOptions.from_settings(
-            settings.engine, settings.cache, settings.runtime, settings.sampling, **overrides
+            settings.engine, settings.cache, settings.runtime, settings.sampling, settings.decoding, **overrides
         )
         if options.process == "inproc" and program is not None:
             factory = functools.partial(backend_from_program, program)
@@ -170,6 +171,8 @@ class LLMEngine:
     def _apply(self, t: _Tracked, upd: RequestUpdate, metrics: RunMetrics, now: float, on_update) -> None:
         if upd.prompt_logprobs is not None:
             t.prompt_logprobs = [None if s is None else TokenLogprob(s.token_id, s.logprob, s.top_logprobs) for s in upd.prompt_logprobs]
+        t.num_draft_tokens += upd.num_draft_tokens
+        t.num_accepted_tokens += upd.num_accepted_tokens
         if upd.token_ids:
             t.token_ids += upd.token_ids
             t.logprobs += upd.logprobs
@@ -200,6 +203,8 @@ class LLMEngine:
             error=t.error,
             logprobs=logprobs,
             prompt_logprobs=t.prompt_logprobs,
+            num_draft_tokens=t.num_draft_tokens,
+            num_accepted_tokens=t.num_accepted_tokens,
             metrics=t.metrics,
         )
 

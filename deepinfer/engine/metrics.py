@@ -6,6 +6,9 @@ Definitions (all times in seconds):
 - prefill/decode tokens per second: tokens of that kind over the device time they used; a mixed step's device
   time is split between its prefill and decode tokens in proportion to their counts.
 - graph_steps: decode steps whose forward replayed a captured CUDA graph (the rest ran eagerly).
+- speculative (DSpark): drafts verified and accepted, the acceptance rate, the mean accepted length (tokens a
+  verifying request gains per step: accepted drafts + the target's own token, DeepInfer's figure) and the
+  histogram of accepted drafts per verification (index m: m drafts accepted).
 - step_gap: device idle time between the end of one step and the start of the next (engine-process clock).
 - scheduling_share: Python bookkeeping (planning steps, folding in their samples, and the runner building batch
   inputs and sampler rows) over that plus the model and sampler time: the share of a synchronous step spent on
@@ -99,6 +102,8 @@ class RunMetrics:
             "steps": len(steps),
             "mixed_steps": sum(1 for s in steps if s.num_prefill_tokens and s.num_decode_tokens),
             "graph_steps": sum(1 for s in steps if s.graph),  # decode steps that replayed a captured CUDA graph
+            # YOCO compact: decoder-layer rows (rows x consumer layers) the prefill steps did not compute
+            "replay_rows_saved": sum(s.replay_rows_saved for s in steps),
             "mean_rows_per_step": sum(s.num_rows for s in steps) / len(steps) if steps else 0.0,
             "device_busy_s": device,
             "step_gap_s": percentiles(gaps),
@@ -106,11 +111,33 @@ class RunMetrics:
             "runner_prepare_s": prep,
             "scheduling_share": (cpu + prep) / (cpu + device) if cpu + device > 0 else 0.0,
             "kernels": steps[-1].kernels if steps else {"fallbacks": {}, "jit": None},
+            "speculative": speculative_summary(steps),
             "cache_utilization": {
                 "mean": sum(s.cache_utilization for s in steps) / len(steps) if steps else 0.0,
                 "peak": max((s.cache_utilization for s in steps), default=0.0),
             },
         }
+
+
+def speculative_summary(steps: list[StepStats]) -> dict | None:
+    lengths = [m for s in steps for m in getattr(s, "accepted_lengths", ())]
+    if not lengths:
+        return None
+    drafts = sum(s.num_draft_tokens for s in steps)
+    accepted = sum(s.num_accepted_tokens for s in steps)
+    hist = [0] * (max(lengths) + 1)
+    for m in lengths:
+        hist[m] += 1
+    return {"draft_tokens": drafts, "accepted_tokens": accepted, "acceptance_rate": accepted / drafts if drafts else 0.0,
+            "verifications": len(lengths), "mean_accepted_length": 1 + accepted / len(lengths), "histogram": hist}
+
+
+def speculative_line(spec: dict | None) -> list[tuple[str, str]]:
+    if not spec:
+        return []
+    return [("dspark", f"{spec['accepted_tokens']}/{spec['draft_tokens']} drafts accepted "
+                       f"({spec['acceptance_rate']:.1%}), mean accepted length {spec['mean_accepted_length']:.2f} "
+                       f"tokens/step, accepted per step {spec['histogram']}")]
 
 
 def kernel_lines(kernels: dict | None) -> list[tuple[str, str]]:

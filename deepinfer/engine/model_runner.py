@@ -10,6 +10,7 @@ another request in the very next plan (the step still using it has finished by t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,10 +33,14 @@ class _Sequence:
     seed: int
     penalized: bool = field(default=False)
     prompt_rows: list | None = None  # logits rows over the prompt, while prompt logprobs are being collected
+    # DSpark: the drafts made after the last sampled token (guesses for the tokens after it), the draft
+    # distributions of a sampled request, and the confidence head's cumulative acceptance estimates
+    drafts: list[int] = field(default_factory=list)
+    draft_weights: list | None = None
 
 
 class ModelRunner:
-    def __init__(self, backend: EngineBackend):
+    def __init__(self, backend: EngineBackend, num_draft_tokens: int = 0, confidence_temperature=(1.0,)):
         from deepinfer.models import ForwardBatch  # here, not at import: importing the engine never loads the model code
 
         from deepinfer.sampling import SampleRow
@@ -48,21 +53,48 @@ class ModelRunner:
         self.pools = None
         self.graphs = None
         self._graph_step = False
+        self._rows_saved = 0  # YOCO compact: decoder-layer rows the last step did not compute
+        # DSpark: drafts of up to num_draft tokens are made after every sampled token, when the model has draft layers
+        drafter = getattr(backend.model, "drafter", None)
+        self.drafter = drafter if num_draft_tokens > 0 else None
+        self.num_draft = num_draft_tokens if self.drafter is not None else 0
+        if self.drafter is not None:
+            self.drafter.confidence_temperature = tuple(confidence_temperature)
+        self._step_drafts = (0, 0)  # (verified, accepted) in the last step
+        # Tests and benchmarks only: fn(sequence ids, prompt length, drafts) -> drafts, applied after the drafter ran
+        # (a drafter that copies the target's known continuation, or one that is always wrong). None in serving.
+        self.draft_override = None
 
     def allocate(self, num_slots: int, num_blocks: int, block_size: int, max_model_len: int = 0,
-                 graphs: bool = False, graph_interval: int = 8) -> None:
+                 graphs: bool = False, graph_interval: int = 8, max_rollback: int = 0) -> None:
         """The cache pools for the whole run, sized by the CacheManager from the budget; with `graphs` (CUDA, a
         model that can run from step metadata), decode steps of up to num_slots sequences replay CUDA graphs."""
         from deepinfer.models.cache import SequenceCache
 
         self._SequenceCache = SequenceCache
-        self.pools = self.backend.allocate_cache(num_slots, num_blocks, block_size)
+        extra = {"max_rollback": max_rollback} if max_rollback else {}
+        if self.drafter is not None:
+            extra["drafts"] = True
+        self.pools = self.backend.allocate_cache(num_slots, num_blocks, block_size, **extra)
         model = self.backend.model
         if graphs and self.pools.device.type == "cuda" and hasattr(model, "run"):
             from deepinfer.engine.cuda_graphs import DecodeGraphs
 
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, self.pools, num_slots, graph_interval, max_blocks)
+
+    def profile_step(self, num_tokens: int) -> None:
+        """One verification-shaped step of `num_tokens` tokens (sequences of 1 + num_draft tokens at position 0 in
+        slots 0.., one block each), for the confidence scheduler's cost curve. Runs before any request: what it
+        writes into the pools is never read (every sequence's reads are bounded by its own positions)."""
+        per = self.num_draft + 1
+        n = min(self.pools.num_slots, -(-num_tokens // per))
+        lengths = [num_tokens // n + (i < num_tokens % n) for i in range(n)]
+        states = [self._SequenceCache(self.pools, i, [i % self.pools.num_blocks]) for i in range(n)]
+        batch = self._ForwardBatch([[0] * k for k in lengths], states, num_logits=list(lengths))
+        self.backend.decode(batch) if all(k == 1 for k in lengths) else self.backend.prefill(batch)
+        if self.pools.device.type == "cuda":
+            torch.cuda.synchronize(self.pools.device)
 
     @property
     def num_sequences(self) -> int:
@@ -83,7 +115,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not plan.rows:
             return StepResult(plan.step_id, [], t_start=t0, t_end=t0)
-        self._graph_step = False
+        self._graph_step, self._rows_saved = False, 0
+        self._step_drafts = (0, 0)
         try:
             samples, prepare_s = self._run(plan, t0)
         except Exception as exc:  # a failed step ends its requests with an error instead of killing the engine
@@ -91,11 +124,14 @@ class ModelRunner:
             msg = f"model step failed: {type(exc).__name__}: {exc}"
             traceback.print_exc()
             return StepResult(plan.step_id, [], error=msg, t_start=t0, t_end=time.perf_counter())
+        verified, accepted = self._step_drafts
         return StepResult(plan.step_id, samples, t_start=t0, t_end=time.perf_counter(), prepare_s=prepare_s,
-                          graph=self._graph_step)
+                          graph=self._graph_step, num_draft_tokens=verified, num_accepted_tokens=accepted,
+                          replay_rows_saved=self._rows_saved)
 
     def _run(self, plan: StepPlan, t0: float) -> tuple[list[SampledToken], float]:
         rows, token_lists, states, sampled, grammars = [], [], [], [], []
+        drafts_of: dict[int, int] = {}  # id(sequence) -> drafts verified in this step
         for row in plan.rows:
             if row.new is not None:
                 new = row.new
@@ -114,6 +150,13 @@ class ModelRunner:
             ids = list(row.token_ids)
             if row.placeholder:
                 ids.append(seq.ids[-1])  # sampled by the previous step, which has finished by now
+            k = 0
+            if row.num_drafts and row.sample:
+                # room left under max_tokens: the anchor's token, then at most k accepted drafts + 1 more token
+                room = seq.params.max_tokens - (len(seq.ids) - seq.num_prompt) - 1
+                k = max(0, min(row.num_drafts, len(seq.drafts), room))
+                ids += seq.drafts[:k]
+            drafts_of[id(seq)] = k
             rows.append(row)
             token_lists.append(ids)
             states.append(seq.state)
@@ -123,27 +166,40 @@ class ModelRunner:
         by_seq: dict[int, SampledToken] = {}
         prepare_s = time.perf_counter() - t0
         if rows:
-            prepare_s = self._forward_and_sample(plan, rows, token_lists, states, sampled, grammars, by_seq, t0)
+            prepare_s = self._forward_and_sample(plan, rows, token_lists, states, sampled, grammars, by_seq, t0,
+                                                 drafts_of)
         lost = SampledToken(0, error="the request's state was lost in a failed step")
         samples = [by_seq.get(id(self._seqs.get(row.request_id)), lost) for row in plan.rows if row.sample]
         return samples, prepare_s
 
-    def _forward_and_sample(self, plan, rows, token_lists, states, sampled, grammars, by_seq, t0) -> float:
-        # Prompt logprobs need the logits of every prompt row, so such a step asks the model for all rows.
+    def _forward_and_sample(self, plan, rows, token_lists, states, sampled, grammars, by_seq, t0, drafts_of) -> float:
+        # Prompt logprobs need the logits of every prompt row, so such a step asks the model for all rows; a
+        # verifying row needs the logits of its anchor and of each draft.
         all_logits = any(self._seqs[row.request_id].prompt_rows is not None for row in rows)
+        num_logits = None
+        if not all_logits and any(drafts_of.values()):
+            num_logits = [drafts_of[id(self._seqs[row.request_id])] + 1 for row in rows]
         decode_only = all(len(ids) == 1 and row.new is None for row, ids in zip(rows, token_lists))
+        replay, data_lens = self._replay(rows, token_lists, states)
+        decode_only = decode_only and replay is None  # a one-token prompt chunk under replay is prefilled
         stage = self.backend.decode if decode_only else self.backend.prefill
-        batch = self._ForwardBatch(token_ids=token_lists, states=states, all_logits=all_logits)
+        batch = self._ForwardBatch(token_ids=token_lists, states=states, all_logits=all_logits, replay=replay,
+                                   data_lens=data_lens)
+        if num_logits is not None:
+            batch.num_logits = num_logits
         # Sampler rows and grammar masks depend only on tokens sampled by earlier steps: build them before the
-        # forward, the masks on a helper thread while the model runs.
-        sample_rows, row_errors = [], []
+        # forward, the masks on a helper thread while the model runs. Verifying rows build theirs in the sampler
+        # (a draft's row needs the grammar advanced through the drafts before it).
+        sample_rows, row_errors, plain = [], [], []
         for i, (seq, grammar) in enumerate(zip(sampled, grammars)):
             error = _sync(seq, grammar)
             if error is not None:
                 grammars[i] = None  # the row is still sampled (its batch needs it), then ends with the error
             row_errors.append(error)
             sample_rows.append(self._sample_row(seq, grammars[i]))
-        mask_job = self._masks.start(sample_rows, self.backend.vocab_size)
+            if not drafts_of.get(id(seq)):
+                plain.append(i)
+        mask_job = self._masks.start([sample_rows[i] for i in plain], self.backend.vocab_size)
         prepare_s = time.perf_counter() - t0
         try:
             logits = None
@@ -159,18 +215,96 @@ class ModelRunner:
             logits, prompt_lps = self._collect_prompt_rows(rows, token_lists, logits)
         if not sampled:
             return prepare_s
-        if len(sampled) != len(rows):
-            logits = logits[[i for i, row in enumerate(rows) if row.sample]]
-        if mask is not None and mask.shape[1] * 32 < logits.shape[1]:
-            mask = None  # a stage whose logits are wider than the model's vocab_size: let the sampler rebuild it
-        outs = self.backend.sampler.sample(logits, sample_rows, token_bitmask=mask)
-        for seq, out, grammar, row_error in zip(sampled, outs, grammars, row_errors):
-            seq.ids.append(out.token_id)
-            lps = prompt_lps.get(id(seq))
-            ended = grammar is not None and grammar.is_terminated()
-            error = row_error or getattr(out, "error", None)
-            by_seq[id(seq)] = SampledToken(out.token_id, out.logprob, out.top_logprobs, error, lps, ended)
+        # the logits rows of each sampled sequence (1, or 1 + drafts)
+        counts = num_logits or [1] * len(rows)
+        offsets, acc = [], 0
+        for n in counts:
+            offsets.append(acc)
+            acc += n
+        seq_rows = {id(self._seqs[row.request_id]): (off, n) for row, off, n in zip(rows, offsets, counts)}
+        verify = [i for i in range(len(sampled)) if i not in set(plain)]
+        if plain:
+            idx = [seq_rows[id(sampled[i])][0] + seq_rows[id(sampled[i])][1] - 1 for i in plain]
+            sub = logits if idx == list(range(logits.shape[0])) else logits[idx]
+            if mask is not None and mask.shape[1] * 32 < sub.shape[1]:
+                mask = None  # a stage whose logits are wider than the model's vocab_size: let the sampler rebuild it
+            outs = self.backend.sampler.sample(sub, [sample_rows[i] for i in plain], token_bitmask=mask)
+            for i, out in zip(plain, outs):
+                seq, grammar = sampled[i], grammars[i]
+                seq.ids.append(out.token_id)
+                ended = grammar is not None and grammar.is_terminated()
+                error = row_errors[i] or getattr(out, "error", None)
+                by_seq[id(seq)] = SampledToken(out.token_id, out.logprob, out.top_logprobs, error,
+                                               prompt_lps.get(id(seq)), ended)
+        verified = accepted = 0
+        if verify:
+            from deepinfer.sampling import VerifyRequest
+
+            reqs, idx = [], []
+            for i in verify:
+                seq = sampled[i]
+                k = drafts_of[id(seq)]
+                off, n = seq_rows[id(seq)]
+                idx += range(off, off + n)
+                weights = seq.draft_weights[:k] if seq.draft_weights is not None else None
+                reqs.append(VerifyRequest(sample_rows[i], seq.drafts[:k], weights))
+            results = self.backend.sampler.verify(logits[idx], reqs)
+            for i, outs in zip(verify, results):
+                seq, grammar = sampled[i], grammars[i]
+                k, m = drafts_of[id(seq)], len(outs) - 1
+                seq.ids.extend(o.token_id for o in outs)
+                seq.state.rollback(k - m)  # the rejected drafts' cache entries are overwritten later
+                verified, accepted = verified + k, accepted + m
+                last = outs[-1]
+                ended = grammar is not None and grammar.is_terminated()
+                error = row_errors[i] or getattr(last, "error", None)
+                by_seq[id(seq)] = SampledToken(
+                    last.token_id, last.logprob, last.top_logprobs, error, prompt_lps.get(id(seq)), ended,
+                    accepted=tuple((o.token_id, o.logprob, o.top_logprobs) for o in outs[:-1]), num_draft_tokens=k)
+        self._step_drafts = (verified, accepted)
+        if self.drafter is not None:
+            self._draft(sampled, by_seq)
         return prepare_s
+
+    def _draft(self, sampled: list[_Sequence], by_seq: dict) -> None:
+        """DSpark: drafts for every sequence that just got a token (verified next step), in one batch."""
+        from deepinfer.sampling.speculative import DraftChooser, DraftRequest
+
+        seqs = [seq for seq in sampled if by_seq[id(seq)].error is None]
+        if not seqs:
+            return
+        dev = self.pools.device
+        slots = torch.tensor([seq.state.slot for seq in seqs], dtype=torch.int64, device=dev)
+        last = torch.tensor([seq.state.num_tokens - 1 for seq in seqs], dtype=torch.int64, device=dev)
+        golden = torch.tensor([seq.ids[-1] for seq in seqs], dtype=torch.int64, device=dev)
+        chooser = DraftChooser([DraftRequest(seq.params, seq.seed, len(seq.ids) - seq.num_prompt) for seq in seqs],
+                               self.backend.vocab_size)
+        step = self.drafter.step(slots, last, self.num_draft, self.pools)
+        out = self.drafter.draft(golden, step, self.pools, chooser)
+        tokens, rates = out.tokens.tolist(), torch.cumprod(out.confidences, 1).tolist()
+        for r, seq in enumerate(seqs):
+            seq.drafts = tokens[r]
+            seq.draft_weights = None if seq.params.greedy else chooser.weights[r]
+            if self.draft_override is not None:
+                seq.drafts = list(self.draft_override(seq.ids, seq.num_prompt, tokens[r]))
+                seq.draft_weights = None  # point masses: verification stays exact for any fixed drafts
+            tok = by_seq[id(seq)]
+            by_seq[id(seq)] = dataclasses.replace(tok, rates=tuple(rates[r]))
+
+    def _replay(self, rows, token_lists, states):
+        """The pipeline's replay stage (YOCO) and each sequence's full known length, for a step in which it cuts
+        some row's window (a prefill chunk before the last K rows of its sequence); else (None, None): decode and
+        verification rows are never cut (K >= window + max backtracking)."""
+        replay = self.backend.replay
+        if replay is None:
+            return None, None
+        known = [max(len(self._seqs[row.request_id].ids), st.num_tokens + len(ids))
+                 for row, ids, st in zip(rows, token_lists, states)]
+        lengths, pasts = [len(ids) for ids in token_lists], [st.num_tokens for st in states]
+        if not replay.applies(lengths, pasts, known):
+            return None, None
+        self._rows_saved = replay.rows_saved(lengths, pasts, known)
+        return replay, known
 
     def _collect_prompt_rows(self, rows, token_lists, logits):
         """Keeps each collecting sequence's prompt rows; returns the last-row logits per sequence and the finished

@@ -39,10 +39,35 @@ class EngineOptions:
     enforce_eager: bool = False  # no CUDA graphs (runtime.enforce_eager, DEEPINFER_ENFORCE_EAGER)
     cudagraph_batch_size_interval: int = 8  # graph batch buckets: 1, 2, 4, <interval, then every interval
     xgrammar_max_schema_bytes: int = 1 << 20  # larger schemas end their request at once (sampling/grammar.py)
+    # DSpark speculative decoding (decoding=dspark): drafts verified per request and step (0: off), the cache's
+    # rollback depth (the larger of this and num_draft_tokens + 1), confidence-scheduled verification
+    # (DEEPINFER_ENABLE_MTP_VARLEN), where its cost curve is cached, and the confidence head's temperature(s).
+    num_draft_tokens: int = 0
+    max_backtracking_tokens: int = 0
+    spec_varlen: bool = False
+    decode_perf_cache_dir: str | None = None
+    decode_perf_cache_ttl_s: float = 3600.0
+    confidence_temperature: tuple = (1.0,)
+
+    @property
+    def max_rollback(self) -> int:
+        """Tokens every rolling cache keeps beyond its window (DeepInfer: max(env, NEXTN + 1) with drafts on)."""
+        if not self.num_draft_tokens:
+            return self.max_backtracking_tokens
+        return max(self.max_backtracking_tokens, self.num_draft_tokens + 1)
 
     @classmethod
-    def from_settings(cls, engine=None, cache=None, runtime=None, sampling=None, **overrides) -> "EngineOptions":
+    def from_settings(cls, engine=None, cache=None, runtime=None, sampling=None, decoding=None,
+                      **overrides) -> "EngineOptions":
         values = {}
+        if decoding is not None and getattr(decoding, "name", "plain") == "dspark":
+            values.update(
+                num_draft_tokens=decoding.num_draft_tokens,
+                max_backtracking_tokens=decoding.max_backtracking_tokens,
+                spec_varlen=decoding.varlen,
+                decode_perf_cache_dir=decoding.perf_cache_dir,
+                confidence_temperature=tuple(decoding.confidence_temperature),
+            )
         for section, names in (
             (engine, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "zero_overhead_scheduling", "process")),
             (cache, ("memory_budget", "memory_fraction", "block_size")),

@@ -36,10 +36,14 @@ class ScheduledRow:
     # On sampling rows of a request with so_args: its GrammarState (ready; the scheduler plans no sampling row
     # before it is). Lives in the engine core, so it never crosses a process boundary.
     grammar: Any = None
+    # DSpark: at most this many of the request's drafts follow its anchor token and are verified in this step (the
+    # runner holds the drafts, made after the step that sampled the anchor; it verifies fewer when it has fewer or
+    # when max_tokens leaves less room). The accepted ones come back with the sample.
+    num_drafts: int = 0
 
     @property
     def num_new_tokens(self) -> int:
-        return len(self.token_ids) + int(self.placeholder)
+        return len(self.token_ids) + int(self.placeholder) + self.num_drafts
 
 
 @dataclass
@@ -71,6 +75,11 @@ class SampledToken:
     # The request's grammar ended with this token, read right after sampling: with async scheduling the next
     # step may already be advancing the same GrammarState by the time the core folds this token in.
     grammar_terminated: bool = False
+    # DSpark: the drafts accepted before token_id, each (token_id, logprob, top_logprobs); how many drafts were
+    # verified; the cumulative acceptance estimates (confidence head) of the drafts made for the next step.
+    accepted: tuple = ()
+    num_draft_tokens: int = 0
+    rates: tuple = ()
 
 
 @dataclass
@@ -83,3 +92,6 @@ class StepResult:
     t_end: float = 0.0
     prepare_s: float = 0.0  # of which Python bookkeeping in the runner: batch inputs and sampler rows
     graph: bool = False  # the forward replayed a captured CUDA graph
+    num_draft_tokens: int = 0  # DSpark drafts verified in this step, and how many of them were accepted
+    num_accepted_tokens: int = 0
+    replay_rows_saved: int = 0  # YOCO compact: decoder-layer rows (rows x consumer layers) not computed

@@ -40,6 +40,13 @@ class Request:
     # GrammarState, kept across preemptions (the runner rolls it back to the output on recompute).
     grammar_pending: bool = False
     grammar_state: Any = None
+    # DSpark: drafts planned in rows not folded in yet (their accepted tokens will also be in the cache), the
+    # confidence head's cumulative acceptance estimates of the newest drafts and of the ones before, and totals
+    draft_slack: int = 0
+    rates: list = field(default_factory=list)
+    prev_rates: list = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def may_sample(self) -> bool:

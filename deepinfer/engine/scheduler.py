@@ -17,6 +17,12 @@ is admitted only then, and later requests are admitted past it.
 
 Async scheduling plans step N+1 before step N's tokens are back: a request that step N samples for counts one
 placeholder token (`num_pending`), which the next decode row feeds without knowing its id.
+
+DSpark speculative decoding: a decode row also verifies up to `num_drafts` drafts the runner made after the
+previous sample (all num_draft_tokens of them, or as many as the confidence-scheduled planner gives the request).
+The row costs 1 + num_drafts tokens of the budget and reserves cache for every draft it might accept, also those
+of a row still in flight (`draft_slack`); when its sample comes back, the accepted drafts join the output ahead of
+the sampled token and count as computed (their cache entries were written by the verification).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Scheduler:
         vocab_size: int,
         stopper: Callable[[Any], Stopper] | None = None,
         eos_token_id: int | None = None,
+        num_draft_tokens: int = 0,
+        planner=None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 2:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2")
@@ -58,6 +66,8 @@ class Scheduler:
         self._next_step = 0
         self.num_preemptions = 0
         self.preemption_log: list[tuple[int, int]] = []  # (step_id, request_id), for tests and metrics
+        self.num_draft_tokens = num_draft_tokens
+        self.planner = planner  # deepinfer.engine.spec_schedule.VarlenPlanner, or None: verify every draft
 
     # ---- arrivals ------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: Any) -> str | None:
@@ -129,6 +139,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
 
+        drafts = self._plan_drafts() if self.num_draft_tokens else {}
         for req in list(self.running):  # 1. decodes, oldest first
             if budget == 0:
                 break
@@ -138,7 +149,10 @@ class Scheduler:
                 continue  # its grammar is compiling: the row that samples waits
             if req.num_generated >= req.max_tokens:
                 continue  # the in-flight step samples its last token
-            target = req.num_computed + 1
+            k = min(drafts.get(req.request_id, 0), budget - 1)
+            # the cache for everything this row and an in-flight one may accept (never past prompt + max_tokens)
+            target = max(req.num_computed + 1,
+                         min(req.num_computed + 1 + k + req.draft_slack, len(req.prompt_ids) + req.max_tokens))
             while not self.cache.can_hold(req.request_id, target):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
@@ -148,9 +162,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # it was the newest: every request after it is gone too
             self.cache.reserve(req.request_id, target)
-            plan.rows.append(self._row(req, 1))
-            plan.num_decode_tokens += 1
-            budget -= 1
+            plan.rows.append(self._row(req, 1, num_drafts=k))
+            plan.num_decode_tokens += 1 + k
+            budget -= 1 + k
 
         for req in self.running:  # 2. prefill chunks of admitted requests (their cache is reserved already)
             if budget == 0:
@@ -185,7 +199,20 @@ class Scheduler:
         plan.release = self.take_release()
         return plan
 
-    def _row(self, req: Request, n: int, new: NewSequence | None = None) -> ScheduledRow:
+    def _plan_drafts(self) -> dict[int, int]:
+        """request id -> drafts its next decode row verifies: all of them, or the planner's share (confidences
+        from two steps back size the step, from the last step rank the requests)."""
+        reqs = [r for r in self.running if r.may_sample and r.num_generated < r.max_tokens]
+        B = self.num_draft_tokens
+        if self.planner is None:
+            return {r.request_id: B for r in reqs}
+        paired = [r.num_pending == 0 for r in reqs]  # no row in flight: `rates` are the last step's
+        budget_rates = [r.prev_rates if p else r.rates for r, p in zip(reqs, paired)]
+        max_k = [max(0, min(B, r.max_tokens - r.num_generated - 1)) for r in reqs]
+        ks = self.planner.plan(budget_rates, [r.rates for r in reqs], max_k)
+        return {r.request_id: k for r, k in zip(reqs, ks)}
+
+    def _row(self, req: Request, n: int, new: NewSequence | None = None, num_drafts: int = 0) -> ScheduledRow:
         start, end, known = req.num_computed, req.num_computed + n, req.num_known
         ids = _slice(req, start, min(end, known))
         placeholder = end > known  # only a decode right after an in-flight sample: end == known + 1
@@ -193,10 +220,11 @@ class Scheduler:
         req.num_computed = end
         if sample:
             req.num_pending += 1
+        req.draft_slack += num_drafts
         grammar = req.grammar_state if sample else None
         rid = req.request_id
         return ScheduledRow(rid, req.epoch, start, ids, placeholder, sample, new, self.cache.slot_of(rid),
-                            self.cache.take_new_blocks(rid), grammar)
+                            self.cache.take_new_blocks(rid), grammar, num_drafts)
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
@@ -205,6 +233,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed = 0
         req.num_pending = 0  # a sample still in flight belongs to the dropped state: `epoch` discards it
+        req.draft_slack = 0
+        req.rates, req.prev_rates = [], []
         req.epoch += 1
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -232,14 +262,29 @@ class Scheduler:
             if req is None or req.epoch != row.epoch:
                 continue  # finished or preempted after this step was planned: the token is not part of it
             req.num_pending -= 1
+            req.draft_slack -= row.num_drafts
             if getattr(s, "error", None):
                 self._finish(req, "error", s.error)
                 updates.append(RequestUpdate(req.request_id, finish_reason="error", error=s.error))
                 continue
-            req.output_ids.append(s.token_id)
-            reason = self._stoppers[req.request_id].append(s.token_id, s.grammar_terminated)
-            lp = None if s.logprob is None else (s.logprob, s.top_logprobs)
-            upd = RequestUpdate(req.request_id, [s.token_id], [lp])
+            accepted = getattr(s, "accepted", ())
+            req.num_computed += len(accepted)  # verified in the cache by this step
+            if s.rates:
+                req.prev_rates, req.rates = req.rates, list(s.rates)
+            upd = RequestUpdate(req.request_id, num_draft_tokens=s.num_draft_tokens,
+                                num_accepted_tokens=len(accepted))
+            req.num_draft_tokens += s.num_draft_tokens
+            req.num_accepted_tokens += len(accepted)
+            reason = None
+            tokens = [(t, lp, top, False) for t, lp, top in accepted] + [
+                (s.token_id, s.logprob, s.top_logprobs, s.grammar_terminated)]
+            for token_id, logprob, top, terminated in tokens:  # a stop ends the request: later tokens are dropped
+                req.output_ids.append(token_id)
+                upd.token_ids.append(token_id)
+                upd.logprobs.append(None if logprob is None else (logprob, top))
+                reason = self._stoppers[req.request_id].append(token_id, terminated)
+                if reason is not None:
+                    break
             if s.prompt_logprobs is not None:
                 upd.prompt_logprobs = s.prompt_logprobs
                 req.prompt_logprobs_sent = True

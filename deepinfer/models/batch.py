@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .cache import SequenceCache
 
@@ -11,8 +12,16 @@ from .cache import SequenceCache
 class ForwardBatch:
     """New tokens for several independent sequences. Sequence i appends `token_ids[i]` (a prefill chunk at any
     split, or one decode token) to `states[i]`, its place in the cache pools. With `all_logits`, logits come back
-    for every new token, else only for the last new token of each sequence."""
+    for every new token; with `num_logits`, for the last num_logits[i] new tokens of sequence i (a speculative
+    verification: the anchor and each draft); else only for the last new token of each sequence.
+
+    `replay`: the pipeline's YOCO replay stage (models/replay.py BoundedReplay) on a prefill step, else None;
+    `data_lens`: each sequence's full known length (prompt, + outputs on a recompute), where its keep rectangle
+    ends (None: where this step ends)."""
 
     token_ids: list[list[int]]
     states: list[SequenceCache]
     all_logits: bool = False
+    num_logits: list[int] | None = None
+    replay: Any = None
+    data_lens: list[int] | None = None

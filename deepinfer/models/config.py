@@ -88,7 +88,13 @@ class ModelConfig:
     engram_head_dim: int = 256
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 0
-    num_nextn_predict_layers: int = 0
+    num_nextn_predict_layers: int = 0  # DSpark draft layers (mtp.*), MODEL_V41_SPEC.md §6
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 0  # filler of the block's non-anchor positions
+    dspark_target_layer_ids: tuple[int, ...] = ()  # backbone layers whose attention-input streams feed the drafter
+    dspark_markov_rank: int = 0  # 0: no Markov head
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     pad_token_id: int | None = 2
@@ -318,6 +324,14 @@ def _build(t: dict, quant: QuantConfig | None) -> ModelConfig:
         engram_pad_id=int(t.get("engram_pad_id", t.get("engram_pad_token_id", 2))),
         engram_compressed_vocab_size=int(t.get("engram_compressed_vocab_size", 0) or 0),
         num_nextn_predict_layers=nextn,
+        dspark_block_size=int(t.get("dspark_block_size", 5)),
+        dspark_noise_token_id=int(t.get("dspark_noise_token_id", 0)),
+        dspark_target_layer_ids=tuple(int(x) for x in (t.get("dspark_target_layer_ids")
+                                                       or [i for i in range(n) if i not in kv_src][-3:])),
+        dspark_markov_rank=int(t.get("dspark_markov_rank", 0) or 0),
+        dspark_n_routed_experts=int(t.get("dspark_n_routed_experts") or need("n_routed_experts")),
+        dspark_num_experts_per_tok=int(t.get("dspark_num_experts_per_tok", t.get("dspark_n_activated_experts"))
+                                       or need("num_experts_per_tok", "n_activated_experts")),
         bos_token_id=t.get("bos_token_id", 0),
         eos_token_id=t.get("eos_token_id", 1),
         pad_token_id=t.get("pad_token_id", 2),
@@ -361,6 +375,16 @@ def _validate(c: ModelConfig) -> None:
             raise ModelConfigError(f"layer {i} has compress ratio {ratio} but no KV source at or before it")
     if c.num_attention_heads * c.head_dim % c.o_groups:
         raise ModelConfigError(f"o_groups={c.o_groups} must divide num_attention_heads*head_dim")
+    if c.num_nextn_predict_layers:
+        for layer in c.dspark_target_layer_ids:
+            if not 0 <= layer < n:
+                raise ModelConfigError(f"dspark_target_layer_ids contains layer {layer}; allowed: 0..{n - 1}")
+        if not 0 <= c.dspark_noise_token_id < c.vocab_size:
+            raise ModelConfigError(f"dspark_noise_token_id={c.dspark_noise_token_id} is out of range; allowed: "
+                                   f"[0, {c.vocab_size - 1}]")
+        if not 1 <= c.dspark_num_experts_per_tok <= c.dspark_n_routed_experts:
+            raise ModelConfigError(f"dspark_num_experts_per_tok={c.dspark_num_experts_per_tok}; allowed: "
+                                   f"1..dspark_n_routed_experts={c.dspark_n_routed_experts}")
     if c.engram_layer_ids and len(c.engram_num_embeddings) != len(c.engram_layer_ids):
         raise ModelConfigError(
             f"engram_num_embeddings has {len(c.engram_num_embeddings)} entries; expected one per engram layer "

@@ -21,7 +21,7 @@ from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, 
 from .card import ModelCard
 from .config import ModelConfig
 from .engram import EngramTables
-from .weights import LayerWeights, arrange
+from .weights import LayerWeights, arrange, arrange_drafts
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
 STANDALONE_SLOTS = 64
@@ -70,32 +70,44 @@ class DeepseekV41Model:
             token_map = torch.full((max(cfg.vocab_size, len(known)),), self.engram.pad_id, dtype=torch.int64)
             token_map[: len(known)] = known
             self.engram_token_map = token_map.to(self.device)
-        self._standalone: dict[int, StandaloneAllocator] = {}
+        self._standalone: dict[tuple[int, bool], StandaloneAllocator] = {}
+        drafts = arrange_drafts(cfg, weights, dtype)
+        self.drafter = None
+        if drafts is not None:
+            from .dspark import DSpark
+
+            self.drafter = DSpark(self, drafts)
 
     def use_ops(self, ops: OpSet) -> None:
         """Run on another op set from now on (e.g. the torch reference, to compare backends on one model)."""
         self.ops = ops
         for attn in self.attn:
             attn.ops = ops
+        if self.drafter is not None:
+            self.drafter.use_ops(ops)
 
     # ---- caches ----------------------------------------------------------------------------
-    def cache_layout(self, block_size: int = 64, max_rollback: int = 0) -> CacheLayout:
-        return CacheLayout(self.config, self.dtype, block_size, max_rollback)
+    def cache_layout(self, block_size: int = 64, max_rollback: int = 0, drafts: bool = False) -> CacheLayout:
+        """`drafts`: with the DSpark draft layers' rings (the model must have them: load_model(draft_layers=True))."""
+        if drafts and self.drafter is None:
+            raise ValueError("cache_layout(drafts=True): this model was loaded without DSpark draft layers")
+        return CacheLayout(self.config, self.dtype, block_size, max_rollback, self.drafter.num_layers if drafts else 0)
 
-    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int = 64, max_rollback: int = 0) -> CachePools:
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int = 64, max_rollback: int = 0,
+                       drafts: bool = False) -> CachePools:
         """The pools for `num_slots` sequences and `num_blocks` blocks of context (the engine's runner calls this
         once, sized from the cache budget)."""
-        return CachePools(self.cache_layout(block_size, max_rollback), num_slots, num_blocks, self.device)
+        return CachePools(self.cache_layout(block_size, max_rollback, drafts), num_slots, num_blocks, self.device)
 
-    def new_state(self, max_rollback: int = 0) -> SequenceCache:
+    def new_state(self, max_rollback: int = 0, drafts: bool = False) -> SequenceCache:
         """A sequence in standalone pools (no engine): its blocks are taken as it grows, and come back when it is
         freed or garbage-collected."""
-        alloc = self._standalone.get(max_rollback)
+        alloc = self._standalone.get((max_rollback, drafts))
         if alloc is None:
             block = 64
             blocks = -(-min(self.config.max_position_embeddings, STANDALONE_TOKENS) // block) * STANDALONE_SLOTS
-            alloc = StandaloneAllocator(self.allocate_cache(STANDALONE_SLOTS, blocks, block, max_rollback))
-            self._standalone[max_rollback] = alloc
+            alloc = StandaloneAllocator(self.allocate_cache(STANDALONE_SLOTS, blocks, block, max_rollback, drafts))
+            self._standalone[(max_rollback, drafts)] = alloc
         return alloc.new()
 
     # ---- forward ---------------------------------------------------------------------------
@@ -110,17 +122,23 @@ class DeepseekV41Model:
             raise ValueError("ForwardBatch: every sequence of a step must live in the same cache pools")
         for st, ids in zip(batch.states, batch.token_ids):
             st.reserve(st.num_tokens + len(ids))
-        host = pack_step(batch.token_ids, batch.states, pools.layout, self.device, all_logits=batch.all_logits)
-        logits = self.run(derive(host, pools), pools)
+        pasts = [st.num_tokens for st in batch.states]
+        host = pack_step(batch.token_ids, batch.states, pools.layout, self.device, all_logits=batch.all_logits,
+                         num_logits=batch.num_logits)
+        meta = derive(host, pools)
+        replay = batch.replay.plan(meta, pools, pasts, batch.data_lens) if batch.replay is not None else None
+        logits = self.run(meta, pools, replay)
         for st, n in zip(batch.states, host.lengths):
             st.num_tokens += n
         return logits
 
     __call__ = forward
 
-    def run(self, meta: StepMeta, pools: CachePools) -> torch.Tensor:
+    def run(self, meta: StepMeta, pools: CachePools, replay=None) -> torch.Tensor:
         """The step on the device: reads the metadata and pools, writes the pools, returns float logits. Nothing
-        here reads back from the device or loops over sequences (a decode step can be captured as a graph)."""
+        here reads back from the device or loops over sequences (a decode step can be captured as a graph).
+        `replay`: a prefill step's YOCO bounded replay (models/replay.py ReplayStep): at its boundary layer it
+        switches the rows and metadata the decoder layers run on."""
         cfg, ops = self.config, self.ops
         x = self.embed[meta.ids].to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -131,14 +149,22 @@ class DeepseekV41Model:
         pools.win_pos.index_copy_(0, meta.window.write_row, meta.positions.to(torch.int32))
 
         hook = self.layer_hook
+        drafter = self.drafter if pools.draft_window else None
+        features = []
         for i, (lw, attn) in enumerate(zip(self.layers, self.attn)):
             if hook is not None:
                 hook(i)
+            if drafter is not None and i in drafter.targets:  # DSpark context: the trunk entering the layer
+                features.append(streams.float().mean(1).to(self.dtype))
             if lw.e_table is not None:
                 streams = self._engram(streams, lw, hash_ids[:, cfg.engram_layer_ids.index(i)])
+            if replay is not None and i == replay.boundary:
+                streams, pre, meta, hash_ids = replay.enter(self, streams, pre, meta, pools, hash_ids)
             streams, pre = self._block(streams, pre, lw, attn, meta, pools)
         if hook is not None:
             hook(len(self.layers))
+        if drafter is not None:
+            drafter.write_context(features, meta.positions, meta.window.write_row, pools)
 
         last = meta.host.base.get("last")
         if last is not None:
@@ -150,17 +176,21 @@ class DeepseekV41Model:
         cfg, ops = self.config, self.ops
         mix = (cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
         a_pre, a_post, a_comb = ops.mhc_mixes(streams, *lw.hc_attn, *mix)
-        h = ops.rms_norm(ops.mhc_collapse(streams, prev_pre), lw.attn_norm, cfg.rms_norm_eps)
+        h = self.attn_input(streams, prev_pre, lw)
         streams = ops.mhc_expand(attn(h, meta, pools), streams, a_post, a_comb)
         f_pre, f_post, f_comb = ops.mhc_mixes(streams, *lw.hc_ffn, *mix)
         g = ops.rms_norm(ops.mhc_collapse(streams, a_pre), lw.ffn_norm, cfg.rms_norm_eps)
         streams = ops.mhc_expand(self._moe(g, lw), streams, f_post, f_comb)
         return streams, f_pre
 
+    def attn_input(self, streams, prev_pre, lw: LayerWeights) -> torch.Tensor:
+        """A layer's attention-norm output: the streams collapsed with the previous site's pre-mix, normed."""
+        return self.ops.rms_norm(self.ops.mhc_collapse(streams, prev_pre), lw.attn_norm, self.config.rms_norm_eps)
+
     def _moe(self, g: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         cfg, ops = self.config, self.ops
         weights, idx = ops.moe_router(
-            g, lw.gate_weight, lw.gate_bias, cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
+            g, lw.gate_weight, lw.gate_bias, lw.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         return ops.moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit)
@@ -196,6 +226,7 @@ def load_model(
     weights: bool = True,
     packed_experts: bool | None = None,
     fp8_linears: bool | None = None,
+    draft_layers: bool = True,
 ) -> DeepseekV41Model | ModelCard:
     """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
     ModelCard, for a frontend whose engine process holds the weights).
@@ -210,7 +241,10 @@ def load_model(
 
     `fp8_linears` (default: on CUDA) keeps the other FP8 projections as stored (Fp8BlockWeight, 1 byte per weight
     instead of 2 in bf16): the TileLang linear dequantises tiles in registers, the torch op dequantises per call
-    (same values, identical logits on the CPU, where the default stays dense)."""
+    (same values, identical logits on the CPU, where the default stays dense).
+
+    `draft_layers`: load the DSpark draft layers (`mtp.*`) when the checkpoint has them (model.drafter); without
+    them the model decodes one token per step and they take no memory."""
     from .loading import load_checkpoint, resolve_model_dir
 
     model_dir = resolve_model_dir(model)
@@ -219,7 +253,7 @@ def load_model(
     if fp8_linears is None:
         fp8_linears = torch.device(device).type == "cuda"
     ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts,
-                           quantized_linears=fp8_linears)
+                           quantized_linears=fp8_linears, draft_layers=draft_layers)
     ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends, batch_invariant=batch_invariant)
     tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_path))
     if not weights:

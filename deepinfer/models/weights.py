@@ -49,6 +49,7 @@ class LayerWeights:
     e_table: torch.Tensor | None = None  # engram rows [n, engram_head_dim]
     e_wkv: Linear | None = None
     e_weight: torch.Tensor | None = None  # q_weight * k_weight (only the product is used)
+    top_k: int | None = None  # routed experts per token when not the config's num_experts_per_tok (draft layers)
 
 
 def experts_of(group: list[tuple], dtype: torch.dtype):
@@ -81,53 +82,85 @@ def _single(experts):
 def arrange(
     cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
 ) -> tuple[list[LayerWeights], dict[str, torch.Tensor]]:
-    layers = []
-    for i in range(cfg.num_hidden_layers):
+    layers = [_layer(cfg, t, f"layers.{i}.", cfg.n_routed_experts, dtype) for i in range(cfg.num_hidden_layers)]
+    for i in cfg.engram_layer_ids:
         p = f"layers.{i}."
-
-        def get(name: str, optional: bool = False):
-            if optional and p + name not in t:
-                return None
-            return t[p + name]
-
-        def expert(prefix: str):
-            return tuple(get(f"{prefix}.{k}.weight") for k in ("w1", "w2", "w3"))
-
-        wo_a = get("attn.wo_a.weight")
-        lw = LayerWeights(
-            attn_norm=get("attn_norm.weight"),
-            ffn_norm=get("ffn_norm.weight"),
-            hc_attn=(get("hc_attn_fn"), get("hc_attn_scale"), get("hc_attn_base")),
-            hc_ffn=(get("hc_ffn_fn"), get("hc_ffn_scale"), get("hc_ffn_base")),
-            wq_a=get("attn.wq_a.weight"),
-            q_norm=get("attn.q_norm.weight"),
-            wq_b=get("attn.wq_b.weight"),
-            wkv=get("attn.wkv.weight"),
-            kv_norm=get("attn.kv_norm.weight"),
-            wo_a=_row_groups(wo_a, cfg.o_groups, cfg.o_lora_rank),
-            wo_b=get("attn.wo_b.weight"),
-            attn_sink=get("attn.attn_sink"),
-            gate_weight=get("ffn.gate.weight"),
-            gate_bias=get("ffn.gate.bias", optional=True),
-            experts=experts_of([expert(f"ffn.experts.{e}") for e in range(cfg.n_routed_experts)], dtype),
-            shared_expert=(_single(experts_of([expert("ffn.shared_experts")], dtype))
-                           if p + "ffn.shared_experts.w1.weight" in t else None),
-            c_wkv=get("attn.compressor.wkv.weight", True),
-            c_wgate=get("attn.compressor.wgate.weight", True),
-            c_norm=get("attn.compressor.norm.weight", True),
-            i_wq_b=get("attn.indexer.wq_b.weight", True),
-            i_weights_proj=get("attn.indexer.weights_proj.weight", True),
-            i_wk=get("attn.indexer.wk.weight", True),
-            i_k_norm=get("attn.indexer.k_norm.weight", True),
-            e_table=get("engram.embed.weight", True),
-            e_wkv=get("engram.wkv.weight", True),
-        )
-        if i in cfg.engram_layer_ids:
-            lw.e_weight = get("engram.q_weight").float() * get("engram.k_weight").float()
-        layers.append(lw)
+        layers[i].e_weight = t[p + "engram.q_weight"].float() * t[p + "engram.k_weight"].float()
     held, dense = linear_weight_bytes(layers)
     if held != dense:
         log.info("projection weights: %.3f GB held (FP8 as stored), %.3f GB if dequantised to bf16", held / 1e9,
                  dense / 1e9)
     glob = {"embed": t["embed.weight"], "norm": t["norm.weight"], "head": t.get("head.weight", t["embed.weight"])}
     return layers, glob
+
+
+@dataclass
+class DraftWeights:
+    """The DSpark stages (MODEL_V41_SPEC.md §6.1): ratio-0 decoder blocks plus the context projection and heads."""
+
+    layers: list[LayerWeights]
+    main_proj: Linear  # [D, D * n_targets]: concatenated target features -> context hidden
+    main_norm: torch.Tensor
+    norm: torch.Tensor  # before the shared lm head
+    markov_embed: torch.Tensor | None  # [V, rank]
+    markov_head: torch.Tensor | None  # [V, rank]
+    confidence: torch.Tensor  # [D + rank]
+
+
+def arrange_drafts(cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype) -> DraftWeights | None:
+    """The draft layers, or None when the checkpoint was loaded without them."""
+    n = cfg.num_nextn_predict_layers
+    if not n or "mtp.0.main_proj.weight" not in t:
+        return None
+    last = f"mtp.{n - 1}."
+    layers = [_layer(cfg, t, f"mtp.{i}.", cfg.dspark_n_routed_experts, dtype) for i in range(n)]
+    for lw in layers:
+        lw.top_k = cfg.dspark_num_experts_per_tok
+    return DraftWeights(
+        layers=layers,
+        main_proj=t["mtp.0.main_proj.weight"],
+        main_norm=t["mtp.0.main_norm.weight"],
+        norm=t[last + "norm.weight"],
+        markov_embed=t.get(last + "markov_head.embed.weight"),
+        markov_head=t.get(last + "markov_head.head.weight"),
+        confidence=t[last + "confidence_head.proj.weight"].reshape(-1).float(),
+    )
+
+
+def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, n_exp: int, dtype: torch.dtype) -> LayerWeights:
+    def get(name: str, optional: bool = False):
+        if optional and p + name not in t:
+            return None
+        return t[p + name]
+
+    def expert(prefix: str):
+        return tuple(get(f"{prefix}.{k}.weight") for k in ("w1", "w2", "w3"))
+
+    return LayerWeights(
+        attn_norm=get("attn_norm.weight"),
+        ffn_norm=get("ffn_norm.weight"),
+        hc_attn=(get("hc_attn_fn"), get("hc_attn_scale"), get("hc_attn_base")),
+        hc_ffn=(get("hc_ffn_fn"), get("hc_ffn_scale"), get("hc_ffn_base")),
+        wq_a=get("attn.wq_a.weight"),
+        q_norm=get("attn.q_norm.weight"),
+        wq_b=get("attn.wq_b.weight"),
+        wkv=get("attn.wkv.weight"),
+        kv_norm=get("attn.kv_norm.weight"),
+        wo_a=_row_groups(get("attn.wo_a.weight"), cfg.o_groups, cfg.o_lora_rank),
+        wo_b=get("attn.wo_b.weight"),
+        attn_sink=get("attn.attn_sink"),
+        gate_weight=get("ffn.gate.weight"),
+        gate_bias=get("ffn.gate.bias", optional=True),
+        experts=experts_of([expert(f"ffn.experts.{e}") for e in range(n_exp)], dtype),
+        shared_expert=(_single(experts_of([expert("ffn.shared_experts")], dtype))
+                       if p + "ffn.shared_experts.w1.weight" in t else None),
+        c_wkv=get("attn.compressor.wkv.weight", True),
+        c_wgate=get("attn.compressor.wgate.weight", True),
+        c_norm=get("attn.compressor.norm.weight", True),
+        i_wq_b=get("attn.indexer.wq_b.weight", True),
+        i_weights_proj=get("attn.indexer.weights_proj.weight", True),
+        i_wk=get("attn.indexer.wk.weight", True),
+        i_k_norm=get("attn.indexer.k_norm.weight", True),
+        e_table=get("engram.embed.weight", True),
+        e_wkv=get("engram.wkv.weight", True),
+    )

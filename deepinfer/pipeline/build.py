@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from deepinfer.config.errors import ConfigError
-from deepinfer.config.resolve import with_model_limits
+from deepinfer.config.resolve import check_replay_fits, with_model_limits
 from deepinfer.config.schema import STAGES, PipelineSettings, Settings
 from deepinfer.pipeline.program import StageInfo, StepProgram
 from deepinfer.pipeline.registry import REGISTRY
@@ -71,8 +71,11 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
         strict_backends=hw.strict_backends,
         batch_invariant=rt.batch_invariant,
         weights=weights,
+        # the draft layers take memory (~7 GB at V4.1-Flash size): loaded only when DSpark will use them
+        draft_layers=settings.decoding.name == "dspark" and settings.decoding.num_draft_tokens > 0,
     )
     settings = with_model_limits(settings, model.config.max_position_embeddings)
+    check_replay_fits(settings, model.config.sliding_window)
     vocab = min(model.config.vocab_size, model.tokenizer.get_vocab_size())
     sampler = Sampler(vocab, model.config.eos_token_id, tokenizer=model.tokenizer, batch_invariant=rt.batch_invariant)
     program = build_program(settings.pipeline, model, sampler)

@@ -6,7 +6,7 @@ for it.
 
 from deepinfer.sampling.logprobs import SampleOutput, prompt_logprobs
 from deepinfer.sampling.params import SamplingParams
-from deepinfer.sampling.sampler import SampleRow, Sampler
+from deepinfer.sampling.sampler import SampleRow, Sampler, VerifyRequest
 from deepinfer.sampling.seeds import DrawKind, child_seed, request_seed
 from deepinfer.sampling.stop import StopChecker
 
@@ -17,6 +17,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "StopChecker",
+    "VerifyRequest",
     "child_seed",
     "prompt_logprobs",
     "request_seed",

@@ -40,7 +40,7 @@ from deepinfer.sampling.logprobs import SampleOutput, raw_logprobs, top_n
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.seeds import DrawKind, uniform
 
-__all__ = ["Sampler", "SampleRow", "SampleOutput"]
+__all__ = ["Sampler", "SampleRow", "SampleOutput", "VerifyRequest"]
 
 
 @dataclass
@@ -58,6 +58,16 @@ class SampleRow:
     output_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     grammar_state: Any = None
+
+
+@dataclass
+class VerifyRequest:
+    """One request's speculative verification: `row` describes its first target row (the position of the token
+    after the anchor), `drafts` the k drafts, `draft_weights` the k draft distributions (sampled requests)."""
+
+    row: SampleRow
+    drafts: list[int]
+    draft_weights: list | None = None
 
 
 class Sampler:
@@ -106,6 +116,65 @@ class Sampler:
         outputs = self._sample_rows(logits, rows, token_bitmask)
         self._advance_grammars(rows, outputs)
         return outputs
+
+    def verify(self, logits: torch.Tensor, requests: list["VerifyRequest"]) -> list[list[SampleOutput]]:
+        """Speculative verification (deepinfer.sampling.speculative): logits float32 [sum(k_i + 1), vocab], the
+        k_i + 1 rows of each request in order. Returns per request the SampleOutputs of the tokens it appends
+        (accepted drafts, then the target's token), and leaves its grammar state advanced by exactly those."""
+        from deepinfer.sampling import speculative as spec
+
+        rows, spans = [], []
+        for req in requests:
+            base, k = req.row, len(req.drafts)
+            spans.append((len(rows), k))
+            for j in range(k + 1):
+                out_ids = base.output_ids + req.drafts[:j] if base.output_ids or base.prompt_ids else []
+                rows.append(SampleRow(base.params, base.seed, base.position + j, out_ids, base.prompt_ids))
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"verify: logits have {logits.shape[0]} rows; the requests need {len(rows)}")
+        vocab = min(self.vocab_size, logits.shape[1])
+        bitmask, advanced = None, [0] * len(requests)
+        if any(req.row.grammar_state is not None for req in requests):
+            bitmask = allocate_bitmask(len(rows), logits.shape[1])
+            for i, (req, (start, k)) in enumerate(zip(requests, spans)):
+                state = req.row.grammar_state
+                if state is None:
+                    continue
+                for j in range(k + 1):  # row j's mask: the grammar after drafts 1..j (as far as it accepts them)
+                    state.fill_bitmask(bitmask, start + j)
+                    d = req.drafts[j] if j < k else -1
+                    allowed = 0 <= d < bitmask.shape[1] * 32 and (int(bitmask[start + j, d >> 5]) >> (d & 31)) & 1
+                    if not allowed or not state.accept_token(d):  # masked drafts are rejected in any case
+                        break
+                    advanced[i] += 1
+        logprobs = raw_logprobs(logits, vocab, self.batch_invariant)
+        x = logits.float().clone()
+        self._blacklist_(x, rows, vocab)
+        if bitmask is not None:
+            apply_bitmask_(x, bitmask)
+        self._penalties_(x, rows)
+        results = []
+        for i, (req, (start, k)) in enumerate(zip(requests, spans)):
+            xr = x[start : start + k + 1]
+            if req.row.params.greedy:
+                verdict = spec.accept_greedy(xr, req.drafts)
+            else:
+                p = spec.processed_weights(xr.clone(), [req.row.params] * (k + 1))
+                verdict = spec.accept_sampled(p, req.draft_weights, req.drafts, req.row.seed, req.row.position)
+            chosen = [start + r for r in verdict.rows]
+            lps = logprobs[chosen].gather(1, torch.tensor(verdict.tokens, device=x.device).clamp(max=vocab - 1)[:, None])
+            tops = top_n(logprobs[chosen], [req.row.params.top_logprobs] * len(chosen))
+            stuck = bool(x[chosen[-1]].max() == float("-inf"))
+            outs = [SampleOutput(t, lp, top) for t, lp, top in zip(verdict.tokens, lps.squeeze(1).tolist(), tops)]
+            if stuck:
+                outs[-1].error = "no token is allowed: the grammar and min_tokens exclude every token"
+            state = req.row.grammar_state
+            if state is not None:
+                state.rollback(advanced[i] - verdict.num_accepted)
+                if outs[-1].error is None and not state.accept_token(verdict.tokens[-1]):
+                    outs[-1].error = f"the grammar rejected token {verdict.tokens[-1]}"
+            results.append(outs)
+        return results
 
     def stop_checker(self, params: SamplingParams):
         """A fresh StopChecker for one request (needs the tokenizer given at construction)."""

@@ -37,9 +37,10 @@ class HostStep:
     base: dict[str, torch.Tensor]  # on the device: ids, positions, tok_seq, slots, past, lengths, table
 
 
-def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all_logits: bool = False) -> HostStep:
+def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all_logits: bool = False,
+              num_logits: list[int] | None = None) -> HostStep:
     """The base tensors of a step (a captured graph fills its own static ones); `all_logits` keeps every row's
-    logits (else the last row of each sequence: base["last"])."""
+    logits, `num_logits` the last num_logits[i] rows of sequence i (else its last row: base["last"])."""
     lengths = [len(t) for t in token_ids]
     past = [s.num_tokens for s in seqs]
     starts, acc = [], 0
@@ -64,7 +65,8 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all
         "table": to_device(table, device),
     }
     if not all_logits:
-        base["last"] = to_device([st + n - 1 for st, n in zip(starts, lengths)], device)
+        keep = num_logits or [1] * len(lengths)
+        base["last"] = to_device([st + n - c + j for st, n, c in zip(starts, lengths, keep) for j in range(c)], device)
     return HostStep(lengths, all(n == 1 for n in lengths), max_entries, base)
 
 
@@ -111,6 +113,9 @@ class StepMeta:
     entries: dict[int, EntryIndex] = field(default_factory=dict)
     ngram: tuple | None = None  # (valid, is_new, ring_row, new_row) [T, n], write_row [T]
     scratch: dict = field(default_factory=dict)  # per-step values layers hand each other (top-k selections)
+    # KV-source layers whose compressor already wrote every row of the step: YOCO compact's consumer view
+    # (models/replay.py) runs the boundary layer on fewer rows after its shared KV was written for all of them
+    shared_kv_written: tuple[int, ...] = ()
 
 
 def derive(host: HostStep, pools: CachePools) -> StepMeta:

@@ -5,7 +5,9 @@ Per sequence *slot* (a fixed amount, whatever the context length):
     `ring` = window + max_rollback, so a query always finds its window and a rollback finds what it undoes;
   - one shared ring of the positions held (`win_pos`, the decode kernel's visibility test; -1 = empty);
   - per ratio > 1 KV source, the raw fp32 (kv, gate) rows of the still-open compression group (+ rollback);
-  - the compressed token ids the Engram hash looks back over (+ rollback).
+  - the compressed token ids the Engram hash looks back over (+ rollback);
+  - each DSpark draft layer's sliding-window ring (same layout as the backbone's): keys projected from the target
+    layers' features of every main-model token, read by the drafter's block attention.
 Per *block* of `block_size` tokens of context: per KV source, `block_size / ratio` compressed-KV entries (FP4) and
 as many indexer keys (FP4); entry e of a sequence lives at row `blocks[e // per_block] * per_block + e % per_block`.
 Every pool has one extra last row, the *trash row*: masked writes go there (so a step writes with static shapes and
@@ -35,9 +37,10 @@ class SourceLayout:
 class CacheLayout:
     """Shapes and formats of every cache, from the model config (no tensors)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, block_size: int, max_rollback: int = 0):
+    def __init__(self, cfg, dtype: torch.dtype, block_size: int, max_rollback: int = 0, draft_layers: int = 0):
         self.cfg, self.dtype, self.block_size, self.max_rollback = cfg, dtype, block_size, max_rollback
         self.num_layers = cfg.num_hidden_layers
+        self.draft_layers = draft_layers
         self.window = cfg.sliding_window
         self.ring = cfg.sliding_window + max_rollback
         self.head_dim, self.index_dim = cfg.head_dim, cfg.index_head_dim
@@ -66,7 +69,8 @@ class CacheLayout:
 
     def slot_bytes(self) -> int:
         """Fixed bytes per sequence: window rings (+ positions), open groups, Engram history."""
-        win = self.num_layers * self.ring * row_bytes(self.win_codec, self.head_dim) + 4 * self.ring
+        rings = self.num_layers + self.draft_layers
+        win = rings * self.ring * row_bytes(self.win_codec, self.head_dim) + 4 * self.ring
         groups = sum(src.open_rows * 2 * self.head_dim * 4 for src in self.sources.values())
         return win + groups + 8 * self.ngram_rows
 
@@ -91,6 +95,7 @@ class CachePools:
             return tuple(torch.zeros(rows + 1, *shape, dtype=dt, device=self.device) for shape, dt in codec.parts(width))
 
         self.window = [alloc(num_slots * L.ring, L.win_codec, L.head_dim) for _ in range(L.num_layers)]
+        self.draft_window = [alloc(num_slots * L.ring, L.win_codec, L.head_dim) for _ in range(L.draft_layers)]
         self.win_pos = torch.full((num_slots * L.ring + 1,), -1, dtype=torch.int32, device=self.device)
         self.compressed, self.index_keys, self.open_groups = {}, {}, {}
         for s, src in L.sources.items():
@@ -106,7 +111,7 @@ class CachePools:
         self.no_compressed = alloc(0, L.cmp_codec, L.head_dim)
 
     def nbytes(self) -> int:
-        tensors = [t for parts in self.window for t in parts] + [self.win_pos, self.ngram]
+        tensors = [t for parts in self.window + self.draft_window for t in parts] + [self.win_pos, self.ngram]
         tensors += [t for d in (self.compressed, self.index_keys) for parts in d.values() for t in parts]
         tensors += list(self.open_groups.values())
         return sum(t.numel() * t.element_size() for t in tensors)

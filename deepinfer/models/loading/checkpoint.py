@@ -45,6 +45,7 @@ def load_checkpoint(
     weights: bool = True,
     quantized_experts: bool = False,
     quantized_linears: bool = False,
+    draft_layers: bool = True,
 ) -> Checkpoint:
     """Load a local Hugging Face checkpoint directory (use resolve_model_dir first for hub ids).
 
@@ -55,7 +56,8 @@ def load_checkpoint(
     `quantized_experts`, routed and shared expert weights stored as FP4 / FP8 (32x32 blocks) come back as they are
     stored (`QuantizedWeight`), for the model to pack once (deepinfer.kernels.packed_experts). With
     `quantized_linears`, the other FP8 (32x32 block) projections come back as stored too (`Fp8BlockWeight`,
-    deepinfer.kernels.fp8_weight): 1 byte per weight instead of 2 in bf16.
+    deepinfer.kernels.fp8_weight): 1 byte per weight instead of 2 in bf16. With `draft_layers` (and a config that
+    has them) the DSpark draft layers `mtp.*` are loaded too; otherwise they are set aside.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -70,8 +72,9 @@ def load_checkpoint(
     block = tuple(cfg.quantization.weight_block_size) if cfg.quantization else (32, 32)
 
     with SafetensorsFiles(model_dir) as files:
-        stored, skipped = _canonicalize(files.tensors)
-        items = plan_load(expected_tensors(cfg), stored, block, where=str(model_dir))
+        drafts = draft_layers and cfg.num_nextn_predict_layers > 0
+        stored, skipped = _canonicalize(files.tensors, keep=("mtp",) if drafts else ())
+        items = plan_load(expected_tensors(cfg, drafts), stored, block, where=str(model_dir))
         loaded = {}
         for item in items if weights else ():
             if quantized_experts and _keeps_format(item, block):
@@ -137,14 +140,15 @@ def _read_config(model_dir: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: {str(exc).removeprefix('config.json: ')}") from None
 
 
-def _canonicalize(tensors: dict[str, StoredTensor]) -> tuple[dict[str, StoredTensor], list[str]]:
-    """Canonical name -> header, plus the sorted set-aside names. Two stored names for one canonical name
-    (e.g. `head.weight` and `lm_head.weight`) are ambiguous and refused."""
+def _canonicalize(tensors: dict[str, StoredTensor], keep=()) -> tuple[dict[str, StoredTensor], list[str]]:
+    """Canonical name -> header, plus the sorted set-aside names (except the roots in `keep`, e.g. "mtp" when the
+    draft layers are loaded). Two stored names for one canonical name (e.g. `head.weight` and `lm_head.weight`)
+    are ambiguous and refused."""
     out: dict[str, StoredTensor] = {}
     skipped: list[str] = []
     for key, entry in tensors.items():
         name = canonical_name(key)
-        if is_set_aside(name):
+        if is_set_aside(name) and name.split(".", 1)[0] not in keep:
             skipped.append(name)
             continue
         if name in out:

@@ -26,8 +26,9 @@ class Spec:
     optional: bool = False
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, Spec]:
-    """Canonical name -> Spec for every tensor of the text model described by `cfg` (no mtp/vision)."""
+def expected_tensors(cfg: ModelConfig, draft_layers: bool = True) -> dict[str, Spec]:
+    """Canonical name -> Spec for every tensor of the text model described by `cfg` (no vision), with the DSpark
+    draft layers (`mtp.*`) when `draft_layers` and the config has them."""
     d, v = cfg.hidden_size, cfg.vocab_size
     out: dict[str, Spec] = {
         "embed.weight": Spec((v, d)),
@@ -37,12 +38,37 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Spec]:
     }
     for layer in range(cfg.num_hidden_layers):
         out.update({f"layers.{layer}.{k}": s for k, s in _layer(cfg, layer).items()})
+    if draft_layers:
+        out.update(draft_tensors(cfg))
     return out
 
 
-def _layer(c: ModelConfig, layer: int) -> dict[str, Spec]:
+def draft_tensors(cfg: ModelConfig) -> dict[str, Spec]:
+    """The DSpark stages `mtp.{i}.` (MODEL_V41_SPEC.md §6.1): each a ratio-0 decoder block with its own MoE width,
+    plus the context projection on stage 0 and the norm, Markov and confidence heads on the last stage."""
+    n = cfg.num_nextn_predict_layers
+    if not n:
+        return {}
+    d, v, rank = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+    out: dict[str, Spec] = {}
+    for i in range(n):
+        # a layer id past the backbone: no compressor, indexer or Engram tensors
+        block = _layer(cfg, cfg.num_hidden_layers + i, n_exp=cfg.dspark_n_routed_experts)
+        out.update({f"mtp.{i}.{k}": s for k, s in block.items()})
+    last = f"mtp.{n - 1}."
+    out["mtp.0.main_proj.weight"] = Spec((d, d * len(cfg.dspark_target_layer_ids)), LINEAR)
+    out["mtp.0.main_norm.weight"] = Spec((d,))
+    out[last + "norm.weight"] = Spec((d,))
+    if rank:
+        out[last + "markov_head.embed.weight"] = Spec((v, rank))
+        out[last + "markov_head.head.weight"] = Spec((v, rank))
+    out[last + "confidence_head.proj.weight"] = Spec((1, d + rank))
+    return out
+
+
+def _layer(c: ModelConfig, layer: int, n_exp: int | None = None) -> dict[str, Spec]:
     d, h, hd, hc = c.hidden_size, c.num_attention_heads, c.head_dim, c.hc_mult
-    q, inter, n_exp = c.q_lora_rank, c.moe_intermediate_size, c.n_routed_experts
+    q, inter, n_exp = c.q_lora_rank, c.moe_intermediate_size, n_exp or c.n_routed_experts
     mix = (2 + hc) * hc  # mHC mixing outputs: pre weights, post weights and the hc x hc residual matrix
     t: dict[str, Spec] = {
         "attn.attn_sink": Spec((h,)),

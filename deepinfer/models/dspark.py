@@ -1,0 +1,150 @@
+"""DSpark, the checkpoint's draft layers (MODEL_V41_SPEC.md §6): speculative drafting of a block of tokens.
+
+Two halves, both on the model's op set:
+  - context (§6.2), inside every main-model forward: the attention-input streams of the target layers, averaged
+    over the hc streams, concatenated, projected and normed into one context hidden per token; each draft layer
+    projects it to a key (its own wkv, kv_norm, main RoPE, FP8) written into that layer's ring at the token's slot.
+  - drafting (§6.3), after a token is sampled: the block [golden, noise, ...] at the positions after the last
+    accepted one runs the draft layers (HC attention + HC MoE blocks whose attention sees the W context keys up to
+    the last accepted position plus every key of the block, non-causally), then the shared head gives base logits
+    per block position, and a first-order Markov head plus a confidence head are applied position by position as
+    the drafts are chosen (the Markov bias of position i needs the token chosen at i - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .cache import CachePools
+from .weights import DraftWeights, LayerWeights
+
+
+@dataclass
+class DraftStep:
+    """Where a block's keys come from: per request its slot and the last accepted position a."""
+
+    positions: torch.Tensor  # [N * B] block positions a + 1 + i
+    ctx_rows: torch.Tensor  # [N, W] ring rows of positions a - W + 1 .. a
+    ctx_valid: torch.Tensor  # [N, W] the position exists (>= 0)
+    n: int
+    block: int
+
+
+@dataclass
+class Drafts:
+    tokens: torch.Tensor  # [N, B] int64: draft i is the guess for position a + 2 + i
+    confidences: torch.Tensor  # [N, B] float32: predicted acceptance of each draft given the previous ones
+
+
+class DraftAttention:
+    """A ratio-0 V4.1 attention whose block queries see the context ring plus the whole block (non-causal)."""
+
+    def __init__(self, cfg, index: int, w: LayerWeights, ops, rope_freqs: torch.Tensor):
+        self.cfg, self.index, self.w, self.ops, self.freqs = cfg, index, w, ops, rope_freqs
+        self.scale = cfg.head_dim**-0.5
+
+    def key(self, x: torch.Tensor, positions: torch.Tensor, codec) -> tuple[torch.Tensor, ...]:
+        """The stored (FP8) key of hidden x at `positions`: the context keys and the block's own keys alike."""
+        ops, w, eps = self.ops, self.w, self.cfg.rms_norm_eps
+        return codec.encode(ops.rope(ops.rms_norm(ops.linear(x, w.wkv), w.kv_norm, eps), positions, self.freqs))
+
+    def __call__(self, h: torch.Tensor, step: DraftStep, pools: CachePools) -> torch.Tensor:
+        cfg, w, ops = self.cfg, self.w, self.ops
+        T, N, B = h.shape[0], step.n, step.block
+        codec = pools.layout.win_codec
+        q_res = ops.rms_norm(ops.linear(h, w.wq_a), w.q_norm, cfg.rms_norm_eps)
+        q = ops.rope(ops.linear(q_res, w.wq_b).view(T, cfg.num_attention_heads, cfg.head_dim), step.positions,
+                     self.freqs)
+        block = codec.decode(*self.key(h, step.positions, codec), dtype=h.dtype).view(N, B, -1)
+        ring = pools.draft_window[self.index]
+        ctx = codec.decode(*(p[step.ctx_rows] for p in ring), dtype=h.dtype)  # [N, W, D]
+        keys = torch.cat([ctx, block], 1)  # every block query sees the same slate
+        valid = torch.cat([step.ctx_valid, torch.ones(N, B, dtype=torch.bool, device=h.device)], 1)
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=h.device).masked_fill(~valid, float("-inf"))
+        keys = keys.repeat_interleave(B, 0)
+        bias = bias.repeat_interleave(B, 0)
+        out = ops.sink_attention(q, keys, bias, w.attn_sink, self.scale)
+        out = ops.rope(out, step.positions, self.freqs, inverse=True)
+        grouped = out.reshape(T, cfg.o_groups, -1)
+        y = torch.cat([ops.linear(grouped[:, g], w.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+        return ops.linear(y, w.wo_b)
+
+
+class DSpark:
+    def __init__(self, model, weights: DraftWeights):
+        self.model = model
+        self.cfg = model.config
+        self.w = weights
+        self.targets = tuple(self.cfg.dspark_target_layer_ids)
+        self.attn = [DraftAttention(self.cfg, i, lw, model.ops, model.main_freqs) for i, lw in enumerate(weights.layers)]
+        self.confidence_temperature: tuple[float, ...] = (1.0,)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.w.layers)
+
+    def use_ops(self, ops) -> None:
+        for a in self.attn:
+            a.ops = ops
+
+    # ---- context: inside the main forward --------------------------------------------------------------------
+    def write_context(self, features: list[torch.Tensor], positions: torch.Tensor, write_row: torch.Tensor,
+                      pools: CachePools) -> None:
+        """features: per target layer [T, D] (the trunk streams entering it, averaged over hc); written into every
+        draft layer's ring at the rows the backbone's window writes use (trash for tokens that write no row)."""
+        ops, cfg = self.model.ops, self.cfg
+        x = ops.linear(torch.cat(features, -1), self.w.main_proj)
+        x = ops.rms_norm(x, self.w.main_norm, cfg.rms_norm_eps)
+        codec = pools.layout.win_codec
+        for attn, ring in zip(self.attn, pools.draft_window):
+            for part, new in zip(ring, attn.key(x, positions, codec)):
+                part.index_copy_(0, write_row, new)
+
+    # ---- drafting: after a token is sampled ----------------------------------------------------------------------
+    def step(self, slots: torch.Tensor, last: torch.Tensor, block: int, pools: CachePools) -> DraftStep:
+        """Block layout for requests in `slots` whose last accepted position is `last` (the golden token sits at
+        last + 1)."""
+        L = pools.layout
+        W, R, dev = L.window, L.ring, slots.device
+        look = last[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
+        rows = slots[:, None] * R + torch.remainder(look, R)
+        positions = (last[:, None] + 1 + torch.arange(block, device=dev)[None, :]).reshape(-1)
+        return DraftStep(positions, rows, look >= 0, slots.shape[0], block)
+
+    @torch.inference_mode()
+    def draft(self, golden: torch.Tensor, step: DraftStep, pools: CachePools,
+              choose: Callable[[int, torch.Tensor], torch.Tensor]) -> Drafts:
+        """golden [N]: the token just sampled per request. `choose(i, logits [N, V] float32)` picks the drafts of
+        block position i (the request's sampling rule) and returns them [N] int64."""
+        model, cfg, ops, w = self.model, self.cfg, self.model.ops, self.w
+        N, B = step.n, step.block
+        tokens = torch.full((N, B), cfg.dspark_noise_token_id, dtype=torch.int64, device=golden.device)
+        tokens[:, 0] = golden
+        x = model.embed[tokens.reshape(-1)].to(model.dtype)
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1.0
+        for lw, attn in zip(w.layers, self.attn):
+            streams, pre = model._block(streams, pre, lw, attn, step, pools)
+        h_pre = ops.mhc_collapse(streams, pre)  # the pre-norm hidden the confidence head reads
+        base = ops.linear(ops.rms_norm(h_pre, w.norm, cfg.rms_norm_eps), model.head).float().view(N, B, -1)
+        h_pre = h_pre.float().view(N, B, -1)
+
+        drafts = torch.empty(N, B, dtype=torch.int64, device=golden.device)
+        conf = torch.empty(N, B, dtype=torch.float32, device=golden.device)
+        prev = golden
+        temps = self.confidence_temperature
+        for i in range(B):
+            logits = base[:, i]
+            feats = h_pre[:, i]
+            if w.markov_embed is not None:
+                e = w.markov_embed[prev].float()
+                logits = logits + e @ w.markov_head.float().T
+                feats = torch.cat([feats, e], -1)
+            conf[:, i] = torch.sigmoid((feats @ w.confidence) / temps[min(i, len(temps) - 1)])
+            prev = choose(i, logits)
+            drafts[:, i] = prev
+        return Drafts(drafts, conf)
