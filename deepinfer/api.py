@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from deepinfer.config.compose import compose, group_options
 from deepinfer.config.errors import ConfigError, explain
@@ -19,6 +19,7 @@ from deepinfer.config.resolve import resolve
 from deepinfer.config.schema import Settings
 from deepinfer.outputs import RequestOutput, error_output
 from deepinfer.sampling import SamplingParams
+from deepinfer.streaming import StreamUpdate
 
 GROUPS = ("hardware", "parallel", "decoding", "yoco", "pipeline")
 SECTIONS = ("engine", "cache", "runtime", "sampling", "hardware", "model")
@@ -134,10 +135,13 @@ class LLM:
         use_tqdm: bool = True,
         *,
         prompt_token_ids: Sequence[list[int]] | None = None,
+        on_update: Callable[[int, list[int]], None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. prompts: text, a list of texts, lists of token ids or
         {"prompt": ...} / {"prompt_token_ids": [...]} dicts; or prompt_token_ids=[[...], ...]. sampling_params:
-        one for all, or one per prompt (default: the config's `sampling` section)."""
+        one for all, or one per prompt (default: the config's `sampling` section). on_update(index, new_token_ids)
+        is called from this thread as tokens arrive (index: the prompt's; with n > 1, sample 0's tokens only);
+        raising from it aborts the unfinished requests and propagates. See `generate_iter` for an iterator."""
         if self._engine is None:
             raise RuntimeError("LLM.generate after close()")
         items = _normalize_prompts(prompts, prompt_token_ids)
@@ -163,14 +167,31 @@ class LLM:
                 self._next_id += child > 0
                 owners.append(i)
         samples: dict[int, list[RequestOutput]] = {}
+        forward = None
+        if on_update is not None:
+            first = {owners.index(i) for i in set(owners)}  # each prompt's sample 0
+
+            def forward(k: int, new_ids: list[int]) -> None:
+                if k in first:
+                    on_update(owners[k], new_ids)
+
         if ids:
-            done = self._engine.generate(ids, sps, use_tqdm=use_tqdm, prompts=texts, request_ids=rids)
+            done = self._engine.generate(ids, sps, use_tqdm=use_tqdm, prompts=texts, request_ids=rids,
+                                         on_update=forward)
             for i, out in zip(owners, done):
                 samples.setdefault(i, []).append(out)
         for i, outs in samples.items():
             outputs[i] = outs[0] if len(outs) == 1 else dataclasses.replace(outs[0], samples=outs)
         self.last_metrics = self._engine.last_metrics
         return outputs
+
+    def generate_iter(self, prompts=None, sampling_params=None, *, prompt_token_ids=None) -> Iterator[StreamUpdate]:
+        """generate() as an iterator: StreamUpdate(index, token_ids) as tokens arrive, then one StreamUpdate per
+        prompt with `output` set (its RequestOutput), in input order. The engine runs in a helper thread; leaving
+        the loop early (break, an exception) aborts the unfinished requests before this returns."""
+        from deepinfer.streaming import stream_generate
+
+        return stream_generate(self.generate, prompts, sampling_params, prompt_token_ids)
 
     def close(self) -> None:
         if self._engine is not None:

@@ -1,0 +1,1 @@
+"""DeepInfer-compatible entry points (`from deepinfer.entrypoints.llm import LLM`)."""

@@ -1,0 +1,146 @@
+"""DeepInfer's `deepinfer.entrypoints.llm.LLM`, as a drop-in over deepinfer.LLM: DeepInfer's argument names and
+defaults, mapped onto this engine's config, and its return value (strings with decode_sequence=True).
+
+    from deepinfer.entrypoints.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+    llm = LLM(model="path/or/hub-id", expert_parallel_size=1, gpu_memory_utilization=0.9)
+    texts = llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=64))   # list[str]
+
+Each argument either changes the config (the table in README "DeepInfer's Python API") or is refused with a
+one-line ConfigError naming what is allowed: nothing is accepted and ignored. Keyword arguments of deepinfer.LLM
+(hardware=, process=, engine={...}, overrides=[...]) pass through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from deepinfer.api import LLM as _LLM
+from deepinfer.api import load_settings, overrides_for
+from deepinfer.config.errors import ConfigError
+from deepinfer.outputs import RequestOutput
+
+__all__ = ["LLM"]
+
+PARALLEL = ("expert_parallel_size", "data_parallel_size", "context_parallel_size")
+
+
+def _max_position_embeddings(path: str) -> int:
+    """The model's context limit, read from its config.json before anything loads."""
+    from deepinfer.models.loading import resolve_model_dir
+    from deepinfer.pipeline.build import model_location
+
+    from deepinfer.models.config import ModelConfig
+
+    return ModelConfig.from_file(Path(resolve_model_dir(model_location(path))) / "config.json").max_position_embeddings
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+        expert_parallel_size: int = 1,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.9,
+        decode_sequence: bool = True,
+        *,
+        data_parallel_size: int = 0,
+        context_parallel_size: int = 1,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        chunked_prefill: bool = False,
+        load_format: str = "auto",
+        **ours: Any,
+    ) -> None:
+        if trust_remote_code:
+            raise ConfigError("LLM(trust_remote_code=True): this engine runs no code from a checkpoint (the "
+                              "DeepSeek-V4.1 model is built in); allowed: False")
+        for name, value in (("revision", revision), ("tokenizer_revision", tokenizer_revision)):
+            if value is not None:
+                raise ConfigError(f"LLM({name}={value!r}): pinned hub revisions are not available yet; allowed: None "
+                                  f"(download the revision and pass its directory as model)")
+        sizes = {"expert_parallel_size": expert_parallel_size, "data_parallel_size": data_parallel_size,
+                 "context_parallel_size": context_parallel_size}
+        for name, value in sizes.items():
+            # DeepInfer's data_parallel_size default 0 means "no data parallelism", the same as 1
+            if value not in ((0, 1) if name == "data_parallel_size" else (1,)):
+                raise ConfigError(f"LLM({name}={value!r}): parallel layouts are not available yet (conf/parallel "
+                                  f"has only 'single'); allowed: 1")
+        if load_format != "auto":
+            raise ConfigError(f"LLM(load_format={load_format!r}): synthetic (dummy) weights are not available "
+                              f"through the config yet; allowed: 'auto' (the checkpoint's weights)")
+        if tokenizer is not None and tokenizer != model:
+            raise ConfigError(f"LLM(tokenizer={tokenizer!r}): the tokenizer is the checkpoint's own tokenizer.json; "
+                              f"allowed: None or the model path ({model!r})")
+        engine = dict(ours.pop("engine", None) or {})
+        engine.update(max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill)
+        if max_num_batched_tokens is not None:
+            engine["max_num_batched_tokens"] = max_num_batched_tokens
+        if max_model_len is not None:
+            engine["max_model_len"] = max_model_len
+        cache = dict(ours.pop("cache", None) or {})
+        cache.setdefault("memory_fraction", gpu_memory_utilization)
+        self.decode_sequence = decode_sequence
+        overrides = overrides_for(model, ours.pop("overrides", ()), seed=seed, engine=engine, cache=cache, **ours)
+        settings = load_settings(overrides)
+        if not chunked_prefill and max_num_batched_tokens is None:
+            # DeepInfer's default step budget without chunking: the longest sequence, so every prompt fits one step
+            limit = settings.engine.max_model_len or _max_position_embeddings(settings.model.path)
+            budget = max(limit, settings.engine.max_num_batched_tokens)
+            settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine,
+                                                                                max_num_batched_tokens=budget))
+        self._llm = _LLM.from_settings(settings)
+
+    @property
+    def llm_engine(self):
+        return self._llm._engine
+
+    def get_tokenizer(self):
+        return self._llm.program.tokenize.tokenizer
+
+    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True,
+                 multi_modal_data=None) -> list[str] | list[RequestOutput]:
+        """DeepInfer's generate: strings (the decoded output tokens, special tokens included, as DeepInfer's
+        tokenizer.decode gives them) with decode_sequence=True, else deepinfer.RequestOutputs. sampling_params
+        None: DeepInfer's SamplingParams() (not the config's sampling section). A request that could not run
+        raises here (DeepInfer has no per-request error in a string)."""
+        if multi_modal_data is not None:
+            raise ConfigError("generate(multi_modal_data=...): the vision tower is not built yet; allowed: None")
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("Either prompts or prompt_token_ids must be provided.")
+        if sampling_params is None:
+            from deepinfer.sampling_params import SamplingParams
+
+            sampling_params = SamplingParams()
+        if prompt_token_ids is not None:
+            ids = [[int(t) for t in p] for p in prompt_token_ids]  # numpy arrays as DeepInfer takes them
+            if prompts is not None:
+                prompts = [prompts] if isinstance(prompts, str) else prompts
+                if len(prompts) != len(ids):
+                    raise ValueError("The lengths of prompts and prompt_token_ids must be the same.")
+            outputs = self._llm.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        else:
+            outputs = self._llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if not self.decode_sequence:
+            return outputs
+        failed = [o for o in outputs if o.finish_reason == "error"]
+        if failed:
+            raise ValueError(f"request {failed[0].request_id} could not run: {failed[0].error}")
+        decode = self._llm.program.tokenize.tokenizer.decode
+        return [decode(o.token_ids, skip_special_tokens=False) for o in outputs]
+
+    def close(self) -> None:
+        self._llm.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
