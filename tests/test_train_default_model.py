@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import train_default_model  # noqa: E402
 from v41_train import data, evaluate, ops  # noqa: E402
 from v41_train.model import TrainModel  # noqa: E402
-from v41_train.stored import fq_fp4, fq_fp8, quantized_weight, stored_value  # noqa: E402
+from v41_train.stored import fq_fp4, fq_fp8, quantized_weight, storage_kind, stored_value, stored_values  # noqa: E402
 
 from deepinfer.embedded import release_tensors  # noqa: E402
 from deepinfer.kernels.torch.attention import sink_attention  # noqa: E402
@@ -202,6 +202,16 @@ def test_quantised_weights_are_what_the_writer_and_loader_produce():
         wp = w.clone().requires_grad_()
         (gw,) = torch.autograd.grad(quantized_weight(name, spec, wp).sum(), wp)
         assert torch.equal(gw, torch.ones_like(w))
+    # the batched form the training step uses: the same values, also where 32x32 blocks need padding
+    for name, spec, shape in (("layers.0.attn.wq_a.weight", kinds.Spec((40, 72), kinds.LINEAR), (40, 72)),
+                              ("layers.0.ffn.experts.0.w1.weight", kinds.Spec((64, 96), kinds.EXPERT), (64, 96)),
+                              ("layers.1.engram.embed.weight", kinds.Spec((64, 96), kinds.TABLE), (64, 96)),
+                              ("norm.weight", kinds.Spec((96,)), (1, 96))):
+        stack = torch.randn(3, *shape, generator=g) * 0.1
+        stack[1, :8] = 0  # all-zero blocks get scale 1
+        batched = stored_values(storage_kind(name, spec), stack)
+        for i in range(3):
+            assert torch.equal(batched[i], stored_value(name, spec, stack[i].view(spec.shape)).view(shape))
     bf16 = stored_value("norm.weight", kinds.Spec((96,)), w[0])
     assert torch.equal(bf16, w[0].to(torch.bfloat16).float())
     assert torch.equal(stored_value("layers.0.hc_attn_fn", kinds.Spec((64, 96)), w), w)  # F32 as released

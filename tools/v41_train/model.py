@@ -36,7 +36,7 @@ from deepinfer.models.engram import EngramTables
 from deepinfer.models.loading import tensors as kinds
 
 from .ops import entry_visibility, indexer_kl, indexer_scores_dense, sink_attention_dense, window_mask
-from .stored import fq_fp4, fq_fp8, quantized_weight
+from .stored import fq_fp4, fq_fp8, ste, storage_kind, stored_values
 
 BIAS = ".ffn.gate.bias"
 
@@ -66,6 +66,10 @@ class TrainModel(nn.Module):
             else:
                 params[_key(name)] = nn.Parameter(init_value(name, spec.shape, cfg, gen))
         self.params = nn.ParameterDict(params)
+        self.quant_groups: dict[tuple, list[str]] = {}
+        for name, spec in sorted(self.specs.items()):
+            if not name.endswith(BIAS):
+                self.quant_groups.setdefault((storage_kind(name, spec), spec.shape), []).append(name)
         for name, b in biases.items():
             self.register_buffer(_key(name), b)
         self.register_buffer("main_freqs", default_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim), persistent=False)
@@ -90,9 +94,17 @@ class TrainModel(nn.Module):
         return getattr(self, _key(f"layers.{layer}{BIAS}"))
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Canonical name -> the value the exported checkpoint holds (straight-through to the fp32 master)."""
-        out = {name: quantized_weight(name, self.specs[name], self.params[_key(name)])
-               for name in self.specs if not name.endswith(BIAS)}
+        """Canonical name -> the value the exported checkpoint holds (straight-through to the fp32 master).
+        Tensors of one storage kind and shape are quantised together (stack, one pass, unbind)."""
+        out = {}
+        for (kind, _), names in self.quant_groups.items():
+            masters = [self.params[_key(n)] for n in names]
+            if kind == "f32":
+                out.update(zip(names, masters))
+                continue
+            stacked = torch.stack([m.view(-1, m.shape[-1]) for m in masters])
+            values = ste(stacked, stored_values(kind, stacked))
+            out.update((n, v.view(m.shape)) for n, v, m in zip(names, values.unbind(0), masters))
         for i in range(self.cfg.num_hidden_layers):
             out[f"layers.{i}{BIAS}"] = self.bias(i)
         return out
@@ -233,7 +245,10 @@ class TrainModel(nn.Module):
             N, G = B * T, ikeys.shape[1]
             q_seq = torch.arange(B, device=h.device).repeat_interleave(T)
             vis = count.repeat(B)
-            scores = indexer_scores(iq.detach(), ikeys.detach(), q_seq, weights.detach(), d**-0.5, vis)
+            if h.is_cuda:  # the same formula; a different summation order can only flip exact ties (training only)
+                scores = ctx.scores.detach().reshape(N, G)
+            else:  # the inference op itself, so the CPU check against the engine sees the very same selection
+                scores = indexer_scores(iq.detach(), ikeys.detach(), q_seq, weights.detach(), d**-0.5, vis)
             scores = scores.masked_fill(torch.arange(G, device=h.device)[None, :] >= vis[:, None], float("-inf"))
             uses_candidates = 0 <= cfg.candidate_source_layer_id < i
             selected, cand = index_topk(

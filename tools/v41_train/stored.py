@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer.embedded import quantize_fp4_rows, quantize_fp8_blocks, quantize_fp8_rows
-from deepinfer.kernels.torch.quant import (dequant_fp4_rows, dequant_fp8_blocks, e8m0_to_float, fake_quant_fp4,
-                                           fake_quant_fp8)
+from deepinfer.kernels.torch.quant import (FP4_MAX, FP8_MAX, ceil_pow2, dequant_fp4_rows, dequant_fp8_blocks,
+                                           e2m1_codes, e2m1_values, e8m0_to_float, fake_quant_fp4, fake_quant_fp8)
 from deepinfer.models.loading import tensors as kinds
 from deepinfer.models.loading.names import keeps_float32
 
@@ -40,6 +40,43 @@ def stored_value(name: str, spec: kinds.Spec, w: torch.Tensor) -> torch.Tensor:
 
 def quantized_weight(name: str, spec: kinds.Spec, w: torch.Tensor) -> torch.Tensor:
     return ste(w, stored_value(name, spec, w))
+
+
+def storage_kind(name: str, spec: kinds.Spec) -> str:
+    for kind in (kinds.FP4_ROWS, kinds.FP8_BLOCK, kinds.FP8_ROWS):
+        if kind in spec.allowed:
+            return kind
+    return "f32" if keeps_float32(name) else "bf16"
+
+
+@torch.no_grad()
+def stored_values(kind: str, w: torch.Tensor) -> torch.Tensor:
+    """`stored_value` for a stack [n, rows, cols] of same-kind tensors in one pass (a training step would
+    otherwise spend most of its kernel launches quantising hundreds of small weights one by one). The same
+    arithmetic as the writer + loader: a power-of-two scale ceil_pow2(amax / max) per block (1 for an all-zero
+    block), the value divided by it, rounded to the format, multiplied back."""
+    w = w.float()
+    if kind == "f32":
+        return w
+    if kind == "bf16":
+        return w.to(torch.bfloat16).float()
+    n, rows, cols = w.shape
+    if kind == kinds.FP8_BLOCK:
+        pr, pc = -rows % 32, -cols % 32
+        blocks = torch.nn.functional.pad(w, (0, pc, 0, pr)).view(n, (rows + pr) // 32, 32, (cols + pc) // 32, 32)
+        scale = _pow2(blocks.abs().amax(dim=(2, 4), keepdim=True), FP8_MAX)
+        q = (blocks / scale).to(torch.float8_e4m3fn).float() * scale
+        return q.view(n, rows + pr, cols + pc)[:, :rows, :cols]
+    blocks = w.view(n, rows, cols // 32, 32)
+    if kind == kinds.FP8_ROWS:
+        scale = _pow2(blocks.abs().amax(-1, keepdim=True), FP8_MAX)
+        return ((blocks / scale).to(torch.float8_e4m3fn).float() * scale).view(n, rows, cols)
+    scale = _pow2(blocks.abs().amax(-1, keepdim=True), FP4_MAX)
+    return (e2m1_values(e2m1_codes((blocks / scale).clamp(-FP4_MAX, FP4_MAX))) * scale).view(n, rows, cols)
+
+
+def _pow2(amax: torch.Tensor, top: float) -> torch.Tensor:
+    return torch.where(amax > 0, ceil_pow2(amax.clamp_min(1e-30) / top), torch.ones_like(amax))
 
 
 def fq_fp8(x: torch.Tensor) -> torch.Tensor:
