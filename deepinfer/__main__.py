@@ -2,7 +2,8 @@
 
     python -m deepinfer                                   # the embedded tiny model on the CPU, built-in prompts
     python -m deepinfer prompts='["def f(", "import os"]' sampling.max_tokens=64
-    python -m deepinfer input_path=prompts.jsonl          # one {"prompt": ...} or {"prompt_token_ids": [...]} a line
+    python -m deepinfer input_path=prompts.jsonl          # one {"prompt": ...} or {"prompt_token_ids": [...]} a line,
+                                                         # plus any SamplingParams field ({"prompt": "x", "max_tokens": 8})
     python -m deepinfer --multirun sampling.temperature=0,0.7
     python -m deepinfer --cfg job                         # the effective config (--resolve is implied)
 
@@ -187,6 +188,46 @@ def _request_error(item) -> str | None:
     return None
 
 
+REQUEST_KEYS = ("prompt", "prompt_token_ids")
+
+
+def request_params(llm, item: dict):
+    """(SamplingParams, None) for one input line: the config's sampling section, then the line's own
+    SamplingParams fields (any of them, so_args included); or (None, one-line error) for an unknown field or a
+    bad value, which ends that line's request only."""
+    import dataclasses
+
+    from deepinfer.sampling.params import params_from_dict
+
+    fields = {k: v for k, v in item.items() if k not in REQUEST_KEYS}
+    if not fields:
+        return llm.default_sampling_params(), None
+    base = llm.default_sampling_params()
+    return params_from_dict({**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **fields})
+
+
+def generate_requests(llm, requests: list[dict]) -> list:
+    """One output per request, in order; a line whose settings cannot apply gets an error output of its own."""
+    from deepinfer.outputs import error_output
+
+    outputs: list = [None] * len(requests)
+    run, params = [], []
+    for i, item in enumerate(requests):
+        sp, error = request_params(llm, item)
+        if error is not None:
+            ids = item.get("prompt_token_ids") or []
+            outputs[i] = error_output(i, item.get("prompt"), ids, f"request {i}: {error}")
+        else:
+            run.append(i)
+            params.append(sp)
+    if run:
+        done = llm.generate([{k: requests[i][k] for k in REQUEST_KEYS if k in requests[i]} for i in run], params,
+                            use_tqdm=False)
+        for i, out in zip(run, done):
+            outputs[i] = out
+    return outputs
+
+
 def output_path(settings, run_dir: Path) -> Path:
     """Where outputs go, checked writable before any work (a bad path used to surface after generating)."""
     from deepinfer.config.errors import ConfigError
@@ -215,7 +256,7 @@ def run_job(settings, run_dir: Path, overrides: list[str]) -> dict:
         load_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            outputs = llm.generate(requests, use_tqdm=False)
+            outputs = generate_requests(llm, requests)
         except KeyboardInterrupt as exc:
             finished = getattr(exc, "finished_outputs", [])
             write_outputs(out_path, finished)

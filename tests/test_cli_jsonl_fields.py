@@ -1,0 +1,40 @@
+"""input_path JSONL lines carry per-request SamplingParams fields; an unknown field ends that line's request."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer import LLM
+from deepinfer.__main__ import generate_requests, read_requests
+
+MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(model=MODEL, process="inproc", runtime={"num_threads": 1}, sampling={"temperature": 0}) as llm:
+        yield llm
+
+
+def test_jsonl_lines_carry_any_sampling_field_and_an_unknown_one_errors_only_its_line(llm, tmp_path):
+    lines = [
+        {"prompt": "def f(", "max_tokens": 3},
+        {"prompt_token_ids": [0, 5, 6], "max_tokens": 2, "golden_token_ids": [7, 8], "logprobs": False},
+        {"prompt": "x", "max_tokenz": 3},
+        {"prompt": "x", "so_args": {"schema_type": "regex", "schema": "ab"}, "max_tokens": 5},
+        {"prompt": "x", "top_p": 2.0},
+        "plain text line",
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    settings = llm.settings.__class__(**{**llm.settings.__dict__, "input_path": str(path)})
+    outs = generate_requests(llm, read_requests(settings))
+    assert len(outs[0].token_ids) == 3 and outs[0].finish_reason == "length"
+    assert outs[1].token_ids == [7, 8] and outs[1].logprobs is None
+    assert outs[2].finish_reason == "error" and outs[2].error.startswith(
+        "request 2: unknown SamplingParams field 'max_tokenz'; allowed: temperature,")
+    assert outs[3].finish_reason == "stop" and outs[3].text == "ab"
+    assert outs[4].error == "request 4: SamplingParams.top_p=2.0 is out of range; allowed: (0, 1]"
+    assert len(outs[5].token_ids) == llm.settings.sampling.max_tokens  # the config's section, no line fields
+    assert all("\n" not in (o.error or "") for o in outs)
