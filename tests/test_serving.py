@@ -198,6 +198,7 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
                               "response_format": {"type": "regex", "regex": "(unclosed"}, **NO_THINKING}, 400, ""),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 5}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "nope"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 9000}, 400, "max_model_len"),

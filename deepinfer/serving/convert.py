@@ -123,11 +123,14 @@ class Converter:
         stop = [stop] if isinstance(stop, str) else stop
         if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
             raise bad_request(f"stop={stop!r} is invalid; allowed: a string or a list of non-empty strings", "stop")
+        temperature = body.get("temperature", 1.0)
+        if isinstance(temperature, (int, float)) and not 0 <= temperature <= 2:  # OpenAI's range for this API
+            raise bad_request(f"temperature={temperature!r} is out of range; allowed: [0, 2]", "temperature")
         seed = body.get("seed")
         if seed is not None and (type(seed) is not int or seed < 0):
             raise bad_request(f"seed={seed!r} is invalid; allowed: an integer >= 0", "seed")
         params = _params(
-            temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
+            temperature=temperature, top_p=body.get("top_p", 1.0),
             max_tokens=body.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS, seq_seed=seed,
             **{k: body[k] for k in PENALTIES if body.get(k) is not None},
         )
