@@ -66,7 +66,8 @@ def build_if_the_model_is_here(settings):
         return
     one_thread = dataclasses.replace(settings.runtime, num_threads=1)
     program, final = load_program(dataclasses.replace(settings, runtime=one_thread))
-    assert [s.name for s in program.stages] == ["tokenize", "prefill", "decode", "sample"]
+    replay = ["replay"] if settings.yoco.mode != "off" else []  # yoco=mask|compact: the replay stage
+    assert [s.name for s in program.stages] == ["tokenize", "prefill", *replay, "decode", "sample"]
     assert final.engine.max_model_len == program.model.config.max_position_embeddings
 
 

@@ -26,7 +26,7 @@ def test_registry_holds_a_component_for_every_required_stage():
     assert REGISTRY.names("tokenize") == ["hf_tokenizer"]
     assert REGISTRY.names("prefill") == REGISTRY.names("decode") == ["model_forward"]
     assert REGISTRY.names("sample") == ["sampler"]
-    assert REGISTRY.names("replay") == []  # YOCO registers its replay component with its issue
+    assert REGISTRY.names("replay") == ["yoco_compact", "yoco_mask"]  # YOCO bounded replay (yoco=mask|compact)
     forward = REGISTRY.get("decode", "model_forward")
     assert forward.supports("torch") and forward.supports("tilelang-sm90") and "cpu" in forward.devices
 

@@ -95,10 +95,29 @@ def _fresh_global_hydra():
             gh.initialize(saved)
 
 
+# Config groups whose option an environment variable picks (conf/config.yaml's defaults list reads it through
+# ${oc.env:...}); a CLI `group=option` still wins. Checked before Hydra composes, so a bad value names the variable.
+GROUP_ENV = {"yoco": "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"}
+
+
+def check_group_env() -> None:
+    """A set variable of GROUP_ENV must name an option of its group: a one-line ConfigError otherwise."""
+    import os
+
+    from deepinfer.config.errors import ConfigError
+
+    for group, var in GROUP_ENV.items():
+        value = os.environ.get(var)
+        if value is not None and value not in group_options(group):
+            raise ConfigError(f"{var}={value!r} is not allowed; allowed: {', '.join(group_options(group))}")
+
+
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """The composed (unresolved) config for these overrides, exactly as `python -m deepinfer OVERRIDES` sees it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
+
+    check_group_env()
 
     with _fresh_global_hydra():
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):

@@ -45,8 +45,8 @@ class Attention:
         kv = codec.decode(*kv_parts, dtype=h.dtype)
 
         if self.ratio:
-            if self.is_source:
-                self._compress(h, meta, pools)
+            if self.is_source and self.layer not in meta.shared_kv_written:
+                self.compress(h, meta, pools)
             if self.is_index:
                 self._index(h, q_res, meta, pools)
         out = self._attend(q, kv, kv_parts, meta, pools)
@@ -57,9 +57,10 @@ class Attention:
         return ops.linear(y, w.wo_b)
 
     # ---------------------------------------------------------------------------------------
-    def _compress(self, h: torch.Tensor, meta: StepMeta, pools: CachePools) -> None:
+    def compress(self, h: torch.Tensor, meta: StepMeta, pools: CachePools) -> None:
         """Close the compression groups this step's tokens complete and store their entries (and indexer keys).
-        Every token is a candidate group end; those that end no group write to the trash row."""
+        Every token is a candidate group end; those that end no group write to the trash row. Public: YOCO compact
+        (models/replay.py) runs it over every row of the boundary layer before the consumer layers drop rows."""
         cfg, w, ops, L = self.cfg, self.w, self.ops, pools.layout
         if self.ratio == 1:  # every token is its own group
             latent = ops.rms_norm(ops.linear(h, w.c_wkv), w.c_norm, cfg.rms_norm_eps)

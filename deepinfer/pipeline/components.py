@@ -44,3 +44,22 @@ def model_forward(model, sampler, options: dict):
 
 def sampler(model, sampler, options: dict):
     return sampler
+
+
+def yoco_mask(model, sampler, options: dict):
+    return _replay(model, "mask", options)
+
+
+def yoco_compact(model, sampler, options: dict):
+    return _replay(model, "compact", options)
+
+
+def _replay(model, mode: str, options: dict):
+    """The replay stage (YOCO bounded replay, deepinfer/models/replay.py); options: keep_tokens (K)."""
+    from deepinfer.config.errors import ConfigError
+    from deepinfer.models.replay import BoundedReplay
+
+    try:
+        return BoundedReplay(model.config, mode, options["keep_tokens"])
+    except ValueError as exc:  # a model without YOCO decoder layers: the config asked for what it cannot run
+        raise ConfigError(str(exc)) from None

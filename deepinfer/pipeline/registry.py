@@ -69,6 +69,11 @@ for _stage in ("prefill", "decode"):
         _stage, "model_forward", backends=["torch", "tilelang-sm90"], devices=_ALL_DEVICES,
         factory=f"{_HERE}:model_forward", doc="DeepseekV41Model.forward over a packed ForwardBatch",
     )
+for _mode in ("mask", "compact"):
+    REGISTRY.register(
+        "replay", f"yoco_{_mode}", backends=["torch", "tilelang-sm90"], devices=_ALL_DEVICES,
+        factory=f"{_HERE}:yoco_{_mode}", doc=f"YOCO bounded replay, {_mode} mode (deepinfer/models/replay.py)",
+    )
 REGISTRY.register(
     "sample", "sampler", backends=[ANY_BACKEND], devices=_ALL_DEVICES,
     factory=f"{_HERE}:sampler", doc="deepinfer.sampling.Sampler (penalties, top-k/p, min-p, grammar, seeds)",
