@@ -328,6 +328,9 @@ def print_summary(s: dict) -> None:
     if s.get("device") == "cuda" and s.get("steps"):
         lines.append(("graphs", f"{s.get('graph_steps') or 0} of {s['steps']} steps replayed a CUDA graph"))
     lines += speculative_line(s.get("speculative"))
+    if "replay" in s["stages"]:  # YOCO bounded replay: what compact skipped (mask computes every row)
+        lines.append(("replay", f"{s['stages']['replay']}: {s.get('replay_rows_saved') or 0} decoder-layer rows not "
+                                "computed (rows x decoder layers)"))
     lines += [
         ("requests", f"{s['requests']} ({s['errors']} errors)"),
         ("tokens", f"{s['prompt_tokens']} prompt, {s['generated_tokens']} generated"),

@@ -148,11 +148,12 @@ def test_compact_runs_fewer_decoder_layer_rows_by_what_it_reports(model, prompts
 
 
 # ---- through the engine ----------------------------------------------------------------------------------------
-def engine_run(mode, prompts, params, budget=None):
+def engine_run(mode, prompts, params, budget=None, extra=()):
     overrides = [f"yoco={mode}", f"yoco.keep_tokens={K}", "engine.max_num_batched_tokens=32", "engine.process=inproc",
                  "cache.block_size=16", "runtime.num_threads=1", "engine.max_num_seqs=3"]
     if budget:
         overrides.append(f"cache.memory_budget={budget}")
+    overrides += extra
     with LLM(overrides=overrides) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return outs, llm.last_metrics
@@ -177,6 +178,17 @@ def test_engine_compact_gives_mask_tokens_chunked_and_preempted(prompts, small_b
     assert all(len(o.token_ids) == 16 for o in compact)
     assert c_metrics["preemptions"] > 0 and m_metrics["preemptions"] == c_metrics["preemptions"]
     assert m_metrics["replay_rows_saved"] == 0 and c_metrics["replay_rows_saved"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_engine_compact_with_dspark_drafting_gives_mask_tokens(prompts):
+    """DSpark's context features are taken in the decoder layers (the tiny model's targets 5..7): compact hands
+    them the kept rows; verification rows are never cut."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    mask, _ = engine_run("mask", prompts, params, extra=["decoding=dspark"])
+    compact, metrics = engine_run("compact", prompts, params, extra=["decoding=dspark"])
+    assert [o.token_ids for o in mask] == [o.token_ids for o in compact]
+    assert metrics["replay_rows_saved"] > 0
 
 
 @pytest.mark.timeout(60)
