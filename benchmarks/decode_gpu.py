@@ -140,7 +140,7 @@ def fill_step(model, batch, gen, chunk: int = 32768, banks: dict | None = None) 
             if st._allocator is not None:  # standalone pools (no engine): take blocks as model.forward does
                 st._allocator.grow(st, st.num_tokens + len(piece))
             meta = derive(pack_step([piece], [st], layout, dev), pools)
-            for parts in pools.window:
+            for parts in pools.window + pools.draft_window:  # the DSpark context keys share the window's rows
                 scatter(parts, meta.window.write_row, bank.window)
             pools.win_pos.index_copy_(0, meta.window.write_row, meta.positions.to(torch.int32))
             for s, src in layout.sources.items():
@@ -195,20 +195,23 @@ class StepTap:
 
 
 def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: int, graphs: bool, interval: int,
-                batched_tokens: int, zero_overhead: bool = True, block_size: int = 64):
+                batched_tokens: int, zero_overhead: bool = True, block_size: int = 64, num_draft: int = 0,
+                seed: int = 0):
     """An in-process engine (the model is built once per run and shared) with pools for max_seqs sequences of
-    context + max_tokens tokens: cache.memory_budget set from the pools' own layout."""
+    context + max_tokens tokens: cache.memory_budget set from the pools' own layout. `num_draft`: DSpark drafts
+    verified per step (0: plain decoding)."""
     from deepinfer.engine import EngineOptions, LLMEngine
 
-    layout = model.cache_layout(block_size)
+    layout = (model.cache_layout(block_size, num_draft + 1, drafts=True) if num_draft
+              else model.cache_layout(block_size))
     max_len = context + max_tokens + block_size
     blocks = math.ceil(max_len / block_size)
     budget = int(max_seqs * (layout.slot_bytes() + blocks * layout.block_bytes()) * 1.01) + (1 << 20)
-    backend = engine_backend(model, fill)
+    backend = engine_backend(model, fill, seed)
     opts = EngineOptions(max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens, max_model_len=max_len,
                          memory_budget=budget, block_size=block_size, process="inproc",
                          zero_overhead_scheduling=zero_overhead, enforce_eager=not graphs,
-                         cudagraph_batch_size_interval=interval, seed=0)
+                         cudagraph_batch_size_interval=interval, seed=0, num_draft_tokens=num_draft)
     engine = LLMEngine(lambda: backend, opts)
     return engine, StepTap(engine), budget
 

@@ -105,7 +105,7 @@ class ReplayedByRerun(DecodeGraphs):
     checked is everything around the graph — static buffers, padding rows, the spare slot and block."""
 
     def _capture(self, key):
-        self._pad(0, key[0])
+        self._pad(0, key[0], key[2])
         host = self._host(*key)
         self.model.run(derive(host, self.pools), self.pools)  # the warm-up run writes only padding rows
         out = self.model.run(derive(host, self.pools), self.pools).clone()
@@ -140,6 +140,37 @@ def test_a_replayed_decode_step_equals_the_eager_step_for_every_batch_size(model
             want = model.forward(ForwardBatch(tokens, seqs["eager"]))
             got = graphs.run(tokens, seqs["graph"])
             assert got is not None and torch.equal(got, want), (batch, step)
-    assert graphs.replays == 15 and {size for size, _ in graphs._graphs} == {1, 4, 8, 12}
-    assert all(width in (1, 2, 4, 8, 16) for _, width in graphs._graphs)
+    assert graphs.replays == 15 and {size for size, _, _ in graphs._graphs} == {1, 4, 8, 12}
+    assert all(width in (1, 2, 4, 8, 16) for _, width, _ in graphs._graphs)
     assert layout.ring == model.config.sliding_window
+
+
+def test_a_replayed_verification_step_equals_the_eager_step(model):
+    """DSpark verification steps (every sequence an anchor + the same number of drafts, logits for each) replay
+    graphs keyed by length too; between steps the sequences roll back rejected drafts as the runner does."""
+    rng = random.Random(2)
+    eager_pools = model.allocate_cache(8, 120, 16, max_rollback=6)
+    graph_pools = model.allocate_cache(8, 120, 16, max_rollback=6)
+    graphs = ReplayedByRerun(model, graph_pools, max_batch=8, interval=4, max_blocks=16, max_length=6)
+    from deepinfer.models.cache import SequenceCache
+
+    for batch, length in ((1, 6), (3, 2), (5, 6)):
+        lens = [rng.randint(1, 90) for _ in range(batch)]
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
+        slots = rng.sample(range(8), batch)
+        blocks = list(range(120))
+        rng.shuffle(blocks)
+        seqs = {}
+        for name, pools in (("eager", eager_pools), ("graph", graph_pools)):
+            seqs[name] = [SequenceCache(pools, s, blocks[12 * i: 12 * i + 12]) for i, s in enumerate(slots)]
+            model.forward(ForwardBatch(prompts, seqs[name]))
+        for step in range(3):
+            tokens = [[rng.randrange(3, 512) for _ in range(length)] for _ in range(batch)]
+            want = model.forward(ForwardBatch(tokens, seqs["eager"], num_logits=[length] * batch))
+            got = graphs.run(tokens, seqs["graph"])
+            assert got is not None and torch.equal(got, want), (batch, length, step)
+            for a, b in zip(seqs["eager"], seqs["graph"]):
+                back = rng.randint(0, length - 1)
+                a.rollback(back)
+                b.rollback(back)
+    assert {key[2] for key in graphs._graphs} == {2, 6}

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from deepinfer.config import hardware as hw
+from deepinfer.config import env_vars
 from deepinfer.config.errors import ConfigError, explain, fmt
 from deepinfer.config.keys import strip_optional
 from deepinfer.config.schema import STAGES, HardwareSettings, Interval, Settings
@@ -41,8 +42,24 @@ def resolve(cfg: DictConfig, found: hw.Found | None = None) -> Settings:
     settings = _resolve_hardware(settings, found)
     settings = _resolve_dtype(settings)
     settings = _resolve_memory(settings, found)
+    settings = _resolve_decoding(settings)
     _check_pipeline(settings)
+    env_vars.warn_unhonoured(settings.decoding.name)
     return settings
+
+
+def _resolve_decoding(s: Settings) -> Settings:
+    """DSpark's confidence temperatures from the environment; the rules DeepInfer states (batch invariance needs
+    fixed verification lengths)."""
+    d = s.decoding
+    if d.name != "dspark":
+        return s
+    if d.varlen and s.runtime.batch_invariant:
+        raise ConfigError("decoding.varlen=true (DEEPINFER_ENABLE_MTP_VARLEN) with runtime.batch_invariant=true "
+                          "(DEEPINFER_BATCH_INVARIANT): verification lengths chosen from measured step times make "
+                          "outputs depend on the batch; allowed: varlen=false with batch invariance")
+    temps = env_vars.confidence_temperatures(d.confidence_temperature, d.num_draft_tokens)
+    return dataclasses.replace(s, decoding=dataclasses.replace(d, confidence_temperature=temps))
 
 
 def rebuild(data: dict) -> Settings:

@@ -1,5 +1,9 @@
 """CUDA graphs for decode steps: one captured forward per batch-size bucket, replayed over static input buffers.
 
+DSpark verification steps replay graphs too: every sequence brings the same number L = 1 + drafts of tokens (the
+anchor and its drafts, with verification lengths fixed, i.e. varlen off), so the key is (batch bucket, block-table
+bucket, L); a step whose sequences bring different lengths runs eagerly.
+
 A decode step's forward (models: `model.run(meta, pools)`) reads only device tensors of fixed shape once the batch
 size and the block-table width are fixed, so it can be captured. Batch buckets follow DeepInfer's spacing: powers
 of two below `interval`, then every `interval` up to the largest batch; the block-table width (how many entries
@@ -37,50 +41,57 @@ def graph_batch_sizes(max_size: int, interval: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pools, max_batch: int, interval: int, max_blocks: int):
+    def __init__(self, model, pools, max_batch: int, interval: int, max_blocks: int, max_length: int = 1):
         self.model, self.pools = model, pools
         self.sizes = graph_batch_sizes(max_batch, interval)
         self.max_blocks = max_blocks
         self.block_sizes = graph_batch_sizes(max_blocks, max_blocks)  # powers of two, then max_blocks
+        self.max_length = max_length  # tokens per sequence: 1, or 1 + drafts for verification steps
         dev, n = pools.device, self.sizes[-1]
         self._pool = None  # one memory pool shared by every bucket's graph (they never run at once)
         self.inputs = {  # the static buffers every graph reads; padding rows hold the spare slot and block
-            "ids": torch.zeros(n, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
-            "tok_seq": torch.arange(n, dtype=torch.int64, device=dev),
+            "ids": torch.zeros(n * max_length, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(n * max_length, dtype=torch.int64, device=dev),
             "slots": torch.full((n,), pools.spare_slot, dtype=torch.int64, device=dev),
             "past": torch.zeros(n, dtype=torch.int64, device=dev),
-            "lengths": torch.ones(n, dtype=torch.int64, device=dev),
             "table": torch.full((n, max_blocks), pools.spare_block, dtype=torch.int64, device=dev),
         }
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._failed: dict[tuple[int, int], str] = {}
+        # per length L: which sequence each token belongs to, and every sequence's length (static)
+        self._tok_seq = {L: torch.arange(n, device=dev).repeat_interleave(L) for L in range(1, max_length + 1)}
+        self._lengths = {L: torch.full((n,), L, dtype=torch.int64, device=dev) for L in range(1, max_length + 1)}
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._failed: dict[tuple[int, int, int], str] = {}
         self.replays = 0
 
-    def bucket(self, batch: int, blocks: int = 1) -> tuple[int, int] | None:
+    def bucket(self, batch: int, blocks: int = 1, length: int = 1) -> tuple[int, int, int] | None:
         size = next((s for s in self.sizes if s >= batch), None)
         width = next((b for b in self.block_sizes if b >= blocks), None)
-        return None if size is None or width is None else (size, width)
+        if size is None or width is None or not 1 <= length <= self.max_length:
+            return None
+        return size, width, length
 
-    def _host(self, size: int, width: int) -> HostStep:
-        base = {k: v[:size] for k, v in self.inputs.items()}
-        base["table"] = self.inputs["table"][:size, :width]
-        entries = {src.ratio: width * src.per_block for src in self.pools.layout.sources.values()}
-        return HostStep([1] * size, True, entries, base)
-
-    def _pad(self, start: int, end: int) -> None:
+    def _host(self, size: int, width: int, length: int = 1) -> HostStep:
         i = self.inputs
-        i["ids"][start:end] = 0
-        i["positions"][start:end] = 0
+        base = {"ids": i["ids"][: size * length], "positions": i["positions"][: size * length],
+                "tok_seq": self._tok_seq[length][: size * length], "slots": i["slots"][:size],
+                "past": i["past"][:size], "lengths": self._lengths[length][:size], "table": i["table"][:size, :width]}
+        entries = {src.ratio: width * src.per_block for src in self.pools.layout.sources.values()}
+        # every row's logits come back: one per sequence when length is 1, the anchor and each draft otherwise
+        return HostStep([length] * size, length == 1, entries, base)
+
+    def _pad(self, start: int, end: int, length: int = 1) -> None:
+        i = self.inputs
+        i["ids"][start * length: end * length] = 0
+        i["positions"][start * length: end * length] = torch.arange(length, device=i["ids"].device).repeat(end - start)
         i["slots"][start:end] = self.pools.spare_slot
         i["past"][start:end] = 0
         i["table"][start:end] = self.pools.spare_block
 
     @torch.inference_mode()
-    def _capture(self, key: tuple[int, int]):
-        size, width = key
-        self._pad(0, size)
-        host = self._host(size, width)
+    def _capture(self, key: tuple[int, int, int]):
+        size, width, length = key
+        self._pad(0, size, length)
+        host = self._host(size, width, length)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, JIT compiles, one-time syncs
@@ -94,10 +105,12 @@ class DecodeGraphs:
         return graph, out
 
     def run(self, token_ids: list[list[int]], states) -> torch.Tensor | None:
-        """Logits [B, vocab] of one decode step by graph replay, or None when no graph serves this batch (then
-        the caller runs it eagerly)."""
-        B = len(states)
-        key = self.bucket(B, max(1, max(len(s.blocks) for s in states)))
+        """Logits [B * L, vocab] of one decode (L = 1) or verification step (every sequence L tokens) by graph
+        replay, or None when no graph serves this batch (then the caller runs it eagerly)."""
+        B, L = len(states), len(token_ids[0])
+        if any(len(t) != L for t in token_ids):
+            return None
+        key = self.bucket(B, max(1, max(len(s.blocks) for s in states)), L)
         if key is None or self._failed:
             return None
         if key not in self._graphs:
@@ -106,26 +119,27 @@ class DecodeGraphs:
             except Exception as exc:  # e.g. an op that syncs with the host
                 # a failed capture can leave the CUDA context unfit for another: every step runs eagerly from now
                 self._failed[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                log.warning("CUDA graph capture failed for batch %d x %d blocks; every decode step runs eagerly "
-                            "from now on: %s", *key, self._failed[key])
+                log.warning("CUDA graph capture failed for batch %d x %d blocks x %d tokens; every decode step runs "
+                            "eagerly from now on: %s", *key, self._failed[key])
                 return None
-        size, mb = key
+        size, mb, _ = key
         i, spare = self.inputs, self.pools.spare_block
         dev = i["ids"].device
-        rows = to_device([[ids[0], s.num_tokens, s.slot] for ids, s in zip(token_ids, states)], dev)
-        i["ids"][:B].copy_(rows[:, 0])
-        i["positions"][:B].copy_(rows[:, 1])
-        i["past"][:B].copy_(rows[:, 1])
-        i["slots"][:B].copy_(rows[:, 2])
+        toks = to_device([[t, s.num_tokens + j] for ids, s in zip(token_ids, states) for j, t in enumerate(ids)], dev)
+        seqs = to_device([[s.num_tokens, s.slot] for s in states], dev)
+        i["ids"][: B * L].copy_(toks[:, 0])
+        i["positions"][: B * L].copy_(toks[:, 1])
+        i["past"][:B].copy_(seqs[:, 0])
+        i["slots"][:B].copy_(seqs[:, 1])
         i["table"][:B, :mb].copy_(to_device([s.blocks + [spare] * (mb - len(s.blocks)) for s in states], dev))
         if B < size:
-            self._pad(B, size)
+            self._pad(B, size, L)
         graph, out = self._graphs[key]
         graph.replay()
         self.replays += 1
         for s in states:
-            s.num_tokens += 1
-        return out[:B]
+            s.num_tokens += L
+        return out[: B * L]
 
     def failures(self) -> dict[int, str]:
         return dict(self._failed)

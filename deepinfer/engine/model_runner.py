@@ -81,7 +81,7 @@ class ModelRunner:
             from deepinfer.engine.cuda_graphs import DecodeGraphs
 
             max_blocks = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(model, self.pools, num_slots, graph_interval, max_blocks)
+            self.graphs = DecodeGraphs(model, self.pools, num_slots, graph_interval, max_blocks, 1 + self.num_draft)
 
     def profile_step(self, num_tokens: int) -> None:
         """One verification-shaped step of `num_tokens` tokens (sequences of 1 + num_draft tokens at position 0 in
@@ -182,7 +182,11 @@ class ModelRunner:
         decode_only = all(len(ids) == 1 and row.new is None for row, ids in zip(rows, token_lists))
         replay, data_lens = self._replay(rows, token_lists, states)
         decode_only = decode_only and replay is None  # a one-token prompt chunk under replay is prefilled
-        stage = self.backend.decode if decode_only else self.backend.prefill
+        # the decode stage: every row one token, or an anchor + its drafts (a verification)
+        decoding = replay is None and all(
+            row.new is None and len(ids) == 1 + drafts_of.get(id(self._seqs[row.request_id]), 0)
+            for row, ids in zip(rows, token_lists))
+        stage = self.backend.decode if decoding else self.backend.prefill
         batch = self._ForwardBatch(token_ids=token_lists, states=states, all_logits=all_logits, replay=replay,
                                    data_lens=data_lens)
         if num_logits is not None:
@@ -203,7 +207,9 @@ class ModelRunner:
         prepare_s = time.perf_counter() - t0
         try:
             logits = None
-            if self.graphs is not None and decode_only and not all_logits:
+            # decode steps, and verification steps whose sequences all bring the same number of drafts
+            same = all(row.new is None for row in rows) and len({len(t) for t in token_lists}) == 1
+            if self.graphs is not None and same and not all_logits and (decode_only or num_logits is not None):
                 logits = self.graphs.run(token_lists, states)
                 self._graph_step = logits is not None
             if logits is None:

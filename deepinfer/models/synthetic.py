@@ -68,6 +68,17 @@ FLASH_REDUCED = {
     "engram_max_ngram_size": 4,
     "engram_n_heads": 8,
     "engram_head_dim": 256,
+    "num_nextn_predict_layers": 0,  # no draft layers unless asked (DSPARK_FLASH)
+}
+# V4.1-Flash's DSpark stages (MODEL_V41_SPEC.md §1.2, §6): config(DSPARK_FLASH) adds them (~2.3 GB of FP4 experts
+# each); the drafter reads the last three non-KV-source layers of the reduced model.
+DSPARK_FLASH = {
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128,
+    "dspark_num_experts_per_tok": 3,
 }
 
 
