@@ -35,21 +35,31 @@ def test_500_concurrent_streams_none_lost_cache_freed():
 
 
 @pytest.mark.timeout(300)
-def test_small_load_with_a_tight_admission_queue_answers_429_and_loses_nothing():
-    server = ThreadServer(["engine.max_num_seqs=4", "serve.max_queued_requests=8"])
+def test_a_full_admission_queue_answers_429_and_the_admitted_requests_complete():
+    server = ThreadServer(["engine.max_num_seqs=1", "serve.max_queued_requests=1"])
     try:
-        reqs = serve_load.make_requests(40, invalid=0.0, disconnect=0.0, max_tokens=64, seed=1)
-        results = asyncio.run(_run(server.url, reqs))
-        statuses = sorted({r["status"] for r in results})
-        assert statuses == [200, 429], statuses  # 12 in flight at most (4 running + 8 queued): the rest are refused at once
-        assert all(r["finished"] and r["done"] for r in results if r["status"] == 200)
+        first, second, refused, again = asyncio.run(_fill_then_overflow(server))
+        for r in (first, second):  # 1 running + 1 queued: both admitted, both complete
+            assert r["status"] == 200 and r["finished"] and r["done"], r
+        assert [r.status_code for r in refused] == [429] * 3
+        assert "serve.max_queued_requests" in refused[0].json()["error"]["message"]
+        assert again.status_code == 200  # room again once they are done
         assert server.idle(timeout=30)
     finally:
         server.close()
 
 
-async def _run(url, reqs):
+async def _fill_then_overflow(server):
     import httpx
 
+    body = {"model": serve_load.MODEL, "prompt": "def f(", "max_tokens": 200, "stream": True}
+    req = {"kind": "valid", "path": "/v1/completions", "body": body}
     async with httpx.AsyncClient(timeout=120) as client:
-        return await asyncio.gather(*(serve_load.one(client, url, r) for r in reqs))
+        admitted = [asyncio.ensure_future(serve_load.one(client, server.url, req)) for _ in range(2)]
+        while server.engine.num_in_flight < 2:  # both accepted (a queued stream sends headers with its first token)
+            await asyncio.sleep(0.01)
+        refused = [await client.post(f"{server.url}/v1/completions", json={**body, "stream": False})
+                   for _ in range(3)]
+        first, second = await asyncio.gather(*admitted)
+        again = await client.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2, "stream": False})
+    return first, second, refused, again
