@@ -50,11 +50,12 @@ class BoundedReplay:
             # compact computes a consumer layer's compressor on kept rows only: the shared KV would have holes
             raise ValueError(f"yoco={mode} needs the boundary layer {boundary} to be the decoder layers' only KV "
                              f"source; layers {late} are KV sources after it")
-        early = [t for t in cfg.dspark_target_layer_ids if t < boundary] if cfg.num_nextn_predict_layers else []
+        early = [t for t in cfg.dspark_target_layer_ids if t <= boundary] if cfg.num_nextn_predict_layers else []
         if mode == "compact" and early:
-            # the DSpark context rows are taken in the target layers: all of them must see the same (kept) rows
-            raise ValueError(f"yoco=compact needs the DSpark target layers at or after the boundary layer "
-                             f"{boundary}; layers {early} come before it (use yoco=mask)")
+            # DSpark's context rows are the streams entering its target layers: all must be the kept rows, and
+            # the streams entering the boundary layer are still every row
+            raise ValueError(f"yoco=compact needs the DSpark target layers after the boundary layer {boundary}; "
+                             f"found {early} (use yoco=mask)")
         self.mode, self.keep, self.boundary = mode, int(keep_tokens), boundary
         self.window = cfg.sliding_window
         self.num_consumer_layers = cfg.num_hidden_layers - boundary
