@@ -251,3 +251,17 @@ def test_keep_tokens_below_window_plus_backtracking_is_a_config_error(monkeypatc
         load_program(load_settings(["yoco=compact", "yoco.keep_tokens=16"]), weights=False)
     program, _ = load_program(load_settings(["yoco=compact", "yoco.keep_tokens=17"]), weights=False)
     assert program.replay.mode == "compact" and program.replay.keep == 17 and program.replay.boundary == 4
+
+
+@pytest.mark.timeout(60)
+def test_flash_recipes_replay_compact_unless_the_variable_or_the_cli_says_otherwise(monkeypatch):
+    from deepinfer.config.compose import compose, recipe_names
+
+    monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", raising=False)
+    for recipe in [r for r in recipe_names() if r.startswith("flash_")]:
+        assert compose([f"+recipe={recipe}"]).pipeline.stages.replay.component == "yoco_compact"
+        assert compose([f"+recipe={recipe}", "yoco=off"]).pipeline.stages.replay.component is None
+        monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mask")
+        assert compose([f"+recipe={recipe}"]).yoco.mode == "mask"
+        monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
+    assert compose(["+recipe=tiny_cpu"]).yoco.mode == "off"
