@@ -7,14 +7,16 @@
     python -m deepinfer --multirun sampling.temperature=0,0.7
     python -m deepinfer --cfg job                         # the effective config (--resolve is implied)
 
-Every job's overrides are composed and resolved (deepinfer.config) before Hydra starts, so a user error in the
-configuration costs one line on stderr and exit code 2, never a traceback.
+Hydra (`hydra.main`) composes each job's config; DeepInfer composes nothing of its own. Before a run, or before
+the first job of a sweep, the Preflight callback (deepinfer/config/hydra_callbacks.py) resolves every job (types,
+ranges, hardware, memory) and checks its inputs, so a user error costs one line on stderr and exit code 2, never a
+traceback, and nothing has run. `--cfg job` only composes and prints: no hardware is needed to read a recipe.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,45 +64,7 @@ def _interrupted(message: str = "interrupted") -> int:
     return EXIT_INTERRUPTED
 
 
-# ---- before Hydra: validate every job ------------------------------------------------------------------------
-def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """The override list of each job Hydra will run (sweeps expanded; at most 64 jobs are checked)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from deepinfer.config.errors import ConfigError
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as exc:  # OverrideParseException: the text of an override is malformed
-        raise ConfigError(str(exc).splitlines()[0]) from None
-    if not multirun:
-        return [list(overrides)]
-    choices = []
-    for ov, text in zip(parsed, overrides):
-        if ov.is_sweep_override():
-            key = ov.get_key_element()
-            choices.append([f"{key}={v}" for v in ov.sweep_string_iterator()])
-        else:
-            choices.append([text])
-    return [list(c) for c in itertools.islice(itertools.product(*choices), 64)]
-
-
-def validate(argv: list[str]) -> None:
-    from hydra._internal.utils import get_args_parser
-
-    from deepinfer.api import load_settings
-    from deepinfer.config import hardware
-
-    args = get_args_parser().parse_args(argv)
-    if args.help or args.hydra_help or args.info or args.shell_completion:
-        return
-    found = hardware.detect()  # once for all jobs
-    for overrides in job_overrides(list(args.overrides), bool(args.multirun)):
-        check_inputs(load_settings(overrides, found))
-    if not (args.cfg or args.multirun):
-        check_run_dir(list(args.overrides))
-
-
+# ---- checks made before a job runs (called by the Preflight callback) ---------------------------------------
 def check_inputs(settings) -> None:
     from deepinfer.config.errors import ConfigError
 
@@ -345,15 +309,19 @@ def print_summary(s: dict) -> None:
 def _hydra_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from deepinfer.config.hydra_callbacks import resolved_settings
     from deepinfer.config.resolve import resolve
 
     try:
-        settings = resolve(cfg)
+        hc = HydraConfig.get()
+        settings = resolved_settings(hc.overrides.task)  # resolved by the Preflight callback before the run
+        if settings is None:  # a job Preflight did not see (its callback removed, or beyond a sweep's first 64)
+            settings = resolve(cfg)
+            check_inputs(settings)
         if settings.serve.name != "offline":  # serve=openai: the HTTP server, until SIGTERM / Ctrl-C
             from deepinfer.serving import serve
 
             return serve(settings)
-        hc = HydraConfig.get()
         run_job(settings, Path(hc.runtime.output_dir), list(hc.overrides.task))
     except _user_errors() as exc:
         raise SystemExit(_fail(exc))
@@ -372,23 +340,42 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from deepinfer.config.compose import check_group_env  # importing it registers the schema and the recipes
+    from deepinfer.config.errors import explain
+    from deepinfer.config.hydra_callbacks import PreflightFailed
+
     try:
-        validate(argv)
+        check_group_env()  # DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE picks a group option: named if it is not one
     except _user_errors() as exc:
         return _fail(exc)
-    import hydra
-
-    import deepinfer.config.compose  # noqa: F401  (registers the schema and the recipes with Hydra)
-
     if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # show effective values: env variables are read through interpolations
     app = hydra.main(config_path="pkg://deepinfer.conf", config_name="config", version_base=None)(_hydra_task)
-    saved = sys.argv
-    sys.argv = [saved[0] if saved else "deepinfer", *argv]
+    saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    sys.argv = [saved_argv[0] if saved_argv else "deepinfer", *argv]
+    # Hydra's documented switch: its errors (a composition error above all) reach us as exceptions instead of
+    # being printed over several lines with exit code 1; they are reworded below into one line and exit code 2.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         app()
+    except PreflightFailed as stop:  # a job's config or inputs, checked before anything ran
+        if isinstance(stop.error, _user_errors()):
+            return _fail(stop.error)
+        raise stop.error
+    except (HydraException, OmegaConfBaseException) as exc:  # composing the config (or showing it: --cfg)
+        return _fail(explain(exc, argv))
+    except _user_errors() as exc:
+        return _fail(exc)
     finally:
-        sys.argv = saved
+        sys.argv = saved_argv
+        if saved_full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_full_error
     return 0
 
 

@@ -100,6 +100,15 @@ def test_cfg_job_shows_env_values_applied(tmp_path, env):
     assert "batch_invariant: true" in proc.stdout
 
 
+@pytest.mark.parametrize("recipe", ["flash_sm90", "flash_sm100", "flash_ascend950"])
+def test_cfg_job_prints_a_recipe_without_its_hardware(recipe, tmp_path, env):
+    """Printing a config needs no hardware (it is checked when a run starts: the recipe's run fails on this CPU)."""
+    proc = deepinfer([f"+recipe={recipe}", "--cfg", "job"], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"recipe: {recipe}" in proc.stdout and "max_num_batched_tokens: 8192" in proc.stdout
+    assert "name: v41_flash" in proc.stdout and not (tmp_path / "outputs").exists()
+
+
 def test_cli_and_api_give_the_same_tokens_for_the_same_config(tmp_path, env, monkeypatch):
     prompts = ["def add(a, b):", "import sys"]
     overrides = ["runtime.num_threads=1", "sampling.max_tokens=6", "sampling.temperature=0.8", "runtime.seed=11"]

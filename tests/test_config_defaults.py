@@ -49,6 +49,62 @@ def test_config_yaml_restates_no_sampling_default():
     assert set(cfg.sampling) <= {"xgrammar_timeout", "xgrammar_cache_limit_bytes"}
 
 
+# conf/config.yaml keys that differ from the schema's default on purpose (the value, and why in the YAML)
+YAML_ON_PURPOSE = {"runtime.num_threads": 1}
+
+
+def _leaves(node, prefix=""):
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _schema_default(dotted: str):
+    from deepinfer.config.schema import Settings
+
+    cls, parts = Settings, dotted.split(".")
+    for part in parts[:-1]:
+        cls = {f.name: f for f in dataclasses.fields(cls)}[part].default_factory
+    return _defaults(cls)[parts[-1]]
+
+
+def test_config_yaml_restates_no_schema_default_and_its_env_fallbacks_are_the_schemas():
+    """The schema is the one typed source of the defaults: config.yaml holds only ${oc.env:NAME,fallback}
+    interpolations whose fallback is the schema's default, and the keys of YAML_ON_PURPOSE."""
+    import re
+    from importlib import resources
+
+    import yaml
+
+    raw = yaml.safe_load((resources.files("deepinfer.conf") / "config.yaml").read_text())
+    keys = {k: v for k, v in raw.items() if k not in ("defaults", "hydra")}
+    seen = set()
+    for key, value in _leaves(keys):
+        default = _schema_default(key)
+        env = re.fullmatch(r"\$\{oc\.env:(\w+),(.*)\}", value) if isinstance(value, str) else None
+        if env:
+            fallback = yaml.safe_load(env.group(2))
+            assert fallback == default and type(fallback) in (type(default), int), (key, fallback, default)
+            assert env.group(1).startswith("DEEPINFER_"), key
+        else:
+            assert key in YAML_ON_PURPOSE, f"conf/config.yaml restates {key}={value!r}: the schema declares it"
+            assert value == YAML_ON_PURPOSE[key] != default, (key, value, default)
+            seen.add(key)
+    assert seen == set(YAML_ON_PURPOSE)
+    # and what a run sees is the schema's default wherever the YAML says nothing
+    s = load_settings([])
+    for cls, section in ((EngineSettings, s.engine), (CacheSettings, s.cache)):
+        schema = _defaults(cls)
+        for name, value in schema.items():
+            got = getattr(section, name)
+            if name == "memory_budget":  # null is resolved from memory_fraction in the resolve step
+                assert value is None and got is not None
+            elif name != "zero_overhead_scheduling":  # read from the environment
+                assert got == value, (cls.__name__, name)
+
+
 def test_chunked_prefill_false_needs_a_step_that_holds_the_longest_prompt():
     from deepinfer.config.resolve import with_model_limits
 

@@ -41,9 +41,9 @@ def explain(exc: BaseException, overrides: list[str] | tuple[str, ...] = ()) -> 
     if isinstance(exc, MissingConfigException) and missing:
         group, option = missing.group(1), missing.group(2)
         plus = "+" if group == "recipe" else ""
+        options = getattr(exc, "options", None) or group_options(group)  # Hydra's list: an own recipe folder too
         return ConfigError(
-            f"{plus}{group}={option} is not an option of config group {group!r}; allowed: "
-            + ", ".join(group_options(group))
+            f"{plus}{group}={option} is not an option of config group {group!r}; allowed: " + ", ".join(options)
         )
     cause = exc.__cause__ or exc
     key = getattr(cause, "full_key", None)

@@ -1,15 +1,118 @@
-"""Hydra callbacks wired in conf/config.yaml. SweepSummary: after --multirun, one table over all jobs."""
+"""Hydra callbacks wired in conf/config.yaml.
+
+Preflight: before a run (or before the first job of a --multirun), each job's config, as Hydra composed it, goes
+through the resolve step (types, ranges, hardware, memory) and the CLI's input checks, so a user error stops
+everything before a run directory is made or a model loads. The resolved settings are kept for the job itself
+(`resolved_settings`): nothing is resolved twice. SweepSummary: after --multirun, one table over all jobs.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict, read_write
 
 COLUMNS = ("job", "overrides", "generated_tokens", "tokens_per_s", "errors", "first_text")
+MAX_CHECKED_JOBS = 64  # a sweep's first 64 jobs are checked before any runs
+
+
+class PreflightFailed(BaseException):
+    """A job cannot run; `error` says why. A BaseException because Hydra turns an Exception raised by a callback
+    into a warning and carries on; the CLI (deepinfer/__main__.py) catches this and reports `error`."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+_RESOLVED: dict[tuple[str, ...], Any] = {}
+
+
+def resolved_settings(task_overrides) -> Any:
+    """The Settings Preflight resolved for the job with these task overrides (once: taken out), or None."""
+    return _RESOLVED.pop(tuple(task_overrides), None)
+
+
+def job_overrides(task_overrides: list[str], config_loader=None) -> list[list[str]]:
+    """The override list of each job of a sweep, in Hydra's basic sweeper's order and spelling (the key under
+    which the job finds its resolved settings); at most MAX_CHECKED_JOBS."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(task_overrides)
+    choices: OrderedDict[str, list[str]] = OrderedDict()
+    for ov in parsed:
+        key = ov.get_key_element()
+        if ov.is_sweep_override():
+            choices[key] = [f"{key}={v}" for v in ov.sweep_string_iterator()]
+        else:
+            choices[key] = [f"{key}={ov.get_value_element_as_str()}"]
+    return [list(c) for c in itertools.islice(itertools.product(*choices.values()), MAX_CHECKED_JOBS)]
+
+
+def _job_config(config: DictConfig) -> DictConfig:
+    """The config a job's task function receives: without the hydra node (as Hydra's run_job makes it)."""
+    cfg = copy.deepcopy(config)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+class Preflight(Callback):
+    """Resolve and check every job before anything runs (see the module docstring)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        hydra_overrides = list(config.hydra.overrides.hydra)
+        self._check([(list(config.hydra.overrides.task), lambda: config)], hydra_overrides)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.global_hydra import GlobalHydra
+
+        loader = GlobalHydra.instance().config_loader()  # the app's own search path (--config-dir included)
+        try:
+            jobs = job_overrides(list(config.hydra.overrides.task), loader)
+        except Exception as exc:
+            raise PreflightFailed(_explained(exc, config.hydra.overrides.task)) from None
+        # Each job composed as the sweeper will compose it (ConfigLoader.load_sweep_config)
+        self._check([(job, lambda job=job: loader.load_sweep_config(config, job)) for job in jobs], None)
+
+    @staticmethod
+    def _check(jobs, hydra_overrides: list[str] | None) -> None:
+        from deepinfer.__main__ import check_inputs, check_run_dir
+        from deepinfer.config import hardware
+        from deepinfer.config.resolve import resolve
+
+        found = hardware.detect()  # once for all jobs
+        for overrides, composed in jobs:
+            try:
+                settings = resolve(_job_config(composed()), found)
+                check_inputs(settings)
+            except Exception as exc:
+                raise PreflightFailed(_explained(exc, overrides)) from None
+            _RESOLVED[tuple(overrides)] = settings
+        if hydra_overrides is not None:  # a run (a sweep's directories are Hydra's to make)
+            try:
+                check_run_dir(hydra_overrides)
+            except Exception as exc:
+                raise PreflightFailed(exc) from None
+
+
+def _explained(exc: BaseException, overrides) -> BaseException:
+    """A Hydra/OmegaConf composition error as its one-line ConfigError; any other exception as it is."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from deepinfer.config.errors import explain
+
+    if isinstance(exc, (HydraException, OmegaConfBaseException)):
+        return explain(exc, list(overrides))
+    return exc
 
 
 class SweepSummary(Callback):
