@@ -59,3 +59,15 @@ def test_default_splits_fill_the_sms_with_at_least_one_block_per_split():
     # 640 keys = 10 blocks of 64, on an H200's 132 SMs
     assert [default_splits(n, 10, 132) for n in (1, 8, 64, 66, 256)] == [10, 10, 2, 2, 1]
     assert default_splits(4, 10, 78) == 10 and default_splits(16, 10, 78) == 4  # a GPU with fewer SMs
+
+
+def test_decode_kernel_reads_a_ring_wider_than_the_window():
+    """Speculative decoding keeps rollback rows: a ring of 192 rows is read whole (3 window blocks + 8 pool
+    blocks), while a key stays visible only within the 128 positions up to the query's."""
+    from deepinfer.kernels.tilelang._build import lower_source
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    wide = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", ring=192), "sm_90a")
+    plain = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a"), "sm_90a")
+    assert "__global__" in wide and wide != plain
+    assert "192" in wide and "128" in wide  # the ring's row stride and the window's visibility bound

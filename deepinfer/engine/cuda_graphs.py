@@ -77,7 +77,9 @@ class DecodeGraphs:
                 "past": i["past"][:size], "lengths": self._lengths[length][:size], "table": i["table"][:size, :width]}
         entries = {src.ratio: width * src.per_block for src in self.pools.layout.sources.values()}
         # every row's logits come back: one per sequence when length is 1, the anchor and each draft otherwise
-        return HostStep([length] * size, length == 1, entries, base)
+        # the decode attention path for a verification too (pack_step's rule: it fits the rollback rows)
+        decode_path = length == 1 or length <= self.pools.layout.max_rollback
+        return HostStep([length] * size, decode_path, entries, base)
 
     def _pad(self, start: int, end: int, length: int = 1) -> None:
         i = self.inputs

@@ -146,8 +146,9 @@ class Attention:
         return out
 
     def _attend_decode(self, q, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:
-        """One new token per sequence: write it into the ring, then attend over the caches as stored (the decode
-        kernel on the GPU; the same slate as the prefill path, so bitwise the same result on the CPU)."""
+        """One new token per sequence (or a verification's anchor and drafts): write them into the ring, then
+        attend over the caches as stored (the decode kernel on the GPU; the same slate as the prefill path, so
+        bitwise the same result on the CPU)."""
         L, S, R = pools.layout, pools.slots_alloc, pools.layout.ring
         ring = pools.window[self.layer]
         for part, new in zip(ring, kv_parts):

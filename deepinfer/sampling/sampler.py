@@ -153,26 +153,36 @@ class Sampler:
         if bitmask is not None:
             apply_bitmask_(x, bitmask)
         self._penalties_(x, rows)
-        results = []
-        for i, (req, (start, k)) in enumerate(zip(requests, spans)):
-            xr = x[start : start + k + 1]
+        # a few whole-step reads instead of per-request ones: every row's argmax (greedy rows choose it; an
+        # accepted greedy draft equals it) and whether any token is allowed at all
+        argmax = x.argmax(dim=-1)
+        allowed = (x.max(dim=-1).values > float("-inf")).tolist()
+        greedy_target = argmax.tolist()
+        verdicts = []
+        for req, (start, k) in zip(requests, spans):
             if req.row.params.greedy:
-                verdict = spec.accept_greedy(xr, req.drafts)
+                verdicts.append(spec.accept_greedy_ids(greedy_target[start : start + k + 1], req.drafts))
             else:
-                p = spec.processed_weights(xr.clone(), [req.row.params] * (k + 1))
-                verdict = spec.accept_sampled(p, req.draft_weights, req.drafts, req.row.seed, req.row.position)
-            chosen = [start + r for r in verdict.rows]
-            lps = logprobs[chosen].gather(1, torch.tensor(verdict.tokens, device=x.device).clamp(max=vocab - 1)[:, None])
-            tops = top_n(logprobs[chosen], [req.row.params.top_logprobs] * len(chosen))
-            stuck = bool(x[chosen[-1]].max() == float("-inf"))
-            outs = [SampleOutput(t, lp, top) for t, lp, top in zip(verdict.tokens, lps.squeeze(1).tolist(), tops)]
-            if stuck:
+                p = spec.processed_weights(x[start : start + k + 1].clone(), [req.row.params] * (k + 1))
+                verdicts.append(spec.accept_sampled(p, req.draft_weights, req.drafts, req.row.seed, req.row.position))
+        chosen = [start + r for (start, _), v in zip(spans, verdicts) for r in v.rows]
+        tokens = [t for v in verdicts for t in v.tokens]
+        lps = logprobs[chosen].gather(1, torch.tensor(tokens, device=x.device).clamp(max=vocab - 1)[:, None])
+        lps = lps.squeeze(1).tolist()
+        tops = top_n(logprobs[chosen], [requests[i].row.params.top_logprobs for i, v in enumerate(verdicts)
+                                        for _ in v.rows])
+        results, at = [], 0
+        for i, (req, v) in enumerate(zip(requests, verdicts)):
+            n = len(v.tokens)
+            outs = [SampleOutput(t, lp, top) for t, lp, top in zip(v.tokens, lps[at : at + n], tops[at : at + n])]
+            if not allowed[chosen[at + n - 1]]:
                 outs[-1].error = "no token is allowed: the grammar and min_tokens exclude every token"
+            at += n
             state = req.row.grammar_state
             if state is not None:
-                state.rollback(advanced[i] - verdict.num_accepted)
-                if outs[-1].error is None and not state.accept_token(verdict.tokens[-1]):
-                    outs[-1].error = f"the grammar rejected token {verdict.tokens[-1]}"
+                state.rollback(advanced[i] - v.num_accepted)
+                if outs[-1].error is None and not state.accept_token(v.tokens[-1]):
+                    outs[-1].error = f"the grammar rejected token {v.tokens[-1]}"
             results.append(outs)
         return results
 

@@ -89,7 +89,11 @@ class Verdict:
 
 def accept_greedy(x: torch.Tensor, drafts: list[int]) -> Verdict:
     """x: processed target logits [k + 1, V]. Accept while the draft is the target's argmax (ties: lowest id)."""
-    target = x.argmax(dim=-1).tolist()
+    return accept_greedy_ids(x.argmax(dim=-1).tolist(), drafts)
+
+
+def accept_greedy_ids(target: list[int], drafts: list[int]) -> Verdict:
+    """target: the argmax of each of the k + 1 rows."""
     m = 0
     while m < len(drafts) and drafts[m] == target[m]:
         m += 1

@@ -73,9 +73,9 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
     """The registered op (contract: deepinfer.kernels.torch.attention.sink_attention_decode): the kernel for
     64 heads of 512 in bf16 over a ring of exactly `window` rows; the selection is padded to whole key blocks."""
     n_q, H, D = q.shape
-    if not (q.is_cuda and q.dtype == torch.bfloat16 and H == 64 and D == 512 and win_kv.shape[1] == window
-            and window % BLOCK_KEYS == 0 and n_q > 0):
-        why = reason(q, "heads != 64, head dim != 512 or a ring wider than the window (rollback rows)")
+    if not (q.is_cuda and q.dtype == torch.bfloat16 and H == 64 and D == 512 and win_kv.shape[1] >= window
+            and window % BLOCK_KEYS == 0 and win_kv.shape[1] % BLOCK_KEYS == 0 and n_q > 0):
+        why = reason(q, "heads != 64, head dim != 512, or a window / ring not a multiple of 64 rows")
         return registry.fall_back("sink_attention_decode", why, torch_attention.sink_attention_decode, q, q_seq,
                                   q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale, window)
     pad = -sel.shape[1] % BLOCK_KEYS or (BLOCK_KEYS if sel.shape[1] == 0 else 0)
@@ -99,10 +99,12 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     splits: key splits per query (None: default_splits, or 1 in the batch-invariant mode).
     """
     n_q, H, D = q.shape
-    W, topk = win_kv.shape[1], sel.shape[1]
-    assert W == window and H == 64 and D == 512 and n_q > 0
-    splits = splits or _splits(n_q, (W + topk) // BLOCK_KEYS, q.device)
-    kernel = jit(build_sink_attention_decode, H, D, W, topk, splits)
+    R, topk = win_kv.shape[1], sel.shape[1]
+    assert R >= window and H == 64 and D == 512 and n_q > 0
+    splits = splits or _splits(n_q, (R + topk) // BLOCK_KEYS, q.device)
+    # a ring wider than the window (rollback rows for speculative decoding) is read whole: arch and regs as default
+    extra = (None, (192, 160, 152), R) if R != window else ()
+    kernel = jit(build_sink_attention_decode, H, D, window, topk, splits, *extra)
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),
             (float(scale),))

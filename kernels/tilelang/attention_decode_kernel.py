@@ -47,12 +47,16 @@ def _is_hopper(arch):
 
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
-                                splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152)):
+                                splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
+                                ring: int | None = None):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
-    elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer."""
-    H, D, W, BK = heads, dim, window, 64
-    assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0
+    elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer. ring: rows
+    per sequence's ring (default `window`; wider when the caches keep rollback rows for speculative decoding: every
+    row is read, the visibility test keeps the `window` positions up to the query's)."""
+    H, D, BK = heads, dim, 64
+    W = ring or window             # ring rows read per query
+    assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0 and W >= window
     NB = (W + topk) // BK          # key blocks per query
     NWB = W // BK                  # of which window blocks
     PER = -(-NB // splits)         # blocks per split (the last may have fewer, or none)
@@ -289,7 +293,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                         r = (i * n_prod + pt) % BK
                         if kb < NWB:
                             kp = win_pos[b, kb * BK + r]
-                            idx_s[i * n_prod + pt] = T.if_then_else((kp >= 0) and (kp <= p) and (kp > p - W),
+                            idx_s[i * n_prod + pt] = T.if_then_else((kp >= 0) and (kp <= p) and (kp > p - window),
                                                                     kb * BK + r, -1)
                         else:
                             idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]

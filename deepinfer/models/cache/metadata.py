@@ -32,7 +32,7 @@ class HostStep:
     """What the host knows about a step (plain ints), and the base tensors it copies to the device."""
 
     lengths: list[int]  # new tokens of each sequence
-    decode_only: bool  # every sequence brings one token
+    decode_only: bool  # the decode attention path: one token per sequence, or a verification (pack_step)
     max_entries: dict[int, int]  # ratio -> entries the widest sequence holds after the step
     base: dict[str, torch.Tensor]  # on the device: ids, positions, tok_seq, slots, past, lengths, table
 
@@ -67,7 +67,10 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all
     if not all_logits:
         keep = num_logits or [1] * len(lengths)
         base["last"] = to_device([st + n - c + j for st, n, c in zip(starts, lengths, keep) for j in range(c)], device)
-    return HostStep(lengths, all(n == 1 for n in lengths), max_entries, base)
+    # the decode attention path (reads the rings as stored): one new token per sequence, or a verification (the
+    # anchor and its drafts, logits for each) that fits the rollback rows, so its writes never hide a window key
+    verify = num_logits is not None and all(n <= layout.max_rollback for n in lengths)
+    return HostStep(lengths, all(n == 1 for n in lengths) or verify, max_entries, base)
 
 
 @dataclass

@@ -43,6 +43,8 @@ class CacheLayout:
         self.draft_layers = draft_layers
         self.window = cfg.sliding_window
         self.ring = cfg.sliding_window + max_rollback
+        if max_rollback and self.window % 64 == 0:  # the decode kernel reads whole 64-row blocks of the ring
+            self.ring = -(-self.ring // 64) * 64
         self.head_dim, self.index_dim = cfg.head_dim, cfg.index_head_dim
         self.win_codec = window_codec(cfg.head_dim, dtype)
         self.cmp_codec = compressed_codec(cfg.head_dim, dtype)
