@@ -233,3 +233,39 @@ def test_sampled_tokens_with_drafts_follow_plain_sampling(model_dir):
     # chi-square critical value at p = 0.001 (Wilson-Hilferty approximation)
     crit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
     assert chi2 < crit, (chi2, dof, crit)
+
+
+def test_drafting_by_graph_replay_equals_eager_drafting(model_dir):
+    """DraftGraphs (here with the captured graph replaced by re-running what was captured, no CUDA): static
+    inputs, padding rows in the spare slot, batch buckets; the drafts and confidences equal eager drafting."""
+    from deepinfer.engine.cuda_graphs import DraftGraphs
+
+    class Rerun(DraftGraphs):
+        def _capture(self, size):
+            out = self._draft(size)
+
+            class Graph:
+                @torch.inference_mode()
+                def replay(inner):
+                    tokens, conf = self._draft(size)
+                    out[0].copy_(tokens)
+                    out[1].copy_(conf)
+
+            return Graph(), out
+
+    model = load_model(model_dir)
+    rng = random.Random(5)
+    states = [model.new_state(6, drafts=True) for _ in range(5)]
+    pools = states[0].pools
+    for st in states:
+        model.forward(ForwardBatch([[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 60))]], [st]))
+    graphs = Rerun(model.drafter, pools, max_batch=8, interval=4, block=5, vocab=model.config.vocab_size)
+    for batch in (1, 3, 5):
+        chosen = states[:batch]
+        golden = [rng.randrange(3, VOCAB) for _ in chosen]
+        slots, last = [s.slot for s in chosen], [s.num_tokens - 1 for s in chosen]
+        tokens, conf = graphs.run(golden, slots, last)
+        step = model.drafter.step(torch.tensor(slots), torch.tensor(last), 5, pools)
+        want = model.drafter.draft(torch.tensor(golden), step, pools, lambda i, lg: lg.argmax(-1))
+        assert torch.equal(tokens, want.tokens) and torch.equal(conf, want.confidences), batch
+    assert graphs.replays == 3 and set(graphs._graphs) == {1, 4, 8}

@@ -145,3 +145,73 @@ class DecodeGraphs:
 
     def failures(self) -> dict[int, str]:
         return dict(self._failed)
+
+
+class DraftGraphs:
+    """DSpark drafting by graph replay: greedy requests' block drafting (draft layers, heads, argmax choices)
+    captured per batch bucket over static inputs (golden token, slot and last accepted position per request).
+    Padding rows draft in the spare slot. Sampled requests draw on the host, so their steps draft eagerly."""
+
+    def __init__(self, drafter, pools, max_batch: int, interval: int, block: int, vocab: int):
+        self.drafter, self.pools, self.block, self.vocab = drafter, pools, block, vocab
+        self.sizes = graph_batch_sizes(max_batch, interval)
+        dev, n = pools.device, self.sizes[-1]
+        self.golden = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = torch.full((n,), pools.spare_slot, dtype=torch.int64, device=dev)
+        self.last = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._pool = None
+        self._graphs: dict[int, tuple] = {}
+        self.failed: str | None = None
+        self.replays = 0
+
+    def _choose(self, i: int, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, : self.vocab].argmax(dim=-1)  # greedy: ties to the lowest id, as DraftChooser
+
+    def _draft(self, size: int):
+        step = self.drafter.step(self.slots[:size], self.last[:size], self.block, self.pools)
+        out = self.drafter.draft(self.golden[:size], step, self.pools, self._choose)
+        return out.tokens, out.confidences
+
+    @torch.inference_mode()
+    def _capture(self, size: int):
+        self.golden[:size] = 0
+        self.slots[:size] = self.pools.spare_slot
+        self.last[:size] = 0
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._draft(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._draft(size)
+        return graph, out
+
+    def run(self, golden: list[int], slots: list[int], last: list[int]):
+        """(tokens [B, block], confidences [B, block]) by replay, or None (then the caller drafts eagerly)."""
+        B = len(golden)
+        size = next((s for s in self.sizes if s >= B), None)
+        if size is None or self.failed:
+            return None
+        if size not in self._graphs:
+            try:
+                self._graphs[size] = self._capture(size)
+            except Exception as exc:
+                self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                log.warning("CUDA graph capture of DSpark drafting failed for batch %d; drafting runs eagerly from "
+                            "now on: %s", size, self.failed)
+                return None
+        rows = to_device([[g, s, a] for g, s, a in zip(golden, slots, last)], self.golden.device)
+        self.golden[:B].copy_(rows[:, 0])
+        self.slots[:B].copy_(rows[:, 1])
+        self.last[:B].copy_(rows[:, 2])
+        if B < size:
+            self.golden[B:size] = 0
+            self.slots[B:size] = self.pools.spare_slot
+            self.last[B:size] = 0
+        graph, (tokens, conf) = self._graphs[size]
+        graph.replay()
+        self.replays += 1
+        return tokens[:B], conf[:B]

@@ -52,6 +52,7 @@ class ModelRunner:
         self._masks = MaskBuilder()
         self.pools = None
         self.graphs = None
+        self.draft_graphs = None
         self._graph_step = False
         self._rows_saved = 0  # YOCO compact: decoder-layer rows the last step did not compute
         # DSpark: drafts of up to num_draft tokens are made after every sampled token, when the model has draft layers
@@ -82,6 +83,11 @@ class ModelRunner:
 
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, self.pools, num_slots, graph_interval, max_blocks, 1 + self.num_draft)
+            if self.drafter is not None:
+                from deepinfer.engine.cuda_graphs import DraftGraphs
+
+                self.draft_graphs = DraftGraphs(self.drafter, self.pools, num_slots, graph_interval, self.num_draft,
+                                                self.backend.vocab_size)
 
     def profile_step(self, num_tokens: int) -> None:
         """One verification-shaped step of `num_tokens` tokens (sequences of 1 + num_draft tokens at position 0 in
@@ -280,14 +286,20 @@ class ModelRunner:
         if not seqs:
             return
         dev = self.pools.device
-        slots = torch.tensor([seq.state.slot for seq in seqs], dtype=torch.int64, device=dev)
-        last = torch.tensor([seq.state.num_tokens - 1 for seq in seqs], dtype=torch.int64, device=dev)
-        golden = torch.tensor([seq.ids[-1] for seq in seqs], dtype=torch.int64, device=dev)
+        slots = [seq.state.slot for seq in seqs]
+        last = [seq.state.num_tokens - 1 for seq in seqs]
+        golden = [seq.ids[-1] for seq in seqs]
         chooser = DraftChooser([DraftRequest(seq.params, seq.seed, len(seq.ids) - seq.num_prompt) for seq in seqs],
                                self.backend.vocab_size)
-        step = self.drafter.step(slots, last, self.num_draft, self.pools)
-        out = self.drafter.draft(golden, step, self.pools, chooser)
-        tokens, rates = out.tokens.tolist(), torch.cumprod(out.confidences, 1).tolist()
+        out = None
+        if self.draft_graphs is not None and not chooser.sampled:
+            out = self.draft_graphs.run(golden, slots, last)
+        if out is None:
+            as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+            step = self.drafter.step(as_tensor(slots), as_tensor(last), self.num_draft, self.pools)
+            drafted = self.drafter.draft(as_tensor(golden), step, self.pools, chooser)
+            out = drafted.tokens, drafted.confidences
+        tokens, rates = out[0].tolist(), torch.cumprod(out[1], 1).tolist()
         for r, seq in enumerate(seqs):
             seq.drafts = tokens[r]
             seq.draft_weights = None if seq.params.greedy else chooser.weights[r]

@@ -144,7 +144,9 @@ class DSpark:
                 e = w.markov_embed[prev].float()
                 logits = logits + e @ w.markov_head.float().T
                 feats = torch.cat([feats, e], -1)
-            conf[:, i] = torch.sigmoid((feats @ w.confidence) / temps[min(i, len(temps) - 1)])
+            # a per-row product-sum (a GEMV's reduction order may follow the batch size): confidences, and so
+            # the varlen plan, do not depend on what else is drafted in the step
+            conf[:, i] = torch.sigmoid((feats * w.confidence).sum(-1) / temps[min(i, len(temps) - 1)])
             prev = choose(i, logits)
             drafts[:, i] = prev
         return Drafts(drafts, conf)
