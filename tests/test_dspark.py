@@ -269,3 +269,47 @@ def test_drafting_by_graph_replay_equals_eager_drafting(model_dir):
         want = model.drafter.draft(torch.tensor(golden), step, pools, lambda i, lg: lg.argmax(-1))
         assert torch.equal(tokens, want.tokens) and torch.equal(conf, want.confidences), batch
     assert graphs.replays == 3 and set(graphs._graphs) == {1, 4, 8}
+
+
+# ---- configuration -----------------------------------------------------------------------------------------------
+def test_dspark_config_env_and_rules(monkeypatch):
+    from deepinfer.api import load_settings
+    from deepinfer.config.errors import ConfigError
+    from deepinfer.config.env_vars import unhonoured
+
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "0.5,1,1.5")
+    s = load_settings(["decoding=dspark"])
+    assert s.decoding.num_draft_tokens == 3 and s.decoding.confidence_temperature == [0.5, 1.0, 1.5]
+    assert s.decoding.max_rollback == 4
+    monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "1,2")
+    with pytest.raises(ConfigError, match="DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE"):
+        load_settings(["decoding=dspark"])
+    monkeypatch.delenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE")
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        load_settings(["decoding=dspark", "decoding.varlen=true", "runtime.batch_invariant=true"])
+    env = {"DEEPINFER_USE_NEXTN_DECODE": "5", "DEEPINFER_NCCL_NUM_SMS": "32", "DEEPINFER_BATCH_INVARIANT": "1"}
+    assert unhonoured(env, "plain") == [("DEEPINFER_NCCL_NUM_SMS", "not honoured by this project (DeepInfer 0.1.0 reads it)"),
+                                        ("DEEPINFER_USE_NEXTN_DECODE", "ignored with decoding=plain; it configures decoding=dspark")]
+    assert [n for n, _ in unhonoured(env, "dspark")] == ["DEEPINFER_NCCL_NUM_SMS"]
+
+
+def test_unhonoured_variables_are_named_in_one_warning_each(monkeypatch, caplog):
+    from deepinfer.config import env_vars
+
+    monkeypatch.setenv("DEEPINFER_SHOW_EPLB_DETAIL", "1")
+    monkeypatch.setattr(env_vars, "_warned", set())
+    with caplog.at_level("WARNING", logger="deepinfer.config"):
+        env_vars.warn_unhonoured("plain")
+        env_vars.warn_unhonoured("plain")
+    lines = [r.getMessage() for r in caplog.records if "DEEPINFER_SHOW_EPLB_DETAIL" in r.getMessage()]
+    assert lines == ["DEEPINFER_SHOW_EPLB_DETAIL is set but not honoured by this project (DeepInfer 0.1.0 reads it)"]
+
+
+def test_dspark_needs_draft_layers(tmp_path):
+    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+
+    opts = EngineOptions(process="inproc", memory_budget=1 << 24, num_draft_tokens=5)
+    fixture = __import__("pathlib").Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2"
+    with pytest.raises(ValueError, match="draft layers"):
+        LLMEngine(ModelDirBackend(str(fixture)), opts)
