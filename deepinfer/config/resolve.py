@@ -91,10 +91,9 @@ def with_model_limits(settings: Settings, max_position_embeddings: int) -> Setti
 
 
 def max_backtracking_tokens(decoding) -> int:
-    """The most tokens the engine may roll back (DeepInfer: max(DEEPINFER_MAX_BACKTRACKING_TOKENS, drafts + 1));
-    1 with plain decoding. Read with getattr: the DSpark settings may be absent from DecodingSettings."""
-    drafts = getattr(decoding, "num_draft_tokens", 0) or 0
-    return max(getattr(decoding, "max_backtracking_tokens", 0) or 0, drafts + 1)
+    """The most tokens the engine may roll back (DecodingSettings.max_rollback: DeepInfer's
+    max(DEEPINFER_MAX_BACKTRACKING_TOKENS, drafts + 1) with DSpark), at least 1."""
+    return max(1, decoding.max_rollback)
 
 
 def check_replay_fits(settings: Settings, sliding_window: int) -> None:
