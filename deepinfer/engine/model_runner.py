@@ -234,7 +234,7 @@ class ModelRunner:
             offsets.append(acc)
             acc += n
         seq_rows = {id(self._seqs[row.request_id]): (off, n) for row, off, n in zip(rows, offsets, counts)}
-        verify = [i for i in range(len(sampled)) if i not in set(plain)]
+        verify = sorted(set(range(len(sampled))) - set(plain))
         if plain:
             idx = [seq_rows[id(sampled[i])][0] + seq_rows[id(sampled[i])][1] - 1 for i in plain]
             sub = logits if idx == list(range(logits.shape[0])) else logits[idx]
@@ -248,35 +248,41 @@ class ModelRunner:
                 error = row_errors[i] or getattr(out, "error", None)
                 by_seq[id(seq)] = SampledToken(out.token_id, out.logprob, out.top_logprobs, error,
                                                prompt_lps.get(id(seq)), ended)
-        verified = accepted = 0
         if verify:
-            from deepinfer.sampling import VerifyRequest
-
-            reqs, idx = [], []
-            for i in verify:
-                seq = sampled[i]
-                k = drafts_of[id(seq)]
-                off, n = seq_rows[id(seq)]
-                idx += range(off, off + n)
-                weights = seq.draft_weights[:k] if seq.draft_weights is not None else None
-                reqs.append(VerifyRequest(sample_rows[i], seq.drafts[:k], weights))
-            results = self.backend.sampler.verify(logits[idx], reqs)
-            for i, outs in zip(verify, results):
-                seq, grammar = sampled[i], grammars[i]
-                k, m = drafts_of[id(seq)], len(outs) - 1
-                seq.ids.extend(o.token_id for o in outs)
-                seq.state.rollback(k - m)  # the rejected drafts' cache entries are overwritten later
-                verified, accepted = verified + k, accepted + m
-                last = outs[-1]
-                ended = grammar is not None and grammar.is_terminated()
-                error = row_errors[i] or getattr(last, "error", None)
-                by_seq[id(seq)] = SampledToken(
-                    last.token_id, last.logprob, last.top_logprobs, error, prompt_lps.get(id(seq)), ended,
-                    accepted=tuple((o.token_id, o.logprob, o.top_logprobs) for o in outs[:-1]), num_draft_tokens=k)
-        self._step_drafts = (verified, accepted)
+            self._verify(verify, sampled, grammars, sample_rows, row_errors, seq_rows, drafts_of, logits,
+                         prompt_lps, by_seq)
         if self.drafter is not None:
             self._draft(sampled, by_seq)
         return prepare_s
+
+    def _verify(self, verify, sampled, grammars, sample_rows, row_errors, seq_rows, drafts_of, logits, prompt_lps,
+                by_seq) -> None:
+        """DSpark: the sampler accepts each verifying sequence's drafts against its anchor + draft rows; the
+        sequence keeps the accepted drafts and the token after them, and rolls back the rejected ones."""
+        from deepinfer.sampling import VerifyRequest
+
+        reqs, idx = [], []
+        for i in verify:
+            seq = sampled[i]
+            k = drafts_of[id(seq)]
+            off, n = seq_rows[id(seq)]
+            idx += range(off, off + n)
+            weights = seq.draft_weights[:k] if seq.draft_weights is not None else None
+            reqs.append(VerifyRequest(sample_rows[i], seq.drafts[:k], weights))
+        verified = accepted = 0
+        for i, outs in zip(verify, self.backend.sampler.verify(logits[idx], reqs)):
+            seq, grammar = sampled[i], grammars[i]
+            k, m = drafts_of[id(seq)], len(outs) - 1
+            seq.ids.extend(o.token_id for o in outs)
+            seq.state.rollback(k - m)  # the rejected drafts' cache entries are overwritten later
+            verified, accepted = verified + k, accepted + m
+            last = outs[-1]
+            ended = grammar is not None and grammar.is_terminated()
+            error = row_errors[i] or getattr(last, "error", None)
+            by_seq[id(seq)] = SampledToken(
+                last.token_id, last.logprob, last.top_logprobs, error, prompt_lps.get(id(seq)), ended,
+                accepted=tuple((o.token_id, o.logprob, o.top_logprobs) for o in outs[:-1]), num_draft_tokens=k)
+        self._step_drafts = (verified, accepted)
 
     def _draft(self, sampled: list[_Sequence], by_seq: dict) -> None:
         """DSpark: drafts for every sequence that just got a token (verified next step), in one batch."""
