@@ -26,6 +26,8 @@ SECTIONS = ("engine", "cache", "runtime", "sampling", "hardware", "model")
 # Flat keyword shortcuts (vLLM-style names) -> config keys.
 ALIASES = {
     "dtype": "model.dtype",
+    "load_format": "model.load_format",
+    "tokenizer": "model.tokenizer",
     "seed": "runtime.seed",
     "batch_invariant": "runtime.batch_invariant",
     "max_num_seqs": "engine.max_num_seqs",

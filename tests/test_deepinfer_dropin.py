@@ -76,8 +76,7 @@ def test_deepinfer_sampling_params_keep_its_order_defaults_and_max_tokens_zero()
     ({"expert_parallel_size": 8}, "LLM(expert_parallel_size=8): parallel layouts are not available yet"),
     ({"data_parallel_size": 2}, "LLM(data_parallel_size=2): parallel layouts are not available yet"),
     ({"context_parallel_size": 2}, "LLM(context_parallel_size=2): parallel layouts are not available yet"),
-    ({"load_format": "dummy"}, "LLM(load_format='dummy'): synthetic (dummy) weights are not available"),
-    ({"tokenizer": "other/dir"}, "LLM(tokenizer='other/dir'): the tokenizer is the checkpoint's own"),
+    ({"load_format": "npcache"}, "LLM(load_format='npcache') is not supported; allowed: 'auto', 'dummy'"),
     ({"revision": "main"}, "LLM(revision='main'): pinned hub revisions are not available yet"),
     ({"gpu_memory_utilization": 1.5}, "cache.memory_fraction=1.5 is out of range"),
     ({"chunked_prefill": False, "max_num_batched_tokens": 64}, "engine.max_num_batched_tokens=64 is out of range"),
@@ -94,6 +93,8 @@ def test_arguments_that_cannot_apply_are_refused_with_one_line(kwargs, message):
 def test_dropin_arguments_reach_the_config(dropin):
     s = dropin._llm.settings
     assert (s.engine.max_num_seqs, s.cache.memory_fraction, s.runtime.seed, s.engine.chunked_prefill) == (256, 0.9, 0, False)
+    assert (s.model.load_format, s.model.tokenizer) == ("auto", None)  # load_format="dummy", tokenizer=PATH:
+    # tests/test_load_format_tokenizer.py
     assert s.engine.max_num_batched_tokens >= s.engine.max_model_len  # chunked_prefill=False's requirement held
 
 

@@ -84,6 +84,7 @@ DEVICES = ("cpu", "cuda", "npu", "auto")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 STAGES = ("tokenize", "prefill", "replay", "decode", "sample")
 YOCO_MODES = ("off", "mask", "compact")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 # ---- sections ------------------------------------------------------------------------------------------------
@@ -147,6 +148,13 @@ class ModelSettings:
     # A local Hugging Face directory, a hub id, or `embedded:tiny` (built on first use, deepinfer/embedded.py).
     path: str = MISSING
     dtype: str = setting("auto", allowed=DTYPES)  # auto: the hardware's dtype
+    # auto: the checkpoint's safetensors weights. dummy: random weights in the released storage formats for the
+    # checkpoint's own config.json, drawn with runtime.seed (0 when null); no weight file is read, so a directory
+    # (or hub id) with only config.json + tokenizer.json works (DeepInfer's load_format="dummy", for benchmarking).
+    load_format: str = setting("auto", allowed=LOAD_FORMATS)
+    # null: the checkpoint's tokenizer.json. Otherwise a tokenizer.json file, or a directory holding one, used for
+    # prompts, stop strings and the Engram hash tables; its vocabulary must fit the model's config.json.
+    tokenizer: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.api import LLM as _LLM
-from deepinfer.api import load_settings, overrides_for
+from deepinfer.api import _value, load_settings, overrides_for
 from deepinfer.config.errors import ConfigError
+from deepinfer.config.schema import LOAD_FORMATS
 from deepinfer.outputs import RequestOutput
 
 __all__ = ["LLM"]
@@ -27,14 +28,16 @@ __all__ = ["LLM"]
 PARALLEL = ("expert_parallel_size", "data_parallel_size", "context_parallel_size")
 
 
-def _max_position_embeddings(path: str) -> int:
-    """The model's context limit, read from its config.json before anything loads."""
+def _max_position_embeddings(path: str, weights: bool = True) -> int:
+    """The model's context limit, read from its config.json before anything loads (weights=False, load_format
+    dummy: a hub id downloads only its config and tokenizer)."""
     from deepinfer.models.loading import resolve_model_dir
     from deepinfer.pipeline.build import model_location
 
     from deepinfer.models.config import ModelConfig
 
-    return ModelConfig.from_file(Path(resolve_model_dir(model_location(path))) / "config.json").max_position_embeddings
+    model_dir = resolve_model_dir(model_location(path), weights=weights)
+    return ModelConfig.from_file(Path(model_dir) / "config.json").max_position_embeddings
 
 
 class LLM:
@@ -73,12 +76,15 @@ class LLM:
             if value not in ((0, 1) if name == "data_parallel_size" else (1,)):
                 raise ConfigError(f"LLM({name}={value!r}): parallel layouts are not available yet (conf/parallel "
                                   f"has only 'single'); allowed: 1")
-        if load_format != "auto":
-            raise ConfigError(f"LLM(load_format={load_format!r}): synthetic (dummy) weights are not available "
-                              f"through the config yet; allowed: 'auto' (the checkpoint's weights)")
-        if tokenizer is not None and tokenizer != model:
-            raise ConfigError(f"LLM(tokenizer={tokenizer!r}): the tokenizer is the checkpoint's own tokenizer.json; "
-                              f"allowed: None or the model path ({model!r})")
+        if not isinstance(load_format, str) or load_format.lower() not in LOAD_FORMATS:
+            raise ConfigError(f"LLM(load_format={load_format!r}) is not supported; allowed: "
+                              f"{', '.join(map(repr, LOAD_FORMATS))}")
+        # model.* keys: DeepInfer's load_format (lower-cased, as DeepInfer does) and tokenizer (None, or the model
+        # itself: the checkpoint's tokenizer.json)
+        model_keys = [f"model.load_format={load_format.lower()}"] if load_format.lower() != "auto" else []
+        if tokenizer is not None and str(tokenizer) != str(model):
+            path = Path(tokenizer).expanduser()  # absolute, so the engine-core process finds it whatever its cwd
+            model_keys.append(f"model.tokenizer={_value(str(path.resolve() if path.exists() else tokenizer))}")
         engine = dict(ours.pop("engine", None) or {})
         engine.update(max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill)
         if max_num_batched_tokens is not None:
@@ -88,11 +94,13 @@ class LLM:
         cache = dict(ours.pop("cache", None) or {})
         cache.setdefault("memory_fraction", gpu_memory_utilization)
         self.decode_sequence = decode_sequence
-        overrides = overrides_for(model, ours.pop("overrides", ()), seed=seed, engine=engine, cache=cache, **ours)
+        overrides = overrides_for(model, [*model_keys, *ours.pop("overrides", ())], seed=seed, engine=engine,
+                                  cache=cache, **ours)
         settings = load_settings(overrides)
         if not chunked_prefill and max_num_batched_tokens is None:
             # DeepInfer's default step budget without chunking: the longest sequence, so every prompt fits one step
-            limit = settings.engine.max_model_len or _max_position_embeddings(settings.model.path)
+            limit = settings.engine.max_model_len or _max_position_embeddings(
+                settings.model.path, weights=settings.model.load_format == "auto")
             budget = max(limit, settings.engine.max_num_batched_tokens)
             settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine,
                                                                                 max_num_batched_tokens=budget))

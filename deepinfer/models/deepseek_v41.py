@@ -227,6 +227,9 @@ def load_model(
     packed_experts: bool | None = None,
     fp8_linears: bool | None = None,
     draft_layers: bool = True,
+    load_format: str = "auto",
+    tokenizer: str | Path | None = None,
+    seed: int = 0,
 ) -> DeepseekV41Model | ModelCard:
     """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
     ModelCard, for a frontend whose engine process holds the weights).
@@ -244,18 +247,38 @@ def load_model(
     (same values, identical logits on the CPU, where the default stays dense).
 
     `draft_layers`: load the DSpark draft layers (`mtp.*`) when the checkpoint has them (model.drafter); without
-    them the model decodes one token per step and they take no memory."""
+    them the model decodes one token per step and they take no memory.
+
+    `load_format="dummy"` (DeepInfer's, for benchmarking): no weight file is read (a directory or hub id with only
+    config.json and tokenizer.json is enough); the weights are random in the released storage formats for the
+    checkpoint's config (deepinfer.models.synthetic.random_weights, drawn with `seed`: the same config and seed
+    give the same weights, on one device type), the draft layers too when loaded. `tokenizer`: a tokenizer.json
+    (or a directory holding one) instead of the checkpoint's; its vocabulary must fit the config."""
     from .loading import load_checkpoint, resolve_model_dir
 
-    model_dir = resolve_model_dir(model)
+    dummy = load_format == "dummy"
+    model_dir = resolve_model_dir(model, weights=not dummy)
     if packed_experts is None:
         packed_experts = torch.device(device).type == "cuda"
     if fp8_linears is None:
         fp8_linears = torch.device(device).type == "cuda"
     ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts,
-                           quantized_linears=fp8_linears, draft_layers=draft_layers)
+                           quantized_linears=fp8_linears, draft_layers=draft_layers, load_format=load_format,
+                           tokenizer=tokenizer)
     ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends, batch_invariant=batch_invariant)
-    tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_path))
+    tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
     if not weights:
-        return ModelCard(ckpt.config, tokenizer, ops, torch.device(device), Path(model_dir))
-    return DeepseekV41Model(ckpt.config, ckpt.weights, tokenizer, ops, device, dtype)
+        return ModelCard(ckpt.config, tok, ops, torch.device(device), Path(model_dir))
+    if dummy:
+        import logging
+
+        from .synthetic import random_weights
+
+        drafts = draft_layers and ckpt.config.num_nextn_predict_layers > 0
+        ckpt.weights = random_weights(ckpt.config, device, dtype, seed, packed_experts, fp8_linears,
+                                      draft_layers=drafts)
+        logging.getLogger("deepinfer.loading").warning(
+            "model.load_format=dummy: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
+            "file was read, outputs are meaningless (benchmarking only)", seed, len(ckpt.weights), model_dir,
+            ", with draft layers" if drafts else "")
+    return DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype)

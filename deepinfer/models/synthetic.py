@@ -96,19 +96,22 @@ def package_tokenizer() -> Tokenizer:
 
 
 def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0, packed_experts: bool = True,
-                   fp8_linears: bool | None = None):
+                   fp8_linears: bool | None = None, draft_layers: bool = True):
     """Canonical name -> tensor (or QuantizedWeight for experts when `packed_experts`, Fp8BlockWeight for the FP8
-    projections when `fp8_linears`; default: on CUDA) for `cfg`. The draws do not depend on `fp8_linears`."""
+    projections when `fp8_linears`; default: on CUDA) for `cfg`, with the DSpark draft layers when `draft_layers`
+    and the config has them. The values do not depend on `packed_experts` or `fp8_linears` (dense weights are the
+    stored formats dequantised). A tied config's head is its embedding (as the checkpoint loader does)."""
     if fp8_linears is None:
         fp8_linears = torch.device(device).type == "cuda"
     gen = torch.Generator(device).manual_seed(seed)
     out = {}
-    for name, spec in sorted(kinds.expected_tensors(cfg).items()):
+    for name, spec in sorted(kinds.expected_tensors(cfg, draft_layers).items()):
         if spec.optional:
             continue
         expert = ".ffn.experts." in name or ".ffn.shared_experts." in name
-        if packed_experts and expert and kinds.FP4_ROWS in spec.allowed:
-            out[name] = _fp4_rows(spec.shape, gen)
+        if expert and kinds.FP4_ROWS in spec.allowed:
+            q = _fp4_rows(spec.shape, gen)
+            out[name] = q if packed_experts else q.dense(dtype)
             continue
         w = _init(name, spec.shape, cfg.hidden_size, gen)
         if packed_experts and expert:
@@ -120,6 +123,8 @@ def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0
             out[name] = _fp8_values(w, (32, 32) if kinds.FP8_BLOCK in spec.allowed else (1, 32)).to(dtype)
         else:
             out[name] = w.float() if keeps_float32(name) else w.to(dtype)
+    if "head.weight" not in out:  # tie_word_embeddings
+        out["head.weight"] = out["embed.weight"]
     return out
 
 

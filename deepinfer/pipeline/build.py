@@ -73,6 +73,10 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
         weights=weights,
         # the draft layers take memory (~7 GB at V4.1-Flash size): loaded only when DSpark will use them
         draft_layers=settings.decoding.name == "dspark" and settings.decoding.num_draft_tokens > 0,
+        # dummy: random weights drawn with DeepInfer's seed (runtime.seed; 0 when null, so runs are repeatable)
+        load_format=settings.model.load_format,
+        tokenizer=settings.model.tokenizer,
+        seed=rt.seed or 0,
     )
     settings = with_model_limits(settings, model.config.max_position_embeddings)
     check_replay_fits(settings, model.config.sliding_window)

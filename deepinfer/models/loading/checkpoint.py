@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.config.schema import LOAD_FORMATS
 from deepinfer.kernels.fp8_weight import Fp8BlockWeight, from_stored
 from deepinfer.kernels.packed_experts import QuantizedWeight
 from deepinfer.models.config import ModelConfig, ModelConfigError
@@ -46,6 +47,8 @@ def load_checkpoint(
     quantized_experts: bool = False,
     quantized_linears: bool = False,
     draft_layers: bool = True,
+    load_format: str = "auto",
+    tokenizer: str | Path | None = None,
 ) -> Checkpoint:
     """Load a local Hugging Face checkpoint directory (use resolve_model_dir first for hub ids).
 
@@ -58,17 +61,30 @@ def load_checkpoint(
     `quantized_linears`, the other FP8 (32x32 block) projections come back as stored too (`Fp8BlockWeight`,
     deepinfer.kernels.fp8_weight): 1 byte per weight instead of 2 in bf16. With `draft_layers` (and a config that
     has them) the DSpark draft layers `mtp.*` are loaded too; otherwise they are set aside.
+
+    `load_format="dummy"`: no weight file is opened (the directory needs only config.json and a tokenizer);
+    `Checkpoint.weights` stays empty for the caller to fill with random weights (deepinfer.models.synthetic).
+    `tokenizer`: a tokenizer.json file, or a directory holding one, instead of the checkpoint's own; its vocabulary
+    must fit the config (vocab_size, and the Engram layers' normalised vocabulary).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist (hub ids go through resolve_model_dir)")
+    if load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"model.load_format={load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
     dtype = _as_dtype(dtype)
     device = torch.device(device)
     cfg = _read_config(model_dir)
-    tokenizer_path = model_dir / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise CheckpointError(f"{model_dir}: tokenizer.json is missing (the fast-tokenizer file is required)")
-    _check_tokenizer(tokenizer_path)
+    if tokenizer is None:
+        tokenizer_path = model_dir / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise CheckpointError(f"{model_dir}: tokenizer.json is missing (the fast-tokenizer file is required)")
+        _check_tokenizer(tokenizer_path)
+    else:
+        tokenizer_path = tokenizer_file(tokenizer)
+        _check_tokenizer_fits(cfg, tokenizer_path, _check_tokenizer(tokenizer_path))
+    if load_format == "dummy":
+        return Checkpoint(cfg, {}, tokenizer_path, [], model_dir)
     block = tuple(cfg.quantization.weight_block_size) if cfg.quantization else (32, 32)
 
     with SafetensorsFiles(model_dir) as files:
@@ -118,15 +134,47 @@ def _stored(files: SafetensorsFiles, item, device) -> QuantizedWeight:
     return QuantizedWeight("fp4" if item.kind == FP4_ROWS else "fp8", raw(item.weight), raw(item.scale), item.shape)
 
 
-def _check_tokenizer(path: Path) -> None:
+def _check_tokenizer(path: Path):
     """Parsed once here so a corrupt file is one line naming it (the model's loader would raise tokenizers' bare
     `Exception`); ~0.1 s for a 128k-token vocabulary."""
     from tokenizers import Tokenizer
 
     try:
-        Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception
         raise CheckpointError(f"{path}: not a valid tokenizer.json ({' '.join(str(exc).split())})") from None
+
+
+def tokenizer_file(tokenizer: str | Path) -> Path:
+    """model.tokenizer -> its tokenizer.json: the file itself, or the one in the directory it names."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"model.tokenizer={str(tokenizer)!r}: {path} does not exist; allowed: null (the "
+                              f"checkpoint's tokenizer.json), a tokenizer.json file or a directory holding one")
+    return path
+
+
+def _check_tokenizer_fits(cfg: ModelConfig, path: Path, tok) -> None:
+    """Another tokenizer than the checkpoint's must produce ids the model embeds, and (with Engram layers) the
+    normalised vocabulary the hash tables were sized for: otherwise prompts index past the embedding or the hash
+    addresses the wrong rows."""
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > cfg.vocab_size:
+        raise CheckpointError(
+            f"model.tokenizer={str(path)!r}: its vocabulary has {size} tokens but the model's vocab_size is "
+            f"{cfg.vocab_size} (config.json); allowed: a tokenizer of at most {cfg.vocab_size} tokens")
+    if cfg.engram_layer_ids:
+        from deepinfer.models.engram import compressed_token_map
+
+        _, compressed = compressed_token_map(tok)
+        if compressed != cfg.engram_compressed_vocab_size:
+            raise CheckpointError(
+                f"model.tokenizer={str(path)!r}: its normalised vocabulary has {compressed} entries ({size} tokens) "
+                f"but the model's Engram tables are sized for engram_compressed_vocab_size="
+                f"{cfg.engram_compressed_vocab_size} (config.json, vocab_size {cfg.vocab_size}); allowed: a "
+                f"tokenizer with the vocabulary the model was trained with")
 
 
 def _read_config(model_dir: Path) -> ModelConfig:

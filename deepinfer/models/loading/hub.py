@@ -18,6 +18,8 @@ ALLOW_PATTERNS = [
     "*.safetensors",
     "model.safetensors.index.json",
 ]
+# load_format=dummy reads no weight file: a hub id then downloads only what the config and tokenizer need.
+NO_WEIGHT_PATTERNS = ["config.json", "tokenizer.json", "tokenizer_config.json"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -25,7 +27,7 @@ def is_hub_id(model: str) -> bool:
     return bool(_HUB_ID.match(model)) and ".." not in model
 
 
-def resolve_model_dir(model: str | Path | None = None) -> Path:
+def resolve_model_dir(model: str | Path | None = None, weights: bool = True) -> Path:
     """Local checkpoint directory for `model` (None means DEFAULT_MODEL_ID).
 
     Rule, in order:
@@ -34,7 +36,8 @@ def resolve_model_dir(model: str | Path | None = None) -> Path:
     2. `model` is a hub id ("owner/name", the default id included) and DEEPINFER_HF_MODEL_DIR is set and
        non-empty -> that directory replaces the download, whichever hub id was asked for (it must exist).
     3. `model` is a hub id -> huggingface_hub.snapshot_download of config, tokenizer and safetensors files into
-       the HF cache (resumable; HF_HUB_OFFLINE=1 restricts it to the cache).
+       the HF cache (resumable; HF_HUB_OFFLINE=1 restricts it to the cache). With `weights=False` (load_format
+       dummy) only config.json and the tokenizer files are downloaded.
     Anything else raises a one-line CheckpointError.
     """
     ref = str(model) if model is not None else DEFAULT_MODEL_ID
@@ -53,16 +56,16 @@ def resolve_model_dir(model: str | Path | None = None) -> Path:
         if not local.is_dir():
             raise CheckpointError(f"{ENV_MODEL_DIR}={override!r} (set for {ref!r}) is not an existing directory")
         return local
-    return _download(ref)
+    return _download(ref, ALLOW_PATTERNS if weights else NO_WEIGHT_PATTERNS)
 
 
-def _download(repo_id: str) -> Path:
+def _download(repo_id: str, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
     # huggingface_hub reads HF_HUB_OFFLINE once at import; re-reading it here honours a later change too.
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS, local_files_only=offline))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
     except Exception as exc:  # any hub/network/cache failure becomes the same one-line error
         hint = " (offline: HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
         raise CheckpointError(
