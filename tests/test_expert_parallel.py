@@ -1,0 +1,158 @@
+"""Expert-parallel MoE (deepinfer/parallel/expert_parallel.py) against the single-process op, bitwise, on the CPU with
+gloo: 2 and 4 processes spawned with torch.multiprocessing, each owning some tokens (one rank none) and its
+experts' weights, with experts no token picks and with redundant (replicated, shuffled) physical experts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from deepinfer.kernels.packed_experts import pack_quantized
+from deepinfer.kernels.torch.moe import moe_experts
+from deepinfer.models.synthetic import _fp4_rows
+from deepinfer.parallel import groups
+from deepinfer.parallel.eplb import rebalance
+from deepinfer.parallel.expert_parallel import _pack, _unpack, choose_copies, ep_moe_experts, local_experts
+from deepinfer.parallel.placement import ExpertPlacement
+
+N_EXP, TOP_K, D, INTER, LIMIT = 8, 3, 64, 32, 10.0
+UNUSED = (2, 5)  # experts no token picks
+
+
+def problem(seed: int, tokens: int, dtype: torch.dtype):
+    """Tokens, routing and weights, the same on every rank (drawn from `seed`)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, D, generator=g) * 2).to(dtype)
+    scores = torch.rand(tokens, N_EXP, generator=g)
+    scores[:, list(UNUSED)] = -1.0
+    idx = scores.topk(TOP_K, dim=-1).indices
+    w = torch.rand(tokens, TOP_K, generator=g) + 0.1
+    w = w / w.sum(-1, keepdim=True) * 1.5
+
+    def expert():
+        return (torch.randn(INTER, D, generator=g).div(math.sqrt(D)).to(dtype),
+                torch.randn(D, INTER, generator=g).div(math.sqrt(INTER)).to(dtype),
+                torch.randn(INTER, D, generator=g).div(math.sqrt(D)).to(dtype))
+
+    return x, w, idx, [expert() for _ in range(N_EXP)], expert()
+
+
+def packed_problem(seed: int, tokens: int):
+    """The same with routed experts stored as FP4 (the release format), kept packed."""
+    x, w, idx, _, shared = problem(seed, tokens, torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    packed = pack_quantized([(_fp4_rows((64, D), g), _fp4_rows((D, 64), g), _fp4_rows((64, D), g))
+                             for _ in range(N_EXP)])
+    return x, w, idx, packed, shared
+
+
+def run_case(rank: int, world: int, split: list[int], placement: ExpertPlacement, dtype, seed: int,
+             packed: bool = False) -> None:
+    total = sum(split)
+    x, w, idx, experts, shared = packed_problem(seed, total) if packed else problem(seed, total, dtype)
+    want = moe_experts(x, w, idx, experts, shared, LIMIT)  # the single-process op over every token
+    lo, hi = sum(split[:rank]), sum(split[:rank + 1])
+    load = torch.zeros(placement.per_rank, dtype=torch.int64)
+    got = ep_moe_experts(x[lo:hi], w[lo:hi], idx[lo:hi], local_experts(experts, placement, rank), shared, LIMIT,
+                         placement, load=load)
+    assert got.dtype == want.dtype and got.shape == (hi - lo, D)
+    assert torch.equal(got, want[lo:hi]), (
+        f"rank {rank}: max |diff| {(got.float() - want[lo:hi].float()).abs().max().item()}")
+    # the rows each logical expert computed, summed over ranks, are the times it was picked
+    per_logical = torch.zeros(N_EXP, dtype=torch.int64)
+    per_logical.index_add_(0, torch.tensor(placement.local_logical(rank)), load)
+    torch.distributed.all_reduce(per_logical)
+    assert torch.equal(per_logical, torch.bincount(idx.reshape(-1), minlength=N_EXP))
+
+
+def _worker(rank: int, world: int, init: str, cases: list) -> None:
+    torch.set_num_threads(1)
+    groups.init_group(rank, world, init, "cpu", timeout_s=60)
+    try:
+        for case in cases:
+            run_case(rank, world, *case)
+    finally:
+        groups.destroy()
+
+
+def spawn(world: int, tmp_path, cases: list) -> None:
+    mp.spawn(_worker, args=(world, f"file://{tmp_path}/rendezvous", cases), nprocs=world, join=True)
+
+
+@pytest.mark.timeout(120)
+def test_ep_two_ranks_equals_single_process(tmp_path):
+    plain = ExpertPlacement.initial(N_EXP, 2)
+    spawn(2, tmp_path, [
+        ([0, 13], plain, torch.float32, 0),  # rank 0 has no tokens
+        ([7, 6], plain, torch.bfloat16, 1),
+        ([9, 0], plain, torch.float32, 2, True),  # FP4 experts as stored
+    ])
+
+
+@pytest.mark.timeout(120)
+def test_ep_four_ranks_equals_single_process(tmp_path):
+    plain = ExpertPlacement.initial(N_EXP, 4)
+    spawn(4, tmp_path, [
+        ([5, 0, 9, 3], plain, torch.float32, 3),
+        ([4, 6, 0, 2], plain, torch.bfloat16, 4),
+    ])
+
+
+@pytest.mark.timeout(120)
+def test_ep_redundant_placement_equals_single_process(tmp_path):
+    # 8 logical experts on 12 physical slots: hot experts 0, 3 and 7 replicated (7 three times), shuffled over ranks
+    shuffled = ExpertPlacement.from_ranks([[7, 1, 3], [0, 7, 4], [2, 6, 7], [3, 5, 0]], N_EXP)
+    from_eplb = rebalance(torch.tensor([900.0, 50, 0, 400, 30, 0, 20, 700]), num_ranks=4, num_redundant=4).placement
+    assert from_eplb.num_physical == 12 and from_eplb != ExpertPlacement.initial(N_EXP, 4, 4)
+    spawn(4, tmp_path, [
+        ([6, 3, 0, 8], shuffled, torch.float32, 5),
+        ([3, 3, 3, 3], shuffled, torch.bfloat16, 6),
+        ([2, 0, 7, 4], ExpertPlacement.initial(N_EXP, 4, min_extra=2), torch.float32, 7),  # 8 + 4 slots
+        ([5, 4, 3, 0], from_eplb, torch.float32, 8),
+    ])
+
+
+# ---- single-process checks ---------------------------------------------------------------------------------------
+
+
+def test_accumulation_order_matters_on_this_data():
+    """The bitwise comparison above can fail: summing a token's experts in another order changes the fp32 result
+    on the test data, so an EP combine that did not follow the op's order would be caught."""
+    x, w, idx, experts, shared = problem(0, 13, torch.float32)
+    want = moe_experts(x, w, idx, experts, shared, LIMIT)
+    from deepinfer.kernels.torch.moe import swiglu_expert
+
+    y = torch.zeros(x.shape)
+    for e in sorted(torch.unique(idx).tolist(), reverse=True):
+        rows, slot = torch.where(idx == e)
+        y[rows] += swiglu_expert(x[rows], *experts[e], LIMIT, w[rows, slot, None]).float()
+    y += swiglu_expert(x, *shared, LIMIT).float()
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-5) and not torch.equal(y, want)
+
+
+def test_meta_packing_round_trips_exactly():
+    slot = torch.tensor([0, 1, 5, 1023])
+    w = torch.tensor([0.1, -2.5, 1e-30, float("inf")])
+    s, v = _unpack(_pack(slot, w))
+    assert torch.equal(s, slot) and torch.equal(v.view(torch.int32), w.view(torch.int32))
+
+
+def test_copies_spread_over_replicas_and_cover_only_owned_slots():
+    pl = ExpertPlacement.from_ranks([[7, 1, 3], [0, 7, 4], [2, 6, 7], [3, 5, 0]], N_EXP)
+    idx = torch.tensor([[7, 0, 3]] * 6)
+    phys = choose_copies(idx, pl, src_rank=1)
+    assert [pl.physical_to_logical[p] for p in phys.reshape(-1).tolist()] == idx.reshape(-1).tolist()
+    assert set(phys[:, 0].tolist()) == {0, 4, 8}  # expert 7's three copies all used
+    assert set(phys[:, 1].tolist()) == {3, 11}
+
+
+def test_placement_rejects_bad_maps():
+    with pytest.raises(ValueError, match="no physical slot"):
+        ExpertPlacement.from_ranks([[0, 1], [1, 2]], 4)
+    with pytest.raises(ValueError, match="divide"):
+        ExpertPlacement(tuple(range(5)), 5, 2)
+    assert ExpertPlacement.initial(384, 8, 0).per_rank == 48
+    assert ExpertPlacement.initial(384, 8, 1).num_physical == 392  # rounded up to a multiple of 8 (DeepInfer)
