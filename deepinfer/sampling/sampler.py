@@ -147,17 +147,11 @@ class Sampler:
                     if not allowed or not state.accept_token(d):  # masked drafts are rejected in any case
                         break
                     advanced[i] += 1
-        logprobs = raw_logprobs(logits, vocab, self.batch_invariant)
-        x = logits.float().clone()
-        self._blacklist_(x, rows, vocab)
-        if bitmask is not None:
-            apply_bitmask_(x, bitmask)
-        self._penalties_(x, rows)
+        logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
         # a few whole-step reads instead of per-request ones: every row's argmax (greedy rows choose it; an
         # accepted greedy draft equals it) and whether any token is allowed at all
-        argmax = x.argmax(dim=-1)
         allowed = (x.max(dim=-1).values > float("-inf")).tolist()
-        greedy_target = argmax.tolist()
+        greedy_target = x.argmax(dim=-1).tolist()
         verdicts = []
         for req, (start, k) in zip(requests, spans):
             if req.row.params.greedy:
@@ -198,12 +192,7 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None
     ) -> list[SampleOutput]:
         vocab = min(self.vocab_size, logits.shape[1])
-        logprobs = raw_logprobs(logits, vocab, self.batch_invariant)
-        x = logits.float().clone()
-        self._blacklist_(x, rows, vocab)
-        if bitmask is not None:
-            apply_bitmask_(x, bitmask)
-        self._penalties_(x, rows)
+        logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
         stuck = (x.max(dim=-1).values == float("-inf")).tolist()
 
         tokens = [0] * len(rows)
@@ -240,6 +229,17 @@ class Sampler:
                 forced[r] = None if t < vocab else (
                     f"SamplingParams.golden_token_ids[{row.position}]={t} is out of range; allowed: a token id < {vocab}")
         return forced
+
+    def _logprobs_and_masked(self, logits, rows, bitmask, vocab):
+        """Steps 0-3: the reported logprobs of the raw logits, and the logits after blacklist, grammar mask and
+        penalties (what greedy takes the argmax of and sampling draws from)."""
+        logprobs = raw_logprobs(logits, vocab, self.batch_invariant)
+        x = logits.float().clone()
+        self._blacklist_(x, rows, vocab)
+        if bitmask is not None:
+            apply_bitmask_(x, bitmask)
+        self._penalties_(x, rows)
+        return logprobs, x
 
     def _blacklist_(self, x: torch.Tensor, rows: list[SampleRow], vocab: int) -> None:
         x[:, vocab:] = float("-inf")
