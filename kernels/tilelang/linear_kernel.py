@@ -24,7 +24,7 @@ in.
 
 import tilelang.language as T
 
-from .moe_kernel import BLOCK_N, CS_PAD, THREADS, cuda_source, shared_bytes, smem_layout
+from .moe_kernel import BLOCK_N, CS_PAD, THREADS, cuda_source, shared_bytes, smem_layout, stage_macros
 
 BLOCK_T = 32  # tokens per tile (the wgmma N): M <= 32 reads each weight once from HBM
 BLOCK_K = 128  # K per pipeline step: 8 KB of FP8 weights + 8 KB of activations per stage
@@ -43,15 +43,13 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout("fp8", BT, BK)
     CPR = BKP // 16                    # 16-byte weight chunks per row and step
     W_IT = BLOCK_N * CPR // THREADS
-    X_IT = BT * BK // 8 // THREADS     # 16-byte activation chunks per thread and step
-    P_UNITS = BT * NG                  # (token, group) permute units per step
-    P_IT = -(-P_UNITS // THREADS)
     CS_LD = BLOCK_N + CS_PAD
     partial = k_splits > 1
     if min_blocks == 0:
         min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes("fp8", BT, BK, S) + 1024)))
     src = cuda_source(BT)
 
+    load_x, permute, group = stage_macros("fp8", BT, BK)
     m = T.dynamic("m")
     out_shape = (k_splits, m, N) if partial else (m, N)
     out_dtype = "float32" if partial else "bfloat16"
@@ -70,27 +68,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
         if tx < 2:
             T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
                           T.address_of(ws[bn * 2 + tx, kk * SCB]), 1)
-        # token n = tx % BT for every iteration (BT divides 128): its x row xr (< 0: past M) sits in a register
-        for it in T.unroll(X_IT):
-            kc = it * (THREADS // BT) + tx // BT
-            x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
-            T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
-                          T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
-
-    @T.macro
-    def permute(smem, xr, tx, slot):
-        # unit (token tx % BT, group (it*128 + tx) / BT); tokens past M are skipped
-        for it in T.unroll(P_IT):
-            if (P_UNITS % THREADS == 0) or (it * THREADS + tx < P_UNITS):
-                if xr >= 0:
-                    T.call_extern("handle", f"di3_permute_x<{BT}>", T.address_of(smem[(slot * STAGE + OFF_X) // 4]),
-                                  tx % BT, (it * THREADS + tx) // BT)
-
-    @T.macro
-    def group(smem, a, acc, slot, G):
-        T.call_extern("handle", f"di3_group<1,{BT},{BKP},{SCB},{G},{G % 2}>",
-                      T.address_of(smem[(slot * STAGE) // 4]), T.address_of(smem[(slot * STAGE + OFF_S) // 4]),
-                      T.address_of(smem[(slot * STAGE + OFF_X) // 4]), T.address_of(a[0]), T.address_of(acc[0]))
+        load_x(smem, xr, x, tx, kk, base)  # tokens past M (xr < 0) are zero-filled
 
     @T.prim_func
     def fp8_linear(

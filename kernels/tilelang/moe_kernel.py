@@ -284,6 +284,45 @@ def smem_layout(fmt: str, block_t: int, block_k: int):
     return stage, w_bytes, off_x, bkp, scb
 
 
+def stage_macros(fmt: str, block_t: int, block_k: int):
+    """The pipeline-stage macros both weight-streaming GEMMs (this one and linear_kernel.py) share, for an
+    activation tile of block_t tokens x block_k: `load_x` (the token rows of K step kk into a stage slot; xr < 0: no
+    token, zero-filled), `permute` (activations into the wgmma B layout, in place) and `group` (dequantise one 64-K
+    group of weights into the A fragments and issue its MMAs)."""
+    BT, BK = block_t, block_k
+    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK)
+    X_IT = BT * BK // 8 // THREADS     # 16-byte activation chunks per thread and step
+    P_UNITS = BT * (BK // 64)          # (token, group) permute units per step
+    P_IT = -(-P_UNITS // THREADS)
+    fmt_id = 0 if fmt == "fp4" else 1
+
+    @T.macro
+    def load_x(smem, xr, x, tx, kk, base):
+        # token n = tx % BT for every iteration (BT divides 128): its x row xr (< 0: no token) sits in a register
+        for it in T.unroll(X_IT):
+            kc = it * (THREADS // BT) + tx // BT
+            x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
+            T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
+                          T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
+
+    @T.macro
+    def permute(smem, xr, tx, slot):
+        # unit (token tx % BT, group (it*128 + tx) / BT); tokens without a row are skipped
+        for it in T.unroll(P_IT):
+            if (P_UNITS % THREADS == 0) or (it * THREADS + tx < P_UNITS):
+                if xr >= 0:
+                    T.call_extern("handle", f"di3_permute_x<{BT}>", T.address_of(smem[(slot * STAGE + OFF_X) // 4]),
+                                  tx % BT, (it * THREADS + tx) // BT)
+
+    @T.macro
+    def group(smem, a, acc, slot, G):
+        T.call_extern("handle", f"di3_group<{fmt_id},{BT},{BKP},{SCB},{G},{G % 2}>",
+                      T.address_of(smem[(slot * STAGE) // 4]), T.address_of(smem[(slot * STAGE + OFF_S) // 4]),
+                      T.address_of(smem[(slot * STAGE + OFF_X) // 4]), T.address_of(a[0]), T.address_of(acc[0]))
+
+    return load_x, permute, group
+
+
 def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int) -> int:
     """Dynamic shared memory of one block (stages + epilogue tile + token rows), for occupancy planning."""
     stage = smem_layout(fmt, block_t, block_k)[0]
@@ -308,9 +347,6 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     KP = K // 2 if fmt == "fp4" else K
     CPR = BKP // 16                    # 16-byte weight chunks per row and step
     W_IT = BLOCK_N * CPR // THREADS
-    X_IT = BT * BK // 8 // THREADS     # 16-byte activation chunks per thread and step
-    P_UNITS = BT * NG                  # (token, group) permute units per step
-    P_IT = -(-P_UNITS // THREADS)
     CS_LD = BLOCK_N + CS_PAD
     s_shape = (E, N, K // 32) if fmt == "fp4" else (E, N // 32, K // 32)
     n_out = N // 2 if epilogue == "swiglu" else N
@@ -323,7 +359,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     n_x, n_pos, n_slots, n_y = T.dynamic("n_x"), T.dynamic("n_pos"), T.dynamic("n_slots"), T.dynamic("n_y")
     out_dtype = "bfloat16" if epilogue == "swiglu" else "float32"
     out_rows = n_pos if epilogue == "swiglu" else n_y
-    fmt_id = 0 if fmt == "fp4" else 1
+    load_x, permute, group = stage_macros(fmt, BT, BK)
 
     @T.macro
     def issue(smem, xr, x, w, ws, e, bx, tx, kk, slot):
@@ -343,27 +379,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
             if tx < 2:
                 T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
                               T.address_of(ws[e, bx * 2 + tx, kk * SCB]), 1)
-        # token n = tx % BT for every iteration (BT divides 128): its x row xr (< 0: no token) sits in a register
-        for it in T.unroll(X_IT):
-            kc = it * (THREADS // BT) + tx // BT
-            x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
-            T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
-                          T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
-
-    @T.macro
-    def permute(smem, xr, tx, slot):
-        # unit (token tx % BT, group (it*128 + tx) / BT); tokens without a row are skipped
-        for it in T.unroll(P_IT):
-            if (P_UNITS % THREADS == 0) or (it * THREADS + tx < P_UNITS):
-                if xr >= 0:
-                    T.call_extern("handle", f"di3_permute_x<{BT}>", T.address_of(smem[(slot * STAGE + OFF_X) // 4]),
-                                  tx % BT, (it * THREADS + tx) // BT)
-
-    @T.macro
-    def group(smem, a, acc, slot, G):
-        T.call_extern("handle", f"di3_group<{fmt_id},{BT},{BKP},{SCB},{G},{G % 2}>",
-                      T.address_of(smem[(slot * STAGE) // 4]), T.address_of(smem[(slot * STAGE + OFF_S) // 4]),
-                      T.address_of(smem[(slot * STAGE + OFF_X) // 4]), T.address_of(a[0]), T.address_of(acc[0]))
+        load_x(smem, xr, x, tx, kk, base)
 
     @T.prim_func
     def grouped_gemm(
