@@ -19,6 +19,17 @@ def build_moe_prep(n_experts: int, top_k: int, chunk: int = 512):
     assert threads <= 1024, "one thread per expert"
     n_tok, n_slots = T.dynamic("n_tok"), T.dynamic("n_slots")
 
+    @T.macro
+    def load_chunk(ids, idx, c, tx, n_assign):
+        # assignments [c * chunk, (c + 1) * chunk) of the flattened ids into shared memory (-1 past the end); both
+        # passes read them this way
+        T.sync_threads()
+        for i in T.serial(chunk // threads + 1):
+            a = c * chunk + i * threads + tx
+            if i * threads + tx < chunk:
+                ids[i * threads + tx] = T.if_then_else(a < n_assign, T.cast(idx[a // K, a % K], "int32"), -1)
+        T.sync_threads()
+
     @T.prim_func
     def moe_prep(
         idx: T.Tensor((n_tok, K), "int64"),
@@ -37,12 +48,7 @@ def build_moe_prep(n_experts: int, top_k: int, chunk: int = 512):
             cnt = T.alloc_var("int32", init=0)
             # pass 1: count this thread's expert
             for c in T.serial(T.ceildiv(n_assign, chunk)):
-                T.sync_threads()
-                for i in T.serial(chunk // threads + 1):
-                    a = c * chunk + i * threads + tx
-                    if i * threads + tx < chunk:
-                        ids[i * threads + tx] = T.if_then_else(a < n_assign, T.cast(idx[a // K, a % K], "int32"), -1)
-                T.sync_threads()
+                load_chunk(ids, idx, c, tx, n_assign)
                 for i in T.serial(chunk):
                     if ids[i] == tx:
                         cnt = cnt + 1
@@ -71,12 +77,7 @@ def build_moe_prep(n_experts: int, top_k: int, chunk: int = 512):
             pos = T.alloc_var("int32", init=0)
             pos = start
             for c in T.serial(T.ceildiv(n_assign, chunk)):
-                T.sync_threads()
-                for i in T.serial(chunk // threads + 1):
-                    a = c * chunk + i * threads + tx
-                    if i * threads + tx < chunk:
-                        ids[i * threads + tx] = T.if_then_else(a < n_assign, T.cast(idx[a // K, a % K], "int32"), -1)
-                T.sync_threads()
+                load_chunk(ids, idx, c, tx, n_assign)
                 for i in T.serial(chunk):
                     if ids[i] == tx:
                         a = c * chunk + i
