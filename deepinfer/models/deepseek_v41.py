@@ -8,12 +8,14 @@ norm and head. All arithmetic goes through the op set (`kernels/`), never raw ke
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer
 
 from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.rope import default_inv_freq, yarn_inv_freq
+from deepinfer.parallel.expert_parallel import ExpertParallel, ep_moe_experts
 
 from .attention import Attention
 from .batch import ForwardBatch
@@ -22,6 +24,11 @@ from .card import ModelCard
 from .config import ModelConfig
 from .engram import EngramTables
 from .weights import LayerWeights, arrange, arrange_drafts
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from deepinfer.parallel.placement import ExpertPlacement
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
 STANDALONE_SLOTS = 64
@@ -37,13 +44,18 @@ class DeepseekV41Model:
         ops: OpSet,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
+        expert_parallel: ExpertParallel | None = None,
     ):
         self.config = cfg
         self.tokenizer = tokenizer
         self.ops = ops
         self.device = torch.device(device)
         self.dtype = dtype
-        self.layers, glob = arrange(cfg, weights, dtype)
+        # expert parallel (deepinfer.parallel.expert_parallel.ExpertParallel: read its docstring, every rank must
+        # call forward in step): the layers hold only this rank's physical expert slots
+        self.expert_parallel = expert_parallel
+        ep = expert_parallel
+        self.layers, glob = arrange(cfg, weights, dtype, ep.placement.local_logical(ep.rank) if ep else None)
         self.embed, self.final_norm, self.head = glob["embed"], glob["norm"], glob["head"]
         rope_dim = cfg.qk_rope_head_dim
         self.main_freqs = default_inv_freq(cfg.rope_theta, rope_dim).to(self.device)
@@ -72,6 +84,8 @@ class DeepseekV41Model:
             self.engram_token_map = token_map.to(self.device)
         self._standalone: dict[tuple[int, bool], StandaloneAllocator] = {}
         drafts = arrange_drafts(cfg, weights, dtype)
+        if drafts is not None and ep is not None:
+            raise ValueError("expert parallel does not support the DSpark draft layers (mtp.*) yet; load them off")
         self.drafter = None
         if drafts is not None:
             from .dspark import DSpark
@@ -193,6 +207,10 @@ class DeepseekV41Model:
             g, lw.gate_weight, lw.gate_bias, lw.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
+        ep = self.expert_parallel
+        if ep is not None:  # lw.experts: this rank's physical slots; a collective over ep.group
+            return ep_moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit, ep.placement,
+                                  ep.group)
         return ops.moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit)
 
     # ---- engram ----------------------------------------------------------------------------
@@ -230,6 +248,9 @@ def load_model(
     load_format: str = "auto",
     tokenizer: str | Path | None = None,
     seed: int = 0,
+    expert_placement: ExpertPlacement | None = None,
+    ep_rank: int = 0,
+    ep_group: ProcessGroup | None = None,
 ) -> DeepseekV41Model | ModelCard:
     """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
     ModelCard, for a frontend whose engine process holds the weights).
@@ -253,18 +274,30 @@ def load_model(
     config.json and tokenizer.json is enough); the weights are random in the released storage formats for the
     checkpoint's config (deepinfer.models.synthetic.random_weights, drawn with `seed`: the same config and seed
     give the same weights, on one device type), the draft layers too when loaded. `tokenizer`: a tokenizer.json
-    (or a directory holding one) instead of the checkpoint's; its vocabulary must fit the config."""
+    (or a directory holding one) instead of the checkpoint's; its vocabulary must fit the config.
+
+    `expert_placement` (deepinfer.parallel.placement.ExpertPlacement; issue 13 expert parallelism): this process
+    is rank `ep_rank` of `ep_group` (None: the default group, which must be initialised before the first forward).
+    Only the routed experts of the rank's physical slots are read from the checkpoint (a replicated expert once);
+    shared experts, attention, router, embeddings and Engram tables load in full on every rank. The model runs in
+    expert-parallel mode (`model.expert_parallel`, deepinfer.parallel.expert_parallel.ExpertParallel): every rank
+    must call `forward` the same number of times. One log line gives this rank's weight bytes. The draft layers
+    are not supported with it yet: pass `draft_layers=False` for a checkpoint that has them. With
+    `load_format="dummy"` every expert is drawn (the draws depend on all of them) and the other ranks' are dropped."""
     from .loading import load_checkpoint, resolve_model_dir
 
     dummy = load_format == "dummy"
     model_dir = resolve_model_dir(model, weights=not dummy)
+    local = None
+    if expert_placement is not None:
+        local = _check_expert_parallel(model_dir, expert_placement, ep_rank, ep_group, draft_layers)
     if packed_experts is None:
         packed_experts = torch.device(device).type == "cuda"
     if fp8_linears is None:
         fp8_linears = torch.device(device).type == "cuda"
     ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts,
                            quantized_linears=fp8_linears, draft_layers=draft_layers, load_format=load_format,
-                           tokenizer=tokenizer)
+                           tokenizer=tokenizer, routed_experts=local)
     ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends, batch_invariant=batch_invariant)
     tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
     if not weights:
@@ -281,4 +314,67 @@ def load_model(
             "model.load_format=dummy: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
             "file was read, outputs are meaningless (benchmarking only)", seed, len(ckpt.weights), model_dir,
             ", with draft layers" if drafts else "")
-    return DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype)
+    if expert_placement is None:
+        return DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype)
+    ep = ExpertParallel(expert_placement, ep_rank, ep_group)
+    model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
+    del ckpt
+    routed = _held_bytes([lw.experts for lw in model.layers])
+    import logging
+
+    logging.getLogger("deepinfer.loading").info(
+        "expert parallel rank %d of %d: %d of %d physical expert slots per layer (%d distinct experts of %d), "
+        "weights on this rank %.3f GB (routed experts %.3f GB)", ep_rank, expert_placement.num_ranks,
+        expert_placement.per_rank, expert_placement.num_physical, len(set(local)), expert_placement.num_logical,
+        _held_bytes(_model_weights(model)) / 1e9, routed / 1e9)
+    return model
+
+
+def _check_expert_parallel(model_dir, placement, rank: int, group, draft_layers: bool) -> tuple[int, ...]:
+    """One-line errors for an expert-parallel load that cannot work; returns the rank's logical experts."""
+    import torch.distributed as dist
+
+    from .loading.checkpoint import _read_config
+
+    cfg = _read_config(Path(model_dir))
+    if placement.num_logical != cfg.n_routed_experts:
+        raise ValueError(f"expert_placement has {placement.num_logical} logical experts; the model has "
+                         f"n_routed_experts={cfg.n_routed_experts}")
+    if not 0 <= rank < placement.num_ranks:
+        raise ValueError(f"ep_rank={rank} is out of range; allowed: 0..{placement.num_ranks - 1}")
+    if draft_layers and cfg.num_nextn_predict_layers > 0:
+        raise ValueError("expert parallel does not support the DSpark draft layers (mtp.*) yet; pass "
+                         "draft_layers=False")
+    if dist.is_initialized():
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        if world != placement.num_ranks or me != rank:
+            raise ValueError(f"expert_placement is for {placement.num_ranks} ranks and ep_rank={rank}; this process "
+                             f"is rank {me} of a group of {world}")
+    return placement.local_logical(rank)
+
+
+def _model_weights(model: DeepseekV41Model) -> list:
+    return [model.layers, model.embed, model.final_norm, model.head]
+
+
+def _held_bytes(obj) -> int:
+    """Bytes of the distinct tensor storages reachable from `obj` (tensors, lists/tuples/dicts, dataclasses such
+    as LayerWeights, PackedExperts, Fp8BlockWeight): a tensor referenced twice, or a view, counts once."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            seen[(str(o.device), st.data_ptr())] = st.nbytes()
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif hasattr(o, "__dataclass_fields__"):
+            for name in o.__dataclass_fields__:
+                walk(getattr(o, name))
+
+    walk(obj)
+    return sum(seen.values())

@@ -4,6 +4,7 @@ for the forward pass."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -80,9 +81,14 @@ def _single(experts):
 
 
 def arrange(
-    cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+    experts: Sequence[int] | None = None,
 ) -> tuple[list[LayerWeights], dict[str, torch.Tensor]]:
-    layers = [_layer(cfg, t, f"layers.{i}.", cfg.n_routed_experts, dtype) for i in range(cfg.num_hidden_layers)]
+    """`experts` (expert parallelism): the logical routed expert of each of this rank's physical slots, in slot
+    order (ExpertPlacement.local_logical); each layer's `experts` then holds those, a replicated expert once per
+    copy (the same loaded tensors). None: all of them, in id order."""
+    ids = range(cfg.n_routed_experts) if experts is None else experts
+    layers = [_layer(cfg, t, f"layers.{i}.", ids, dtype) for i in range(cfg.num_hidden_layers)]
     for i in cfg.engram_layer_ids:
         p = f"layers.{i}."
         layers[i].e_weight = t[p + "engram.q_weight"].float() * t[p + "engram.k_weight"].float()
@@ -113,7 +119,7 @@ def arrange_drafts(cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dt
     if not n or "mtp.0.main_proj.weight" not in t:
         return None
     last = f"mtp.{n - 1}."
-    layers = [_layer(cfg, t, f"mtp.{i}.", cfg.dspark_n_routed_experts, dtype) for i in range(n)]
+    layers = [_layer(cfg, t, f"mtp.{i}.", range(cfg.dspark_n_routed_experts), dtype) for i in range(n)]
     for lw in layers:
         lw.top_k = cfg.dspark_num_experts_per_tok
     return DraftWeights(
@@ -127,7 +133,8 @@ def arrange_drafts(cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dt
     )
 
 
-def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, n_exp: int, dtype: torch.dtype) -> LayerWeights:
+def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, ids: Sequence[int],
+           dtype: torch.dtype) -> LayerWeights:
     def get(name: str, optional: bool = False):
         if optional and p + name not in t:
             return None
@@ -151,7 +158,7 @@ def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, n_exp: int, dty
         attn_sink=get("attn.attn_sink"),
         gate_weight=get("ffn.gate.weight"),
         gate_bias=get("ffn.gate.bias", optional=True),
-        experts=experts_of([expert(f"ffn.experts.{e}") for e in range(n_exp)], dtype),
+        experts=experts_of([expert(f"ffn.experts.{e}") for e in ids], dtype),
         shared_expert=(_single(experts_of([expert("ffn.shared_experts")], dtype))
                        if p + "ffn.shared_experts.w1.weight" in t else None),
         c_wkv=get("attn.compressor.wkv.weight", True),

@@ -30,6 +30,8 @@ grouped GEMMs. This is the reference a fast path must equal.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,23 @@ from deepinfer.kernels.torch.moe import swiglu_expert
 from .placement import ExpertPlacement
 
 Experts = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | PackedExperts
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """A model's expert-parallel mode (`DeepseekV41Model.expert_parallel`, set by `load_model(expert_placement=...,
+    ep_rank=..., ep_group=...)`): this process is `rank` of `group` (None: the default world group), holds the routed
+    experts of its physical slots under `placement` (one placement for every MoE layer of the backbone), and each
+    MoE layer runs `ep_moe_experts` on the rank's own tokens; the router, attention and everything else stay local.
+
+    Every MoE layer is a collective over `group`: every rank must call `model.forward` the same number of times, in
+    step with the others (a rank with nothing to run must still run a step; the ranks' batches may differ in size
+    and content). A rank that skips or adds a forward leaves the others waiting in the all-to-all until the
+    group's timeout."""
+
+    placement: ExpertPlacement
+    rank: int
+    group: dist.ProcessGroup | None = None
 
 
 def local_experts(experts: Experts, placement: ExpertPlacement, rank: int) -> Experts:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +51,7 @@ def load_checkpoint(
     draft_layers: bool = True,
     load_format: str = "auto",
     tokenizer: str | Path | None = None,
+    routed_experts: Collection[int] | None = None,
 ) -> Checkpoint:
     """Load a local Hugging Face checkpoint directory (use resolve_model_dir first for hub ids).
 
@@ -66,6 +69,11 @@ def load_checkpoint(
     `Checkpoint.weights` stays empty for the caller to fill with random weights (deepinfer.models.synthetic).
     `tokenizer`: a tokenizer.json file, or a directory holding one, instead of the checkpoint's own; its vocabulary
     must fit the config (vocab_size, and the Engram layers' normalised vocabulary).
+
+    `routed_experts` (expert parallelism: the logical experts one rank's physical slots hold): of the backbone's
+    routed experts (`layers.*.ffn.experts.<e>.*`) only these ids are read; the others stay in the files (their
+    headers are still checked) and are absent from `Checkpoint.weights`. Everything else, shared experts and the
+    draft layers' experts included, loads in full. None: every expert.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -91,6 +99,9 @@ def load_checkpoint(
         drafts = draft_layers and cfg.num_nextn_predict_layers > 0
         stored, skipped = _canonicalize(files.tensors, keep=("mtp",) if drafts else ())
         items = plan_load(expected_tensors(cfg, drafts), stored, block, where=str(model_dir))
+        if routed_experts is not None:
+            keep = set(routed_experts)
+            items = [it for it in items if (m := _ROUTED.match(it.name)) is None or int(m.group(1)) in keep]
         loaded = {}
         for item in items if weights else ():
             if quantized_experts and _keeps_format(item, block):
@@ -110,6 +121,9 @@ def load_checkpoint(
         log.info("set aside %d checkpoint tensors the text model does not use: %s", len(skipped), summary)
     log.debug("loaded %d tensors from %s", len(loaded), model_dir)
     return Checkpoint(cfg, loaded, tokenizer_path, skipped, model_dir)
+
+
+_ROUTED = re.compile(r"layers\.\d+\.ffn\.experts\.(\d+)\.")  # a backbone routed expert's tensors
 
 
 def _keeps_format(item, block) -> bool:
