@@ -117,24 +117,32 @@ class ReplayedByRerun(DecodeGraphs):
         return Graph(), out
 
 
+def prefilled_twins(model, rng, pools: dict, batch: int, max_prompt: int, blocks_per_seq: int) -> dict:
+    """The same `batch` random prompts prefilled into each of `pools` (same slots and blocks in each): name ->
+    its SequenceCaches."""
+    from deepinfer.models.cache import SequenceCache
+
+    any_pools = next(iter(pools.values()))
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in [rng.randint(1, max_prompt) for _ in range(batch)]]
+    slots = rng.sample(range(any_pools.num_slots), batch)
+    blocks = list(range(any_pools.num_blocks))
+    rng.shuffle(blocks)
+    seqs = {}
+    for name, p in pools.items():
+        seqs[name] = [SequenceCache(p, s, blocks[blocks_per_seq * i: blocks_per_seq * (i + 1)])
+                      for i, s in enumerate(slots)]
+        model.forward(ForwardBatch(prompts, seqs[name]))
+    return seqs
+
+
 def test_a_replayed_decode_step_equals_the_eager_step_for_every_batch_size(model):
     rng = random.Random(1)
     layout = model.cache_layout(16)
     eager_pools = model.allocate_cache(12, 200, 16)
     graph_pools = model.allocate_cache(12, 200, 16)
     graphs = ReplayedByRerun(model, graph_pools, max_batch=12, interval=4, max_blocks=16)
-    from deepinfer.models.cache import SequenceCache
-
     for batch in (1, 3, 4, 7, 12):
-        lens = [rng.randint(1, 120) for _ in range(batch)]
-        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
-        slots = rng.sample(range(12), batch)
-        blocks = list(range(200))
-        rng.shuffle(blocks)
-        seqs = {}
-        for name, pools in (("eager", eager_pools), ("graph", graph_pools)):
-            seqs[name] = [SequenceCache(pools, s, blocks[16 * i: 16 * i + 16]) for i, s in enumerate(slots)]
-            model.forward(ForwardBatch(prompts, seqs[name]))
+        seqs = prefilled_twins(model, rng, {"eager": eager_pools, "graph": graph_pools}, batch, 120, 16)
         for step in range(3):
             tokens = [[rng.randrange(3, 512)] for _ in range(batch)]
             want = model.forward(ForwardBatch(tokens, seqs["eager"]))
@@ -152,18 +160,8 @@ def test_a_replayed_verification_step_equals_the_eager_step(model):
     eager_pools = model.allocate_cache(8, 120, 16, max_rollback=6)
     graph_pools = model.allocate_cache(8, 120, 16, max_rollback=6)
     graphs = ReplayedByRerun(model, graph_pools, max_batch=8, interval=4, max_blocks=16, max_length=6)
-    from deepinfer.models.cache import SequenceCache
-
     for batch, length in ((1, 6), (3, 2), (5, 6)):
-        lens = [rng.randint(1, 90) for _ in range(batch)]
-        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
-        slots = rng.sample(range(8), batch)
-        blocks = list(range(120))
-        rng.shuffle(blocks)
-        seqs = {}
-        for name, pools in (("eager", eager_pools), ("graph", graph_pools)):
-            seqs[name] = [SequenceCache(pools, s, blocks[12 * i: 12 * i + 12]) for i, s in enumerate(slots)]
-            model.forward(ForwardBatch(prompts, seqs[name]))
+        seqs = prefilled_twins(model, rng, {"eager": eager_pools, "graph": graph_pools}, batch, 90, 12)
         for step in range(3):
             tokens = [[rng.randrange(3, 512) for _ in range(length)] for _ in range(batch)]
             want = model.forward(ForwardBatch(tokens, seqs["eager"], num_logits=[length] * batch))

@@ -313,3 +313,16 @@ def test_dspark_needs_draft_layers(tmp_path):
     fixture = __import__("pathlib").Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2"
     with pytest.raises(ValueError, match="draft layers"):
         LLMEngine(ModelDirBackend(str(fixture)), opts)
+
+
+def test_backtracking_rows_are_kept_with_any_decoding(monkeypatch):
+    """DEEPINFER_MAX_BACKTRACKING_TOKENS reaches the engine's caches with plain decoding too; with DSpark the
+    caches keep max(it, drafts + 1) rows (DeepInfer's rule)."""
+    from deepinfer.api import load_settings
+
+    monkeypatch.setenv("DEEPINFER_MAX_BACKTRACKING_TOKENS", "7")
+    for overrides, rows in ((["decoding=plain"], 7), (["decoding=dspark"], 7), (["decoding=dspark",
+                                                                                "decoding.num_draft_tokens=8"], 9)):
+        s = load_settings(overrides)
+        opts = EngineOptions.from_settings(s.engine, s.cache, s.runtime, s.sampling, s.decoding)
+        assert opts.max_rollback == s.decoding.max_rollback == rows, overrides

@@ -124,10 +124,15 @@ class DecodingSettings:
 
     @property
     def max_rollback(self) -> int:
-        """DeepInfer's rule: max(DEEPINFER_MAX_BACKTRACKING_TOKENS, drafts + 1) with drafting on."""
-        if self.name != "dspark" or not self.num_draft_tokens:
-            return self.max_backtracking_tokens
-        return max(self.max_backtracking_tokens, self.num_draft_tokens + 1)
+        return rollback_rows(self.num_draft_tokens if self.name == "dspark" else 0, self.max_backtracking_tokens)
+
+
+def rollback_rows(num_draft_tokens: int, max_backtracking_tokens: int) -> int:
+    """Tokens every rolling cache keeps beyond its window. DeepInfer's rule: max(DEEPINFER_MAX_BACKTRACKING_TOKENS,
+    drafts + 1) with drafting on, the variable alone without."""
+    if not num_draft_tokens:
+        return max_backtracking_tokens
+    return max(max_backtracking_tokens, num_draft_tokens + 1)
 
 
 @dataclass(frozen=True)

@@ -51,19 +51,19 @@ class EngineOptions:
 
     @property
     def max_rollback(self) -> int:
-        """Tokens every rolling cache keeps beyond its window (DeepInfer: max(env, NEXTN + 1) with drafts on)."""
-        if not self.num_draft_tokens:
-            return self.max_backtracking_tokens
-        return max(self.max_backtracking_tokens, self.num_draft_tokens + 1)
+        from deepinfer.config.schema import rollback_rows
+
+        return rollback_rows(self.num_draft_tokens, self.max_backtracking_tokens)
 
     @classmethod
     def from_settings(cls, engine=None, cache=None, runtime=None, sampling=None, decoding=None,
                       **overrides) -> "EngineOptions":
         values = {}
+        if decoding is not None:  # the rollback rows with any decoding (DEEPINFER_MAX_BACKTRACKING_TOKENS)
+            values["max_backtracking_tokens"] = decoding.max_backtracking_tokens
         if decoding is not None and getattr(decoding, "name", "plain") == "dspark":
             values.update(
                 num_draft_tokens=decoding.num_draft_tokens,
-                max_backtracking_tokens=decoding.max_backtracking_tokens,
                 spec_varlen=decoding.varlen,
                 decode_perf_cache_dir=decoding.perf_cache_dir,
                 confidence_temperature=tuple(decoding.confidence_temperature),

@@ -57,6 +57,7 @@ class DraftChooser:
     def __init__(self, requests: list[DraftRequest], vocab: int):
         self.requests, self.vocab = requests, vocab
         self.sampled = [r for r, q in enumerate(requests) if not q.params.greedy]
+        self.greedy = [r for r, q in enumerate(requests) if q.params.greedy]
         self.weights: list[list] = [[] for _ in requests]
 
     def __call__(self, i: int, logits: torch.Tensor) -> torch.Tensor:
@@ -70,9 +71,8 @@ class DraftChooser:
             tokens[self.sampled] = torch.tensor(drawn, dtype=tokens.dtype, device=tokens.device)
             for j, r in enumerate(self.sampled):
                 self.weights[r].append(w[j])
-        for r in range(len(self.requests)):
-            if r not in self.sampled:
-                self.weights[r].append(None)
+        for r in self.greedy:
+            self.weights[r].append(None)
         return tokens
 
 
@@ -87,13 +87,9 @@ class Verdict:
     extra: dict = field(default_factory=dict)
 
 
-def accept_greedy(x: torch.Tensor, drafts: list[int]) -> Verdict:
-    """x: processed target logits [k + 1, V]. Accept while the draft is the target's argmax (ties: lowest id)."""
-    return accept_greedy_ids(x.argmax(dim=-1).tolist(), drafts)
-
-
 def accept_greedy_ids(target: list[int], drafts: list[int]) -> Verdict:
-    """target: the argmax of each of the k + 1 rows."""
+    """target: the argmax of each of the k + 1 processed target rows (ties: lowest id). Accept while the draft is
+    the target's argmax."""
     m = 0
     while m < len(drafts) and drafts[m] == target[m]:
         m += 1
