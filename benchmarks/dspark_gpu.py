@@ -78,7 +78,8 @@ def run_variant(model, name: str, batch: int, context: int, steps: int, warmup: 
     row = dict(variant=name, batch=batch, context=context, step_ms=ms, tokens_per_step_per_user=gained,
                tok_s_per_user=gained * 1e3 / ms, tok_s_total=batch * gained * 1e3 / ms,
                acceptance=accepted / drafted if drafted else None, drafted=drafted, accepted=accepted,
-               timed_steps=len(timed), graph_steps=sum(s.graph for s in timed), fallbacks=fallbacks,
+               timed_steps=len(timed), graph_steps=sum(s.graph for s in timed),
+               draft_graph_steps=sum(s.draft_graph for s in timed), fallbacks=fallbacks,
                errors=[o.error for o in outs if o.finish_reason == "error"])
     return row, [o.token_ids for o in outs]
 
@@ -88,6 +89,9 @@ def check(row) -> list[str]:
     tag = f"{row['variant']} B={row['batch']}"
     if row["timed_steps"] == 0 or row["graph_steps"] != row["timed_steps"]:
         bad.append(f"{tag}: {row['graph_steps']} of {row['timed_steps']} timed steps replayed a CUDA graph")
+    if row["variant"] != "plain" and row["draft_graph_steps"] != row["timed_steps"]:
+        bad.append(f"{tag}: drafting replayed a CUDA graph in {row['draft_graph_steps']} of {row['timed_steps']} "
+                   f"timed steps")
     if row["errors"]:
         bad.append(f"{tag}: errors {row['errors'][:2]}")
     if row["fallbacks"]:

@@ -266,6 +266,7 @@ def make_summary(llm, outputs, load_s: float, gen_s: float, overrides: list[str]
         "kernels": (llm.last_metrics or {}).get("kernels"),
         "steps": (llm.last_metrics or {}).get("steps"),
         "graph_steps": (llm.last_metrics or {}).get("graph_steps"),
+        "draft_graph_steps": (llm.last_metrics or {}).get("draft_graph_steps"),
         "speculative": (llm.last_metrics or {}).get("speculative"),
         "replay_rows_saved": (llm.last_metrics or {}).get("replay_rows_saved"),
     }
@@ -290,7 +291,8 @@ def print_summary(s: dict) -> None:
         lines.append(("fallbacks", "; ".join(f"{k}: {v}" for k, v in s["fallbacks"].items())))
     lines += kernel_lines(s.get("kernels"))
     if s.get("device") == "cuda" and s.get("steps"):
-        lines.append(("graphs", f"{s.get('graph_steps') or 0} of {s['steps']} steps replayed a CUDA graph"))
+        drafted = f", drafting replayed one in {s['draft_graph_steps']}" if s.get("speculative") else ""
+        lines.append(("graphs", f"{s.get('graph_steps') or 0} of {s['steps']} steps replayed a CUDA graph{drafted}"))
     lines += speculative_line(s.get("speculative"))
     if "replay" in s["stages"]:  # YOCO bounded replay: what compact skipped (mask computes every row)
         lines.append(("replay", f"{s['stages']['replay']}: {s.get('replay_rows_saved') or 0} decoder-layer rows not "

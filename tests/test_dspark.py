@@ -106,6 +106,7 @@ def test_greedy_output_equals_plain_decoding(model_dir, workload, plain, drafts,
     outs, metrics = run(model_dir, *workload, drafts=drafts, zos=zos, varlen=varlen)
     assert [o.token_ids for o in outs] == plain
     spec = metrics["speculative"]
+    assert metrics["draft_graph_steps"] == 0  # no CUDA here: drafting ran eagerly, and the summary says so
     assert spec["draft_tokens"] > 0 and spec["draft_tokens"] == sum(o.num_draft_tokens for o in outs)
     assert spec["accepted_tokens"] == sum(o.num_accepted_tokens for o in outs)
 

@@ -229,6 +229,7 @@ class EngineCore:
             prepare_s=result.prepare_s,
             cache_utilization=self.cache.utilization,
             graph=result.graph,
+            draft_graph=result.draft_graph,
             replay_rows_saved=result.replay_rows_saved,
             num_draft_tokens=result.num_draft_tokens,
             num_accepted_tokens=result.num_accepted_tokens,

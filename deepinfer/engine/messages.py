@@ -80,6 +80,7 @@ class StepStats(msgspec.Struct):
     prepare_s: float  # runner-side Python: batch inputs and sampler rows (inside the device interval)
     cache_utilization: float
     graph: bool = False  # the forward replayed a captured CUDA graph
+    draft_graph: bool = False  # DSpark drafting replayed a captured CUDA graph
     num_draft_tokens: int = 0  # DSpark drafts verified in this step
     num_accepted_tokens: int = 0  # of which accepted
     accepted_lengths: list[int] = msgspec.field(default_factory=list)  # per verifying request: drafts accepted

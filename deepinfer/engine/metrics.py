@@ -5,7 +5,8 @@ Definitions (all times in seconds):
   of one request (a step returns one token per request, so this is the per-request step interval).
 - prefill/decode tokens per second: tokens of that kind over the device time they used; a mixed step's device
   time is split between its prefill and decode tokens in proportion to their counts.
-- graph_steps: decode steps whose forward replayed a captured CUDA graph (the rest ran eagerly).
+- graph_steps: decode steps whose forward replayed a captured CUDA graph (the rest ran eagerly); draft_graph_steps:
+  steps whose DSpark drafting replayed one (greedy drafting on CUDA; sampled requests draft eagerly).
 - speculative (DSpark): drafts verified and accepted, the acceptance rate, the mean accepted length (tokens a
   verifying request gains per step: accepted drafts + the target's own token, DeepInfer's figure) and the
   histogram of accepted drafts per verification (index m: m drafts accepted).
@@ -102,6 +103,7 @@ class RunMetrics:
             "steps": len(steps),
             "mixed_steps": sum(1 for s in steps if s.num_prefill_tokens and s.num_decode_tokens),
             "graph_steps": sum(1 for s in steps if s.graph),  # decode steps that replayed a captured CUDA graph
+            "draft_graph_steps": sum(1 for s in steps if s.draft_graph),
             # YOCO compact: decoder-layer rows (rows x consumer layers) the prefill steps did not compute
             "replay_rows_saved": sum(s.replay_rows_saved for s in steps),
             "mean_rows_per_step": sum(s.num_rows for s in steps) / len(steps) if steps else 0.0,

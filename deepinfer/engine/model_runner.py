@@ -53,7 +53,7 @@ class ModelRunner:
         self.pools = None
         self.graphs = None
         self.draft_graphs = None
-        self._graph_step = False
+        self._graph_step = self._draft_graph_step = False
         self._rows_saved = 0  # YOCO compact: decoder-layer rows the last step did not compute
         # DSpark: drafts of up to num_draft tokens are made after every sampled token, when the model has draft layers
         drafter = getattr(backend.model, "drafter", None)
@@ -121,7 +121,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not plan.rows:
             return StepResult(plan.step_id, [], t_start=t0, t_end=t0)
-        self._graph_step, self._rows_saved = False, 0
+        self._graph_step, self._draft_graph_step, self._rows_saved = False, False, 0
         self._step_drafts = (0, 0)
         try:
             samples, prepare_s = self._run(plan, t0)
@@ -132,8 +132,8 @@ class ModelRunner:
             return StepResult(plan.step_id, [], error=msg, t_start=t0, t_end=time.perf_counter())
         verified, accepted = self._step_drafts
         return StepResult(plan.step_id, samples, t_start=t0, t_end=time.perf_counter(), prepare_s=prepare_s,
-                          graph=self._graph_step, num_draft_tokens=verified, num_accepted_tokens=accepted,
-                          replay_rows_saved=self._rows_saved)
+                          graph=self._graph_step, draft_graph=self._draft_graph_step, num_draft_tokens=verified,
+                          num_accepted_tokens=accepted, replay_rows_saved=self._rows_saved)
 
     def _run(self, plan: StepPlan, t0: float) -> tuple[list[SampledToken], float]:
         rows, token_lists, states, sampled, grammars = [], [], [], [], []
@@ -300,6 +300,7 @@ class ModelRunner:
         out = None
         if self.draft_graphs is not None and not chooser.sampled:
             out = self.draft_graphs.run(golden, slots, last)
+            self._draft_graph_step = out is not None
         if out is None:
             as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
             step = self.drafter.step(as_tensor(slots), as_tensor(last), self.num_draft, self.pools)

@@ -92,6 +92,7 @@ class StepResult:
     t_end: float = 0.0
     prepare_s: float = 0.0  # of which Python bookkeeping in the runner: batch inputs and sampler rows
     graph: bool = False  # the forward replayed a captured CUDA graph
+    draft_graph: bool = False  # DSpark drafting replayed a captured CUDA graph
     num_draft_tokens: int = 0  # DSpark drafts verified in this step, and how many of them were accepted
     num_accepted_tokens: int = 0
     replay_rows_saved: int = 0  # YOCO compact: decoder-layer rows (rows x consumer layers) not computed
