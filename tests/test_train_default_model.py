@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import train_default_model  # noqa: E402
 from v41_train import data, evaluate, ops  # noqa: E402
+from v41_train.draft import DraftModel, draft_loss  # noqa: E402
 from v41_train.model import TrainModel  # noqa: E402
 from v41_train.stored import fq_fp4, fq_fp8, quantized_weight, storage_kind, stored_value, stored_values  # noqa: E402
 
@@ -67,7 +68,41 @@ def test_export_is_in_the_released_storage_format(smoke):
     assert dtypes["layers.0.ffn.experts.1.w1.weight"] == "I8" and dtypes["layers.0.ffn.experts.1.w1.scale"] == "F8_E8M0"
     assert dtypes["layers.1.engram.embed.weight"] == "F8_E4M3"
     assert dtypes["layers.0.hc_attn_fn"] == "F32" and dtypes["layers.0.ffn.gate.bias"] == "F32"
-    assert dtypes["embed.weight"] == "BF16" and not any(k.startswith("mtp.") for k in dtypes)
+    assert dtypes["embed.weight"] == "BF16"
+    assert dtypes["mtp.0.attn.wq_a.weight"] == "F8_E4M3" and dtypes["mtp.2.ffn.experts.7.w1.weight"] == "I8"
+    assert dtypes["mtp.0.main_proj.weight"] == "F8_E4M3" and "mtp.2.confidence_head.proj.weight" in dtypes
+
+
+@pytest.mark.timeout(60)
+def test_the_engine_drafts_exactly_what_the_draft_layers_were_trained_as(smoke):
+    """DSpark in the engine (models/dspark.py, reading its context rings) vs the training drafter (draft.py, dense)
+    on the exported checkpoint, with every draft forced to the text's token: the same logits and confidences."""
+    _, report = smoke
+    vs = report["drafting"]["vs_engine"]
+    assert vs["max_abs_logit_diff"] <= LOGIT_TOL and vs["max_abs_confidence_diff"] <= 1e-4, vs
+    assert vs["argmax_agreement"] == 1.0, vs
+    assert len(report["draft_last_losses"]) == 5 and report["drafting"]["blocks"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_every_draft_tensor_gets_a_gradient(smoke):
+    out, _ = smoke
+    cfg = json.loads((out / "config.json").read_text())
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    backbone, drafter = TrainModel(cfg, tok, seed=0), DraftModel(cfg, seed=0)
+    ids = torch.randint(3, 300, (2, 41), generator=torch.Generator().manual_seed(0))
+    targets = drafter.cfg.dspark_target_layer_ids
+    with torch.no_grad():
+        w = backbone.weights()
+        feats = backbone(ids[:, :40], features_at=targets).features
+    res = drafter(ids, [feats[t] for t in targets], torch.tensor([[0, 17, 33], [5, 20, 34]]), w["embed.weight"],
+                  w["head.weight"])
+    # block position i of anchor a guesses the token at a + 2 + i
+    assert res.targets[0, 0] == ids[0, 2] and res.targets[5, 4] == ids[1, 34 + 2 + 4]
+    loss, conf, _ = draft_loss(res)
+    (loss + conf).backward()
+    dead = [n for n, p in drafter.params.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert all("/experts/" in n for n in dead), dead
 
 
 @pytest.mark.timeout(60)

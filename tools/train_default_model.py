@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from v41_train import config as presets  # noqa: E402
 from v41_train import data, evaluate  # noqa: E402
+from v41_train.draft import DraftModel, draft_loss, random_anchors  # noqa: E402
 from v41_train.model import TrainModel  # noqa: E402
 
 
@@ -91,6 +92,41 @@ def train(model: TrainModel, batches: data.Batches, run: presets.Run, steps: int
     return losses
 
 
+def train_drafts(drafter: DraftModel, backbone: TrainModel, batches: data.Batches, run: presets.Run, device, log,
+                 gen: torch.Generator) -> list[float]:
+    """The DSpark draft layers on the frozen backbone: each step, the backbone's context features of a batch
+    (no gradient) and `draft_anchors` random drafting blocks per sequence (draft.py)."""
+    backbone.requires_grad_(False)
+    with torch.no_grad():
+        w = backbone.weights()
+        embed, head = w["embed.weight"], w["head.weight"]
+    targets = drafter.cfg.dspark_target_layer_ids
+    sched = replace(run, lr=run.draft_lr, warmup=max(1, run.draft_steps // 20))
+    params = list(drafter.parameters())
+    opt = torch.optim.AdamW(params, lr=run.draft_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses = []
+    for step in range(run.draft_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, sched, run.draft_steps)
+        x, y = batches.next()
+        ids = torch.cat([x, y[:, -1:]], 1).to(device)  # the targets of the last block positions
+        with torch.no_grad():
+            feats = backbone(x.to(device), features_at=targets).features
+        anchors = random_anchors(x.shape[0], ids.shape[1], run.draft_anchors, drafter.cfg.dspark_block_size, gen)
+        out = drafter(ids, [feats[t] for t in targets], anchors.to(device), embed, head)
+        loss, conf, hit = draft_loss(out)
+        opt.zero_grad(set_to_none=True)
+        (loss + conf).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        drafter.update_router_bias(out.expert_counts, 1e-3)
+        losses.append(loss.item())
+        if step % max(1, run.draft_steps // 10) == 0 or step == run.draft_steps - 1:
+            log(f"draft step {step:4d}  loss {losses[-1]:.4f}  confidence {conf.item():.4f}  "
+                f"greedy hits by position {[round(h, 3) for h in hit.tolist()]}")
+    return losses
+
+
 @torch.no_grad()
 def logit_agreement(model: TrainModel, out_dir: Path, inputs: torch.Tensor, device) -> dict:
     """The training forward vs the inference model loaded from the export (CPU, float32), on held-out windows:
@@ -137,11 +173,21 @@ def main(argv=None) -> dict:
     batches = data.Batches(train_stream, run.seq_len, run.batch_size, torch.Generator().manual_seed(args.seed))
     losses = train(model, batches, run, run.steps, device, log)
     train_seconds = time.perf_counter() - started
+    weights = model.export_weights()
+    drafter, draft_losses = None, []
+    if run.draft_steps:
+        drafter = DraftModel(cfg, args.seed).to(device)
+        log(f"draft layers: {sum(p.numel() for p in drafter.parameters())} parameters; {run.draft_steps} steps of "
+            f"{run.batch_size} x {run.draft_anchors} blocks of {drafter.cfg.dspark_block_size}")
+        draft_losses = train_drafts(drafter, model, batches, run, device, log,
+                                    torch.Generator().manual_seed(args.seed + 1))
+        weights.update(drafter.export_weights())
+    draft_seconds = time.perf_counter() - started - train_seconds
 
     from deepinfer.embedded import write_release
 
     args.out.mkdir(parents=True, exist_ok=True)
-    write_release(args.out, cfg, tok.to_str().encode(), model.export_weights())
+    write_release(args.out, cfg, tok.to_str().encode(), weights)
     log(f"exported to {args.out} ({(args.out / 'model.safetensors').stat().st_size / 1e6:.2f} MB of weights)")
 
     model.eval()
@@ -151,6 +197,13 @@ def main(argv=None) -> dict:
     log(f"held-out loss {held:.4f} (ppl {math.exp(held):.2f}) vs unigram {unigram:.4f} (ppl {math.exp(unigram):.2f})")
     agreement = logit_agreement(model.cpu(), args.out, held_in[:2], "cpu")
     log(f"training forward vs engine on the export: {agreement}")
+    drafting = {}
+    if drafter is not None:
+        drafter.eval()
+        drafting = evaluate.draft_heldout(drafter.to(device), model.to(device), held_in, run.batch_size, device)
+        log(f"draft layers on held-out text (teacher-forced): {drafting}")
+        drafting["vs_engine"] = evaluate.draft_logits_vs_engine(drafter.cpu(), model.cpu(), args.out, held_in[0])
+        log(f"draft layers, training forward vs engine on the export: {drafting['vs_engine']}")
     report = {
         "preset": args.preset, "seed": args.seed, "device": str(device), "steps": run.steps,
         "python": platform.python_version(), "torch": torch.__version__, "run": asdict(run),
@@ -159,6 +212,8 @@ def main(argv=None) -> dict:
         "first_losses": losses[:5], "last_losses": losses[-5:], "train_seconds": round(train_seconds, 1),
         "heldout_loss": held, "heldout_ppl": math.exp(held), "unigram_loss": unigram,
         "unigram_ppl": math.exp(unigram), "logits_vs_engine": agreement,
+        "draft_first_losses": draft_losses[:5], "draft_last_losses": draft_losses[-5:],
+        "draft_seconds": round(draft_seconds, 1), "drafting": drafting,
     }
     if not args.no_eval:
         completions = evaluate.generate(args.out, evaluate.PROMPTS, 48)

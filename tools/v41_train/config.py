@@ -28,6 +28,10 @@ class Run:
     max_bytes: int | None  # training text (None: the whole stdlib)
     plausibility_prompts: int  # held-out function headers completed by the engine
     model: dict  # TEXT_CONFIG overrides
+    # the DSpark draft layers, trained after the backbone on its frozen context features (tools/v41_train/draft.py)
+    draft_steps: int = 0
+    draft_anchors: int = 0  # drafting blocks per training sequence and step
+    draft_lr: float = 0.0
 
 
 PRESETS = {
@@ -40,7 +44,8 @@ PRESETS = {
                             o_groups=2, o_lora_rank=32, sliding_window=16, index_n_heads=4, index_head_dim=32,
                             index_topk=8, candidate_topk_blocks=2, candidate_block_size=8, moe_intermediate_size=32,
                             n_routed_experts=4, num_experts_per_tok=2, engram_vocab_size=200, engram_n_heads=2,
-                            engram_head_dim=32)),
+                            engram_head_dim=32),
+                 draft_steps=12, draft_anchors=8, draft_lr=1e-2),
     # The H200 run (a few minutes): ~4.9 MB exported (hc_*_fn in F32 is a fifth of it). Window 64 and 512-token
     # sequences: ratio-2 entries (256 per sequence) and ratio-1 entries (512) reach far past the window; the indexer
     # keeps 32 of them. Few, large steps: a step of this model is launch-bound, not compute-bound, on an H200.
@@ -51,7 +56,8 @@ PRESETS = {
                            o_groups=2, o_lora_rank=64, sliding_window=64, index_n_heads=8, index_head_dim=32,
                            index_topk=32, candidate_topk_blocks=8, candidate_block_size=8, moe_intermediate_size=64,
                            n_routed_experts=6, num_experts_per_tok=2, engram_vocab_size=500, engram_n_heads=2,
-                           engram_head_dim=32, max_position_embeddings=8192)),
+                           engram_head_dim=32, max_position_embeddings=8192),
+                draft_steps=400, draft_anchors=64, draft_lr=3e-3),
 }
 
 
@@ -60,9 +66,9 @@ def config_json(run: Run, tokenizer: Tokenizer) -> dict:
     cfg = embedded.config_json()
     text = {**cfg["text_config"], **run.model}
     text["vocab_size"] = tokenizer.get_vocab_size(with_added_tokens=True)
-    # the backbone only: DSpark draft layers (mtp.*) are trained later on the frozen backbone's context features
-    # (TrainModel.forward(features_at=...)) and exported with it then
-    text["num_nextn_predict_layers"] = 0
+    # DSpark draft layers (the embedded model's count, block, Markov rank and experts): trained after the backbone
+    # on its frozen context features, or left out when the preset trains none
+    text["num_nextn_predict_layers"] = text["num_nextn_predict_layers"] if run.draft_steps else 0
     text["engram_compressed_vocab_size"] = compressed_token_map(tokenizer)[1]
     text["engram_num_embeddings"] = embedded.engram_table_rows(
         text["engram_vocab_size"], len(text["engram_layer_ids"]), text["engram_max_ngram_size"], text["engram_n_heads"])

@@ -37,6 +37,69 @@ def heldout_loss(model, inputs: torch.Tensor, targets: torch.Tensor, batch: int,
     return total / count
 
 
+@torch.no_grad()
+def draft_heldout(drafter, backbone, inputs: torch.Tensor, batch: int, device, stride: int = 7) -> dict:
+    """The draft layers on held-out windows, teacher-forced against the text: per block position the greedy hit
+    rate, and the accepted length a greedy chain of k drafts would reach against the text (1 + the leading hits,
+    at most k) for k = 1 .. block. With teacher forcing, a chain whose first drafts are right sees exactly the
+    Markov inputs real drafting sees, so the leading hits are exact; only the reference differs from the engine's
+    (the text, not the target model's own greedy continuation)."""
+    cfg = drafter.cfg
+    blk, targets = cfg.dspark_block_size, cfg.dspark_target_layer_ids
+    w = backbone.weights()
+    lead, hits = [], []
+    for a in range(0, len(inputs), batch):
+        x = inputs[a: a + batch].to(device)
+        ids = torch.cat([x, x[:, -1:]], 1)  # anchors stop one block short of the end: the last column is unused
+        T = x.shape[1]
+        anchors = torch.arange(0, T - 2 - blk, stride, device=device).expand(len(x), -1)
+        feats = backbone(x, features_at=targets).features
+        out = drafter(ids, [feats[t] for t in targets], anchors, w["embed.weight"], w["head.weight"])
+        hit = out.logits.argmax(-1) == out.targets
+        hits.append(hit.float().mean(0))
+        lead.append(hit.int().cumprod(-1).sum(-1))
+    lead_t = torch.cat(lead).float()
+    return {"hit_rate_by_position": [round(h, 4) for h in torch.stack(hits).mean(0).tolist()],
+            "accepted_length_vs_text": {k: round(1 + float(lead_t.clamp(max=k).mean()), 3) for k in range(1, blk + 1)},
+            "blocks": int(lead_t.numel())}
+
+
+@torch.no_grad()
+def draft_logits_vs_engine(drafter, backbone, out_dir, row: torch.Tensor, anchors=(20, 41)) -> dict:
+    """The training drafter vs the engine's DSpark on the exported checkpoint (CPU, float32): the engine prefills
+    row[: a + 1], then drafts the block after a with every choice forced to the text's token (what the training
+    forward assumes); the largest |logit| and |confidence| differences, and the argmax agreement."""
+    from deepinfer.models import ForwardBatch, load_model
+
+    cfg = drafter.cfg
+    blk, targets = cfg.dspark_block_size, cfg.dspark_target_layer_ids
+    engine = load_model(out_dir)
+    w = backbone.weights()
+    ids = row[None]
+    feats = backbone(ids, features_at=targets).features
+    out = drafter(torch.cat([ids, ids[:, -1:]], 1), [feats[t] for t in targets], torch.tensor([list(anchors)]),
+                  w["embed.weight"], w["head.weight"])
+    conf_train = torch.sigmoid(out.confidence_logits)
+    diffs, conf_diffs, agree = [], [], 0
+    for n, a in enumerate(anchors):
+        state = engine.new_state(blk + 1, drafts=True)
+        engine.forward(ForwardBatch([row[: a + 1].tolist()], [state]))
+        step = engine.drafter.step(torch.tensor([state.slot]), torch.tensor([a]), blk, state.pools)
+        seen = []
+
+        def choose(i, logits, a=a):
+            seen.append(logits[0])
+            return row[a + 2 + i: a + 3 + i]
+
+        drafts = engine.drafter.draft(row[a + 1: a + 2], step, state.pools, choose)
+        theirs = torch.stack(seen)
+        diffs.append(float((out.logits[n] - theirs).abs().max()))
+        conf_diffs.append(float((conf_train[n] - drafts.confidences[0]).abs().max()))
+        agree += int((out.logits[n].argmax(-1) == theirs.argmax(-1)).sum())
+    return {"max_abs_logit_diff": max(diffs), "max_abs_confidence_diff": max(conf_diffs),
+            "argmax_agreement": agree / (len(anchors) * blk)}
+
+
 def unigram_loss(train_stream: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> float:
     """Cross-entropy of the training stream's token frequencies (add-one smoothed) on the same held-out targets."""
     counts = torch.bincount(train_stream, minlength=vocab_size).double() + 1.0

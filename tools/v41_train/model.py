@@ -52,26 +52,95 @@ def _key(name: str) -> str:  # nn.ParameterDict keys may not contain "."
     return name.replace(".", "/")
 
 
-class TrainModel(nn.Module):
-    def __init__(self, config_json: dict, tokenizer: Tokenizer, seed: int):
+class StoredParams(nn.Module):
+    """fp32 masters of a set of checkpoint tensors (canonical names) whose forward values are what the export
+    stores (`weights()`), and the routers' selection biases, which follow the noaux_tc rule instead of gradients.
+    `moe_prefixes`: the MoE blocks in forward order (the order of a forward's expert counts)."""
+
+    def __init__(self, cfg: ModelConfig, specs: dict[str, kinds.Spec], seed: int, moe_prefixes: list[str]):
         super().__init__()
-        cfg = self.cfg = ModelConfig.from_dict(config_json)
-        # the text model's tensors; the image-token router bias (optional, unused by text) is not trained
-        self.specs = {n: s for n, s in kinds.expected_tensors(cfg).items() if not s.optional}
+        self.cfg, self.specs, self.moe_prefixes = cfg, specs, moe_prefixes
         gen = torch.Generator().manual_seed(seed)
         params, biases = {}, {}
-        for name, spec in sorted(self.specs.items()):
+        for name, spec in sorted(specs.items()):
             if name.endswith(BIAS):
                 biases[name] = torch.zeros(spec.shape)
             else:
                 params[_key(name)] = nn.Parameter(init_value(name, spec.shape, cfg, gen))
         self.params = nn.ParameterDict(params)
         self.quant_groups: dict[tuple, list[str]] = {}
-        for name, spec in sorted(self.specs.items()):
+        for name, spec in sorted(specs.items()):
             if not name.endswith(BIAS):
                 self.quant_groups.setdefault((storage_kind(name, spec), spec.shape), []).append(name)
         for name, b in biases.items():
             self.register_buffer(_key(name), b)
+
+    def bias(self, prefix: str) -> torch.Tensor:
+        return getattr(self, _key(prefix + BIAS[1:]))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Canonical name -> the value the exported checkpoint holds (straight-through to the fp32 master).
+        Tensors of one storage kind and shape are quantised together (stack, one pass, unbind)."""
+        out = {}
+        for (kind, _), names in self.quant_groups.items():
+            masters = [self.params[_key(n)] for n in names]
+            if kind == "f32":
+                out.update(zip(names, masters))
+                continue
+            stacked = torch.stack([m.view(-1, m.shape[-1]) for m in masters])
+            values = ste(stacked, stored_values(kind, stacked))
+            out.update((n, v.view(m.shape)) for n, v, m in zip(names, values.unbind(0), masters))
+        for p in self.moe_prefixes:
+            out[p + BIAS[1:]] = self.bias(p)
+        return out
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """fp32 masters (and router biases) on the CPU, for embedded.release_tensors."""
+        return {name: (getattr(self, _key(name)) if name.endswith(BIAS) else self.params[_key(name)])
+                .detach().float().cpu().clone() for name in self.specs}
+
+    @torch.no_grad()
+    def update_router_bias(self, counts: list[torch.Tensor], rate: float) -> None:
+        """noaux_tc (DeepSeek-V3's auxiliary-loss-free balancing): after each step, raise the selection bias of
+        experts that got fewer tokens than the mean and lower it for those that got more, by `rate`."""
+        for p, c in zip(self.moe_prefixes, counts):
+            c = c.float()
+            self.bias(p).add_(rate * torch.sign(c.mean() - c))
+
+
+def hc_block(cfg: ModelConfig, p: str, streams, prev_pre, W, attend, ffn):
+    """deepseek_v41.py::_block for the block of prefix `p`: shifted mHC (each site collapses with the previous
+    site's pre-mix); `attend(h)` and `ffn(g)` are the block's attention and MoE."""
+    mix = (cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
+    hc_attn = (W[p + "hc_attn_fn"], W[p + "hc_attn_scale"], W[p + "hc_attn_base"])
+    hc_ffn = (W[p + "hc_ffn_fn"], W[p + "hc_ffn_scale"], W[p + "hc_ffn_base"])
+    a_pre, a_post, a_comb = mhc_mixes(streams, *hc_attn, *mix)
+    h = rms_norm(mhc_collapse(streams, prev_pre), W[p + "attn_norm.weight"], cfg.rms_norm_eps)
+    streams = mhc_expand(attend(h), streams, a_post, a_comb)
+    f_pre, f_post, f_comb = mhc_mixes(streams, *hc_ffn, *mix)
+    g = rms_norm(mhc_collapse(streams, a_pre), W[p + "ffn_norm.weight"], cfg.rms_norm_eps)
+    streams = mhc_expand(ffn(g), streams, f_post, f_comb)
+    return streams, f_pre
+
+
+def moe_ffn(cfg: ModelConfig, p: str, g, W, n_experts: int, top_k: int, counts: list):
+    """deepseek_v41.py::_moe for the block of prefix `p`; appends the tokens per routed expert to `counts`."""
+    p += "ffn."
+    weights, idx = moe_router(g, W[p + "gate.weight"], W[p + "gate.bias"], top_k, cfg.scoring_func, cfg.gate_temp,
+                              cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    counts.append(torch.bincount(idx.flatten(), minlength=n_experts))
+    experts = [tuple(W[f"{p}experts.{e}.{k}.weight"] for k in ("w1", "w2", "w3")) for e in range(n_experts)]
+    shared = tuple(W[f"{p}shared_experts.{k}.weight"] for k in ("w1", "w2", "w3"))
+    return moe_experts(g, weights, idx, experts, shared, cfg.swiglu_limit)
+
+
+class TrainModel(StoredParams):
+    def __init__(self, config_json: dict, tokenizer: Tokenizer, seed: int):
+        cfg = ModelConfig.from_dict(config_json)
+        # the text model's tensors (the DSpark draft layers are draft.DraftModel's); the image-token router bias
+        # (optional, unused by text) is not trained
+        specs = {n: s for n, s in kinds.expected_tensors(cfg, draft_layers=False).items() if not s.optional}
+        super().__init__(cfg, specs, seed, [f"layers.{i}." for i in range(cfg.num_hidden_layers)])
         self.register_buffer("main_freqs", default_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim), persistent=False)
         y = cfg.yarn
         cf = (yarn_inv_freq(cfg.compress_rope_theta, cfg.qk_rope_head_dim, y.factor,
@@ -88,39 +157,6 @@ class TrainModel(nn.Module):
             self.register_buffer("engram_token_map", token_map, persistent=False)
             for f in ("multipliers", "primes", "offsets"):
                 self.register_buffer("engram_" + f, getattr(tabs, f), persistent=False)
-
-    # ---- weights -------------------------------------------------------------------------
-    def bias(self, layer: int) -> torch.Tensor:
-        return getattr(self, _key(f"layers.{layer}{BIAS}"))
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """Canonical name -> the value the exported checkpoint holds (straight-through to the fp32 master).
-        Tensors of one storage kind and shape are quantised together (stack, one pass, unbind)."""
-        out = {}
-        for (kind, _), names in self.quant_groups.items():
-            masters = [self.params[_key(n)] for n in names]
-            if kind == "f32":
-                out.update(zip(names, masters))
-                continue
-            stacked = torch.stack([m.view(-1, m.shape[-1]) for m in masters])
-            values = ste(stacked, stored_values(kind, stacked))
-            out.update((n, v.view(m.shape)) for n, v, m in zip(names, values.unbind(0), masters))
-        for i in range(self.cfg.num_hidden_layers):
-            out[f"layers.{i}{BIAS}"] = self.bias(i)
-        return out
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """fp32 masters (and router biases) on the CPU, for embedded.release_tensors."""
-        return {name: (self.bias(int(name.split(".")[1])) if name.endswith(BIAS) else self.params[_key(name)])
-                .detach().float().cpu().clone() for name in self.specs}
-
-    @torch.no_grad()
-    def update_router_bias(self, counts: list[torch.Tensor], rate: float) -> None:
-        """noaux_tc (DeepSeek-V3's auxiliary-loss-free balancing): after each step, raise the selection bias of
-        experts that got fewer tokens than the mean and lower it for those that got more, by `rate`."""
-        for i, c in enumerate(counts):
-            c = c.float()
-            self.bias(i).add_(rate * torch.sign(c.mean() - c))
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, features_at: tuple[int, ...] = ()) -> Output:
@@ -150,28 +186,9 @@ class TrainModel(nn.Module):
         return Output(logits, kl, ctx.counts, features)
 
     def _block(self, i: int, streams, prev_pre, W, ctx):
-        """deepseek_v41.py::_block: shifted mHC (each site collapses with the previous site's pre-mix)."""
         cfg, p = self.cfg, f"layers.{i}."
-        mix = (cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
-        hc_attn = (W[p + "hc_attn_fn"], W[p + "hc_attn_scale"], W[p + "hc_attn_base"])
-        hc_ffn = (W[p + "hc_ffn_fn"], W[p + "hc_ffn_scale"], W[p + "hc_ffn_base"])
-        a_pre, a_post, a_comb = mhc_mixes(streams, *hc_attn, *mix)
-        h = rms_norm(mhc_collapse(streams, prev_pre), W[p + "attn_norm.weight"], cfg.rms_norm_eps)
-        streams = mhc_expand(self._attention(i, h, W, ctx), streams, a_post, a_comb)
-        f_pre, f_post, f_comb = mhc_mixes(streams, *hc_ffn, *mix)
-        g = rms_norm(mhc_collapse(streams, a_pre), W[p + "ffn_norm.weight"], cfg.rms_norm_eps)
-        streams = mhc_expand(self._moe(i, g, W, ctx), streams, f_post, f_comb)
-        return streams, f_pre
-
-    def _moe(self, i: int, g, W, ctx):
-        cfg, p = self.cfg, f"layers.{i}.ffn."
-        weights, idx = moe_router(g, W[p + "gate.weight"], W[p + "gate.bias"], cfg.num_experts_per_tok,
-                                  cfg.scoring_func, cfg.gate_temp, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        ctx.counts.append(torch.bincount(idx.flatten(), minlength=cfg.n_routed_experts))
-        experts = [tuple(W[f"{p}experts.{e}.{k}.weight"] for k in ("w1", "w2", "w3"))
-                   for e in range(cfg.n_routed_experts)]
-        shared = tuple(W[f"{p}shared_experts.{k}.weight"] for k in ("w1", "w2", "w3"))
-        return moe_experts(g, weights, idx, experts, shared, cfg.swiglu_limit)
+        return hc_block(cfg, p, streams, prev_pre, W, lambda h: self._attention(i, h, W, ctx),
+                        lambda g: moe_ffn(cfg, p, g, W, cfg.n_routed_experts, cfg.num_experts_per_tok, ctx.counts))
 
     # ---- attention (models/attention.py) -----------------------------------------------------
     def _attention(self, i: int, h, W, ctx):
