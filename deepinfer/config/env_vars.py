@@ -31,15 +31,23 @@ HONOURED = {
     "DEEPINFER_ENABLE_MTP_VARLEN": "decoding.varlen",
     "DEEPINFER_DECODE_PERF_CACHE_DIR": "decoding.perf_cache_dir",
     "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE": "decoding.confidence_temperature",
+    "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "parallel.eplb.redundant_experts",
+    "DEEPINFER_EXPERT_COUNT_WINDOW_SIZE": "parallel.eplb.window",
+    "DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL": "parallel.eplb.interval",
+    "DEEPINFER_GLOO_TIMEOUT": "parallel.timeout",
 }
 DSPARK_ONLY = ("DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_DECODE_PERF_CACHE_DIR",
                "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE")
+# read by the multi-rank layouts' files (conf/parallel/dep*.yaml, cp*.yaml), not by parallel=single
+PARALLEL_ONLY = ("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "DEEPINFER_EXPERT_COUNT_WINDOW_SIZE",
+                 "DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL", "DEEPINFER_GLOO_TIMEOUT")
 
 _warned: set[str] = set()
 
 
-def unhonoured(environ=None, decoding: str = "plain") -> list[tuple[str, str]]:
-    """(name, why) for every DEEPINFER_* variable set in `environ` that this run does not honour."""
+def unhonoured(environ=None, decoding: str = "plain", world_size: int = 1) -> list[tuple[str, str]]:
+    """(name, why) for every DEEPINFER_* variable set in `environ` that this run does not honour (world_size: the
+    parallel layout's ranks)."""
     env = os.environ if environ is None else environ
     out = []
     for name in sorted(n for n in env if n.startswith("DEEPINFER_")):
@@ -47,12 +55,14 @@ def unhonoured(environ=None, decoding: str = "plain") -> list[tuple[str, str]]:
             out.append((name, "not honoured by this project (DeepInfer 0.1.0 reads it)"))
         elif name in DSPARK_ONLY and decoding != "dspark":
             out.append((name, f"ignored with decoding={decoding}; it configures decoding=dspark"))
+        elif name in PARALLEL_ONLY and world_size == 1:
+            out.append((name, "ignored with one rank (parallel=single); it configures the parallel layouts"))
     return out
 
 
-def warn_unhonoured(decoding: str = "plain") -> None:
+def warn_unhonoured(decoding: str = "plain", world_size: int = 1) -> None:
     """One warning line per variable, once per process."""
-    for name, why in unhonoured(decoding=decoding):
+    for name, why in unhonoured(decoding=decoding, world_size=world_size):
         if name not in _warned:
             _warned.add(name)
             log.warning("%s is set but %s", name, why)

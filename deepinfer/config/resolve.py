@@ -7,7 +7,8 @@ order, before any weight is read:
   3. hardware: `auto` becomes the detected preset, and a preset whose hardware is absent stops the run;
   4. dtypes: model.dtype `auto` becomes the hardware's dtype;
   5. memory: cache.memory_budget null becomes memory_fraction of the device's memory;
-  6. the pipeline names only registered components, in stage order.
+  6. the parallel layout: data_parallel_size 0 becomes EP / CP, and the layout's rules (EP divides CP x DP);
+  7. the pipeline names only registered components, in stage order.
 What needs the model itself (engine.max_model_len null -> max_position_embeddings) is `with_model_limits`, called
 by the program builder right after the model's config.json is read.
 """
@@ -43,9 +44,52 @@ def resolve(cfg: DictConfig, found: hw.Found | None = None) -> Settings:
     settings = _resolve_dtype(settings)
     settings = _resolve_memory(settings, found)
     settings = _resolve_decoding(settings)
+    settings = _resolve_parallel(settings)
     _check_pipeline(settings)
-    env_vars.warn_unhonoured(settings.decoding.name)
+    env_vars.warn_unhonoured(settings.decoding.name, settings.parallel.world_size)
     return settings
+
+
+def _resolve_parallel(s: Settings) -> Settings:
+    """data_parallel_size 0 -> EP / CP (DeepInfer's rule), then what a layout needs: EP divides CP x DP (DeepInfer's
+    rule), parts the engine cannot run yet are refused (never run as something else), EPLB only with EP > 1."""
+    from deepinfer.parallel import layout
+
+    p = s.parallel
+    cp, ep = p.context_parallel_size, p.expert_parallel_size
+    dp = layout.resolved_data_parallel_size(p.data_parallel_size, ep, cp)
+    p = dataclasses.replace(p, data_parallel_size=dp)
+    if (cp * dp) % ep:
+        raise ConfigError(f"parallel.expert_parallel_size={ep} does not divide context_parallel_size x "
+                          f"data_parallel_size = {cp} x {dp} = {cp * dp} ranks (DeepInfer's rule: the experts are "
+                          f"sharded over groups of EP ranks); allowed: a divisor of {cp * dp}")
+    if cp > 1 and not layout.context_parallel_runnable():
+        raise ConfigError(f"parallel.context_parallel_size={cp}: context parallelism is not runnable in the engine "
+                          "yet (hook: deepinfer.parallel.layout.context_parallel_runnable); allowed: 1")
+    e = p.eplb
+    if ep == 1 and (e.redundant_experts or e.interval):
+        key, value = ("redundant_experts", e.redundant_experts) if e.redundant_experts else ("interval", e.interval)
+        raise ConfigError(f"parallel.eplb.{key}={value} with parallel.expert_parallel_size=1: one rank holds every "
+                          "expert, there is nothing to balance; allowed: 0 (or a layout with expert parallelism)")
+    if e.interval and not 1 <= e.window <= e.interval:
+        raise ConfigError(f"parallel.eplb.window={e.window} (DEEPINFER_EXPERT_COUNT_WINDOW_SIZE) is out of range with "
+                          f"parallel.eplb.interval={e.interval}; allowed: [1, {e.interval}] (DeepInfer's rule)")
+    if e.interval and not layout.eplb_runtime_available():
+        raise ConfigError(f"parallel.eplb.interval={e.interval} (DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL): EPLB "
+                          "re-placement is not built yet (deepinfer/parallel/eplb_runtime.py); allowed: 0")
+    world = p.world_size
+    if world > 1:
+        if s.engine.process != "subprocess":
+            raise ConfigError(f"engine.process={s.engine.process!r} with parallel={p.name} ({world} ranks): every "
+                              "rank runs its engine core in its own process; allowed: 'subprocess'")
+        if s.hardware.device not in ("cpu", "cuda"):
+            raise ConfigError(f"parallel={p.name} ({world} ranks) on device {s.hardware.device!r}: no process-group "
+                              "backend for it; allowed devices: cpu (gloo), cuda (NCCL)")
+        if ep > 1 and s.decoding.name == "dspark" and s.decoding.num_draft_tokens:
+            raise ConfigError(f"decoding=dspark with parallel.expert_parallel_size={ep}: expert parallelism does not "
+                              "run the DSpark draft layers yet; allowed: decoding=plain (or "
+                              "DEEPINFER_USE_NEXTN_DECODE=0)")
+    return dataclasses.replace(s, parallel=p)
 
 
 def _resolve_decoding(s: Settings) -> Settings:

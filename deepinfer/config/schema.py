@@ -103,9 +103,45 @@ class HardwareSettings:
     strict_backends: bool = False
 
 
+MAX_RANKS = 1024
+
+
+@dataclass(frozen=True)
+class EplbSettings:
+    """EPLB, expert-parallel load balancing (DeepInfer's `model_executor/eplb`): redundant physical copies of the
+    routed experts, placed from per-expert token counts measured over a window of steps, re-placed every
+    `interval` steps. Needs expert_parallel_size > 1 (one rank holding every expert has nothing to balance)."""
+
+    # DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS: at least this many redundant physical experts per MoE layer, rounded up
+    # so that routed + redundant divide over the expert-parallel ranks (placement.resolve_num_extra_experts)
+    redundant_experts: int = setting(0, allowed=up_to(0, 1 << 16))
+    # DEEPINFER_EXPERT_COUNT_WINDOW_SIZE: steps of per-expert token counts the placement policy sees; with
+    # re-placement on, in [1, interval] (DeepInfer's rule)
+    window: int = setting(100, allowed=up_to(0, 1 << 20))
+    interval: int = setting(0, allowed=up_to(0, 1 << 30))  # DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL; 0: off
+
+
 @dataclass(frozen=True)
 class ParallelSettings:
-    name: str = setting("single", allowed=("single",))
+    """The parallel layout (conf/parallel/, deepinfer/parallel/): context_parallel_size x data_parallel_size ranks
+    (one process and one device each), attention data-parallel, routed experts sharded over groups of
+    expert_parallel_size ranks, which must divide the world (DeepInfer's rule). single: one process."""
+
+    name: str = "single"  # a label (the option's file name); the sizes below are what the engine reads
+    # DeepInfer's data_parallel_size: 0 means expert_parallel_size / context_parallel_size (at least 1), resolved
+    # in the resolve step
+    data_parallel_size: int = setting(1, allowed=up_to(0, MAX_RANKS))
+    expert_parallel_size: int = setting(1, allowed=up_to(1, MAX_RANKS))
+    context_parallel_size: int = setting(1, allowed=up_to(1, MAX_RANKS))
+    # DEEPINFER_GLOO_TIMEOUT, seconds a collective (and the ranks' rendezvous) may wait before it raises. DeepInfer
+    # waits 4 h; here 300 s (the engine's step_timeout), so a rank that stopped ends the run within minutes.
+    timeout: float = setting(300.0, allowed=Interval(0, 86400, lo_open=True))
+    eplb: EplbSettings = field(default_factory=EplbSettings)
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the layout: context x data parallel ranks (data_parallel_size resolved: not 0)."""
+        return self.context_parallel_size * max(1, self.data_parallel_size)
 
 
 @dataclass(frozen=True)
