@@ -42,9 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, help="override the preset's step count")
+    ap.add_argument("--draft-steps", type=int, help="override the preset's draft-layer step count")
     ap.add_argument("--out", type=Path, help="export directory (default: outputs/train-default-v41-<preset>)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--no-eval", action="store_true", help="skip the engine completions and plausibility")
+    ap.add_argument("--evaluate", type=Path, metavar="DIR",
+                    help="only the engine completions and plausibility of an export made with --no-eval (e.g. on "
+                         "a GPU machine), added to DIR/report.json")
     args = ap.parse_args(argv)
     if args.smoke:
         args.preset, args.device = "smoke", "cpu"
@@ -146,13 +150,35 @@ def logit_agreement(model: TrainModel, out_dir: Path, inputs: torch.Tensor, devi
     return {"max_abs_logit_diff": max(diffs), "max_abs_logit": scale, "argmax_agreement": agree / total}
 
 
+def engine_evaluation(out: Path, held_files, n_headers: int, log) -> dict:
+    """Greedy completions of evaluate.PROMPTS and the plausibility rate by the inference engine on the export."""
+    completions = evaluate.generate(out, evaluate.PROMPTS, 48)
+    for prompt, (text, _) in zip(evaluate.PROMPTS, completions):
+        log(f"{prompt!r} -> {text!r}")
+    headers = evaluate.function_headers(held_files, n_headers)
+    rate, samples = evaluate.plausibility(out, headers)
+    log(f"plausibility: {rate:.2%} of {len(headers)} held-out function headers")
+    return dict(completions={p: t for p, (t, _) in zip(evaluate.PROMPTS, completions)}, plausibility=rate,
+                plausibility_headers=len(headers), plausibility_samples=samples[:10],
+                evaluated_with_python=platform.python_version())
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.evaluate is not None:
+        report = json.loads((args.evaluate / "report.json").read_text())
+        _, held_files = data.split(data.stdlib_files(), presets.PRESETS[report["preset"]].max_bytes)
+        report.update(engine_evaluation(args.evaluate, held_files, presets.PRESETS[report["preset"]]
+                                        .plausibility_prompts, print))
+        (args.evaluate / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        return report
     device = torch.device(args.device)
     run = presets.PRESETS[args.preset]
     if args.steps is not None:
         run = replace(run, steps=args.steps)
+    if args.draft_steps is not None:
+        run = replace(run, draft_steps=args.draft_steps)
     set_determinism(args.seed, device)
     started = time.perf_counter()
 
@@ -216,14 +242,7 @@ def main(argv=None) -> dict:
         "draft_seconds": round(draft_seconds, 1), "drafting": drafting,
     }
     if not args.no_eval:
-        completions = evaluate.generate(args.out, evaluate.PROMPTS, 48)
-        for prompt, (text, _) in zip(evaluate.PROMPTS, completions):
-            log(f"{prompt!r} -> {text!r}")
-        headers = evaluate.function_headers(held_files, run.plausibility_prompts)
-        rate, samples = evaluate.plausibility(args.out, headers)
-        log(f"plausibility: {rate:.2%} of {len(headers)} held-out function headers")
-        report.update(completions={p: t for p, (t, _) in zip(evaluate.PROMPTS, completions)},
-                      plausibility=rate, plausibility_headers=len(headers), plausibility_samples=samples[:10])
+        report.update(engine_evaluation(args.out, held_files, run.plausibility_prompts, log))
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if args.smoke:
         head, tail = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
