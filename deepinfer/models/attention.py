@@ -42,11 +42,16 @@ class Attention:
         # the window KV is cached in FP8 (the model's own fake quantisation): this step uses what the cache holds
         codec = pools.layout.win_codec
         kv_parts = codec.encode(kv)
+        compressing = self.ratio and self.is_source and self.layer not in meta.shared_kv_written
+        c_in = self.compress_input(h) if compressing else None
+        cp = meta.cp
+        if cp is not None:  # context parallel: the whole step's window KV and compressor input, from every rank
+            *kv_parts, c_in = cp.gather(*kv_parts, c_in)
         kv = codec.decode(*kv_parts, dtype=h.dtype)
 
         if self.ratio:
-            if self.is_source and self.layer not in meta.shared_kv_written:
-                self.compress(h, meta, pools)
+            if compressing:
+                self.store_compressed(c_in, meta if cp is None else cp.full, pools, h.dtype)
             if self.is_index:
                 self._index(h, q_res, meta, pools)
         out = self._attend(q, kv, kv_parts, meta, pools)
@@ -61,19 +66,31 @@ class Attention:
         """Close the compression groups this step's tokens complete and store their entries (and indexer keys).
         Every token is a candidate group end; those that end no group write to the trash row. Public: YOCO compact
         (models/replay.py) runs it over every row of the boundary layer before the consumer layers drop rows."""
+        self.store_compressed(self.compress_input(h), meta, pools, h.dtype)
+
+    def compress_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The compressor's per-token part (what context parallel gathers): ratio 1 the normed latent [T, D];
+        ratio > 1 the fp32 (kv, gate) projections [T, 2, D]."""
+        cfg, w, ops = self.cfg, self.w, self.ops
+        if self.ratio == 1:
+            return ops.rms_norm(ops.linear(h, w.c_wkv), w.c_norm, cfg.rms_norm_eps)
+        return torch.stack([ops.linear(h.float(), w.c_wkv.float()), ops.linear(h.float(), w.c_wgate.float())], 1)
+
+    def store_compressed(self, c_in: torch.Tensor, meta: StepMeta, pools: CachePools, dtype: torch.dtype) -> None:
+        """compress() from the compressor input of every row of `meta`'s step."""
         cfg, w, ops, L = self.cfg, self.w, self.ops, pools.layout
         if self.ratio == 1:  # every token is its own group
-            latent = ops.rms_norm(ops.linear(h, w.c_wkv), w.c_norm, cfg.rms_norm_eps)
+            latent = c_in
             pos, dst = meta.positions, meta.entry_rows[1]
         else:
-            r, T, D = self.ratio, h.shape[0], cfg.head_dim
+            r, T, D = self.ratio, c_in.shape[0], cfg.head_dim
             gi = meta.groups[r]
-            raw = torch.stack([ops.linear(h.float(), w.c_wkv.float()), ops.linear(h.float(), w.c_wgate.float())], 1)
+            raw = c_in
             held = pools.open_groups[self.layer]  # [slots * rows + 1, 2, D] fp32 (kv, gate)
             members = torch.where(gi.member_is_new[..., None, None], raw[gi.member_new_row], held[gi.member_open_row])
             held.index_copy_(0, gi.open_write_row, raw)  # after the read: a write may reuse a row just read
             pooled = ops.compressor_pool(members[:, :, 0].reshape(T * r, D), members[:, :, 1].reshape(T * r, D), r)
-            latent = ops.rms_norm(pooled.to(h.dtype), w.c_norm, cfg.rms_norm_eps)
+            latent = ops.rms_norm(pooled.to(dtype), w.c_norm, cfg.rms_norm_eps)
             pos, dst = gi.rope_pos, gi.entry_row
         if self.is_index:  # indexer keys come from the pre-RoPE latent
             k = ops.rope(ops.rms_norm(ops.linear(latent, w.i_wk), w.i_k_norm, cfg.rms_norm_eps), pos,

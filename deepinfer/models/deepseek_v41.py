@@ -15,11 +15,12 @@ from tokenizers import Tokenizer
 
 from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.rope import default_inv_freq, yarn_inv_freq
+from deepinfer.parallel.context_parallel import ContextParallel, align_of
 from deepinfer.parallel.expert_parallel import ExpertParallel, ep_moe_experts
 
 from .attention import Attention
 from .batch import ForwardBatch
-from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, StepMeta, derive, pack_step
+from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, StepMeta, derive, pack_step, query_view
 from .card import ModelCard
 from .config import ModelConfig
 from .engram import EngramTables
@@ -126,7 +127,11 @@ class DeepseekV41Model:
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cp: ContextParallel | None = None) -> torch.Tensor:
+        """`cp` (deepinfer.parallel.context_parallel.ContextParallel): balanced context-parallel prefill. Every rank
+        of cp.group calls forward in step with the same token ids and tokens held per sequence (its own slots and
+        blocks); each computes its mirror blocks of every chunk, every rank's pools end up holding the whole step's
+        caches, and every rank returns the same (single-process) logits."""
         if len(batch.token_ids) != len(batch.states):
             raise ValueError("ForwardBatch: token_ids and states must have the same length")
         if any(len(t) == 0 for t in batch.token_ids):
@@ -140,6 +145,12 @@ class DeepseekV41Model:
         host = pack_step(batch.token_ids, batch.states, pools.layout, self.device, all_logits=batch.all_logits,
                          num_logits=batch.num_logits)
         meta = derive(host, pools)
+        if cp is not None:
+            if batch.replay is not None:
+                raise ValueError("context parallel prefill does not support YOCO replay (yoco=mask|compact) yet")
+            plan = cp.plan(host.lengths, pasts, align_of(self.config.compress_ratios))
+            step = cp.step(plan, meta, self.device)
+            meta = query_view(meta, step.own, step)
         replay = batch.replay.plan(meta, pools, pasts, batch.data_lens) if batch.replay is not None else None
         logits = self.run(meta, pools, replay)
         for st, n in zip(batch.states, host.lengths):
@@ -159,8 +170,12 @@ class DeepseekV41Model:
         # the first attention site collapses stream 0 (the embedding): a one-hot "previous pre-mix"
         pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0
-        hash_ids = self._engram_hash(meta, pools) if self.engram is not None else None
-        pools.win_pos.index_copy_(0, meta.window.write_row, meta.positions.to(torch.int32))
+        cp = meta.cp  # context parallel: meta holds this rank's rows; cache writes cover the whole step (cp.full)
+        full = meta if cp is None else cp.full
+        hash_ids = self._engram_hash(full, pools) if self.engram is not None else None
+        if cp is not None and hash_ids is not None:
+            hash_ids = hash_ids[cp.own]
+        pools.win_pos.index_copy_(0, full.window.write_row, full.positions.to(torch.int32))
 
         hook = self.layer_hook
         drafter = self.drafter if pools.draft_window else None
@@ -178,9 +193,17 @@ class DeepseekV41Model:
         if hook is not None:
             hook(len(self.layers))
         if drafter is not None:
-            drafter.write_context(features, meta.positions, meta.window.write_row, pools)
+            if cp is not None:
+                features = cp.gather(*features)
+            at = meta if cp is None else cp.full  # meta: the YOCO consumer view after a replay switched it
+            drafter.write_context(features, at.positions, at.window.write_row, pools)
 
         last = meta.host.base.get("last")
+        if cp is not None:  # the logit rows' final hidden state from the rank that computed each of them
+            rows = last if last is not None else torch.arange(len(cp.index), device=self.device)
+            sel = cp.local_rows(rows)
+            y = ops.rms_norm(ops.mhc_collapse(streams[sel], pre[sel]), self.final_norm, cfg.rms_norm_eps)
+            return ops.linear(cp.pick(y, rows), self.head).float()
         if last is not None:
             streams, pre = streams[last], pre[last]
         y = ops.rms_norm(ops.mhc_collapse(streams, pre), self.final_norm, cfg.rms_norm_eps)

@@ -13,7 +13,8 @@ them on the device with fixed shapes, so the same derivation can run inside a ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -119,6 +120,9 @@ class StepMeta:
     # KV-source layers whose compressor already wrote every row of the step: YOCO compact's consumer view
     # (models/replay.py) runs the boundary layer on fewer rows after its shared KV was written for all of them
     shared_kv_written: tuple[int, ...] = ()
+    # context-parallel prefill (deepinfer.parallel.context_parallel.CPStep): this view's rows are the rank's own
+    # queries; cp.full is the whole step's metadata, which the cache writes use, and cp.gather brings other ranks' rows
+    cp: Any = None
 
 
 def derive(host: HostStep, pools: CachePools) -> StepMeta:
@@ -173,3 +177,16 @@ def derive(host: HostStep, pools: CachePools) -> StepMeta:
         look = pos[:, None] - torch.arange(n, device=dev)[None, :]  # look-back 0..n-1
         meta.ngram = (ring_index(look, layout.ngram_rows), write_rows(layout.ngram_rows, S * layout.ngram_rows))
     return meta
+
+
+def query_view(meta: StepMeta, rows: torch.Tensor, cp: Any) -> StepMeta:
+    """The metadata of a context-parallel rank's queries: the step rows `rows` of `meta` (their ids, positions,
+    window slates, visible entries). Window slates still point at the whole step's rows (`new_row`: the gathered
+    keys) and `window.write_row` stays the whole step's, so each rank writes every row's window KV into its own
+    rings; compression groups, entry rows and the Engram look-back are read from `cp.full` (= meta) only."""
+    wi = meta.window
+    window = WindowIndex(wi.valid[rows], wi.is_new[rows], wi.ring_row[rows], wi.new_row[rows], wi.write_row)
+    entries = {r: EntryIndex(e.rows, e.visible[rows], e.width) for r, e in meta.entries.items()}
+    return replace(meta, ids=meta.ids[rows], positions=meta.positions[rows], tok_seq=meta.tok_seq[rows],
+                   tok_slot=meta.tok_slot[rows], window=window, groups={}, entry_rows={}, entries=entries, ngram=None,
+                   scratch={}, cp=cp)
