@@ -72,7 +72,8 @@ class ProcessClient:
     time out after send_timeout_s. Any of these raises EngineDeadError naming what happened, and close() never
     waits on the core for more than a few seconds (it kills it)."""
 
-    def __init__(self, factory, options: EngineOptions):
+    def __init__(self, factory, options: EngineOptions, env: dict[str, str] | None = None):
+        """env: the core process's environment (None: this one's), e.g. a data-parallel rank's RANK / MASTER_PORT."""
         self.options = options
         self._closed = False
         self._dead: str | None = None
@@ -93,7 +94,7 @@ class ProcessClient:
         payload = startup.encode(startup.CoreStartup(spec, options, self._endpoints.control, self._endpoints.heartbeat,
                                                      key, os.getpid()))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "deepinfer.engine.core_process"], stdin=subprocess.PIPE, close_fds=True
+            [sys.executable, "-m", "deepinfer.engine.core_process"], stdin=subprocess.PIPE, close_fds=True, env=env
         )
         self.process.stdin.write(payload)
         self.process.stdin.close()

@@ -80,6 +80,11 @@ class EngineCore:
         )
         self._inflight: tuple[StepPlan, Future, float] | None = None
         self.grammars = GrammarCompilations(backend, options)
+        # Lockstep (deepinfer.parallel.lockstep, data-parallel ranks whose model forwards are collectives): every
+        # step() runs exactly one forward, a dummy one when it has nothing to launch.
+        self.lockstep = False
+        self._launched = False
+        self._device_jobs: list[Future] = []  # dummy steps and after-step work queued behind the steps (async)
 
     def _shutdown_worker(self) -> None:
         if self._worker is not None:
@@ -152,9 +157,38 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- stepping ------------------------------------------------------------------------------------------
+    def enter_lockstep(self) -> None:
+        """From now on every step() runs exactly one model forward (see `idle_step`), and a failed step ends the run
+        instead of only its requests (the other ranks' collectives cannot be matched any more)."""
+        self.lockstep = self.runner.lockstep = True
+
+    def idle_step(self) -> CoreOutputs:
+        """Lockstep: one forward without any sequence (ModelRunner.dummy_step), so that a rank with nothing to run
+        still joins the step's collectives."""
+        self.on_device(self.runner.dummy_step)
+        return CoreOutputs([])
+
+    def on_device(self, fn: Callable[[], object]) -> None:
+        """Runs fn after every step launched so far, on the thread that runs the model (with async scheduling:
+        queued behind them; its exception surfaces at a later step)."""
+        if self._worker is None:
+            fn()
+            return
+        self._reap_device_jobs()
+        self._device_jobs.append(self._worker.submit(fn))
+
+    def _reap_device_jobs(self) -> None:
+        done = [f for f in self._device_jobs if f.done()]
+        self._device_jobs = [f for f in self._device_jobs if not f.done()]
+        for f in done:
+            f.result()  # raises what the job raised
+
     def step(self) -> CoreOutputs:
         settled = self._settle_grammars()
+        self._launched = False
         out = self._step_async() if self.zero_overhead else self._step_sync()
+        if self.lockstep and not self._launched:
+            self.idle_step()  # nothing launched (waiting for grammars, only folding the step in flight)
         if not self.has_work():
             self._release(self.scheduler.take_release())  # nothing further will carry them: drop states now
         if settled:
@@ -192,6 +226,7 @@ class EngineCore:
         sched_s = time.perf_counter() - t0
         if not plan.rows:
             return CoreOutputs([] if self._idle_for_grammars(plan) else self._stuck(plan))
+        self._launched = True
         result = self.runner.execute(plan)
         return self._fold(plan, result, sched_s)
 
@@ -203,6 +238,7 @@ class EngineCore:
             sched_s = time.perf_counter() - t0
             if plan.rows:
                 launched = (plan, self._worker.submit(self.runner.execute, plan), sched_s)
+                self._launched = True
             elif self._inflight is None:
                 return CoreOutputs([] if self._idle_for_grammars(plan) else self._stuck(plan))
             elif plan.release:
@@ -262,6 +298,9 @@ class EngineCore:
         if self._inflight is not None:
             self._inflight[1].result()
             self._inflight = None
+        for job in self._device_jobs:
+            job.exception()  # waits; what it raised no longer matters
+        self._device_jobs = []
         if self._worker is not None:
             self._worker.call(self.runner.close)
             self._worker.shutdown()

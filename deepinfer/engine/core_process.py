@@ -93,7 +93,7 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
     try:
         send(m.Hello(os.getpid()))  # lets the frontend learn which connection is ours
         try:
-            from deepinfer.engine.core import EngineCore
+            from deepinfer.parallel.lockstep import build_core
 
             def build():
                 if options.num_threads:  # a fresh process: the frontend's setting is not inherited
@@ -102,7 +102,8 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
                     torch.set_num_threads(options.num_threads)  # on the thread that runs the model
                 return factory()
 
-            core = EngineCore(build, options)
+            # an EngineCore; with a multi-rank layout, rank 0 of the world driving the others (parallel/lockstep.py)
+            core = build_core(factory, build, options)
         except BaseException as exc:
             send(m.Failure(summary(exc), traceback.format_exc(), startup=True))
             return

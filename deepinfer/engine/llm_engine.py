@@ -45,10 +45,13 @@ class LLMEngine:
     (e.g. ModelDirBackend(path)). tokenizer: anything with decode(ids, skip_special_tokens=...), for output text
     (None: text is "")."""
 
-    def __init__(self, backend_factory, options: EngineOptions | None = None, tokenizer=None):
+    def __init__(self, backend_factory, options: EngineOptions | None = None, tokenizer=None, client_cls=None):
+        """client_cls: how to reach the core (default: by options.process; a multi-rank layout passes
+        deepinfer.parallel.launch.DataParallelClient)."""
         self.options = options or EngineOptions()
         self.tokenizer = tokenizer
-        client_cls = ProcessClient if self.options.process == "subprocess" else InprocClient
+        if client_cls is None:
+            client_cls = ProcessClient if self.options.process == "subprocess" else InprocClient
         self.client = client_cls(backend_factory, self.options)
         self.info = self.client.info
         mode = "async" if self.info.zero_overhead else "sync"
@@ -81,7 +84,12 @@ class LLMEngine:
         else:
             factory = SettingsBackend(settings)
         tokenizer = getattr(getattr(program, "tokenize", None), "tokenizer", None)
-        return cls(factory, options, tokenizer)
+        client_cls = None
+        if settings.parallel.world_size > 1:  # one engine core per rank (deepinfer/parallel), rank 0 driving
+            from deepinfer.parallel.launch import DataParallelClient
+
+            client_cls = functools.partial(DataParallelClient, parallel=settings.parallel)
+        return cls(factory, options, tokenizer, client_cls)
 
     # ---- generation ----------------------------------------------------------------------------------------
     def generate(

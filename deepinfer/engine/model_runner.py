@@ -65,6 +65,9 @@ class ModelRunner:
         # Tests and benchmarks only: fn(sequence ids, prompt length, drafts) -> drafts, applied after the drafter ran
         # (a drafter that copies the target's known continuation, or one that is always wrong). None in serving.
         self.draft_override = None
+        # Lockstep (EngineCore.enter_lockstep: data-parallel ranks whose forwards are collectives): every execute
+        # runs exactly one forward, and a step that fails raises instead of ending only its requests
+        self.lockstep = False
 
     def allocate(self, num_slots: int, num_blocks: int, block_size: int, max_model_len: int = 0,
                  graphs: bool = False, graph_interval: int = 8, max_rollback: int = 0) -> None:
@@ -102,6 +105,13 @@ class ModelRunner:
         if self.pools.device.type == "cuda":
             torch.cuda.synchronize(self.pools.device)
 
+    def dummy_step(self) -> None:
+        """One forward without a sequence, for a rank that must join a step's collectives with nothing to run: one
+        token at position 0 of the pools' spare slot and spare block, which no sequence reads (CUDA-graph padding
+        rows write there too); its logits are dropped."""
+        state = self._SequenceCache(self.pools, self.pools.spare_slot, [self.pools.spare_block])
+        self.backend.decode(self._ForwardBatch([[0]], [state]))
+
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
@@ -120,12 +130,16 @@ class ModelRunner:
         self.release(plan.release)
         t0 = time.perf_counter()
         if not plan.rows:
+            if self.lockstep:
+                self.dummy_step()
             return StepResult(plan.step_id, [], t_start=t0, t_end=t0)
         self._graph_step, self._draft_graph_step, self._rows_saved = False, False, 0
         self._step_drafts = (0, 0)
         try:
             samples, prepare_s = self._run(plan, t0)
         except Exception as exc:  # a failed step ends its requests with an error instead of killing the engine
+            if self.lockstep:
+                raise  # the other ranks wait in this step's collectives: the run cannot continue
             self.release([row.request_id for row in plan.rows])  # their states may be half-advanced
             msg = f"model step failed: {type(exc).__name__}: {exc}"
             traceback.print_exc()
@@ -174,6 +188,8 @@ class ModelRunner:
         if rows:
             prepare_s = self._forward_and_sample(plan, rows, token_lists, states, sampled, grammars, by_seq, t0,
                                                  drafts_of)
+        elif self.lockstep:
+            self.dummy_step()  # every row was skipped: the step's collectives still need this rank
         lost = SampledToken(0, error="the request's state was lost in a failed step")
         samples = [by_seq.get(id(self._seqs.get(row.request_id)), lost) for row in plan.rows if row.sample]
         return samples, prepare_s

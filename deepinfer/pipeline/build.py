@@ -57,6 +57,7 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
     import torch
 
     from deepinfer.models import load_model
+    from deepinfer.parallel.world import expert_parallel_kwargs
     from deepinfer.sampling.sampler import Sampler
 
     model_dir = model_location(settings.model.path)
@@ -77,6 +78,8 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
         load_format=settings.model.load_format,
         tokenizer=settings.model.tokenizer,
         seed=rt.seed or 0,
+        # expert parallel (parallel.expert_parallel_size > 1): only this rank's routed experts are read
+        **expert_parallel_kwargs(settings, model_dir, weights),
     )
     settings = with_model_limits(settings, model.config.max_position_embeddings)
     check_replay_fits(settings, model.config.sliding_window)

@@ -1,0 +1,120 @@
+"""The frontend's side of a multi-rank layout: start the ranks, talk to rank 0, watch the others.
+
+`python -m deepinfer parallel=dep2` (or `LLM(parallel="dep2")`) on one machine: the frontend picks a free TCP port
+on 127.0.0.1 and starts the ranks as torchrun would, with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT in their environment: ranks 1.. as `python -m deepinfer.parallel.rank_process` (their settings typed on
+stdin), rank 0 as the usual engine-core process (deepinfer.engine.core_process), which the frontend talks to over
+its private signed sockets as for one core (ProcessClient: typed messages, heartbeats, bounded waits).
+
+Under torchrun (RANK and WORLD_SIZE already set) the ranks exist already: rank 0's frontend starts only its own
+engine core, which inherits the environment and so joins as rank 0; the other torchrun processes run
+deepinfer.parallel.rank_process.run_rank themselves.
+
+A rank that exits ends the run: between its waits the frontend polls the ranks it started, and an exit (or rank 0's
+report that a collective failed) becomes one EngineDeadError naming the rank; close() stops them all, bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from deepinfer.engine.client import ProcessClient
+from deepinfer.engine.options import EngineOptions
+
+from .world import check_launch
+
+DEATH_WAIT_S = 1.0  # after rank 0 reports a failed collective: how long to wait for the rank that caused it to exit
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the rendezvous binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DataParallelClient(ProcessClient):
+    def __init__(self, factory, options: EngineOptions, parallel):
+        from .rank_process import startup_payload
+
+        self.parallel = parallel
+        self.followers: list[tuple[int, subprocess.Popen]] = []
+        env = None
+        if check_launch(parallel) is None:  # not under torchrun: start ranks 1.. here
+            n = parallel.world_size
+            base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n),
+                        LOCAL_WORLD_SIZE=str(n))
+            payload = startup_payload(factory.settings, options)
+            try:
+                for r in range(1, n):
+                    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.parallel.rank_process"],
+                                            stdin=subprocess.PIPE, close_fds=True,
+                                            env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+                    self.followers.append((r, proc))
+                    proc.stdin.write(payload)
+                    proc.stdin.close()
+            except BaseException:
+                self._stop_followers()
+                raise
+            env = dict(base, RANK="0", LOCAL_RANK="0")
+        try:
+            super().__init__(factory, options, env=env)  # on failure it has closed rank 0 already
+        except BaseException:
+            self._stop_followers()
+            raise
+
+    # ---- liveness: rank 0 through ProcessClient, the others here -----------------------------------------------
+    def _check_health(self, what: str) -> None:
+        dead = self._dead_follower()
+        if dead is not None:
+            self._mark_dead(f"{dead} while the frontend waited for the engine's {what}")
+        super()._check_health(what)
+
+    def _dead_follower(self, wait_s: float = 0.0) -> str | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r, proc in self.followers:
+                code = proc.poll()
+                if code is not None:
+                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                    return (f"data-parallel rank {r} of {self.parallel.world_size} (pid {proc.pid}) {how}; the "
+                            "other ranks cannot run without it, so every unfinished request ended")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _mark_dead(self, message: str, details: str | None = None) -> None:
+        # rank 0 often notices first (its collective fails): name the rank that caused it when one exited
+        if not self._closed and not message.startswith("data-parallel rank"):
+            dead = self._dead_follower(DEATH_WAIT_S)
+            if dead is not None:
+                message, details = dead, f"rank 0: {message}\n{details or ''}"
+        super()._mark_dead(message, details)
+
+    def close(self) -> None:
+        """Rank 0 first (asked to stop, it tells the others), then the other ranks: waited for, then terminated,
+        then killed, each step bounded by close_grace_s."""
+        try:
+            super().close()
+        finally:
+            self._stop_followers()
+
+    def _stop_followers(self) -> None:
+        for stop in (None, "terminate", "kill"):
+            alive = [p for _, p in self.followers if p.poll() is None]
+            if not alive:
+                return
+            for p in alive:
+                if stop is not None:
+                    getattr(p, stop)()
+            deadline = time.monotonic() + self.options.close_grace_s
+            for p in alive:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))  # reaps it
+                except subprocess.TimeoutExpired:
+                    pass

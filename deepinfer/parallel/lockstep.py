@@ -1,0 +1,275 @@
+"""Data-parallel ranks in lockstep: one engine core per rank, every rank running one model forward per step.
+
+With expert parallelism every MoE layer is a collective (an all-to-all over the EP group), so every rank must run
+the same number of forwards in the same order, whatever its own requests. Rank 0 (the driver) is the engine-core
+process the frontend talks to; it spreads the requests over the ranks and returns every rank's outputs. One turn
+of the loop, on every rank, over the `control` group (gloo, CPU; world.py says why it is a group of its own):
+
+  1. commands: rank 0 broadcasts each rank's payload size, then scatters the payloads (new requests, aborts; all
+     sizes -1: shut down). Payloads are MessagePack of the engine's own typed messages, never pickle;
+  2. every rank adds / aborts its own, then an all-reduce (MAX) of "has work": the ranks agree whether anybody has
+     anything to run. Nobody: no forward this turn. Somebody: every rank steps; a rank without work runs a dummy
+     forward (EngineCore.idle_step) that joins the collectives, as DeepInfer's idle ranks do;
+  3. after the forward, EPLB's `after_step` on every rank (eplb.interval > 0; it has collectives of its own), queued
+     on the device thread behind the forward;
+  4. outputs: an all-gather of the sizes, then a gather of each rank's updates to rank 0.
+Termination is the same agreement: once no rank has work, turns run no forward; rank 0 turns only when a request
+arrives or every IDLE_TICK_S (the other ranks wait in step 1 meanwhile, well inside the collective timeout).
+
+A rank that dies makes the others' next collective fail (gloo: the peer's connection closes; a rank that stops
+answering: parallel.timeout). Rank 0 reports it as the core's failure; the frontend (launch.py) names the rank that
+exited and ends the run. The ranks' batches differ, so each row's output depends only on its own tokens: greedy
+tokens equal `single`'s where the model is row-invariant (the torch CPU path: tests/test_parallel_engine.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from deepinfer.engine import messages as m
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.messages import AddRequest, CoreOutputs, RequestUpdate
+
+from .world import World, join, leave
+
+IDLE_TICK_S = 0.1  # rank 0 turns at least this often while idle (it polls the frontend for IDLE_POLL_MS between)
+SHUTDOWN = object()
+
+
+class Commands(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One rank's share of a turn: requests (as they travel from the frontend, checked again on arrival) and aborts."""
+
+    adds: list[m.WireRequest] = msgspec.field(default_factory=list)
+    aborts: list[int] = msgspec.field(default_factory=list)
+
+
+_commands = msgspec.msgpack.Decoder(Commands)
+_outputs = msgspec.msgpack.Decoder(CoreOutputs)
+
+
+class LockstepRank:
+    """One rank's side of the loop above, around its EngineCore."""
+
+    def __init__(self, core: EngineCore, world: World, eplb=None):
+        core.enter_lockstep()
+        self.core, self.world, self.eplb = core, world, eplb
+        self.turns = self.forwards = 0
+
+    def turn(self, payloads: list[bytes] | None = None, shutdown: bool = False):
+        """One turn. Rank 0 passes every rank's command payload (b"": none) and gets every rank's CoreOutputs;
+        the other ranks pass nothing and get None, or SHUTDOWN when rank 0 ends the run."""
+        mine = self._commands(payloads, shutdown)
+        if mine is SHUTDOWN:
+            return SHUTDOWN
+        self.turns += 1
+        out = CoreOutputs(self._apply(mine))
+        if self._anybody(self.core.has_work()):
+            step = self.core.step() if self.core.has_work() else self.core.idle_step()
+            self.forwards += 1
+            out.updates += step.updates
+            out.stats += step.stats
+            if self.eplb is not None:
+                self.core.on_device(self.eplb.after_step)
+        return self._gather(msgspec.msgpack.encode(out) if out.updates or out.stats else b"")
+
+    # ---- the three exchanges -------------------------------------------------------------------------------
+    def _commands(self, payloads, shutdown: bool):
+        w = self.world
+        sizes = torch.zeros(w.size, dtype=torch.int64)
+        if w.is_driver:
+            sizes = torch.full((w.size,), -1, dtype=torch.int64) if shutdown else \
+                torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+        dist.broadcast(sizes, src=0, group=w.control)
+        if sizes[0].item() < 0:
+            return SHUTDOWN
+        width = int(sizes.max().item())
+        if width == 0:
+            return b""
+        buf = torch.empty(width, dtype=torch.uint8)
+        chunks = [_padded(p, width) for p in payloads] if w.is_driver else None
+        dist.scatter(buf, chunks, src=0, group=w.control)
+        return bytes(buf[: sizes[w.rank].item()].numpy())
+
+    def _anybody(self, busy: bool) -> bool:
+        flag = torch.tensor([int(busy)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world.control)
+        return bool(flag.item())
+
+    def _gather(self, data: bytes):
+        w = self.world
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(w.size)]
+        dist.all_gather(sizes, size, group=w.control)
+        lengths = [int(s.item()) for s in sizes]
+        width = max(lengths)
+        got = [b""] * w.size
+        if width:
+            bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(w.size)] if w.is_driver else None
+            dist.gather(_padded(data, width), bufs, dst=0, group=w.control)
+            if w.is_driver:
+                got = [bytes(b[:n].numpy()) for b, n in zip(bufs, lengths)]
+        if not w.is_driver:
+            return None
+        return [_outputs.decode(g) if g else CoreOutputs([]) for g in got]
+
+    def _apply(self, payload: bytes) -> list[RequestUpdate]:
+        if not payload:
+            return []
+        cmd = _commands.decode(payload)
+        updates = []
+        for wire in cmd.adds:
+            req = m.from_wire(wire)  # a malformed request ends alone, with its one-line error
+            upd = self.core.add_request(req) if isinstance(req, AddRequest) else req
+            if upd is not None:
+                updates.append(upd)
+        updates += [u for u in map(self.core.abort, cmd.aborts) if u is not None]
+        return updates
+
+    def close(self) -> None:
+        self.core.close()
+
+
+def _padded(data: bytes, width: int) -> torch.Tensor:
+    out = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+class DataParallelCore:
+    """Rank 0 as the engine-core process's step loop (core_process._loop) sees an EngineCore: requests go to the
+    rank with the fewest unfinished ones (ties: the lowest rank; deterministic for a given order of arrivals), every
+    step() is one turn of all ranks, and the updates of all ranks come back in one CoreOutputs. The frontend puts
+    the outputs back in submission order."""
+
+    def __init__(self, rank: LockstepRank):
+        self.rank = rank
+        n = rank.world.size
+        self._adds: list[list[m.WireRequest]] = [[] for _ in range(n)]
+        self._aborts: list[list[int]] = [[] for _ in range(n)]
+        self._owner: dict[int, int] = {}  # unfinished request id -> its rank
+        self._open = [0] * n  # unfinished requests per rank
+        self._next_turn = 0.0
+        self._failed = False
+
+    def info(self):
+        info = self.rank.core.info()
+        w = self.rank.world
+        desc = f"rank 0 of {w.size} (each rank its own cache): {info.cache_description}"
+        return msgspec.structs.replace(info, cache_description=desc)
+
+    def add_request(self, msg: AddRequest) -> RequestUpdate | None:
+        r = min(range(len(self._open)), key=lambda i: (self._open[i], i))
+        self._adds[r].append(m.to_wire([msg]).requests[0])
+        self._owner[msg.request_id] = r
+        self._open[r] += 1
+        return None  # the rank answers a request that cannot run, in the next turn's outputs
+
+    def abort(self, request_id: int) -> RequestUpdate | None:
+        r = self._owner.get(request_id)
+        if r is not None:
+            self._aborts[r].append(request_id)
+        return None
+
+    def has_work(self) -> bool:
+        return (any(self._open) or any(self._aborts) or time.monotonic() >= self._next_turn)
+
+    def step(self) -> CoreOutputs:
+        payloads = [msgspec.msgpack.encode(Commands(a, b)) if a or b else b"" for a, b in zip(self._adds, self._aborts)]
+        for q in (*self._adds, *self._aborts):
+            q.clear()
+        try:
+            reports = self.rank.turn(payloads)
+        except Exception as exc:
+            self._failed = True
+            raise RuntimeError(f"the lockstep step of the {len(self._open)} data-parallel ranks failed (a rank died, "
+                               f"stopped or failed): {_first_line(exc)}") from exc
+        out = CoreOutputs([])
+        for rep in reports:
+            out.updates += rep.updates
+            out.stats += rep.stats
+        for upd in out.updates:
+            if upd.finish_reason is not None and upd.request_id in self._owner:
+                self._open[self._owner.pop(upd.request_id)] -= 1
+        self._next_turn = time.monotonic() + IDLE_TICK_S
+        return out
+
+    def close(self) -> None:
+        """Tells the other ranks to stop (unless a collective already failed), then stops this one."""
+        try:
+            if not self._failed:
+                self.rank.turn([b""] * len(self._open), shutdown=True)
+        finally:
+            try:
+                self.rank.close()
+            finally:
+                leave()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+# ---- building a rank --------------------------------------------------------------------------------------------
+def rank_core(build, options, world: World, settings) -> tuple[EngineCore, object]:
+    """This rank's EngineCore (its model loaded with only its experts by the settings' program) and its EPLB runtime
+    (None with eplb.interval 0), after printing the rank's weight memory."""
+    import dataclasses
+
+    p = settings.parallel
+    if p.expert_parallel_size > 1 and world.device == "cuda" and not options.enforce_eager:
+        # the all-to-all reads its row counts on the host: a decode step cannot be captured as a CUDA graph
+        print(f"deepinfer: rank {world.rank}: expert parallel decode steps run eagerly (no CUDA graphs)",
+              file=sys.stderr, flush=True)
+        options = dataclasses.replace(options, enforce_eager=True)
+    core = EngineCore(build, options)
+    model = core.backend.model
+    print(weights_line(model, world), file=sys.stderr, flush=True)
+    eplb = None
+    if p.eplb.interval:  # the resolve step refused interval > 0 where the runtime is absent
+        from .eplb_runtime import EplbRuntime
+
+        eplb = EplbRuntime(model, p.eplb.redundant_experts, p.eplb.window, p.eplb.interval, group=world.ep_group)
+    return core, eplb
+
+
+def weights_line(model, world: World) -> str:
+    """The rank's weight memory, one line (issue 13: printed by every rank at start)."""
+    import os
+
+    from deepinfer.models.deepseek_v41 import _held_bytes, _model_weights
+
+    total = _held_bytes(_model_weights(model))
+    routed = _held_bytes([lw.experts for lw in model.layers])
+    ep = model.expert_parallel
+    slots = (f"{ep.placement.per_rank} of {ep.placement.num_physical} physical expert slots per MoE layer"
+             if ep is not None else f"all {model.config.n_routed_experts} experts")
+    return (f"deepinfer: rank {world.rank} of {world.size} (pid {os.getpid()}, {world.device}): weights "
+            f"{total / 1e9:.4f} GB, of which routed experts {routed / 1e9:.4f} GB ({slots})")
+
+
+def build_core(factory, build, options):
+    """The engine-core process's core: an EngineCore, or with a multi-rank layout (the factory's settings) rank 0
+    of the world, joined first, as a DataParallelCore."""
+    settings = getattr(factory, "settings", None)
+    if settings is None or settings.parallel.world_size == 1:
+        return EngineCore(build, options)
+    world = join(settings.parallel, settings.hardware.device)
+    try:
+        core, eplb = rank_core(build, options, world, settings)
+    except BaseException:
+        leave()
+        raise
+    return DataParallelCore(LockstepRank(core, world, eplb))
+
+
+def follow(rank: LockstepRank) -> None:
+    """A rank other than 0: turn until rank 0 says stop (a failed collective raises)."""
+    while rank.turn() is not SHUTDOWN:
+        pass
