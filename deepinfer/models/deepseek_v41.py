@@ -189,7 +189,7 @@ class DeepseekV41Model:
                 streams = self._engram(streams, lw, hash_ids[:, cfg.engram_layer_ids.index(i)])
             if replay is not None and i == replay.boundary:
                 streams, pre, meta, hash_ids = replay.enter(self, streams, pre, meta, pools, hash_ids)
-            streams, pre = self._block(streams, pre, lw, attn, meta, pools)
+            streams, pre = self._block(streams, pre, lw, attn, meta, pools, i)
         if hook is not None:
             hook(len(self.layers))
         if drafter is not None:
@@ -209,7 +209,8 @@ class DeepseekV41Model:
         y = ops.rms_norm(ops.mhc_collapse(streams, pre), self.final_norm, cfg.rms_norm_eps)
         return ops.linear(y, self.head).float()
 
-    def _block(self, streams, prev_pre, lw: LayerWeights, attn: Attention, meta: StepMeta, pools: CachePools):
+    def _block(self, streams, prev_pre, lw: LayerWeights, attn: Attention, meta: StepMeta, pools: CachePools,
+               layer: int | None = None):
         cfg, ops = self.config, self.ops
         mix = (cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
         a_pre, a_post, a_comb = ops.mhc_mixes(streams, *lw.hc_attn, *mix)
@@ -217,14 +218,16 @@ class DeepseekV41Model:
         streams = ops.mhc_expand(attn(h, meta, pools), streams, a_post, a_comb)
         f_pre, f_post, f_comb = ops.mhc_mixes(streams, *lw.hc_ffn, *mix)
         g = ops.rms_norm(ops.mhc_collapse(streams, a_pre), lw.ffn_norm, cfg.rms_norm_eps)
-        streams = ops.mhc_expand(self._moe(g, lw), streams, f_post, f_comb)
+        streams = ops.mhc_expand(self._moe(g, lw, layer), streams, f_post, f_comb)
         return streams, f_pre
 
     def attn_input(self, streams, prev_pre, lw: LayerWeights) -> torch.Tensor:
         """A layer's attention-norm output: the streams collapsed with the previous site's pre-mix, normed."""
         return self.ops.rms_norm(self.ops.mhc_collapse(streams, prev_pre), lw.attn_norm, self.config.rms_norm_eps)
 
-    def _moe(self, g: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    def _moe(self, g: torch.Tensor, lw: LayerWeights, layer: int | None = None) -> torch.Tensor:
+        """`layer`: the backbone layer index (expert parallel with EPLB keeps a placement, dispatch table and
+        token counts per layer); None for the draft layers."""
         cfg, ops = self.config, self.ops
         weights, idx = ops.moe_router(
             g, lw.gate_weight, lw.gate_bias, lw.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
@@ -232,8 +235,9 @@ class DeepseekV41Model:
         )
         ep = self.expert_parallel
         if ep is not None:  # lw.experts: this rank's physical slots; a collective over ep.group
-            return ep_moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit, ep.placement,
-                                  ep.group)
+            placement, replicas, load = ep.for_layer(layer)
+            return ep_moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit, placement,
+                                  ep.group, load=load, replicas=replicas)
         return ops.moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit)
 
     # ---- engram ----------------------------------------------------------------------------

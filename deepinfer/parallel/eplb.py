@@ -63,12 +63,14 @@ def rebalance(counts: torch.Tensor, num_ranks: int, num_redundant: int,
 def imbalance(counts: torch.Tensor, placement: ExpertPlacement) -> float:
     """Σ_steps max rank load / Σ_steps mean rank load, with each expert's count split evenly over its copies."""
     load = _as_window(counts)
-    rank_load = _rank_loads(load, placement)  # [W, R]
+    rank_load = rank_loads(load, placement)  # [W, R]
     mean = rank_load.mean(dim=1).sum().item()
     return rank_load.max(dim=1).values.sum().item() / mean if mean > 0 else 1.0
 
 
-def _rank_loads(load: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+def rank_loads(load: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """[W, E] float64 load per logical expert -> [W, R] load per rank, each expert's load split evenly over its
+    copies (the policy's model of the dispatch)."""
     copies = torch.bincount(torch.tensor(placement.physical_to_logical), minlength=placement.num_logical)
     per_copy = load / copies  # [W, E]
     phys = per_copy[:, list(placement.physical_to_logical)]  # [W, P]

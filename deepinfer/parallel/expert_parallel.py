@@ -43,21 +43,37 @@ from .placement import ExpertPlacement
 Experts = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | PackedExperts
 
 
-@dataclass(frozen=True)
+@dataclass
 class ExpertParallel:
     """A model's expert-parallel mode (`DeepseekV41Model.expert_parallel`, set by `load_model(expert_placement=...,
     ep_rank=..., ep_group=...)`): this process is `rank` of `group` (None: the default world group), holds the routed
-    experts of its physical slots under `placement` (one placement for every MoE layer of the backbone), and each
-    MoE layer runs `ep_moe_experts` on the rank's own tokens; the router, attention and everything else stay local.
+    experts of its physical slots under `placement` (the load-time placement, one for every MoE layer of the
+    backbone), and each MoE layer runs `ep_moe_experts` on the rank's own tokens; the router, attention and
+    everything else stay local.
 
     Every MoE layer is a collective over `group`: every rank must call `model.forward` the same number of times, in
     step with the others (a rank with nothing to run must still run a step; the ranks' batches may differ in size
     and content). A rank that skips or adds a forward leaves the others waiting in the all-to-all until the
-    group's timeout."""
+    group's timeout.
+
+    EPLB (deepinfer.parallel.eplb_runtime.EplbRuntime) installs the per-layer state below: each MoE layer's own
+    placement (re-placed over time), its dispatch table on the device (built once, rewritten in place) and the
+    per-slot token counts of the current step (a preallocated device buffer the MoE step adds to). Without it
+    every layer uses `placement`, the table is built per call and nothing is counted."""
 
     placement: ExpertPlacement
     rank: int
     group: dist.ProcessGroup | None = None
+    layer_placements: list[ExpertPlacement] | None = None
+    replicas: torch.Tensor | None = None  # [L, E, C] int64: physical slots of each logical expert (choose_copies)
+    copies: torch.Tensor | None = None  # [L, E] int64: how many of those are real
+    load: torch.Tensor | None = None  # [L, per_rank] int64: rows each local slot computed in the current step
+
+    def for_layer(self, layer: int | None):
+        """(placement, (replicas, copies) or None, load row or None) for MoE layer `layer`."""
+        if self.layer_placements is None or layer is None:
+            return self.placement, None, None
+        return self.layer_placements[layer], (self.replicas[layer], self.copies[layer]), self.load[layer]
 
 
 def local_experts(experts: Experts, placement: ExpertPlacement, rank: int) -> Experts:
@@ -70,12 +86,22 @@ def local_experts(experts: Experts, placement: ExpertPlacement, rank: int) -> Ex
     return [experts[e] for e in ids]
 
 
-def choose_copies(idx: torch.Tensor, placement: ExpertPlacement, src_rank: int) -> torch.Tensor:
-    """[T, k] logical ids -> [T, k] physical slots: copy (t + src_rank) % copies(e) of expert e."""
+def replica_table(placement: ExpertPlacement, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([E, width] physical slots of each logical expert, ascending, padded with its first; [E] copies), int64 on
+    the CPU. `width` (default: the most copies any expert has) lets EPLB keep one fixed-size table per layer."""
     reps = placement.replicas()
-    width = max(len(r) for r in reps)
-    table = torch.tensor([r + [r[0]] * (width - len(r)) for r in reps], dtype=torch.long, device=idx.device)
-    count = torch.tensor([len(r) for r in reps], dtype=torch.long, device=idx.device)
+    width = max(len(r) for r in reps) if width is None else width
+    if any(len(r) > width for r in reps):
+        raise ValueError(f"an expert has {max(len(r) for r in reps)} copies; the table holds {width}")
+    table = torch.tensor([r + [r[0]] * (width - len(r)) for r in reps], dtype=torch.long)
+    return table, torch.tensor([len(r) for r in reps], dtype=torch.long)
+
+
+def choose_copies(idx: torch.Tensor, placement: ExpertPlacement, src_rank: int,
+                  replicas: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """[T, k] logical ids -> [T, k] physical slots: copy (t + src_rank) % copies(e) of expert e. `replicas`:
+    `replica_table(placement)` already on idx's device (EPLB keeps it there), else built here."""
+    table, count = replicas if replicas is not None else (t.to(idx.device) for t in replica_table(placement))
     t = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) + src_rank
     return table[idx, t % count[idx]]
 
@@ -90,13 +116,15 @@ def ep_moe_experts(
     placement: ExpertPlacement,
     group: dist.ProcessGroup | None = None,
     load: torch.Tensor | None = None,
+    replicas: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The expert-parallel twin of `moe_experts`: x [T, D] this rank's tokens, weights [T, k] fp32 and idx [T, k]
     logical expert ids from the router, `experts` this rank's physical slots (`local_experts`), `shared` the
     shared expert (every rank holds it). Returns [T, D] in x's dtype, bitwise equal on the CPU to `moe_experts`
     over the same tokens with all logical experts. Every rank of `group` must call it at each MoE layer, with
     T = 0 when it has no tokens. `load` ([per_rank] int64, optional) gets += the rows each local slot computed:
-    the per-physical-expert counts EPLB measures."""
+    the per-physical-expert counts EPLB measures (added on the device: no host read). `replicas`: the placement's
+    `replica_table` on x's device (EPLB's prebuilt table), else built per call."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if placement.num_ranks != world:
         raise ValueError(f"placement is for {placement.num_ranks} ranks; the group has {world}")
@@ -109,7 +137,7 @@ def ep_moe_experts(
     dev, hidden = x.device, x.shape[-1]
 
     # route every (token, choice) to a physical slot; send in order of destination rank (stable: token, choice)
-    phys = choose_copies(idx, placement, me).reshape(-1)
+    phys = choose_copies(idx, placement, me, replicas).reshape(-1)
     dest = phys // placement.per_rank
     order = torch.argsort(dest, stable=True)
     send_counts = torch.bincount(dest, minlength=world)
@@ -132,7 +160,8 @@ def ep_moe_experts(
         w1, w2, w3 = _dense(experts, j, x.dtype)
         out[rows] = swiglu_expert(recv_x[rows], w1, w2, w3, swiglu_limit, w[rows, None])
     if load is not None:
-        load += torch.bincount(slot, minlength=placement.per_rank).to(load.dtype)
+        # index_add_ rather than bincount: bincount sizes its output from the ids' max, a host read on CUDA
+        load.index_add_(0, slot, load.new_ones(()).expand(slot.numel()))
 
     # combine: the outputs return to their token's rank in the order they were sent
     back = x.new_empty(len(order), hidden)
