@@ -34,6 +34,12 @@ CASES = {
     "chunks": ([[37, 21], [60, 0]], [False, True]),
     # a step too small for every rank to own a row
     "tiny": ([[1, 2]], [True]),
+    # one token per sequence: the step takes the decode attention path (rings as stored)
+    "ones": ([[5, 4, 6], [1, 1, 1]], [False, False]),
+}
+# prompts of many windows and compressed blocks (ratio 1: > 256 entries, index_topk 16 of 8x8 candidates)
+LONG_CASES = {
+    "long": ([[700, 333, 2], [0, 129, 0]], [False, True]),
 }
 DECODE = 3
 MAX_ROLLBACK = 2
@@ -62,12 +68,13 @@ def digest(pools) -> dict[str, str]:
     return {k: hashlib.sha1(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in named.items()}
 
 
-def run_case(model, name: str, cp: ContextParallel | None, reverse: bool):
+def run_case(model, case, cp: ContextParallel | None, reverse: bool):
     """Logits of every step and the pools' digest after each. `reverse`: take slots and blocks in the opposite
     order (the sequences are created last first, and every sequence reserves its whole context up front)."""
-    steps, all_logits = CASES[name]
+    steps, all_logits = case
     n_seq = len(steps[0])
-    pools = model.allocate_cache(n_seq, 48, BLOCK, MAX_ROLLBACK, drafts=True)
+    blocks = sum(-(-(sum(s[i] for s in steps) + DECODE) // BLOCK) for i in range(n_seq))
+    pools = model.allocate_cache(n_seq, blocks, BLOCK, MAX_ROLLBACK, drafts=True)
     alloc = StandaloneAllocator(pools)
     order = range(n_seq - 1, -1, -1) if reverse else range(n_seq)
     states = {i: alloc.new() for i in order}
@@ -88,14 +95,14 @@ def run_case(model, name: str, cp: ContextParallel | None, reverse: bool):
     return out, digests
 
 
-def _worker(rank: int, world: int, init: str, want: dict) -> None:
+def _worker(rank: int, world: int, init: str, cases: dict, want: dict) -> None:
     torch.set_num_threads(1)
     group = groups.init_group(rank, world, init, "cpu", timeout_s=60)
     try:
         model, cp = _model(), ContextParallel(group)
         assert (cp.rank, cp.size) == (rank, world)
-        for name in CASES:
-            got, dig = run_case(model, name, cp, reverse=rank % 2 == 1)
+        for name, case in cases.items():
+            got, dig = run_case(model, case, cp, reverse=rank % 2 == 1)
             ref, ref_dig = want[name][rank % 2]
             for step, (g, w) in enumerate(zip(got, ref)):
                 assert g.shape == w.shape and torch.equal(g, w), (
@@ -107,20 +114,26 @@ def _worker(rank: int, world: int, init: str, want: dict) -> None:
         groups.destroy()
 
 
-def check_cp(tmp_path, world: int) -> None:
+def check_cp(tmp_path, world: int, cases: dict) -> None:
     model = _model()
-    want = {name: [run_case(model, name, None, rev) for rev in (False, True)] for name in CASES}
-    mp.spawn(_worker, args=(world, f"file://{tmp_path}/rendezvous", want), nprocs=world, join=True)
+    want = {name: [run_case(model, case, None, rev) for rev in (False, True)] for name, case in cases.items()}
+    mp.spawn(_worker, args=(world, f"file://{tmp_path}/rendezvous", cases, want), nprocs=world, join=True)
 
 
 @pytest.mark.timeout(300)
 def test_cp2_prefill_then_decode_equals_single_process(tmp_path):
-    check_cp(tmp_path, 2)
+    check_cp(tmp_path, 2, CASES | LONG_CASES)
 
 
 @pytest.mark.timeout(300)
 def test_cp4_prefill_then_decode_equals_single_process(tmp_path):
-    check_cp(tmp_path, 4)
+    check_cp(tmp_path, 4, CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp3_equals_single_process(tmp_path):
+    check_cp(tmp_path, 3, CASES | LONG_CASES)
 
 
 # ---- in one process -------------------------------------------------------------------------------------------
@@ -129,8 +142,8 @@ def test_cp4_prefill_then_decode_equals_single_process(tmp_path):
 def test_cp_of_one_is_the_plain_step():
     """A group of one runs the CP code path unsplit (query view, gathers, logit pick): the same bits."""
     model = _model()
-    for name in CASES:
-        (a, da), (b, db) = run_case(model, name, None, False), run_case(model, name, ContextParallel(), False)
+    for case in CASES.values():
+        (a, da), (b, db) = run_case(model, case, None, False), run_case(model, case, ContextParallel(), False)
         assert all(torch.equal(x, y) for x, y in zip(a, b)) and da == db
 
 
@@ -163,7 +176,8 @@ def test_split_plan_mirror_blocks(size):
     # the gather index inverts the per-rank layout
     pad, idx = plan.padded(), plan.gather_index()
     for r, rows in enumerate(plan.rows):
-        assert [idx[row] for row in rows] == [r * pad + j for j in range(len(rows))]
+        assert idx[list(rows)].tolist() == [r * pad + j for j in range(len(rows))]
+        assert (plan.owners()[list(rows)] == r).all()
 
 
 def test_split_cuts_examples():

@@ -90,12 +90,18 @@ class SplitPlan:
         """Rows of each rank's contribution to a gather (the largest rank's, at least 1)."""
         return max(len(self.computed(r)) for r in range(self.size))
 
-    def gather_index(self) -> list[int]:
-        """For each step row: its row in the gathered buffer [size · padded(), ...] (owner · padded + local)."""
-        pad, out = self.padded(), [0] * self.total
+    def owners(self) -> torch.Tensor:
+        """[T] int64: the rank owning each step row."""
+        out = torch.empty(self.total, dtype=torch.int64)
         for r, rows in enumerate(self.rows):
-            for j, row in enumerate(rows):
-                out[row] = r * pad + j
+            out[torch.tensor(rows, dtype=torch.int64)] = r
+        return out
+
+    def gather_index(self) -> torch.Tensor:
+        """[T] int64: each step row's row in the gathered buffer [size · padded(), ...] (owner · padded + local)."""
+        pad, out = self.padded(), torch.empty(self.total, dtype=torch.int64)
+        for r, rows in enumerate(self.rows):
+            out[torch.tensor(rows, dtype=torch.int64)] = r * pad + torch.arange(len(rows))
         return out
 
 
@@ -142,11 +148,8 @@ class CPStep:
         self.cp, self.plan, self.full = cp, plan, full_meta
         self.pad = plan.padded()
         self.own = torch.tensor(plan.computed(cp.rank), dtype=torch.int64).to(device)
-        self.index = torch.tensor(plan.gather_index(), dtype=torch.int64).to(device)
-        owner = torch.empty(plan.total, dtype=torch.int64)
-        for r, rows in enumerate(plan.rows):
-            owner[list(rows)] = r
-        self.owner = owner.to(device)  # [T] rank owning each step row
+        self.index = plan.gather_index().to(device)
+        self.owner = plan.owners().to(device)  # [T] rank owning each step row
         self.local = self.index - self.owner * self.pad  # [T] its row among the owner's computed rows
 
     def _all_gather(self, recv: torch.Tensor, send: torch.Tensor) -> None:
