@@ -115,7 +115,7 @@ class ContextParallel:
 
     def plan(self, lengths: list[int], pasts: list[int] | None = None, align: int = 1) -> SplitPlan:
         """The split of a step whose sequence i appends lengths[i] tokens to pasts[i] held ones (`align`: the lcm
-        of the model's compression ratios; DeepseekV41Model.cp_align). Deterministic: every rank computes the same
+        of the model's compression ratios, align_of(cfg.compress_ratios)). Deterministic: every rank computes the same
         plan from the same host ints."""
         pasts = list(pasts) if pasts is not None else [0] * len(lengths)
         if len(pasts) != len(lengths) or any(n < 1 for n in lengths) or align < 1:
