@@ -103,6 +103,17 @@ def check_run_dir(argv_overrides: list[str]) -> None:
         check_writable_dir(Path.cwd() / "outputs", "hydra.run.dir (default: ./outputs)")
 
 
+def follower_rank(settings) -> bool:
+    """Whether this process is a torchrun rank other than 0 (checked: a WORLD_SIZE other than the layout's ranks
+    is a one-line ConfigError)."""
+    if settings.parallel.world_size == 1 and "WORLD_SIZE" not in os.environ:
+        return False  # the common case: no torch.distributed import
+    from deepinfer.parallel.world import check_launch
+
+    launched = check_launch(settings.parallel)
+    return launched is not None and launched[0] != 0
+
+
 # ---- one Hydra job -------------------------------------------------------------------------------------------
 def read_requests(settings) -> list[dict]:
     """[{"prompt": str} | {"prompt_token_ids": [...]}] from input_path, prompts= or the built-in prompts."""
@@ -211,6 +222,7 @@ def write_outputs(out_path: Path, outputs) -> None:
 
 def run_job(settings, run_dir: Path, overrides: list[str]) -> dict:
     from deepinfer.api import LLM
+    from deepinfer.engine import EngineDeadError
 
     out_path = output_path(settings, run_dir)
     requests = read_requests(settings)
@@ -226,6 +238,9 @@ def run_job(settings, run_dir: Path, overrides: list[str]) -> dict:
             write_outputs(out_path, finished)
             raise Interrupted(f"interrupted; {len(finished)} of {len(requests)} requests had finished, their "
                               f"outputs are in {out_path}") from None
+        except EngineDeadError as exc:  # e.g. a data-parallel rank died: every request, unfinished ones as errors
+            write_outputs(out_path, getattr(exc, "outputs", []))
+            raise
         gen_s = time.perf_counter() - t1
         write_outputs(out_path, outputs)
         for o in outputs:
@@ -320,6 +335,10 @@ def _hydra_task(cfg) -> None:
         if settings is None:  # a job Preflight did not see (its callback removed, or beyond a sweep's first 64)
             settings = resolve(cfg)
             check_inputs(settings)
+        if follower_rank(settings):  # torchrun: ranks other than 0 run no frontend, they follow rank 0's steps
+            from deepinfer.parallel.rank_process import run_rank
+
+            return run_rank(settings)
         if settings.serve.name != "offline":  # serve=openai: the HTTP server, until SIGTERM / Ctrl-C
             from deepinfer.serving import serve
 

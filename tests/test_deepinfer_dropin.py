@@ -73,9 +73,10 @@ def test_deepinfer_sampling_params_keep_its_order_defaults_and_max_tokens_zero()
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"trust_remote_code": True}, "LLM(trust_remote_code=True): this engine runs no code from a checkpoint"),
-    ({"expert_parallel_size": 8}, "LLM(expert_parallel_size=8): parallel layouts are not available yet"),
-    ({"data_parallel_size": 2}, "LLM(data_parallel_size=2): parallel layouts are not available yet"),
-    ({"context_parallel_size": 2}, "LLM(context_parallel_size=2): parallel layouts are not available yet"),
+    ({"expert_parallel_size": 0}, "LLM(expert_parallel_size=0) is not allowed; allowed: an integer >= 1"),
+    ({"expert_parallel_size": 3, "data_parallel_size": 2}, "parallel.expert_parallel_size=3 does not divide"),
+    ({"context_parallel_size": 2}, "parallel.context_parallel_size=2: context parallelism is not runnable"),
+    ({"expert_parallel_size": 2}, "engine.process='inproc' with parallel=dep2 (2 ranks)"),  # dep2: tests/test_parallel_engine.py
     ({"load_format": "npcache"}, "LLM(load_format='npcache') is not supported; allowed: 'auto', 'dummy'"),
     ({"revision": "main"}, "LLM(revision='main'): pinned hub revisions are not available yet"),
     ({"gpu_memory_utilization": 1.5}, "cache.memory_fraction=1.5 is out of range"),

@@ -115,6 +115,8 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
                 send(m.Failure(summary(exc), traceback.format_exc(), startup=False))  # the frontend raises with these
             except zmq.ZMQError:
                 pass
+            if getattr(exc, "frontend_reports", False):
+                return  # an expected end (a data-parallel rank died): the frontend prints the line, no traceback here
             raise
         finally:
             core.close()

@@ -151,6 +151,11 @@ class LLMEngine:
             # what had finished is not lost: the CLI writes these on Ctrl-C
             exc.finished_outputs = [self._assemble(t) for t in sorted(tracked.values(), key=lambda t: t.index)
                                     if t.finish_reason is not None]
+            if isinstance(exc, EngineDeadError):  # every request, in order; the unfinished ones end with its error
+                for t in tracked.values():
+                    if t.finish_reason is None:
+                        t.finish_reason, t.error = "error", str(exc)
+                exc.outputs = [self._assemble(t) for t in sorted(tracked.values(), key=lambda t: t.index)]
             raise
         finally:
             bar.close()

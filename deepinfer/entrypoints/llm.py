@@ -25,8 +25,6 @@ from deepinfer.outputs import RequestOutput
 
 __all__ = ["LLM"]
 
-PARALLEL = ("expert_parallel_size", "data_parallel_size", "context_parallel_size")
-
 
 def _max_position_embeddings(path: str, weights: bool = True) -> int:
     """The model's context limit, read from its config.json before anything loads (weights=False, load_format
@@ -38,6 +36,28 @@ def _max_position_embeddings(path: str, weights: bool = True) -> int:
 
     model_dir = resolve_model_dir(model_location(path), weights=weights)
     return ModelConfig.from_file(Path(model_dir) / "config.json").max_position_embeddings
+
+
+def _parallel_overrides(ep, dp, cp, ours: dict) -> list[str]:
+    """DeepInfer's sizes as config overrides (the resolve step checks them: EP divides CP x DP; data_parallel_size
+    0 is EP / CP there). One rank: none. `expert_parallel_size=N` alone: the dep<N> layout when conf/parallel has
+    it. Otherwise the dep2 file (it reads the EPLB and timeout variables) with the three sizes set."""
+    from deepinfer.config.compose import group_options
+
+    sizes = {"expert_parallel_size": ep, "data_parallel_size": dp, "context_parallel_size": cp}
+    for name, value in sizes.items():
+        low = 0 if name == "data_parallel_size" else 1
+        if type(value) is not int or value < low:
+            raise ConfigError(f"LLM({name}={value!r}) is not allowed; allowed: an integer >= {low}")
+    if ep == 1 and cp == 1 and dp in (0, 1):
+        return []
+    if "parallel" in ours:
+        raise ConfigError(f"LLM(parallel={ours['parallel']!r}) with expert/data/context_parallel_size: allowed: one "
+                          "of the two ways to choose the layout")
+    if cp == 1 and dp in (0, ep) and f"dep{ep}" in group_options("parallel"):
+        return [f"parallel=dep{ep}"]
+    return ["parallel=dep2", f"parallel.name=ep{ep}_dp{dp}_cp{cp}", f"parallel.expert_parallel_size={ep}",
+            f"parallel.data_parallel_size={dp}", f"parallel.context_parallel_size={cp}"]
 
 
 class LLM:
@@ -69,13 +89,7 @@ class LLM:
             if value is not None:
                 raise ConfigError(f"LLM({name}={value!r}): pinned hub revisions are not available yet; allowed: None "
                                   f"(download the revision and pass its directory as model)")
-        sizes = {"expert_parallel_size": expert_parallel_size, "data_parallel_size": data_parallel_size,
-                 "context_parallel_size": context_parallel_size}
-        for name, value in sizes.items():
-            # DeepInfer's data_parallel_size default 0 means "no data parallelism", the same as 1
-            if value not in ((0, 1) if name == "data_parallel_size" else (1,)):
-                raise ConfigError(f"LLM({name}={value!r}): parallel layouts are not available yet (conf/parallel "
-                                  f"has only 'single'); allowed: 1")
+        layout = _parallel_overrides(expert_parallel_size, data_parallel_size, context_parallel_size, ours)
         if not isinstance(load_format, str) or load_format.lower() not in LOAD_FORMATS:
             raise ConfigError(f"LLM(load_format={load_format!r}) is not supported; allowed: "
                               f"{', '.join(map(repr, LOAD_FORMATS))}")
@@ -94,8 +108,8 @@ class LLM:
         cache = dict(ours.pop("cache", None) or {})
         cache.setdefault("memory_fraction", gpu_memory_utilization)
         self.decode_sequence = decode_sequence
-        overrides = overrides_for(model, [*model_keys, *ours.pop("overrides", ())], seed=seed, engine=engine,
-                                  cache=cache, **ours)
+        overrides = overrides_for(model, [*model_keys, *layout, *ours.pop("overrides", ())], seed=seed,
+                                  engine=engine, cache=cache, **ours)
         settings = load_settings(overrides)
         if not chunked_prefill and max_num_batched_tokens is None:
             # DeepInfer's default step budget without chunking: the longest sequence, so every prompt fits one step

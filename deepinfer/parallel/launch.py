@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from deepinfer.config.errors import ConfigError
 from deepinfer.engine.client import ProcessClient
 from deepinfer.engine.options import EngineOptions
 
@@ -45,7 +46,12 @@ class DataParallelClient(ProcessClient):
         self.parallel = parallel
         self.followers: list[tuple[int, subprocess.Popen]] = []
         env = None
-        if check_launch(parallel) is None:  # not under torchrun: start ranks 1.. here
+        launched = check_launch(parallel)
+        if launched is not None and launched[0] != 0:
+            raise ConfigError(f"RANK={launched[0]}: under torchrun only rank 0 runs the frontend (LLM, the CLI's "
+                              "prompts, the server); allowed: `python -m deepinfer ...` on every rank, whose ranks "
+                              "other than 0 follow rank 0 (deepinfer.parallel.rank_process.run_rank)")
+        if launched is None:  # not under torchrun: start ranks 1.. here
             n = parallel.world_size
             base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n),
                         LOCAL_WORLD_SIZE=str(n))
@@ -91,10 +97,24 @@ class DataParallelClient(ProcessClient):
     def _mark_dead(self, message: str, details: str | None = None) -> None:
         # rank 0 often notices first (its collective fails): name the rank that caused it when one exited
         if not self._closed and not message.startswith("data-parallel rank"):
-            dead = self._dead_follower(DEATH_WAIT_S)
+            dead = self._dead_follower(DEATH_WAIT_S) or self._stopped_follower()
             if dead is not None:
                 message, details = dead, f"rank 0: {message}\n{details or ''}"
         super()._mark_dead(message, details)
+
+    def _stopped_follower(self) -> str | None:
+        """A rank that is stopped (SIGSTOP, a debugger): rank 0's collectives with it time out (Linux /proc)."""
+        for r, proc in self.followers:
+            try:
+                with open(f"/proc/{proc.pid}/stat") as f:
+                    state = f.read().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state in ("T", "t"):
+                return (f"data-parallel rank {r} of {self.parallel.world_size} (pid {proc.pid}) is stopped and "
+                        f"rank 0's collectives with it timed out (parallel.timeout={self.parallel.timeout:g} s); "
+                        "every unfinished request ended")
+        return None
 
     def close(self) -> None:
         """Rank 0 first (asked to stop, it tells the others), then the other ranks: waited for, then terminated,

@@ -41,6 +41,13 @@ IDLE_TICK_S = 0.1  # rank 0 turns at least this often while idle (it polls the f
 SHUTDOWN = object()
 
 
+class LockstepError(RuntimeError):
+    """A turn failed on rank 0 (a collective with a rank that died or stopped, or a failed step): the run is over.
+    The engine-core process reports it to the frontend with its traceback and prints none itself."""
+
+    frontend_reports = True  # read by deepinfer.engine.core_process
+
+
 class Commands(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One rank's share of a turn: requests (as they travel from the frontend, checked again on arrival) and aborts."""
 
@@ -187,8 +194,8 @@ class DataParallelCore:
             reports = self.rank.turn(payloads)
         except Exception as exc:
             self._failed = True
-            raise RuntimeError(f"the lockstep step of the {len(self._open)} data-parallel ranks failed (a rank died, "
-                               f"stopped or failed): {_first_line(exc)}") from exc
+            raise LockstepError(f"the lockstep step of the {len(self._open)} data-parallel ranks failed (a rank "
+                                f"died, stopped or failed): {_first_line(exc)}") from exc
         out = CoreOutputs([])
         for rep in reports:
             out.updates += rep.updates
@@ -207,6 +214,9 @@ class DataParallelCore:
         finally:
             try:
                 self.rank.close()
+            except Exception:
+                if not self._failed:
+                    raise  # after a failed turn the step in flight fails too: already reported
             finally:
                 leave()
 
