@@ -81,8 +81,15 @@ class LockstepRank:
             out.updates += step.updates
             out.stats += step.stats
             if self.eplb is not None:
-                self.core.on_device(self.eplb.after_step)
+                self.core.on_device(self._after_step)
         return self._gather(msgspec.msgpack.encode(out) if out.updates or out.stats else b"")
+
+    def _after_step(self) -> None:
+        """EPLB after the forward, on the device thread; rank 0 prints a re-placement's line (imbalance before and
+        after): the engine-core processes have no log handler of their own."""
+        done = self.eplb.after_step()
+        if done is not None and self.world.is_driver:
+            print(f"deepinfer: {done.log_line()}", file=sys.stderr, flush=True)
 
     # ---- the three exchanges -------------------------------------------------------------------------------
     def _commands(self, payloads, shutdown: bool):

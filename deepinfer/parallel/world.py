@@ -58,6 +58,9 @@ def check_launch(parallel) -> tuple[int, int] | None:
     if missing:
         raise ConfigError(f"RANK={rank} is set but {', '.join(missing)} are not; allowed: start the ranks with torchrun "
                           "(or with `python -m deepinfer parallel=...` alone on one machine)")
+    if os.environ["MASTER_PORT"].strip() in ("", "0"):  # torchrun --master-port 0 hands every rank port 0
+        raise ConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']!r}: the ranks cannot meet on port 0; allowed: a "
+                          "port number (torchrun --master-port N, or torchrun --standalone on one machine)")
     return launched
 
 
