@@ -265,6 +265,7 @@ def make_summary(llm, outputs, load_s: float, gen_s: float, overrides: list[str]
         "dtype": s.model.dtype,
         "hardware": s.hardware.name,
         "device": s.hardware.device,
+        "parallel": _layout(s.parallel),
         "stages": prog["stages"],
         "ops": prog["ops"],
         "fallbacks": prog["fallbacks"],
@@ -287,6 +288,13 @@ def make_summary(llm, outputs, load_s: float, gen_s: float, overrides: list[str]
     }
 
 
+def _layout(p) -> str:
+    if p.world_size == 1:
+        return p.name
+    return (f"{p.name}: {p.world_size} ranks (data {p.data_parallel_size} x expert {p.expert_parallel_size} x "
+            f"context {p.context_parallel_size})")
+
+
 def print_summary(s: dict) -> None:
     from deepinfer.engine.metrics import kernel_lines, speculative_line
 
@@ -299,6 +307,7 @@ def print_summary(s: dict) -> None:
     lines = [
         ("model", f"{s['model']} ({s['dtype']})"),
         ("hardware", f"{s['hardware']} ({s['device']})" + (f", recipe {s['recipe']}" if s["recipe"] else "")),
+        *([("parallel", s["parallel"])] if s.get("parallel", "single") != "single" else []),
         ("stages", " -> ".join(f"{k}={v}" for k, v in s["stages"].items())),
         ("backends", backends),
     ]

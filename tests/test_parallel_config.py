@@ -147,3 +147,21 @@ def test_rank_0_gives_each_request_to_the_rank_with_the_fewest_unfinished():
     core.abort(99)  # unknown: nothing sent
     core.step()
     assert sent[-1] == [[], [], []] and aborts[-1] == [[], [4], []]  # to the request's rank only
+
+
+def test_the_server_starts_its_engine_on_every_rank_of_the_layout(monkeypatch):
+    """serve=openai with a multi-rank layout reaches the engine through the data-parallel client (which starts the
+    ranks: tests/test_parallel_engine.py), not one engine core that would refuse to join a world alone."""
+    from deepinfer.parallel import launch
+    from deepinfer.serving.server import build_state
+
+    class Started(Exception):
+        pass
+
+    def client(factory, options, parallel):
+        raise Started(parallel.name, factory.settings.parallel.world_size)
+
+    monkeypatch.setattr(launch, "DataParallelClient", client)
+    with pytest.raises(Started) as info:
+        build_state(load_settings(["parallel=dep4", "serve=openai"]))
+    assert info.value.args == ("dep4", 4)

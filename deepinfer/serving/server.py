@@ -32,10 +32,14 @@ def build_state(settings):
     # the frontend needs the tokenizer and the model's limits; a subprocess engine core holds the weights
     program, settings = load_program(settings, weights=inproc)
     options = EngineOptions.from_settings(settings.engine, settings.cache, settings.runtime, settings.sampling)
-    if inproc:
-        import functools
+    import functools
 
+    if inproc:
         client = InprocClient(functools.partial(backend_from_program, program), options)
+    elif settings.parallel.world_size > 1:  # one engine core per rank, rank 0 driving (deepinfer/parallel)
+        from deepinfer.parallel.launch import DataParallelClient
+
+        client = DataParallelClient(SettingsBackend(settings), options, parallel=settings.parallel)
     else:
         client = ProcessClient(SettingsBackend(settings), options)
     tokenizer = program.tokenize.tokenizer
