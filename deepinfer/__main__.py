@@ -345,9 +345,9 @@ def _hydra_task(cfg) -> None:
             settings = resolve(cfg)
             check_inputs(settings)
         if follower_rank(settings):  # torchrun: ranks other than 0 run no frontend, they follow rank 0's steps
-            from deepinfer.parallel.rank_process import run_rank
+            from deepinfer.parallel.rank_process import run_rank_or_exit
 
-            return run_rank(settings)
+            return run_rank_or_exit(settings)
         if settings.serve.name != "offline":  # serve=openai: the HTTP server, until SIGTERM / Ctrl-C
             from deepinfer.serving import serve
 

@@ -85,6 +85,7 @@ def test_deepinfer_variables_are_read_by_the_layouts_and_named_when_single_ignor
     (["parallel=dep2", "decoding=dspark"], "decoding=dspark with parallel.expert_parallel_size=2"),
     (["parallel=dep2", "parallel.data_parallel_size=-1"], "parallel.data_parallel_size=-1 is out of range"),
     (["parallel=dep2", "parallel.timeout=0"], "parallel.timeout=0.0 is out of range"),
+    (["parallel.timeout=5"], "parallel.timeout=5 with one rank: it has no collective to time out"),
 ])
 def test_layouts_that_cannot_run_are_one_line_errors(overrides, message):
     assert one_line_error(overrides).startswith(message)

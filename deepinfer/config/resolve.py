@@ -26,7 +26,7 @@ from deepinfer.config import hardware as hw
 from deepinfer.config import env_vars
 from deepinfer.config.errors import ConfigError, explain, fmt
 from deepinfer.config.keys import strip_optional
-from deepinfer.config.schema import STAGES, HardwareSettings, Interval, Settings
+from deepinfer.config.schema import STAGES, HardwareSettings, Interval, ParallelSettings, Settings
 
 REQUIRED_STAGES = ("tokenize", "prefill", "decode", "sample")
 
@@ -78,6 +78,9 @@ def _resolve_parallel(s: Settings) -> Settings:
         raise ConfigError(f"parallel.eplb.interval={e.interval} (DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL): EPLB "
                           "re-placement is not built yet (deepinfer/parallel/eplb_runtime.py); allowed: 0")
     world = p.world_size
+    if world == 1 and p.timeout != ParallelSettings().timeout:
+        raise ConfigError(f"parallel.timeout={p.timeout:g} with one rank: it has no collective to time out; allowed: "
+                          "a layout with more than one rank")
     if world > 1:
         if s.engine.process != "subprocess":
             raise ConfigError(f"engine.process={s.engine.process!r} with parallel={p.name} ({world} ranks): every "

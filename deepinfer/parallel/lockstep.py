@@ -65,7 +65,8 @@ class LockstepRank:
     def __init__(self, core: EngineCore, world: World, eplb=None):
         core.enter_lockstep()
         self.core, self.world, self.eplb = core, world, eplb
-        self.turns = self.forwards = 0
+        # every rank has loaded its share before rank 0 reports ready: the first turn then waits for nobody's loading
+        dist.barrier(group=world.control)
 
     def turn(self, payloads: list[bytes] | None = None, shutdown: bool = False):
         """One turn. Rank 0 passes every rank's command payload (b"": none) and gets every rank's CoreOutputs;
@@ -73,11 +74,9 @@ class LockstepRank:
         mine = self._commands(payloads, shutdown)
         if mine is SHUTDOWN:
             return SHUTDOWN
-        self.turns += 1
         out = CoreOutputs(self._apply(mine))
         if self._anybody(self.core.has_work()):
             step = self.core.step() if self.core.has_work() else self.core.idle_step()
-            self.forwards += 1
             out.updates += step.updates
             out.stats += step.stats
             if self.eplb is not None:

@@ -63,6 +63,17 @@ def run_rank(settings, options: EngineOptions | None = None) -> None:
         leave()
 
 
+def run_rank_or_exit(settings, options: EngineOptions | None = None) -> None:
+    """run_rank, ending the process with one line on stderr and exit code 1 when the rank cannot go on."""
+    from deepinfer.parallel.lockstep import _first_line
+
+    try:
+        run_rank(settings, options)
+    except Exception as exc:
+        print(f"deepinfer: rank {os.environ.get('RANK', '?')}: error: {_first_line(exc)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
+
+
 def main() -> None:
     from deepinfer.config.resolve import rebuild
     from deepinfer.engine.core_process import _die_with_parent
@@ -70,13 +81,14 @@ def main() -> None:
 
     _die_with_parent()  # the frontend that started us is gone: so are we
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the frontend decides
-    rank = os.environ.get("RANK", "?")
     try:
         args = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=RankStartup)
-        run_rank(rebuild(args.settings), args.options)
+        settings = rebuild(args.settings)
     except Exception as exc:
-        print(f"deepinfer: rank {rank}: error: {_first_line(exc)}", file=sys.stderr, flush=True)
+        print(f"deepinfer: rank {os.environ.get('RANK', '?')}: bad start-up message: {_first_line(exc)}",
+              file=sys.stderr, flush=True)
         sys.exit(EXIT_FAILED)
+    run_rank_or_exit(settings, args.options)
 
 
 if __name__ == "__main__":
