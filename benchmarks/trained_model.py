@@ -117,6 +117,9 @@ def main(argv=None) -> int:
 
     prompts = held_out_prompts(a.prompts)
     rows, failures = [], []
+    result = {"hardware": a.hardware, "model": a.model, "prompts": len(prompts), "max_tokens": a.max_tokens,
+              "python": platform.python_version(), "rows": rows, "failures": failures}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
 
     def record(name, temp, drafts, varlen, res, base):
         row = {k: v for k, v in res.items() if k != "tokens"}
@@ -130,6 +133,7 @@ def main(argv=None) -> int:
             failures.append(f"{name} T={temp}: {len(res['errors'])} errors, e.g. {res['errors'][0]}")
         if a.hardware != "cpu" and res["fallbacks"]:
             failures.append(f"{name} T={temp}: TileLang kernels fell back to torch: {res['fallbacks']}")
+        a.out.write_text(json.dumps(result, indent=1) + "\n")  # row by row: a run cut short keeps its rows
 
     for temp in (0.0, 0.7):
         params = SamplingParams(temperature=temp, max_tokens=a.max_tokens)  # seeds: runtime.seed
@@ -148,13 +152,9 @@ def main(argv=None) -> int:
         record("dspark k=5 batch 1", 0.0, 5, False, res, base)
         if res["tokens"] != base["tokens"]:
             failures.append("greedy dspark at batch 1 differs from plain decoding")
-    result = {"hardware": a.hardware, "model": a.model, "prompts": len(prompts), "max_tokens": a.max_tokens,
-              "python": platform.python_version(), "rows": rows}
     if a.agreement:
         result["agreement"] = agreement(a.model, a.hardware, prompts, a.max_tokens, a.cpu_threads or 8)
         print("agreement:", json.dumps(result["agreement"]), flush=True)
-    result["failures"] = failures
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     for f in failures:
         print("FAILED:", f, file=sys.stderr)
