@@ -135,6 +135,10 @@ def main(argv=None) -> int:
             failures.append(f"{name} T={temp}: TileLang kernels fell back to torch: {res['fallbacks']}")
         a.out.write_text(json.dumps(result, indent=1) + "\n")  # row by row: a run cut short keeps its rows
 
+    if a.agreement:
+        result["agreement"] = agreement(a.model, a.hardware, prompts, a.max_tokens, a.cpu_threads or 8)
+        print("agreement:", json.dumps(result["agreement"]), flush=True)
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
     for temp in (0.0, 0.7):
         params = SamplingParams(temperature=temp, max_tokens=a.max_tokens)  # seeds: runtime.seed
         base = run(a.model, a.hardware, prompts, params, threads=a.cpu_threads)
@@ -152,9 +156,6 @@ def main(argv=None) -> int:
         record("dspark k=5 batch 1", 0.0, 5, False, res, base)
         if res["tokens"] != base["tokens"]:
             failures.append("greedy dspark at batch 1 differs from plain decoding")
-    if a.agreement:
-        result["agreement"] = agreement(a.model, a.hardware, prompts, a.max_tokens, a.cpu_threads or 8)
-        print("agreement:", json.dumps(result["agreement"]), flush=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     for f in failures:
         print("FAILED:", f, file=sys.stderr)
