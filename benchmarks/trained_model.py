@@ -53,9 +53,8 @@ def run(model: str, hardware: str, prompts, params, drafts: int = 0, varlen: boo
         over.append(f"engine.max_num_seqs={max_seqs}")
     if threads:
         over.append(f"runtime.num_threads={threads}")
-    kw = dict(hardware=hardware, decoding="dspark" if drafts else "plain", overrides=over, seed=1234)
-    if hardware == "cpu":
-        kw["process"] = "inproc"
+    # in-process: on the GPU machine the package is importable only through gpu_env.sh's PYTHONPATH site
+    kw = dict(hardware=hardware, decoding="dspark" if drafts else "plain", overrides=over, seed=1234, process="inproc")
     with LLM(model, **kw) as llm:
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up: JIT, graphs, allocator
         t0 = time.perf_counter()
@@ -81,7 +80,7 @@ def agreement(model: str, hardware: str, prompts, max_tokens: int, threads: int)
     with LLM(model, hardware="cpu", process="inproc", overrides=[f"runtime.num_threads={threads}"],
              decoding="plain") as cpu:
         ref = cpu.generate(prompts, greedy, use_tqdm=False)
-    with LLM(model, hardware=hardware, decoding="plain") as gpu:
+    with LLM(model, hardware=hardware, decoding="plain", process="inproc") as gpu:
         free = gpu.generate(prompts, greedy, use_tqdm=False)
         forced_in = [o.prompt_token_ids + o.token_ids for o in ref]
         forced = gpu.generate(prompt_token_ids=forced_in, sampling_params=SamplingParams(
