@@ -28,10 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/v41_train, when run as a script
 
 import torch  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
 from v41_train import config as presets  # noqa: E402
 from v41_train import data, evaluate  # noqa: E402
-from v41_train.draft import DraftModel, draft_loss, random_anchors  # noqa: E402
+from v41_train.draft import DraftModel, draft_loss, random_anchors, teacher_logits  # noqa: E402
 from v41_train.model import TrainModel  # noqa: E402
 
 
@@ -46,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="export directory (default: outputs/train-default-v41-<preset>)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--no-eval", action="store_true", help="skip the engine completions and plausibility")
+    ap.add_argument("--drafts-from", type=Path, metavar="DIR",
+                    help="train only the draft layers, on the backbone and tokenizer of the export in DIR")
     ap.add_argument("--evaluate", type=Path, metavar="DIR",
                     help="only the engine completions and plausibility of an export made with --no-eval (e.g. on "
                          "a GPU machine), added to DIR/report.json")
@@ -99,7 +102,8 @@ def train(model: TrainModel, batches: data.Batches, run: presets.Run, steps: int
 def train_drafts(drafter: DraftModel, backbone: TrainModel, batches: data.Batches, run: presets.Run, device, log,
                  gen: torch.Generator) -> list[float]:
     """The DSpark draft layers on the frozen backbone: each step, the backbone's context features of a batch
-    (no gradient) and `draft_anchors` random drafting blocks per sequence (draft.py)."""
+    (no gradient) and `draft_anchors` random drafting blocks per sequence, distilled from the backbone's own
+    next-token distributions (draft.py)."""
     backbone.requires_grad_(False)
     with torch.no_grad():
         w = backbone.weights()
@@ -114,11 +118,12 @@ def train_drafts(drafter: DraftModel, backbone: TrainModel, batches: data.Batche
             group["lr"] = lr_at(step, sched, run.draft_steps)
         x, y = batches.next()
         ids = torch.cat([x, y[:, -1:]], 1).to(device)  # the targets of the last block positions
+        blk = drafter.cfg.dspark_block_size
         with torch.no_grad():
-            feats = backbone(x.to(device), features_at=targets).features
-        anchors = random_anchors(x.shape[0], ids.shape[1], run.draft_anchors, drafter.cfg.dspark_block_size, gen)
-        out = drafter(ids, [feats[t] for t in targets], anchors.to(device), embed, head)
-        loss, conf, hit = draft_loss(out)
+            res = backbone(x.to(device), features_at=targets)
+        anchors = random_anchors(x.shape[0], x.shape[1], run.draft_anchors, blk, gen).to(device)
+        out = drafter(ids, [res.features[t] for t in targets], anchors, embed, head)
+        loss, conf, hit = draft_loss(out, teacher_logits(res.logits, anchors, blk))
         opt.zero_grad(set_to_none=True)
         (loss + conf).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -188,16 +193,26 @@ def main(argv=None) -> dict:
     files = data.stdlib_files()
     train_files, held_files = data.split(files, run.max_bytes)
     log(f"stdlib: {len(train_files)} training files, {len(held_files)} held out")
-    tok = data.train_tokenizer([text for _, text in train_files], run.vocab_size)
-    cfg = presets.config_json(run, tok)
+    if args.drafts_from is not None:  # the backbone (and its tokenizer) of an export, as it was exported
+        tok = Tokenizer.from_file(str(args.drafts_from / "tokenizer.json"))
+        cfg = json.loads((args.drafts_from / "config.json").read_text())
+    else:
+        tok = data.train_tokenizer([text for _, text in train_files], run.vocab_size)
+        cfg = presets.config_json(run, tok)
     train_stream, held_stream = data.token_stream(tok, train_files), data.token_stream(tok, held_files)
     log(f"tokens: {len(train_stream)} training, {len(held_stream)} held out (vocab {run.vocab_size})")
 
-    model = TrainModel(cfg, tok, args.seed).to(device)
-    log(f"model: {sum(p.numel() for p in model.parameters())} parameters; {run.steps} steps of "
-        f"{run.batch_size} x {run.seq_len} tokens on {device}")
+    model = TrainModel(cfg, tok, args.seed)
     batches = data.Batches(train_stream, run.seq_len, run.batch_size, torch.Generator().manual_seed(args.seed))
-    losses = train(model, batches, run, run.steps, device, log)
+    if args.drafts_from is not None:
+        model.load_export(args.drafts_from)
+        model, losses = model.to(device), []
+        log(f"backbone: {args.drafts_from} (not trained again)")
+    else:
+        model = model.to(device)
+        log(f"model: {sum(p.numel() for p in model.parameters())} parameters; {run.steps} steps of "
+            f"{run.batch_size} x {run.seq_len} tokens on {device}")
+        losses = train(model, batches, run, run.steps, device, log)
     train_seconds = time.perf_counter() - started
     weights = model.export_weights()
     drafter, draft_losses = None, []
@@ -235,7 +250,8 @@ def main(argv=None) -> dict:
         "python": platform.python_version(), "torch": torch.__version__, "run": asdict(run),
         "train_files": len(train_files), "heldout_files": len(held_files),
         "train_tokens": len(train_stream), "heldout_tokens": int(held_tg.numel()),
-        "first_losses": losses[:5], "last_losses": losses[-5:], "train_seconds": round(train_seconds, 1),
+        "first_losses": losses[:5], "last_losses": losses[-5:],
+        "backbone_from": str(args.drafts_from) if args.drafts_from else None, "train_seconds": round(train_seconds, 1),
         "heldout_loss": held, "heldout_ppl": math.exp(held), "unigram_loss": unigram,
         "unigram_ppl": math.exp(unigram), "logits_vs_engine": agreement,
         "draft_first_losses": draft_losses[:5], "draft_last_losses": draft_losses[-5:],
@@ -244,7 +260,7 @@ def main(argv=None) -> dict:
     if not args.no_eval:
         report.update(engine_evaluation(args.out, held_files, run.plausibility_prompts, log))
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    if args.smoke:
+    if args.smoke and losses:
         head, tail = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
         assert tail < head - 0.5, f"smoke: the loss did not fall ({head:.3f} -> {tail:.3f})"
     log("done")

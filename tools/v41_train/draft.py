@@ -8,8 +8,10 @@ The same arithmetic as deepinfer/models/dspark.py (the inference drafter), over 
     the shared head, the first-order Markov head and the confidence head at every block position.
 Block position i predicts the token at a+2+i. Training is teacher-forced: the Markov input at position i is the
 true token t(a+1+i) — what drafting sees when the drafts before i were accepted, the only case in which draft i
-is ever verified. The confidence head learns P(draft i is the target's token | the drafts before it were right),
-by a binary cross-entropy on its detached inputs, so it never pulls on the drafts themselves.
+is ever verified. The drafts are distilled from the backbone: their target at block position i is the backbone's own
+next-token distribution at a+1+i (verification accepts what the target model would say, not what the text says).
+The confidence head learns P(draft i is the target's argmax | the drafts before it were right), by a binary
+cross-entropy on its detached inputs, so it never pulls on the drafts themselves.
 """
 
 from __future__ import annotations
@@ -124,16 +126,33 @@ class DraftModel(StoredParams):
         return linear(y, W[a + "wo_b.weight"])
 
 
-def draft_loss(out: DraftOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(drafting loss, confidence loss, per-position greedy hit rate [B]). Drafting: the cross-entropy at each block
-    position, weighted POSITION_DECAY^i (normalised). Confidence: BCE against whether the greedy draft is right."""
+def draft_loss(out: DraftOutput, teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(drafting loss, confidence loss, per-position greedy hit rate [B]). Drafting: at each block position the
+    cross-entropy against `teacher` [N, B, V] (the backbone's own next-token logits there, given the text before
+    it: drafts are accepted when they match the target model, not the text), or against the text's token without
+    one; weighted POSITION_DECAY^i (normalised). Hits, and the confidence head's BCE, count a greedy draft right
+    when it is the teacher's argmax (else the text's token)."""
     N, blk, V = out.logits.shape
-    ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, V), out.targets.reshape(-1), reduction="none")
+    if teacher is not None:
+        soft = torch.softmax(teacher.float(), -1).reshape(-1, V)
+        ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, V), soft, reduction="none")
+        out = out._replace(targets=teacher.argmax(-1))
+    else:
+        ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, V), out.targets.reshape(-1), reduction="none")
     w = POSITION_DECAY ** torch.arange(blk, device=ce.device, dtype=torch.float32)
     loss = (ce.view(N, blk) * (w / w.sum())).sum(-1).mean()
     hit = (out.logits.detach().argmax(-1) == out.targets).float()
     conf = torch.nn.functional.binary_cross_entropy_with_logits(out.confidence_logits, hit)
     return loss, conf, hit.mean(0)
+
+
+def teacher_logits(logits: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, B, V]: the backbone's logits [Bs, T, V] at positions a+1+i, which predict the token at a+2+i that block
+    position i drafts (anchors [Bs, A] with a <= T - 2 - block)."""
+    pos = anchors[..., None] + 1 + torch.arange(block, device=anchors.device)  # [Bs, A, B]
+    Bs, A = anchors.shape
+    rows = (torch.arange(Bs, device=anchors.device)[:, None, None] * logits.shape[1] + pos).reshape(-1)
+    return logits.reshape(Bs * logits.shape[1], -1)[rows].view(Bs * A, block, -1)
 
 
 def random_anchors(B: int, T: int, A: int, block: int, gen: torch.Generator) -> torch.Tensor:

@@ -100,6 +100,18 @@ class StoredParams(nn.Module):
                 .detach().float().cpu().clone() for name in self.specs}
 
     @torch.no_grad()
+    def load_export(self, model_dir) -> None:
+        """Masters = an export's dequantised values (deepinfer's loader), so training continues from the exported
+        model exactly: its values are on the storage grids already (power-of-two block scales), and re-quantising
+        them gives them back unchanged."""
+        from deepinfer.models.loading import load_checkpoint
+
+        values = load_checkpoint(model_dir, draft_layers=False).weights
+        for name, spec in self.specs.items():
+            target = getattr(self, _key(name)) if name.endswith(BIAS) else self.params[_key(name)]
+            target.copy_(values[name].float().view(spec.shape))
+
+    @torch.no_grad()
     def update_router_bias(self, counts: list[torch.Tensor], rate: float) -> None:
         """noaux_tc (DeepSeek-V3's auxiliary-loss-free balancing): after each step, raise the selection bias of
         experts that got fewer tokens than the mean and lower it for those that got more, by `rate`."""
