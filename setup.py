@@ -16,5 +16,6 @@ for name, folder in ROOTS.items():
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"deepinfer.conf": ["*.yaml", "**/*.yaml"], "deepinfer.recipes": ["*.yaml"], "": ["*.json"]},
+    package_data={"deepinfer.conf": ["*.yaml", "**/*.yaml"], "deepinfer.recipes": ["*.yaml"], "": ["*.json"],
+                  "deepinfer.assets": ["tiny-v41/*"]},
 )

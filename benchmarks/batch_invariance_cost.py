@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="tokens each decoding sequence holds before timing")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = load_model(embedded.materialize("tiny"))
+    model = load_model(embedded.materialize("tiny-random"))
     cases = [(f"decode batch {b}", lambda b=b: decode_ms(model, b, args.decode_steps, args.context)) for b in (1, 8, 64)]
     cases.append(("prefill 512 tokens", lambda: prefill_ms(model, 512, 1)))
     results = {name: {True: [], False: []} for name, _ in cases}

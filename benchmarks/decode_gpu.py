@@ -355,7 +355,7 @@ def build(model_name: str, device: str, backends):
         from deepinfer.models import load_model
 
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        return load_model(materialize("tiny"), device=device, dtype=dtype, backends=backends)
+        return load_model(materialize("tiny-random"), device=device, dtype=dtype, backends=backends)
     from deepinfer.models import synthetic
 
     return synthetic.build_model(synthetic.config(), device, torch.bfloat16, backends=backends)

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from deepinfer import embedded
     from deepinfer.sampling import SamplingParams
 
-    model_dir = str(embedded.materialize("tiny"))
+    model_dir = str(embedded.materialize("tiny-random"))
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(16, 64))] for _ in range(32)]
     params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True) for _ in prompts]

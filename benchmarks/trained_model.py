@@ -7,7 +7,8 @@ trained draft layers, and (with --agreement) the greedy agreement of bf16 on the
         --out $OUT/trained_model_h200.json
 
 Prompts: one-line function headers of held-out standard-library files (tools/v41_train/data.py's split, the
-running interpreter's stdlib), each followed by a newline, as the plausibility measure uses them.
+running interpreter's stdlib), as the plausibility measure uses them (no trailing newline: BPE joins a newline
+with the indentation after it).
 Variants, each its own engine over the same prompts (all at once: the batch is --prompts):
   plain            decoding=plain, greedy and temperature 0.7 (seeded);
   dspark k=1..5    the trained draft layers, k drafts verified per step, greedy and temperature 0.7;
@@ -41,7 +42,7 @@ def held_out_prompts(n: int) -> list[str]:
     from v41_train import data, evaluate
 
     _, held = data.split(data.stdlib_files())
-    return [h + "\n" for h in evaluate.function_headers(held, n)]
+    return evaluate.function_headers(held, n)  # no trailing newline: evaluate.py says why
 
 
 def run(model: str, hardware: str, prompts, params, drafts: int = 0, varlen: bool = False, max_seqs: int = 0,
@@ -110,6 +111,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch1", action="store_true")
     ap.add_argument("--agreement", action="store_true")
     ap.add_argument("--cpu-threads", type=int, default=0)
+    ap.add_argument("--expect-torch", action="store_true",
+                    help="on a GPU, the model's shapes are below the TileLang kernels' tiles (the embedded model's "
+                         "are): its ops run the torch backend on CUDA, recorded per row; without this a fallback "
+                         "fails the run")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     from deepinfer import SamplingParams
@@ -130,7 +135,7 @@ def main(argv=None) -> int:
               f"acceptance {row['acceptance_rate'] or 0:.1%}", flush=True)
         if res["errors"]:
             failures.append(f"{name} T={temp}: {len(res['errors'])} errors, e.g. {res['errors'][0]}")
-        if a.hardware != "cpu" and res["fallbacks"]:
+        if a.hardware != "cpu" and res["fallbacks"] and not a.expect_torch:
             failures.append(f"{name} T={temp}: TileLang kernels fell back to torch: {res['fallbacks']}")
         a.out.write_text(json.dumps(result, indent=1) + "\n")  # row by row: a run cut short keeps its rows
 

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from deepinfer.models.replay import BoundedReplay, consumer_boundary
 
     torch.set_num_threads(1)
-    model = load_model(embedded.materialize("tiny"))
+    model = load_model(embedded.materialize("tiny-random"))
     cfg = model.config
     boundary = consumer_boundary(cfg)
     rng = random.Random(0)

@@ -1,6 +1,12 @@
-"""The embedded default model: a small DeepSeek-V4.1-architecture checkpoint the CLI runs offline.
+"""The embedded models: small DeepSeek-V4.1-architecture checkpoints that run offline.
 
-It is built, not shipped: deterministically (fixed seed, a CPU generator, no other randomness) on first use into
+`embedded:tiny`, the default, is shipped in the package (deepinfer/assets/tiny-v41, ~5 MB): trained by
+tools/train_default_model.py on the Python standard library, backbone and DSpark draft layers, in the released
+format, with its own byte-level BPE (1536 ids, DeepSeek-V4.1's chat markers at 1520..1535). README "The embedded
+default model" has how it was trained and what it scores.
+
+`embedded:tiny-random` is the test model (random weights, small enough that its 16-token window and compressed
+layers are all exercised by short prompts). It is built, not shipped: deterministically (fixed seed, a CPU generator, no other randomness) on first use into
 `$DEEPINFER_CACHE_DIR/tiny-v41-<hash>` (default ~/.cache/deepinfer), in the released storage format, so it goes
 through the same loader as a real checkpoint:
   - config.json: the composite `deepseek_v41` config with the top-level quantization_config;
@@ -30,7 +36,8 @@ import torch
 
 BUILD_VERSION = 1
 SEED = 41
-NAMES = ("tiny",)
+NAMES = ("tiny", "tiny-random")
+TRAINED = "tiny-v41"  # deepinfer/assets/<this>: the shipped trained default
 
 # Layer schedule (8 layers) covering every V4.1 layer role:
 #   0 SWA only | 1 SWA + Engram | 2 ratio-2 KV source + index source | 3 ratio-2 reuse
@@ -160,7 +167,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("DEEPINFER_CACHE_DIR") or Path.home() / ".cache" / "deepinfer").expanduser()
 
 
-def checkpoint_dir(name: str = "tiny") -> Path:
+def checkpoint_dir(name: str = "tiny-random") -> Path:
     digest = hashlib.sha256()
     digest.update(json.dumps(config_json(), sort_keys=True).encode())
     digest.update(_tokenizer_bytes())
@@ -169,12 +176,16 @@ def checkpoint_dir(name: str = "tiny") -> Path:
 
 
 def materialize(name: str = "tiny") -> Path:
-    """The embedded checkpoint's directory, built first if it is not there yet (safe against a concurrent build:
-    each builder writes a private directory and renames it into place; the first rename wins)."""
+    """The embedded checkpoint's directory: the shipped one for `tiny`; `tiny-random` built first if it is not
+    there yet (safe against a concurrent build: each builder writes a private directory and renames it into
+    place; the first rename wins)."""
     if name not in NAMES:
         from deepinfer.config.errors import ConfigError
 
-        raise ConfigError(f"model.path=embedded:{name} is not an embedded model; allowed: embedded:tiny")
+        raise ConfigError(f"model.path=embedded:{name} is not an embedded model; allowed: "
+                          + ", ".join(f"embedded:{n}" for n in NAMES))
+    if name == "tiny":
+        return Path(str(resources.files("deepinfer.assets") / TRAINED))
     final = checkpoint_dir(name)
     if (final / "model.safetensors").is_file():
         return final

@@ -47,7 +47,7 @@ BLOCK = 16
 
 
 def _model():
-    return load_model(embedded.materialize("tiny"))
+    return load_model(embedded.materialize("tiny-random"))
 
 
 def _tokens(seed: int, n: int) -> list[int]:

@@ -23,7 +23,7 @@ def tiny():
     from deepinfer.embedded import materialize
     from deepinfer.models import load_model
 
-    return load_model(materialize("tiny"), device="cpu", dtype=torch.float32)
+    return load_model(materialize("tiny-random"), device="cpu", dtype=torch.float32)
 
 
 def _pools(model):

@@ -50,7 +50,7 @@ def test_seeded_outputs_are_the_same_alone_in_any_batch_order_sync_and_async():
 def embedded_dir():
     from deepinfer import embedded
 
-    return embedded.materialize("tiny")
+    return embedded.materialize("tiny-random")
 
 
 MODELS = {

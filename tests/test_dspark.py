@@ -30,7 +30,7 @@ VOCAB = 500  # prompt ids drawn below this (the embedded vocabulary's plain toke
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return str(embedded.materialize("tiny"))
+    return str(embedded.materialize("tiny-random"))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def built(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("DEEPINFER_CACHE_DIR", str(root))
     start = time.perf_counter()
-    path = embedded.materialize()
+    path = embedded.materialize("tiny-random")
     seconds = time.perf_counter() - start
     yield path, seconds
     mp.undo()
@@ -28,11 +28,11 @@ def built(tmp_path_factory):
 
 def test_builds_into_the_cache_dir_quickly_and_reuses_it(built):
     path, seconds = built
-    assert path.parent.name.startswith("cache") and path.name.startswith("tiny-v41-")
+    assert path.parent.name.startswith("cache") and path.name.startswith("tiny-random-v41-")
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert seconds < 2.0
     before = (path / "model.safetensors").stat().st_mtime_ns
-    assert embedded.materialize() == path and (path / "model.safetensors").stat().st_mtime_ns == before
+    assert embedded.materialize("tiny-random") == path and (path / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_build_is_deterministic(tmp_path):

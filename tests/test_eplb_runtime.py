@@ -120,7 +120,7 @@ def _worker(rank, world, init, model_dir, placement, packed, hot, split, lengths
 
 
 def run_eplb(tmp_path, placement, packed, hot, split, lengths, seed, eplb) -> list[dict]:
-    model_dir = embedded.materialize("tiny")
+    model_dir = embedded.materialize("tiny-random")
     want, full = reference(model_dir, packed, hot, lengths, seed)
     mp.spawn(_worker, args=(placement.num_ranks, f"file://{tmp_path}/rendezvous", str(model_dir), placement, packed,
                             hot, split, lengths, seed, eplb, want, full, tmp_path),
@@ -218,7 +218,7 @@ def test_skewed_imbalance_report_small():
 
 
 def test_runtime_settings_are_checked():
-    model_dir = embedded.materialize("tiny")
+    model_dir = embedded.materialize("tiny-random")
     plain = ExpertPlacement.initial(N_EXP, 2)
     model = load_model(model_dir, expert_placement=plain, ep_rank=0, draft_layers=False)
     with pytest.raises(ValueError, match=r"eplb.window=5 must be between 1 and eplb.interval=4"):

@@ -31,7 +31,7 @@ def tiny():
     from deepinfer.embedded import materialize
     from deepinfer.models import load_model
 
-    return load_model(materialize("tiny"), device="cpu", dtype=torch.float32)
+    return load_model(materialize("tiny-random"), device="cpu", dtype=torch.float32)
 
 
 def test_filled_sequences_decode_with_the_layer_clock(tiny):

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def tiny():
-    return embedded.materialize("tiny")
+    return embedded.materialize("tiny-random")
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, init: str, model_dir: str, placement, packed:
 def check_ep(tmp_path, placement: ExpertPlacement, split: list[int], lengths: list[int], seed: int,
              packed: bool = False) -> None:
     """The single-process model over all prompts in one batch, then 2 ranks each running its own slice."""
-    model_dir = embedded.materialize("tiny")
+    model_dir = embedded.materialize("tiny-random")
     ps, steps = prompts(seed, lengths)
     want = run(load_model(model_dir, draft_layers=False, packed_experts=packed), ps, steps)
     mp.spawn(_worker, args=(placement.num_ranks, f"file://{tmp_path}/rendezvous", str(model_dir), placement, packed,
@@ -115,7 +115,7 @@ def _reads(monkeypatch) -> Counter:
 
 @pytest.mark.timeout(180)
 def test_rank_reads_only_its_experts(monkeypatch, caplog):
-    model_dir = embedded.materialize("tiny")
+    model_dir = embedded.materialize("tiny-random")
     full_reads = _reads(monkeypatch)
     full = load_model(model_dir, draft_layers=False, packed_experts=True)
     monkeypatch.undo()
@@ -146,7 +146,7 @@ def test_rank_reads_only_its_experts(monkeypatch, caplog):
 
 
 def test_expert_parallel_load_refusals():
-    model_dir = embedded.materialize("tiny")
+    model_dir = embedded.materialize("tiny-random")
     plain = ExpertPlacement.initial(N_EXP, 2)
     with pytest.raises(ValueError, match=r"draft layers \(mtp\.\*\).*draft_layers=False"):
         load_model(model_dir, expert_placement=plain, ep_rank=0)

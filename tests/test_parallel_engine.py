@@ -175,7 +175,7 @@ def test_attention_data_parallel_without_expert_parallel_returns_the_tokens_of_s
     """DeepInfer's LLM(data_parallel_size=2): two ranks, each with every expert (no MoE collective)."""
     from deepinfer.entrypoints.llm import LLM as DeepInferLLM
 
-    llm = DeepInferLLM("embedded:tiny", data_parallel_size=2, seed=SEED, max_num_seqs=8, chunked_prefill=True,
+    llm = DeepInferLLM("embedded:tiny-random", data_parallel_size=2, seed=SEED, max_num_seqs=8, chunked_prefill=True,
                        decode_sequence=False)
     try:
         assert llm._llm.settings.parallel.expert_parallel_size == 1

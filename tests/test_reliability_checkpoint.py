@@ -19,7 +19,7 @@ from deepinfer.models.loading.errors import CheckpointError
 
 @pytest.fixture(scope="module")
 def tiny():
-    return embedded.materialize()
+    return embedded.materialize("tiny-random")
 
 
 def copy_checkpoint(src, dst, config=None, tokenizer: bytes | None = None, weights=None):

@@ -271,10 +271,12 @@ def test_release_tensors_rejects_missing_and_unexpected_names(smoke):
 
 @pytest.mark.timeout(30)
 def test_plausibility_measure():
-    assert evaluate.plausible("def f(x):", "    return x + 1\n", False)
-    assert evaluate.plausible("def f(x):", "    y = g(x,\n          3", True)  # cut line dropped, ( closed
-    assert evaluate.plausible("def f(x):", "    for i in x:\n", False)  # open block gets a pass
-    assert evaluate.plausible("def f(x):", '    """Doc\n    more', True)  # open docstring closed
-    assert not evaluate.plausible("def f(x):", "    return x +\n", False)
+    assert evaluate.plausible("def f(x):", "\n    return x + 1\n", False)
+    assert evaluate.plausible("def f(x):", "\n    y = g(x,\n          3", True)  # cut line dropped, ( closed
+    assert evaluate.plausible("def f(x):", "\n    for i in x:\n", False)  # open block gets a pass
+    assert evaluate.plausible("def f(x):", '\n    """Doc\n    more', True)  # open docstring closed
+    assert evaluate.plausible("def f(x):", "  # why\n    return 1\n", False)  # the header line continued
+    assert not evaluate.plausible("def f(x):", "\n    return x +\n", False)
     assert not evaluate.plausible("def f(x):", "", False)  # no body
-    assert not evaluate.plausible("def f(x):", "  return 1\n return 2\n", False)
+    assert not evaluate.plausible("def f(x):", "\n    return", True)  # the only body line was cut
+    assert not evaluate.plausible("def f(x):", "\n  return 1\n return 2\n", False)

@@ -28,7 +28,7 @@ LENGTHS = (90, 10, 47, 130, 31)
 def model():
     from deepinfer import embedded
 
-    return load_model(embedded.materialize("tiny"))
+    return load_model(embedded.materialize("tiny-random"))
 
 
 @pytest.fixture(scope="module")

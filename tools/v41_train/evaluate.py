@@ -2,8 +2,10 @@
 engine on the exported checkpoint, and the syntactic plausibility of completed function headers.
 
 Plausibility (issue 15's target measure), for one held-out function header completed greedily by the engine:
-  1. text = header + "\\n" + completion (the engine stops at EOS); if it stopped at max_tokens, the last
-     (unfinished) line is dropped — a cut is the budget's fault, not the model's;
+  1. the prompt is the header itself (no newline: BPE joins a newline with the indentation after it, so a prompt
+     ending in a bare newline is one the model never saw in training); text = header + completion (the engine
+     stops at EOS); if it stopped at max_tokens, the last (unfinished) line is dropped — a cut is the budget's
+     fault, not the model's;
   2. the completion must leave at least one non-blank line after the header (an empty body is not plausible);
   3. open blocks are closed: an unterminated triple-quoted string (an odd count of triple double or single
      quotes) gets its closing quotes, brackets still open at the end are closed in reverse order (found with Python's own
@@ -129,11 +131,9 @@ def function_headers(files: list[tuple[str, str]], n: int) -> list[str]:
 
 
 def plausible(header: str, completion: str, stopped_by_length: bool) -> bool:
-    text = header + "\n" + completion
-    if stopped_by_length and "\n" in completion:
-        text = text[: text.rfind("\n")]
-    elif stopped_by_length:
-        return False  # not one complete line of body
+    text = header + completion
+    if stopped_by_length:
+        text = text[: text.rfind("\n")]  # the header line itself has no newline: a cut inside it leaves no body
     body = text.split("\n")[1:]
     if not any(line.strip() for line in body):
         return False
@@ -182,6 +182,6 @@ def plausibility(model_dir, headers: list[str], max_tokens: int = 64) -> tuple[f
     """Fraction of held-out function headers whose greedy completion is plausible Python (module docstring)."""
     if not headers:
         return math.nan, []
-    outs = generate(model_dir, [h + "\n" for h in headers], max_tokens)
+    outs = generate(model_dir, headers, max_tokens)
     ok = [plausible(h, text, reason == "length") for h, (text, reason) in zip(headers, outs)]
     return sum(ok) / len(ok), [(h, t) for h, (t, _) in zip(headers, outs)]
