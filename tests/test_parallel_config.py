@@ -74,7 +74,15 @@ def test_deepinfer_variables_are_read_by_the_layouts_and_named_when_single_ignor
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel=cp2"], "parallel.context_parallel_size=2: context parallelism is not runnable in the engine yet"),
+    # context parallel runs as one replica with EP 1 or EP = CP, plain decoding, no YOCO (layout.context_parallel_refusal)
+    (["parallel=cp2", "parallel.data_parallel_size=2"],
+     "parallel.data_parallel_size=2 with parallel.context_parallel_size=2: the engine runs one context-parallel "
+     "replica only; allowed: data_parallel_size 1 (or 0)"),
+    (["parallel=cp4", "parallel.expert_parallel_size=2"],
+     "parallel.expert_parallel_size=2 with parallel.context_parallel_size=4: the experts are either on every rank or "
+     "sharded over the context-parallel ranks; allowed: 1 or 4"),
+    (["parallel=cp2", "decoding=dspark"], "decoding=dspark with parallel.context_parallel_size=2"),
+    (["parallel=cp2", "yoco=mask"], "yoco.mode='mask' with parallel.context_parallel_size=2"),
     (["parallel=dep4", "parallel.expert_parallel_size=3"],
      "parallel.expert_parallel_size=3 does not divide context_parallel_size x data_parallel_size = 1 x 4 = 4 ranks"),
     (["parallel.eplb.redundant_experts=2"], "parallel.eplb.redundant_experts=2 with parallel.expert_parallel_size=1"),
@@ -113,11 +121,11 @@ def test_deepinfer_llm_sizes_map_onto_the_layouts():
 
 
 def test_cli_refuses_a_layout_it_cannot_run_in_one_line_with_exit_code_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "deepinfer", "parallel=cp4"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "deepinfer", "parallel=cp4", "parallel.expert_parallel_size=2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "parallel.context_parallel_size=4: context parallelism is not runnable" in lines[0]
+    assert len(lines) == 1 and "parallel.expert_parallel_size=2 with parallel.context_parallel_size=4" in lines[0]
 
 
 def _add(rid: int) -> AddRequest:
@@ -134,7 +142,7 @@ def test_rank_0_gives_each_request_to_the_rank_with_the_fewest_unfinished():
         return [CoreOutputs([RequestUpdate(0, [9], finish_reason="stop")] if not len(sent) - 1 else []),
                 CoreOutputs([]), CoreOutputs([])]
 
-    core = DataParallelCore(SimpleNamespace(world=SimpleNamespace(size=3), turn=turn))
+    core = DataParallelCore(SimpleNamespace(world=SimpleNamespace(size=3, cp_size=1), turn=turn))
     for rid in range(7):
         assert core.add_request(_add(rid)) is None
     out = core.step()
@@ -148,6 +156,25 @@ def test_rank_0_gives_each_request_to_the_rank_with_the_fewest_unfinished():
     core.abort(99)  # unknown: nothing sent
     core.step()
     assert sent[-1] == [[], [], []] and aborts[-1] == [[], [4], []]  # to the request's rank only
+
+
+def test_context_parallel_ranks_get_the_same_commands():
+    """cp2: the two ranks are one replica: every request and abort goes to both, in the same turn."""
+    sent = []
+
+    def turn(payloads, shutdown=False):
+        cmds = [msgspec.msgpack.decode(p, type=Commands) if p else Commands() for p in payloads]
+        sent.append([([w.request_id for w in c.adds], c.aborts) for c in cmds])
+        return [CoreOutputs([]), CoreOutputs([])]
+
+    core = DataParallelCore(SimpleNamespace(world=SimpleNamespace(size=2, cp_size=2), turn=turn))
+    for rid in range(3):
+        core.add_request(_add(rid))
+    core.step()
+    assert sent[-1] == [([0, 1, 2], []), ([0, 1, 2], [])]
+    core.abort(1)
+    core.step()
+    assert sent[-1] == [([], [1]), ([], [1])]
 
 
 def test_the_server_starts_its_engine_on_every_rank_of_the_layout(monkeypatch):

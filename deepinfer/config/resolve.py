@@ -63,9 +63,10 @@ def _resolve_parallel(s: Settings) -> Settings:
         raise ConfigError(f"parallel.expert_parallel_size={ep} does not divide context_parallel_size x "
                           f"data_parallel_size = {cp} x {dp} = {cp * dp} ranks (DeepInfer's rule: the experts are "
                           f"sharded over groups of EP ranks); allowed: a divisor of {cp * dp}")
-    if cp > 1 and not layout.context_parallel_runnable():
-        raise ConfigError(f"parallel.context_parallel_size={cp}: context parallelism is not runnable in the engine "
-                          "yet (hook: deepinfer.parallel.layout.context_parallel_runnable); allowed: 1")
+    if cp > 1:
+        why = layout.context_parallel_refusal(cp, dp, ep, s.decoding.name, s.decoding.num_draft_tokens, s.yoco.mode)
+        if why is not None:
+            raise ConfigError(why)
     e = p.eplb
     if ep == 1 and (e.redundant_experts or e.interval):
         key, value = ("redundant_experts", e.redundant_experts) if e.redundant_experts else ("interval", e.interval)

@@ -32,7 +32,10 @@ class EngineCore:
     """backend_factory: zero-argument callable returning the EngineBackend (the model is built by the thread that
     will run it)."""
 
-    def __init__(self, backend_factory: Callable[[], EngineBackend], options: EngineOptions):
+    def __init__(self, backend_factory: Callable[[], EngineBackend], options: EngineOptions,
+                 agree_budget: Callable[[int], int] | None = None):
+        """agree_budget: maps this process's cache budget (bytes) to the one to use; the ranks of a context-parallel
+        group agree on one (deepinfer.parallel.lockstep) so that their schedulers see the same cache geometry."""
         self.options = options
         self.zero_overhead = options.zero_overhead_scheduling
         self._worker = DeviceWorker() if self.zero_overhead else None
@@ -47,6 +50,8 @@ class EngineCore:
         if options.max_model_len is not None:
             max_len = min(max_len, options.max_model_len)
         budget = options.memory_budget or int(options.memory_fraction * free_memory_bytes(backend.device))
+        if agree_budget is not None:
+            budget = agree_budget(budget)
         self.runner = ModelRunner(backend, options.num_draft_tokens, options.confidence_temperature)
         if options.num_draft_tokens and self.runner.drafter is None:
             self._shutdown_worker()
@@ -83,6 +88,7 @@ class EngineCore:
         # Lockstep (deepinfer.parallel.lockstep, data-parallel ranks whose model forwards are collectives): every
         # step() runs exactly one forward, a dummy one when it has nothing to launch.
         self.lockstep = False
+        self._sync_grammars = False  # context parallel: compile on arrival, never timing-dependent (enter_lockstep)
         self._launched = False
         self._device_jobs: list[Future] = []  # dummy steps and after-step work queued behind the steps (async)
 
@@ -145,6 +151,8 @@ class EngineCore:
             error = self.grammars.submit(msg.request_id, so_args, alive=lambda: msg.request_id in requests)
             if error is not None:
                 update = self.scheduler.fail(msg.request_id, error)
+            elif self._sync_grammars:
+                self.grammars.wait(msg.request_id)  # settled by the next step(), on every rank alike
         return update
 
     def abort(self, request_id: int) -> RequestUpdate | None:
@@ -157,10 +165,18 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- stepping ------------------------------------------------------------------------------------------
-    def enter_lockstep(self) -> None:
+    def enter_lockstep(self, cp=None) -> None:
         """From now on every step() runs exactly one model forward (see `idle_step`), and a failed step ends the run
-        instead of only its requests (the other ranks' collectives cannot be matched any more)."""
+        instead of only its requests (the other ranks' collectives cannot be matched any more).
+
+        cp (deepinfer.parallel.context_parallel.ContextParallel): this core is one of a context-parallel group whose
+        cores get the same requests and must make the same decisions: prefill steps run model.forward(..., cp=cp),
+        and a grammar is compiled before add_request returns, so when a request becomes sampleable never depends on
+        a compiler thread's timing (which differs between ranks)."""
         self.lockstep = self.runner.lockstep = True
+        if cp is not None:
+            self.runner.cp = cp
+            self._sync_grammars = True
 
     def idle_step(self) -> CoreOutputs:
         """Lockstep: one forward without any sequence (ModelRunner.dummy_step), so that a rank with nothing to run

@@ -56,6 +56,12 @@ class GrammarCompilations:
                 done.append((rid, None, str(exc)) if exc is not None else (rid, fut.result(), None))
         return done
 
+    def wait(self, request_id: int) -> None:
+        """Blocks until the request's compilation has ended (a failure or timeout is reported by settle())."""
+        fut = self._pending.get(request_id)
+        if fut is not None:
+            wait([fut])
+
     def wait_any(self, timeout_s: float) -> None:
         """Sleeps until some compilation ends (or timeout_s): for a loop that has nothing else to do."""
         if self._pending:

@@ -68,6 +68,10 @@ class ModelRunner:
         # Lockstep (EngineCore.enter_lockstep: data-parallel ranks whose forwards are collectives): every execute
         # runs exactly one forward, and a step that fails raises instead of ending only its requests
         self.lockstep = False
+        # Context parallel (EngineCore.enter_lockstep(cp)): a ContextParallel whose ranks run this same step; prefill
+        # stages get cp= (each rank computes its mirror blocks; every rank's pools end up with the whole chunk),
+        # decode stages run whole on every rank
+        self.cp = None
 
     def allocate(self, num_slots: int, num_blocks: int, block_size: int, max_model_len: int = 0,
                  graphs: bool = False, graph_interval: int = 8, max_rollback: int = 0) -> None:
@@ -235,7 +239,7 @@ class ModelRunner:
                 logits = self.graphs.run(token_lists, states)
                 self._graph_step = logits is not None
             if logits is None:
-                logits = stage(batch)
+                logits = stage(batch) if self.cp is None or decoding else stage(batch, cp=self.cp)
         finally:
             mask = mask_job.result() if mask_job is not None else None  # never leave a fill running on a state
         prompt_lps = {}

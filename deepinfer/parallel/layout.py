@@ -25,13 +25,30 @@ def expert_groups(world_size: int, expert_parallel_size: int) -> list[list[int]]
     return [list(range(g * ep, (g + 1) * ep)) for g in range(world_size // ep)]
 
 
-def context_parallel_runnable() -> bool:
-    """THE HOOK for balanced context parallelism in the engine. The model side is being built in
-    deepinfer/parallel/context_parallel.py; the engine side is not: the lockstep loop (deepinfer/parallel/lockstep.py)
-    gives every rank its own requests, while the context_parallel_size ranks of one data-parallel rank would have
-    to take the same requests and prefill a mirror-split share of each. Until that exists this returns False and
-    the resolve step refuses context_parallel_size > 1 instead of running it as something else."""
-    return False
+def context_parallel_refusal(cp: int, dp: int, ep: int, decoding: str = "plain", num_draft_tokens: int = 0,
+                             yoco: str = "off") -> str | None:
+    """THE HOOK for balanced context parallelism in the engine: None where the engine runs context_parallel_size
+    `cp` > 1 with the rest of the layout, else the one-line reason it refuses it (never run as something else).
+
+    What runs (deepinfer/parallel/lockstep.py): the world is ONE data-parallel replica of cp ranks; every rank gets
+    the same requests in the same turn and runs an identical engine core (same deterministic scheduler, same cache
+    geometry, seeded sampling on identical logits), prefill steps through model.forward(batch, cp=...), decode
+    steps on every rank; the experts either whole on every rank (EP 1) or sharded over the same cp ranks (EP = cp).
+    Not built: several replicas (data_parallel_size > 1 with cp > 1), other EP groupings, DSpark drafting and YOCO
+    replay (the model's context-parallel forward runs neither)."""
+    if dp != 1:
+        return (f"parallel.data_parallel_size={dp} with parallel.context_parallel_size={cp}: the engine runs one "
+                f"context-parallel replica only; allowed: data_parallel_size 1 (or 0) with context parallel")
+    if ep not in (1, cp):
+        return (f"parallel.expert_parallel_size={ep} with parallel.context_parallel_size={cp}: the experts are "
+                f"either on every rank or sharded over the context-parallel ranks; allowed: 1 or {cp}")
+    if decoding == "dspark" and num_draft_tokens:
+        return (f"decoding=dspark with parallel.context_parallel_size={cp}: context-parallel steps do not run the "
+                "DSpark draft layers; allowed: decoding=plain (or DEEPINFER_USE_NEXTN_DECODE=0)")
+    if yoco != "off":
+        return (f"yoco.mode={yoco!r} with parallel.context_parallel_size={cp}: the context-parallel prefill does not "
+                "run YOCO replay; allowed: yoco=off")
+    return None
 
 
 def eplb_runtime_available() -> bool:

@@ -63,8 +63,15 @@ class LockstepRank:
     """One rank's side of the loop above, around its EngineCore."""
 
     def __init__(self, core: EngineCore, world: World, eplb=None):
-        core.enter_lockstep()
+        cp = None
+        if world.cp_group is not None:
+            from .context_parallel import ContextParallel
+
+            cp = ContextParallel(world.cp_group)
+        core.enter_lockstep(cp)
         self.core, self.world, self.eplb = core, world, eplb
+        # context parallel: the ranks of a replica hold identical cores, so only its cp rank 0 reports outputs
+        self.reports = world.cp_group is None or world.cp_rank == 0
         # every rank has loaded its share before rank 0 reports ready: the first turn then waits for nobody's loading
         dist.barrier(group=world.control)
 
@@ -81,7 +88,8 @@ class LockstepRank:
             out.stats += step.stats
             if self.eplb is not None:
                 self.core.on_device(self._after_step)
-        return self._gather(msgspec.msgpack.encode(out) if out.updates or out.stats else b"")
+        report = self.reports and (out.updates or out.stats)
+        return self._gather(msgspec.msgpack.encode(out) if report else b"")
 
     def _after_step(self) -> None:
         """EPLB after the forward, on the device thread; rank 0 prints a re-placement's line (imbalance before and
@@ -156,13 +164,19 @@ def _padded(data: bytes, width: int) -> torch.Tensor:
 
 class DataParallelCore:
     """Rank 0 as the engine-core process's step loop (core_process._loop) sees an EngineCore: requests go to the
-    rank with the fewest unfinished ones (ties: the lowest rank; deterministic for a given order of arrivals), every
-    step() is one turn of all ranks, and the updates of all ranks come back in one CoreOutputs. The frontend puts
-    the outputs back in submission order."""
+    data-parallel replica with the fewest unfinished ones (ties: the lowest; deterministic for a given order of
+    arrivals), every step() is one turn of all ranks, and the updates of all replicas come back in one CoreOutputs.
+    The frontend puts the outputs back in submission order.
+
+    A replica is one rank, or with context parallel the cp consecutive ranks of one context-parallel group: each of
+    them gets the replica's commands in the same turn, so their engine cores (same deterministic scheduler, same
+    cache geometry: rank_core) make the same step plans and sample the same tokens from the same logits; only the
+    replica's cp rank 0 reports them."""
 
     def __init__(self, rank: LockstepRank):
         self.rank = rank
-        n = rank.world.size
+        self.cp = rank.world.cp_size
+        n = rank.world.size // self.cp  # replicas
         self._adds: list[list[m.WireRequest]] = [[] for _ in range(n)]
         self._aborts: list[list[int]] = [[] for _ in range(n)]
         self._owner: dict[int, int] = {}  # unfinished request id -> its rank
@@ -174,6 +188,9 @@ class DataParallelCore:
         info = self.rank.core.info()
         w = self.rank.world
         desc = f"rank 0 of {w.size} (each rank its own cache): {info.cache_description}"
+        if self.cp > 1:
+            desc = (f"rank 0 of {w.size}, context parallel over {self.cp} ranks (each rank the whole caches of the "
+                    f"same requests): {info.cache_description}")
         return msgspec.structs.replace(info, cache_description=desc)
 
     def add_request(self, msg: AddRequest) -> RequestUpdate | None:
@@ -194,13 +211,14 @@ class DataParallelCore:
 
     def step(self) -> CoreOutputs:
         payloads = [msgspec.msgpack.encode(Commands(a, b)) if a or b else b"" for a, b in zip(self._adds, self._aborts)]
+        payloads = [p for p in payloads for _ in range(self.cp)]  # every rank of a replica: the replica's commands
         for q in (*self._adds, *self._aborts):
             q.clear()
         try:
             reports = self.rank.turn(payloads)
         except Exception as exc:
             self._failed = True
-            raise LockstepError(f"the lockstep step of the {len(self._open)} data-parallel ranks failed (a rank "
+            raise LockstepError(f"the lockstep step of the {self.rank.world.size} ranks failed (a rank "
                                 f"died, stopped or failed): {_first_line(exc)}") from exc
         out = CoreOutputs([])
         for rep in reports:
@@ -216,7 +234,7 @@ class DataParallelCore:
         """Tells the other ranks to stop (unless a collective already failed), then stops this one."""
         try:
             if not self._failed:
-                self.rank.turn([b""] * len(self._open), shutdown=True)
+                self.rank.turn([b""] * self.rank.world.size, shutdown=True)
         finally:
             try:
                 self.rank.close()
@@ -244,7 +262,14 @@ def rank_core(build, options, world: World, settings) -> tuple[EngineCore, objec
         print(f"deepinfer: rank {world.rank}: expert parallel decode steps run eagerly (no CUDA graphs)",
               file=sys.stderr, flush=True)
         options = dataclasses.replace(options, enforce_eager=True)
-    core = EngineCore(build, options)
+    agree = None
+    if world.cp_group is not None:
+        def agree(budget: int) -> int:
+            """The context-parallel ranks' schedulers must see one cache geometry: the smallest rank's budget."""
+            t = torch.tensor([budget], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=world.control)
+            return int(t.item())
+    core = EngineCore(build, options, agree_budget=agree)
     model = core.backend.model
     print(weights_line(model, world), file=sys.stderr, flush=True)
     eplb = None

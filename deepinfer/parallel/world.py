@@ -9,7 +9,8 @@ it starts on this machine. Either way the rank joins with init_method "env://" a
     its device thread: two threads issuing collectives on one group could interleave differently on different
     ranks, and then they would match the wrong partners;
   - `ep_group`, the ranks that share the routed experts (consecutive runs of expert_parallel_size ranks,
-    layout.expert_groups; the world itself when EP spans it).
+    layout.expert_groups; the world itself when EP spans it);
+  - `cp_group`, the context-parallel ranks of one replica (the world itself: one replica is all the engine runs).
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ class World:
     control: dist.ProcessGroup
     ep_group: dist.ProcessGroup | None  # None: expert_parallel_size 1 (every rank holds every expert)
     ep_rank: int
+    cp_group: dist.ProcessGroup | None = None  # the context-parallel group (the world: one replica), None: cp 1
+
+    @property
+    def cp_size(self) -> int:
+        return self.parallel.context_parallel_size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group (DeepInfer: rank = engine_rank * cp + cp_rank)."""
+        return self.rank % self.cp_size
 
     @property
     def is_driver(self) -> bool:
@@ -115,7 +126,9 @@ def join(parallel, device: str) -> World:
         else:
             made = [dist.new_group(r, timeout=timeout) for r in ranks]  # every rank creates every group, in order
             ep_group = made[rank // ep]
-    _current = World(rank, size, local, device, parallel, control, ep_group, rank % ep)
+    # context parallel: one replica (layout.context_parallel_refusal), so the group is the world
+    cp_group = dist.group.WORLD if parallel.context_parallel_size > 1 else None
+    _current = World(rank, size, local, device, parallel, control, ep_group, rank % ep, cp_group)
     return _current
 
 
