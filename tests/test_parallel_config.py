@@ -83,6 +83,8 @@ def test_deepinfer_variables_are_read_by_the_layouts_and_named_when_single_ignor
      "sharded over the context-parallel ranks; allowed: 1 or 4"),
     (["parallel=cp2", "decoding=dspark"], "decoding=dspark with parallel.context_parallel_size=2"),
     (["parallel=cp2", "yoco=mask"], "yoco.mode='mask' with parallel.context_parallel_size=2"),
+    (["parallel=cp2", "parallel.eplb.interval=4", "parallel.eplb.window=4"],
+     "parallel.eplb.interval=4 (DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL) with parallel.context_parallel_size=2"),
     (["parallel=dep4", "parallel.expert_parallel_size=3"],
      "parallel.expert_parallel_size=3 does not divide context_parallel_size x data_parallel_size = 1 x 4 = 4 ranks"),
     (["parallel.eplb.redundant_experts=2"], "parallel.eplb.redundant_experts=2 with parallel.expert_parallel_size=1"),

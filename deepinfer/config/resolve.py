@@ -64,7 +64,8 @@ def _resolve_parallel(s: Settings) -> Settings:
                           f"data_parallel_size = {cp} x {dp} = {cp * dp} ranks (DeepInfer's rule: the experts are "
                           f"sharded over groups of EP ranks); allowed: a divisor of {cp * dp}")
     if cp > 1:
-        why = layout.context_parallel_refusal(cp, dp, ep, s.decoding.name, s.decoding.num_draft_tokens, s.yoco.mode)
+        why = layout.context_parallel_refusal(cp, dp, ep, s.decoding.name, s.decoding.num_draft_tokens, s.yoco.mode,
+                                              p.eplb.interval)
         if why is not None:
             raise ConfigError(why)
     e = p.eplb

@@ -26,7 +26,7 @@ def expert_groups(world_size: int, expert_parallel_size: int) -> list[list[int]]
 
 
 def context_parallel_refusal(cp: int, dp: int, ep: int, decoding: str = "plain", num_draft_tokens: int = 0,
-                             yoco: str = "off") -> str | None:
+                             yoco: str = "off", eplb_interval: int = 0) -> str | None:
     """THE HOOK for balanced context parallelism in the engine: None where the engine runs context_parallel_size
     `cp` > 1 with the rest of the layout, else the one-line reason it refuses it (never run as something else).
 
@@ -35,7 +35,7 @@ def context_parallel_refusal(cp: int, dp: int, ep: int, decoding: str = "plain",
     geometry, seeded sampling on identical logits), prefill steps through model.forward(batch, cp=...), decode
     steps on every rank; the experts either whole on every rank (EP 1) or sharded over the same cp ranks (EP = cp).
     Not built: several replicas (data_parallel_size > 1 with cp > 1), other EP groupings, DSpark drafting and YOCO
-    replay (the model's context-parallel forward runs neither)."""
+    replay (the model's context-parallel forward runs neither), EPLB re-placement (not tested with it)."""
     if dp != 1:
         return (f"parallel.data_parallel_size={dp} with parallel.context_parallel_size={cp}: the engine runs one "
                 f"context-parallel replica only; allowed: data_parallel_size 1 (or 0) with context parallel")
@@ -48,6 +48,10 @@ def context_parallel_refusal(cp: int, dp: int, ep: int, decoding: str = "plain",
     if yoco != "off":
         return (f"yoco.mode={yoco!r} with parallel.context_parallel_size={cp}: the context-parallel prefill does not "
                 "run YOCO replay; allowed: yoco=off")
+    if eplb_interval:
+        return (f"parallel.eplb.interval={eplb_interval} (DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL) with "
+                f"parallel.context_parallel_size={cp}: EPLB re-placement is not run with context parallel yet; "
+                "allowed: 0")
     return None
 
 
