@@ -16,6 +16,17 @@ of the loop, on every rank, over the `control` group (gloo, CPU; world.py says w
 Termination is the same agreement: once no rank has work, turns run no forward; rank 0 turns only when a request
 arrives or every IDLE_TICK_S (the other ranks wait in step 1 meanwhile, well inside the collective timeout).
 
+Context parallel (parallel=cp2 / cp4; layout.context_parallel_refusal says what is refused): the world is ONE
+replica of cp ranks. Rank 0 sends every rank the same commands in the same turn, and every rank runs an identical
+EngineCore on them: the scheduler is deterministic given the same requests in the same order and the same cache
+geometry (rank_core makes the ranks agree on the smallest cache budget), grammars are compiled before add_request
+returns (EngineCore.enter_lockstep(cp)), and sampling is seeded per request and position on logits that the
+context-parallel forward makes identical on every rank. So the step plans and tokens are the same everywhere
+without shipping plans, whose rows carry per-process objects (grammar matchers, sequence states). Prefill steps run
+model.forward(batch, cp=ContextParallel(world.cp_group)) (each rank its mirror blocks, every rank's pools the whole
+chunk); decode steps run whole on every rank, which keeps every rank's caches complete for later prefill chunks and
+joins the MoE all-to-alls when the experts are sharded over the same ranks. Only cp rank 0 reports outputs.
+
 A rank that dies makes the others' next collective fail (gloo: the peer's connection closes; a rank that stops
 answering: parallel.timeout). Rank 0 reports it as the core's failure; the frontend (launch.py) names the rank that
 exited and ends the run. The ranks' batches differ, so each row's output depends only on its own tokens: greedy
