@@ -64,3 +64,5 @@ def test_the_model_group_sets_its_sampling_defaults_and_the_command_line_wins():
     assert load_settings([]).sampling.temperature == 0.3
     assert load_settings(["sampling.temperature=1.0"]).sampling.temperature == 1.0
     assert load_settings(["model=tiny_random"]).sampling.temperature == 1.0  # the schema's default
+    other = load_settings(["model.path=" + str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")])
+    assert (other.sampling.temperature, other.sampling.max_tokens) == (1.0, 16)  # only for the embedded model

@@ -55,7 +55,7 @@ def requests():
 @pytest.fixture(scope="module")
 def single(requests):
     """The reference: parallel=single, in this process."""
-    with LLM(process="inproc", seed=SEED, engine=ENGINE, runtime={"num_threads": 1}) as llm:
+    with LLM("tiny_random", process="inproc", seed=SEED, engine=ENGINE, runtime={"num_threads": 1}) as llm:
         return [o.token_ids for o in generate_requests(llm, requests)]
 
 
@@ -70,8 +70,8 @@ def test_dep2_from_the_cli_returns_the_tokens_of_single(tmp_path, requests, sing
     path = tmp_path / "requests.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in requests))
     env = dict(os.environ, DEEPINFER_CACHE_DIR=os.environ.get("DEEPINFER_CACHE_DIR", str(tmp_path / "cache")))
-    proc = subprocess.run([sys.executable, "-m", "deepinfer", "parallel=dep2", f"input_path={path}",
-                           f"runtime.seed={SEED}", "engine.max_num_seqs=8", f"hydra.run.dir={tmp_path / 'run'}"],
+    proc = subprocess.run([sys.executable, "-m", "deepinfer", "model=tiny_random", "parallel=dep2",
+                           f"input_path={path}", f"runtime.seed={SEED}", "engine.max_num_seqs=8", f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # every rank printed its weight memory, holding half of the experts
@@ -86,7 +86,7 @@ def test_dep2_from_the_cli_returns_the_tokens_of_single(tmp_path, requests, sing
 
 @pytest.fixture(scope="module")
 def dep4():
-    llm = LLM(parallel="dep4", seed=SEED, engine=ENGINE)
+    llm = LLM("tiny_random", parallel="dep4", seed=SEED, engine=ENGINE)
     yield llm
     llm.close()
 
@@ -137,7 +137,7 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it(dep4):
 def test_dep2_with_eplb_replacing_experts_during_the_run_returns_the_tokens_of_single(requests, single, capfd):
     # 2 redundant slots, re-placed every 4 steps from the last 2 steps' counts: weights move between the ranks
     eplb = ["parallel.eplb.redundant_experts=2", "parallel.eplb.interval=4", "parallel.eplb.window=2"]
-    with LLM(parallel="dep2", seed=SEED, engine=ENGINE, overrides=eplb) as llm:
+    with LLM("tiny_random", parallel="dep2", seed=SEED, engine=ENGINE, overrides=eplb) as llm:
         got = [o.token_ids for o in generate_requests(llm, requests)]
     assert got == single
     err = capfd.readouterr().err
@@ -157,8 +157,8 @@ def test_torchrun_dep2_returns_the_tokens_of_single(tmp_path, requests, single):
     path = tmp_path / "requests.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in requests))
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "deepinfer", "parallel=dep2", f"input_path={path}", f"runtime.seed={SEED}",
-                             "engine.max_num_seqs=8", f"hydra.run.dir={tmp_path / 'run'}"],
+                             "-m", "deepinfer", "model=tiny_random", "parallel=dep2", f"input_path={path}",
+                             f"runtime.seed={SEED}", "engine.max_num_seqs=8", f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group: torchrun's workers end with it
     try:

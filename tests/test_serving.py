@@ -284,3 +284,15 @@ def test_cli_serves_until_sigterm_then_exits_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_server_engine_honours_the_decoding_settings():
+    """decoding=dspark reaches the server's engine (its options once lacked the decoding section)."""
+    srv = ThreadServer(["decoding=dspark"])
+    try:
+        assert srv.engine.client.core.options.num_draft_tokens == 5
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        srv.close()

@@ -47,7 +47,7 @@ def mixed_batch():
 @pytest.mark.parametrize("zero_overhead", [False, True])
 def test_json_regex_ebnf_and_a_malformed_schema_in_one_batch(zero_overhead):
     ps = mixed_batch()
-    with LLM(engine={"zero_overhead_scheduling": zero_overhead}) as llm:
+    with LLM("tiny_random", engine={"zero_overhead_scheduling": zero_overhead}) as llm:
         outs = llm.generate([f"request {i}:" for i in range(len(ps))], ps, use_tqdm=False)
     for out in outs[:20]:
         assert out.finish_reason == "stop", (out.finish_reason, out.error, out.text)
@@ -66,9 +66,9 @@ def test_grammar_requests_survive_preemption_unchanged():
     request's output, so every request samples what it samples with a cache that never preempts."""
     ps = [params(200 + i, {"schema_type": "json", "schema": SCHEMA}) for i in range(8)]
     prompts = [f"p{i}" for i in range(8)]
-    with LLM(process="inproc") as llm:
+    with LLM("tiny_random", process="inproc") as llm:
         roomy = llm.generate(prompts, ps, use_tqdm=False)
-    with LLM(process="inproc", cache={"memory_budget": 200_000, "block_size": 16}) as llm:
+    with LLM("tiny_random", process="inproc", cache={"memory_budget": 200_000, "block_size": 16}) as llm:
         tight = llm.generate(prompts, ps, use_tqdm=False)
         assert llm.last_metrics["preemptions"] > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
@@ -80,7 +80,7 @@ def test_trigger_tokens_leave_free_text_then_follow_the_grammar():
     """The grammar starts after the trigger: before it the request samples freely (exactly the tokens an
     unconstrained request with the same seed samples, since draws depend on seed and position only)."""
     prompt, seed = "think first", 31
-    with LLM(process="inproc") as llm:
+    with LLM("tiny_random", process="inproc") as llm:
         free = llm.generate([prompt], params(seed, max_tokens=8), use_tqdm=False)[0].token_ids
         assert len(free) >= 4 and EOS not in free[:4]
         trigger = free[2:4]
@@ -93,7 +93,7 @@ def test_trigger_tokens_leave_free_text_then_follow_the_grammar():
 
 
 def test_compile_timeout_from_the_settings_ends_only_grammar_requests():
-    with LLM(process="inproc", sampling={"xgrammar_timeout": 1e-6}) as llm:
+    with LLM("tiny_random", process="inproc", sampling={"xgrammar_timeout": 1e-6}) as llm:
         outs = llm.generate(["a", "b"], [params(1, {"schema_type": "json", "schema": SCHEMA}), params(2, max_tokens=5)],
                             use_tqdm=False)
     assert outs[0].finish_reason == "error" and "timed out" in outs[0].error
@@ -132,7 +132,7 @@ def test_a_grammar_that_cannot_continue_errors_only_its_request(zero_overhead):
     stuck = SamplingParams(temperature=0.8, max_tokens=16, min_tokens=12, seq_seed=3,
                            so_args={"schema_type": "regex", "schema": "ab"})
     others = [params(40 + i, max_tokens=16) for i in range(3)]
-    with LLM(process="inproc", engine={"zero_overhead_scheduling": zero_overhead}) as llm:
+    with LLM("tiny_random", process="inproc", engine={"zero_overhead_scheduling": zero_overhead}) as llm:
         expected = llm.generate(["x", "y", "z"], others, use_tqdm=False)
         outs = llm.generate(["w", "x", "y", "z"], [stuck, *others], use_tqdm=False)
     assert outs[0].finish_reason == "error" and "no token is allowed" in outs[0].error

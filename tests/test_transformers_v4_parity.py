@@ -343,7 +343,7 @@ def test_grouped_output_projection(cfg):
     ours_attn._attend = lambda q, kv, kv_parts, meta, pools: o.reshape(T, H, D)
     pools = SimpleNamespace(layout=SimpleNamespace(win_codec=RawCodec(torch.float32)))  # the window cache as is
     with torch.no_grad():
-        ours = ours_attn(torch.randn(T, cfg.hidden_size), SimpleNamespace(positions=torch.arange(T)), pools)
+        ours = ours_attn(torch.randn(T, cfg.hidden_size), SimpleNamespace(positions=torch.arange(T), cp=None), pools)
     _check("grouped output projection", ours, ref.reshape(T, -1))
 
 

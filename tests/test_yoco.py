@@ -73,10 +73,10 @@ def consumer_rows(model, run):
     boundary, layer, rows = consumer_boundary(model.config), [0], [0]
     moe = model._moe
 
-    def count(g, lw):
+    def count(g, lw, *rest):
         if layer[0] >= boundary:
             rows[0] += g.shape[0]
-        return moe(g, lw)
+        return moe(g, lw, *rest)
 
     model.layer_hook, model._moe = (lambda i: layer.__setitem__(0, i)), count
     try:
@@ -149,8 +149,8 @@ def test_compact_runs_fewer_decoder_layer_rows_by_what_it_reports(model, prompts
 
 # ---- through the engine ----------------------------------------------------------------------------------------
 def engine_run(mode, prompts, params, budget=None, extra=()):
-    overrides = [f"yoco={mode}", f"yoco.keep_tokens={K}", "engine.max_num_batched_tokens=32", "engine.process=inproc",
-                 "cache.block_size=16", "runtime.num_threads=1", "engine.max_num_seqs=3"]
+    overrides = ["model=tiny_random", f"yoco={mode}", f"yoco.keep_tokens={K}", "engine.max_num_batched_tokens=32",
+                 "engine.process=inproc", "cache.block_size=16", "runtime.num_threads=1", "engine.max_num_seqs=3"]
     if budget:
         overrides.append(f"cache.memory_budget={budget}")
     overrides += extra
@@ -247,8 +247,8 @@ def test_keep_tokens_below_window_plus_backtracking_is_a_config_error(monkeypatc
     with pytest.raises(ConfigError, match=r"yoco.keep_tokens=16 \(DEEPINFER_YOCO_PREFILL_KEEP_TOKENS\) is out of "
                                           r"range; allowed: at least sliding_window \(16\) \+ max backtracking "
                                           r"tokens \(1\) = 17"):
-        load_program(load_settings(["yoco=compact", "yoco.keep_tokens=16"]), weights=False)
-    program, _ = load_program(load_settings(["yoco=compact", "yoco.keep_tokens=17"]), weights=False)
+        load_program(load_settings(["model=tiny_random", "yoco=compact", "yoco.keep_tokens=16"]), weights=False)
+    program, _ = load_program(load_settings(["model=tiny_random", "yoco=compact", "yoco.keep_tokens=17"]), weights=False)
     assert program.replay.mode == "compact" and program.replay.keep == 17 and program.replay.boundary == 4
 
 

@@ -4,6 +4,7 @@
     from deepinfer.config import Settings, EngineSettings, CacheSettings, RuntimeSettings, SamplingDefaults
 """
 
+from deepinfer.config import resolvers
 from deepinfer.config.errors import ConfigError
 from deepinfer.config.schema import (
     CacheSettings,
@@ -19,6 +20,8 @@ from deepinfer.config.schema import (
     StageSpec,
     YocoSettings,
 )
+
+resolvers.register()
 
 __all__ = [
     "CacheSettings",

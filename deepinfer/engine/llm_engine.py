@@ -76,9 +76,7 @@ class LLMEngine:
 
         from deepinfer.engine.backend import SettingsBackend, backend_from_program
 
-        options = EngineOptions.from_settings(
-            settings.engine, settings.cache, settings.runtime, settings.sampling, settings.decoding, **overrides
-        )
+        options = EngineOptions.for_settings(settings, **overrides)
         if options.process == "inproc" and program is not None:
             factory = functools.partial(backend_from_program, program)
         else:

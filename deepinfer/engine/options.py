@@ -56,6 +56,12 @@ class EngineOptions:
         return rollback_rows(self.num_draft_tokens, self.max_backtracking_tokens)
 
     @classmethod
+    def for_settings(cls, settings, **overrides) -> "EngineOptions":
+        """The options of resolved Settings: every section an engine reads (LLM and the server alike)."""
+        return cls.from_settings(settings.engine, settings.cache, settings.runtime, settings.sampling,
+                                 settings.decoding, **overrides)
+
+    @classmethod
     def from_settings(cls, engine=None, cache=None, runtime=None, sampling=None, decoding=None,
                       **overrides) -> "EngineOptions":
         values = {}

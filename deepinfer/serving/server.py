@@ -31,7 +31,7 @@ def build_state(settings):
     inproc = settings.engine.process == "inproc"
     # the frontend needs the tokenizer and the model's limits; a subprocess engine core holds the weights
     program, settings = load_program(settings, weights=inproc)
-    options = EngineOptions.from_settings(settings.engine, settings.cache, settings.runtime, settings.sampling)
+    options = EngineOptions.for_settings(settings)  # decoding too: DSpark and the rollback rows
     import functools
 
     if inproc:
