@@ -118,7 +118,7 @@ def test_greedy_output_equals_plain_decoding_more_layouts(model_dir, workload, p
     assert [o.token_ids for o in outs] == plain
 
 
-@pytest.mark.parametrize("zos", [False, True])
+@pytest.mark.parametrize("zos", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_greedy_with_preemption_equals_plain_decoding(model_dir, workload, plain, zos):
     outs, metrics = run(model_dir, *workload, drafts=4, zos=zos, budget=small_budget(model_dir, 4),
                         batched_tokens=64)

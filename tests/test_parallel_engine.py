@@ -151,6 +151,7 @@ def _tokens_of(run_dir) -> list[list[int]]:
     return [json.loads(l)["token_ids"] for l in (run_dir / "outputs.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # the CLI's own launch of dep2 is in the fast tier
 @pytest.mark.timeout(300)
 def test_torchrun_dep2_returns_the_tokens_of_single(tmp_path, requests, single):
     """torchrun starts both ranks (as across machines); rank 0 runs the CLI's frontend, rank 1 follows it."""

@@ -60,6 +60,7 @@ def test_json_regex_ebnf_and_a_malformed_schema_in_one_batch(zero_overhead):
     assert outs[23].finish_reason in ("stop", "length") and outs[23].error is None
 
 
+@pytest.mark.slow  # 22 s on the 2-core CI VM: the slow tier
 def test_grammar_requests_survive_preemption_unchanged():
     """A 21-block cache preempts these requests again and again (with async scheduling, often while one of
     their samples is in flight, whose token is dropped): each recompute must roll the matcher back to the
