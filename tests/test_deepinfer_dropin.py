@@ -75,7 +75,8 @@ def test_deepinfer_sampling_params_keep_its_order_defaults_and_max_tokens_zero()
     ({"trust_remote_code": True}, "LLM(trust_remote_code=True): this engine runs no code from a checkpoint"),
     ({"expert_parallel_size": 0}, "LLM(expert_parallel_size=0) is not allowed; allowed: an integer >= 1"),
     ({"expert_parallel_size": 3, "data_parallel_size": 2}, "parallel.expert_parallel_size=3 does not divide"),
-    ({"context_parallel_size": 2}, "parallel.context_parallel_size=2: context parallelism is not runnable"),
+    # cp2 runs (tests/test_context_parallel_engine.py), but like every multi-rank layout not in-process
+    ({"context_parallel_size": 2}, "engine.process='inproc' with parallel=ep1_dp0_cp2 (2 ranks)"),
     ({"expert_parallel_size": 2}, "engine.process='inproc' with parallel=dep2 (2 ranks)"),  # dep2: tests/test_parallel_engine.py
     ({"load_format": "npcache"}, "LLM(load_format='npcache') is not supported; allowed: 'auto', 'dummy'"),
     ({"revision": "main"}, "LLM(revision='main'): pinned hub revisions are not available yet"),
