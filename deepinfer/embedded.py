@@ -2,13 +2,13 @@
 
 `embedded:tiny`, the default, is shipped in the package (deepinfer/assets/tiny-v41, ~5 MB): trained by
 tools/train_default_model.py on the Python standard library, backbone and DSpark draft layers, in the released
-format, with its own byte-level BPE (1536 ids, DeepSeek-V4.1's chat markers at 1520..1535). README "The embedded
+format, with its own byte-level BPE (1536 ids, DeepSeek-V4.1's chat markers at 1520..1535). README "Training the
 default model" has how it was trained and what it scores.
 
 `embedded:tiny-random` is the test model (random weights, small enough that its 16-token window and compressed
-layers are all exercised by short prompts). It is built, not shipped: deterministically (fixed seed, a CPU generator, no other randomness) on first use into
-`$DEEPINFER_CACHE_DIR/tiny-v41-<hash>` (default ~/.cache/deepinfer), in the released storage format, so it goes
-through the same loader as a real checkpoint:
+layers are all exercised by short prompts). It is built, not shipped: deterministically (fixed seed, a CPU
+generator, no other randomness) on first use into `$DEEPINFER_CACHE_DIR/tiny-random-v41-<hash>` (default
+~/.cache/deepinfer), in the released storage format, so it goes through the same loader as a real checkpoint:
   - config.json: the composite `deepseek_v41` config with the top-level quantization_config;
   - FP8 e4m3 projections with one ue8m0 scale per 32x32 block; FP4 e2m1 routed experts (two codes per byte,
     low nibble = even column) with one ue8m0 scale per row and 32 columns; FP8 Engram tables with per-row,
