@@ -20,7 +20,8 @@ import time
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded:tiny-random", help="embedded:tiny-random (the test model the recorded numbers used), embedded:tiny or a model directory")
+    ap.add_argument("--model", default="embedded:tiny-random",
+                    help="embedded:tiny-random (the test model the recorded numbers used), embedded:tiny or a directory")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100, help="shortest prompt and output length")
     ap.add_argument("--max-len", type=int, default=1024, help="longest prompt and output length")
