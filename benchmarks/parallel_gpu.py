@@ -7,7 +7,7 @@ measured in the same run; EPLB's imbalance before/after on a skewed synthetic ro
     source benchmarks/gpu_env.sh
     python3 benchmarks/parallel_gpu.py --device cuda --model flash --out $OUT/parallel_gpu.json
     # CPU smoke (gloo, 2 processes, the embedded test model):
-    python3 benchmarks/parallel_gpu.py --device cpu --model tiny --batch 8 --context 64 --steps 4 --out /tmp/p.json
+    python3 benchmarks/parallel_gpu.py --device cpu --model tiny --batch 8 --context 64 --steps 4 --out outputs/parallel_cpu.json
 
 STRUCTURE. torch.multiprocessing starts 2 rank processes (spawn); each joins a process group of 2 through
 deepinfer.parallel.groups.init_group (NCCL on CUDA, one GPU a rank; gloo on the CPU) and runs, in this order:

@@ -173,9 +173,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     if args.evaluate is not None:
         report = json.loads((args.evaluate / "report.json").read_text())
-        _, held_files = data.split(data.stdlib_files(), presets.PRESETS[report["preset"]].max_bytes)
-        report.update(engine_evaluation(args.evaluate, held_files, presets.PRESETS[report["preset"]]
-                                        .plausibility_prompts, print))
+        preset = presets.PRESETS[report["preset"]]
+        _, held_files = data.split(data.stdlib_files(), preset.max_bytes)
+        report.update(engine_evaluation(args.evaluate, held_files, preset.plausibility_prompts, print))
         (args.evaluate / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return report
     device = torch.device(args.device)
