@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from deepinfer.kernels.packed_experts import pack_quantized
 from deepinfer.kernels.torch.moe import moe_experts
-from deepinfer.models.synthetic import _fp4_rows
+from deepinfer.models.random_weights import _fp4_rows
 from deepinfer.parallel import groups
 from deepinfer.parallel.eplb import rebalance
 from deepinfer.parallel.expert_parallel import _pack, _unpack, choose_copies, ep_moe_experts, local_experts

@@ -299,7 +299,7 @@ def load_model(
 
     `load_format="dummy"` (DeepInfer's, for benchmarking): no weight file is read (a directory or hub id with only
     config.json and tokenizer.json is enough); the weights are random in the released storage formats for the
-    checkpoint's config (deepinfer.models.synthetic.random_weights, drawn with `seed`: the same config and seed
+    checkpoint's config (deepinfer.models.random_weights, drawn with `seed`: the same config and seed
     give the same weights, on one device type), the draft layers too when loaded. `tokenizer`: a tokenizer.json
     (or a directory holding one) instead of the checkpoint's; its vocabulary must fit the config.
 
@@ -332,7 +332,7 @@ def load_model(
     if dummy:
         import logging
 
-        from .synthetic import random_weights
+        from .random_weights import random_weights
 
         drafts = draft_layers and ckpt.config.num_nextn_predict_layers > 0
         ckpt.weights = random_weights(ckpt.config, device, dtype, seed, packed_experts, fp8_linears,

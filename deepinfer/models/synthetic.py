@@ -1,35 +1,29 @@
-"""DeepSeek-V4.1 models with random weights built in memory, at any width: the GPU layer benchmark and GPU tests
-use V4.1-Flash width at reduced depth, which no file on disk holds (~7 GB of FP4 experts per layer).
+"""DeepSeek-V4.1 models with random weights built in memory, at any width: the GPU benchmarks and GPU tests use
+V4.1-Flash width, which no file on disk holds (~7 GB of FP4 experts per layer), at two depths:
 
-Weights follow the released storage formats: routed experts are random FP4 e2m1 codes with ue8m0 scales per row
-and 32 columns and the shared expert FP8 e4m3 with 32x32 block scales, both kept as stored (QuantizedWeight ->
-PackedExperts) exactly as `load_model(..., packed_experts=True)` holds a real checkpoint; FP8 projections are
-e4m3 with 32x32 block scales too, kept as stored (Fp8BlockWeight) when `fp8_linears` (the default on CUDA, as
-`load_model`) and otherwise dequantised once (the same values); Engram tables carry values an FP8 checkpoint can
-hold (quantised and dequantised once); the rest is bf16 / fp32 as the release stores it. Scales are drawn so
-activations keep unit variance through every projection (the golden fixtures' initialisation,
-deepinfer.embedded._init).
+- FLASH_REDUCED: six layers, every layer role once (quick runs);
+- FLASH_FULL: the released 40 layers with the released layer pattern (compress ratios, KV / index / candidate
+  sources, Engram layers), whose layers of one kind share their weight tensors by reference (`share_layers`) while
+  every layer keeps its own caches: a step moves the same bytes and does the same FLOPs per layer as the released
+  model (a layer's weights are far larger than the 60 MB L2, so none stays cached between layers), and
+  roofline.py's floor is the released model's.
+
+Weights: deepinfer.models.random_weights (the released storage formats, kept as stored as `load_model` holds them).
 """
 
 from __future__ import annotations
 
-import math
 from importlib import resources
 
 import torch
 from tokenizers import Tokenizer
 
-from deepinfer.kernels.fp8_weight import Fp8BlockWeight
-from deepinfer.kernels.packed_experts import QuantizedWeight
+from deepinfer.embedded import TEXT_CONFIG, engram_table_rows
 from deepinfer.kernels.registry import OpSet
-from deepinfer.kernels.torch.quant import FP8_MAX, ceil_pow2
-
-from deepinfer.embedded import TEXT_CONFIG, _init, engram_table_rows
 
 from .config import ModelConfig
 from .deepseek_v41 import DeepseekV41Model
-from .loading import tensors as kinds
-from .loading.names import keeps_float32
+from .random_weights import random_weights
 
 # Reduced-depth V4.1-Flash: every layer role once (the embedded model's schedule, without its 8-layer tail):
 #   0 SWA only | 1 SWA + Engram | 2 ratio-2 KV source + index source | 3 ratio-2 reuse
@@ -70,6 +64,19 @@ FLASH_REDUCED = {
     "engram_head_dim": 256,
     "num_nextn_predict_layers": 0,  # no draft layers unless asked (DSPARK_FLASH)
 }
+# V4.1-Flash at the released depth (MODEL_V41_SPEC.md §1.2): 40 layers, 0-1 SWA (1 with Engram), 2-19 ratio 2
+# (KV + index sources 2, 8, 14; 14 with Engram), 20-39 ratio 1 (20 the KV + index + candidate source; 24, 28, 32,
+# 36 reindex over 20's candidates). Built with share_layers: six distinct layer kinds hold weights (a ratio-2 or ratio-1 layer that
+# reuses its source's KV has the tensors of a SWA layer).
+FLASH_FULL = {
+    **FLASH_REDUCED,
+    "num_hidden_layers": 40,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20,
+    "engram_layer_ids": [1, 14],
+}
 # V4.1-Flash's DSpark stages (MODEL_V41_SPEC.md §1.2, §6): config(DSPARK_FLASH) adds them (~2.3 GB of FP4 experts
 # each); the drafter reads the last three non-KV-source layers of the reduced model.
 DSPARK_FLASH = {
@@ -82,8 +89,9 @@ DSPARK_FLASH = {
 }
 
 
-def config(overrides: dict | None = None) -> ModelConfig:
-    text = dict(FLASH_REDUCED, **(overrides or {}))
+def config(overrides: dict | None = None, full_depth: bool = False) -> ModelConfig:
+    """FLASH_REDUCED (or FLASH_FULL with `full_depth`) with `overrides`."""
+    text = dict(FLASH_FULL if full_depth else FLASH_REDUCED, **(overrides or {}))
     if text["engram_layer_ids"]:
         text["engram_num_embeddings"] = engram_table_rows(
             text["engram_vocab_size"], len(text["engram_layer_ids"]), text["engram_max_ngram_size"],
@@ -95,70 +103,12 @@ def package_tokenizer() -> Tokenizer:
     return Tokenizer.from_str((resources.files("deepinfer.assets") / "tokenizer.json").read_text())
 
 
-def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0, packed_experts: bool = True,
-                   fp8_linears: bool | None = None, draft_layers: bool = True):
-    """Canonical name -> tensor (or QuantizedWeight for experts when `packed_experts`, Fp8BlockWeight for the FP8
-    projections when `fp8_linears`; default: on CUDA) for `cfg`, with the DSpark draft layers when `draft_layers`
-    and the config has them. The values do not depend on `packed_experts` or `fp8_linears` (dense weights are the
-    stored formats dequantised). A tied config's head is its embedding (as the checkpoint loader does)."""
-    if fp8_linears is None:
-        fp8_linears = torch.device(device).type == "cuda"
-    gen = torch.Generator(device).manual_seed(seed)
-    out = {}
-    for name, spec in sorted(kinds.expected_tensors(cfg, draft_layers).items()):
-        if spec.optional:
-            continue
-        expert = ".ffn.experts." in name or ".ffn.shared_experts." in name
-        if expert and kinds.FP4_ROWS in spec.allowed:
-            q = _fp4_rows(spec.shape, gen)
-            out[name] = q if packed_experts else q.dense(dtype)
-            continue
-        w = _init(name, spec.shape, cfg.hidden_size, gen)
-        if packed_experts and expert:
-            out[name] = _fp8_blocks(w)
-        elif fp8_linears and not expert and kinds.FP8_BLOCK in spec.allowed:
-            q = _fp8_blocks(w)
-            out[name] = Fp8BlockWeight(q.weight, q.scale)
-        elif kinds.FP8_BLOCK in spec.allowed or kinds.FP8_ROWS in spec.allowed:
-            out[name] = _fp8_values(w, (32, 32) if kinds.FP8_BLOCK in spec.allowed else (1, 32)).to(dtype)
-        else:
-            out[name] = w.float() if keeps_float32(name) else w.to(dtype)
-    if "head.weight" not in out:  # tie_word_embeddings
-        out["head.weight"] = out["embed.weight"]
-    return out
-
-
-def _fp4_rows(shape, gen) -> QuantizedWeight:
-    """Uniform e2m1 codes (RMS 2.93) with a scale of about 1 / (2.93 sqrt(fan_in)): unit-variance outputs."""
-    rows, cols = shape
-    centre = 127 + round(math.log2(1.0 / (2.93 * math.sqrt(cols))))
-    w = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen, device=gen.device)
-    s = torch.randint(centre - 1, centre + 2, (rows, cols // 32), dtype=torch.uint8, generator=gen, device=gen.device)
-    return QuantizedWeight("fp4", w, s, (rows, cols))
-
-
-def _block_scales(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    r, c = w.shape
-    amax = w.float().view(r // block[0], block[0], c // block[1], block[1]).abs().amax(dim=(1, 3))
-    return ceil_pow2(amax.clamp_min(1e-30) / FP8_MAX)
-
-
-def _fp8_blocks(w: torch.Tensor) -> QuantizedWeight:
-    s = _block_scales(w, (32, 32))
-    full = s.repeat_interleave(32, 0).repeat_interleave(32, 1)
-    codes = (w.float() / full).to(torch.float8_e4m3fn).view(torch.uint8)
-    return QuantizedWeight("fp8", codes, (torch.log2(s).round() + 127).to(torch.uint8), tuple(w.shape))
-
-
-def _fp8_values(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    s = _block_scales(w, block)
-    full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return (w.float() / full).to(torch.float8_e4m3fn).float() * full
-
-
 def build_model(cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, backends=None, seed: int = 0,
                 packed_experts: bool = True, fp8_linears: bool | None = None,
-                batch_invariant: bool = False) -> DeepseekV41Model:
+                batch_invariant: bool = False, share_layers: bool | None = None) -> DeepseekV41Model:
+    """`share_layers` (default: when the config is deeper than FLASH_REDUCED): layers of one kind share weights."""
     ops = OpSet.build(torch.device(device).type, backends, batch_invariant=batch_invariant)
-    weights = random_weights(cfg, device, dtype, seed, packed_experts, fp8_linears)
+    if share_layers is None:
+        share_layers = cfg.num_hidden_layers > FLASH_REDUCED["num_hidden_layers"]
+    weights = random_weights(cfg, device, dtype, seed, packed_experts, fp8_linears, share_layers=share_layers)
     return DeepseekV41Model(cfg, weights, package_tokenizer() if cfg.engram_layer_ids else None, ops, device, dtype)

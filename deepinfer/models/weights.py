@@ -53,15 +53,24 @@ class LayerWeights:
     top_k: int | None = None  # routed experts per token when not the config's num_experts_per_tok (draft layers)
 
 
-def experts_of(group: list[tuple], dtype: torch.dtype):
+def experts_of(group: list[tuple], dtype: torch.dtype, packed: dict | None = None):
     """One layer's experts as the loader gave them: dense (w1, w2, w3) tuples stay a list; weights kept in their
-    stored format (QuantizedWeight) are stacked into PackedExperts, or dequantised when the shape cannot pack."""
+    stored format (QuantizedWeight) are stacked into PackedExperts, or dequantised when the shape cannot pack.
+    `packed`: stacks made so far, by the identity of the group's weights: layers that hold the same expert tensors
+    by reference (synthetic full-depth models) share one stack instead of a copy each."""
     if not isinstance(group[0][0], QuantizedWeight):
         return group
+    key = tuple(id(w) for e in group for w in e)
+    if packed is not None and key in packed:
+        return packed[key]
     q = group[0][0]
     if len({w.fmt for e in group for w in e}) == 1 and can_pack(q.fmt, q.shape[0], q.shape[1]):
-        return pack_quantized(group)
-    return [tuple(w.dense(dtype) for w in e) for e in group]
+        out = pack_quantized(group)
+    else:
+        out = [tuple(w.dense(dtype) for w in e) for e in group]
+    if packed is not None:
+        packed[key] = out
+    return out
 
 
 def _row_groups(w: Linear, groups: int, rank: int):
@@ -88,7 +97,8 @@ def arrange(
     order (ExpertPlacement.local_logical); each layer's `experts` then holds those, a replicated expert once per
     copy (the same loaded tensors). None: all of them, in id order."""
     ids = range(cfg.n_routed_experts) if experts is None else experts
-    layers = [_layer(cfg, t, f"layers.{i}.", ids, dtype) for i in range(cfg.num_hidden_layers)]
+    packed: dict = {}
+    layers = [_layer(cfg, t, f"layers.{i}.", ids, dtype, packed) for i in range(cfg.num_hidden_layers)]
     for i in cfg.engram_layer_ids:
         p = f"layers.{i}."
         layers[i].e_weight = t[p + "engram.q_weight"].float() * t[p + "engram.k_weight"].float()
@@ -134,7 +144,7 @@ def arrange_drafts(cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dt
 
 
 def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, ids: Sequence[int],
-           dtype: torch.dtype) -> LayerWeights:
+           dtype: torch.dtype, packed: dict | None = None) -> LayerWeights:
     def get(name: str, optional: bool = False):
         if optional and p + name not in t:
             return None
@@ -158,8 +168,8 @@ def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, ids: Sequence[i
         attn_sink=get("attn.attn_sink"),
         gate_weight=get("ffn.gate.weight"),
         gate_bias=get("ffn.gate.bias", optional=True),
-        experts=experts_of([expert(f"ffn.experts.{e}") for e in ids], dtype),
-        shared_expert=(_single(experts_of([expert("ffn.shared_experts")], dtype))
+        experts=experts_of([expert(f"ffn.experts.{e}") for e in ids], dtype, packed),
+        shared_expert=(_single(experts_of([expert("ffn.shared_experts")], dtype, packed))
                        if p + "ffn.shared_experts.w1.weight" in t else None),
         c_wkv=get("attn.compressor.wkv.weight", True),
         c_wgate=get("attn.compressor.wgate.weight", True),

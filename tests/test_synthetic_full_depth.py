@@ -1,0 +1,45 @@
+"""The full-depth synthetic Flash model (synthetic.FLASH_FULL): the released 40-layer pattern, with the layers of one
+kind holding one set of weights by reference (so it fits one GPU) while every layer keeps its own caches."""
+
+import torch
+
+from deepinfer.models import synthetic
+from deepinfer.models.loading import tensors as kinds
+from deepinfer.models.random_weights import shared_layer_names
+
+# Flash's layer pattern at a width a CPU builds in seconds
+NARROW = dict(hidden_size=256, vocab_size=512, n_routed_experts=8, moe_intermediate_size=64, q_lora_rank=128,
+              num_attention_heads=4, o_lora_rank=64, o_groups=2, index_n_heads=4, index_topk=16,
+              candidate_topk_blocks=4, engram_vocab_size=1000, engram_n_heads=2, engram_head_dim=64)
+
+
+def test_full_depth_config_is_the_released_layer_pattern():
+    cfg = synthetic.config(full_depth=True)
+    assert cfg.num_hidden_layers == 40
+    assert list(cfg.compress_ratios[:40]) == [0, 0] + [2] * 18 + [1] * 20
+    assert list(cfg.kv_source_layer_ids) == [2, 8, 14, 20]
+    assert list(cfg.index_source_layer_ids) == [2, 8, 14, 20, 24, 28, 32, 36]
+    assert cfg.candidate_source_layer_id == 20 and list(cfg.engram_layer_ids) == [1, 14]
+    assert cfg.hidden_size == 5120 and cfg.n_routed_experts == 384
+
+
+def test_layers_of_one_kind_share_tensor_names_with_the_first_of_their_kind():
+    cfg = synthetic.config(full_depth=True)
+    alias = shared_layer_names(kinds.expected_tensors(cfg))
+    owners = {int(name.split(".")[1]) for name in alias.values()}
+    assert owners == {0, 2, 24}  # 1 and 14 (Engram tables of their own size) and 20 share with nobody
+    assert alias["layers.8.attn.indexer.wq_b.weight"] == "layers.2.attn.indexer.wq_b.weight"
+    assert alias["layers.39.ffn.experts.0.w1.weight"] == "layers.0.ffn.experts.0.w1.weight"  # reuse layer = SWA's
+    assert not any(k.startswith(("layers.1.", "layers.14.")) for k in alias)
+
+
+def test_shared_layers_hold_one_copy_of_weights_and_their_own_caches():
+    model = synthetic.build_model(synthetic.config(NARROW, full_depth=True), "cpu", torch.float32, fp8_linears=False)
+    assert model.config.num_hidden_layers == 40 and synthetic.config(NARROW, full_depth=True).num_hidden_layers == 40
+    layers = model.layers
+    assert layers[8].experts is layers[2].experts  # packed once (weights.arrange), not a stack per layer
+    assert layers[8].wq_a is layers[2].wq_a and layers[39].wq_a is layers[0].wq_a
+    assert layers[14].experts is not layers[2].experts and layers[1].e_table is not layers[14].e_table
+    pools = model.allocate_cache(num_slots=2, num_blocks=4)
+    rings = {pools.window[i][0].data_ptr() for i in range(40)}
+    assert len(rings) == 40  # every layer its own window ring
