@@ -7,9 +7,11 @@ roofline; the device's idle time between steps; a Pareto plot (total tok/s vs to
     source benchmarks/gpu_env.sh
     python3 benchmarks/decode_gpu.py --out $OUT/decode_gpu.json --plot $OUT/decode_gpu.png [--quick]
 
-Model: deepinfer.models.synthetic.FLASH_REDUCED (hidden 5120, 64 heads x 512, 384 FP4 experts top-6, window 128,
-index top-512; six layers, one of each kind), random weights in the released formats, bf16, TileLang SM90 kernels
-preferred (the `torch` variant: the same model on an OpSet of torch ops only, eager).
+Model (--model): `flash` = deepinfer.models.synthetic.FLASH_REDUCED (hidden 5120, 64 heads x 512, 384 FP4 experts
+top-6, window 128, index top-512; six layers, one of each kind); `flash40` = FLASH_FULL, the released 40-layer
+pattern whose layers of one kind share weights by reference (every layer its own caches: the released model's bytes
+and FLOPs per step, roofline.py's released-model floor). Random weights in the released formats, bf16, TileLang SM90
+kernels preferred (the `torch` variant: the same model on an OpSet of torch ops only, eager).
 
 DECODE CONTEXT IS FILLED, NOT PREFILLED. Prefilling 256 x 32K tokens with the real model would take minutes of
 device time, so the decode rows run on a benchmark backend (FillBackend) whose *prefill* stage writes random valid
@@ -164,8 +166,9 @@ def engine_backend(model, fill: bool, seed: int = 0):
     (prefill = fill_step, decode = the model). Built from backend_from_model so every other field the runner uses
     (e.g. for CUDA graphs) is the real one."""
     from deepinfer.engine.backend import backend_from_model
+    from deepinfer.kernels.registry import batch_invariant
 
-    backend = backend_from_model(model)
+    backend = backend_from_model(model, batch_invariant=batch_invariant())  # the sampler follows the op set's mode
     if fill:
         gen = torch.Generator(model.device).manual_seed(seed)
         banks: dict = {}
@@ -348,17 +351,21 @@ def prefill_row(tokens, chunk, steps, error, fallbacks, roof):
 
 
 # ---- model ------------------------------------------------------------------------------------------------------
-def build(model_name: str, device: str, backends):
-    """`flash` (synthetic FLASH_REDUCED, bf16) or `tiny` (the embedded checkpoint; the CPU test's model)."""
+def build(model_name: str, device: str, backends, batch_invariant: bool = False):
+    """`flash` (synthetic FLASH_REDUCED, 6 layers, bf16), `flash40` (synthetic FLASH_FULL: the released 40-layer
+    pattern, layers of one kind sharing weights; the roofline is the released model's) or `tiny` (the embedded
+    checkpoint; the CPU test's model)."""
     if model_name == "tiny":
         from deepinfer.embedded import materialize
         from deepinfer.models import load_model
 
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        return load_model(materialize("tiny-random"), device=device, dtype=dtype, backends=backends)
+        return load_model(materialize("tiny-random"), device=device, dtype=dtype, backends=backends,
+                          batch_invariant=batch_invariant)
     from deepinfer.models import synthetic
 
-    return synthetic.build_model(synthetic.config(), device, torch.bfloat16, backends=backends)
+    return synthetic.build_model(synthetic.config(full_depth=model_name == "flash40"), device, torch.bfloat16,
+                                 backends=backends, batch_invariant=batch_invariant)
 
 
 def ceilings(device: str, roofline):
@@ -377,7 +384,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/decode_gpu.json")
     ap.add_argument("--plot", default=None, help="Pareto PNG: total tok/s vs tok/s per user")
-    ap.add_argument("--model", choices=("flash", "tiny"), default="flash")
+    ap.add_argument("--model", choices=("flash", "flash40", "tiny"), default="flash")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
@@ -392,6 +399,8 @@ def parse(argv=None):
     ap.add_argument("--chunk", type=int, default=8192, help="prefill max_num_batched_tokens")
     ap.add_argument("--roofline", default=None, help="roofline.py to use (default benchmarks/roofline.py)")
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="DEEPINFER_BATCH_INVARIANT=1: the batch-invariant op set and sampler (its cost: run twice)")
     ap.add_argument("--profile", default=None,
                     help="B:CTX,... cells of the first variant to profile once more after timing (torch.profiler): the "
                          "kernels of one decode step by CUDA time, in the JSON row and the printed output")
@@ -414,14 +423,15 @@ def main(argv=None) -> int:
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {peak / 1e12:.0f} TFLOP/s", flush=True)
     prefs = {"default": ["tilelang-sm90", "torch"]} if on_cuda else ["torch"]
     t0 = time.time()
-    model = build(a.model, a.device, prefs)
-    fast_ops, ref_ops = model.ops, OpSet.build(model.device.type, ["torch"])
+    model = build(a.model, a.device, prefs, a.batch_invariant)
+    fast_ops = model.ops
+    ref_ops = OpSet.build(model.device.type, ["torch"], batch_invariant=a.batch_invariant)
     print(f"model {a.model} built in {time.time() - t0:.0f} s; ops: "
           + ", ".join(f"{k}={v}" for k, v in fast_ops.summary().items()), flush=True)
     c = roofline_config(roofline, model.config)
     torch_cells = None if a.torch_at is None else {tuple(map(int, x.split(":"))) for x in a.torch_at.split(",")}
     meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu",
-                torch=torch.__version__, copy_bw=bw, bf16_flops=peak, model=a.model,
+                torch=torch.__version__, copy_bw=bw, bf16_flops=peak, model=a.model, batch_invariant=a.batch_invariant,
                 time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), cmd=" ".join(sys.argv), host=platform.node(),
                 note=FILLED_NOTE, scheduling="sync" if a.sync else "async", ops=fast_ops.summary(),
                 warmup=a.warmup, steps=a.steps, torch_steps=a.torch_steps, interval=a.interval)

@@ -205,7 +205,10 @@ class ModelRunner:
         num_logits = None
         if not all_logits and any(drafts_of.values()):
             num_logits = [drafts_of[id(self._seqs[row.request_id])] + 1 for row in rows]
-        decode_only = all(len(ids) == 1 and row.new is None for row, ids in zip(rows, token_lists))
+        # which sequences feed generated tokens (not prompt tokens): only those may take the decode attention path,
+        # whatever they are batched with, so a prompt row's attention never depends on how its prompt was chunked
+        generated = [states[i].num_tokens >= self._seqs[row.request_id].num_prompt for i, row in enumerate(rows)]
+        decode_only = all(len(ids) == 1 and g for ids, g in zip(token_lists, generated))
         replay, data_lens = self._replay(rows, token_lists, states)
         decode_only = decode_only and replay is None  # a one-token prompt chunk under replay is prefilled
         # the decode stage: every row one token, or an anchor + its drafts (a verification)
@@ -214,7 +217,8 @@ class ModelRunner:
             for row, ids in zip(rows, token_lists))
         stage = self.backend.decode if decoding else self.backend.prefill
         batch = self._ForwardBatch(token_ids=token_lists, states=states, all_logits=all_logits, replay=replay,
-                                   data_lens=data_lens)
+                                   data_lens=data_lens,
+                                   decode_rows=generated if replay is None and self.cp is None else None)
         if num_logits is not None:
             batch.num_logits = num_logits
         # Sampler rows and grammar masks depend only on tokens sampled by earlier steps: build them before the
@@ -234,7 +238,7 @@ class ModelRunner:
         try:
             logits = None
             # decode steps, and verification steps whose sequences all bring the same number of drafts
-            same = all(row.new is None for row in rows) and len({len(t) for t in token_lists}) == 1
+            same = all(generated) and len({len(t) for t in token_lists}) == 1
             if self.graphs is not None and same and not all_logits and (decode_only or num_logits is not None):
                 logits = self.graphs.run(token_lists, states)
                 self._graph_step = logits is not None

@@ -137,48 +137,76 @@ class Attention:
 
     # ---------------------------------------------------------------------------------------
     def _attend(self, q, kv, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:
-        cfg, ops, L = self.cfg, self.ops, pools.layout
+        L = pools.layout
+        as_stored = isinstance(L.win_codec, Fp8Codec) and isinstance(L.cmp_codec, Fp4Codec)
+        if as_stored and meta.host.decode_only:
+            return self._attend_decode(q, kv_parts, meta, pools)
+        split = meta.host.split if as_stored else None
+        if split is None:
+            out = self._attend_slates(q, kv, meta, pools)
+            self._write_window(kv_parts, meta, pools)
+            return out
+        # decoding sequences beside prefill chunks: each part on its own path (the decoding rows as in a
+        # decode-only step); the slates read the rings before this step's writes, the decode path after them
+        dec, pre = split
+        out = torch.empty_like(q)
+        out.index_copy_(0, pre, self._attend_slates(q, kv, meta, pools, pre))
+        out.index_copy_(0, dec, self._attend_decode(q, kv_parts, meta, pools, dec))
+        return out
+
+    def _selected(self, meta: StepMeta, T: int, device) -> torch.Tensor:
+        """[T, index_topk] pool rows each query attends to (-1: none), from this step's index source."""
+        selected = meta.scratch.get("selected")
+        if selected is not None and selected[0] == self.source:
+            return selected[1]
+        # without an index source for this source in this step, nothing is selectable
+        return torch.full((T, self.cfg.index_topk), -1, dtype=torch.int64, device=device)
+
+    def _attend_slates(self, q, kv, meta: StepMeta, pools: CachePools, rows: torch.Tensor | None = None):
+        """Every query (or the queries `rows`) over its key slate, gathered from the rings before this step writes
+        them and from this step's new rows."""
+        ops, L = self.ops, pools.layout
         ring = pools.window[self.layer]
         wi = meta.window
-        if meta.host.decode_only and isinstance(L.win_codec, Fp8Codec) and isinstance(L.cmp_codec, Fp4Codec):
-            return self._attend_decode(q, kv_parts, meta, pools)
-        win = L.win_codec.decode(*(p[wi.ring_row] for p in ring), dtype=kv.dtype)
-        keys = torch.where(wi.is_new[..., None], kv[wi.new_row], win)
-        valid = wi.valid
+        ring_row, is_new, new_row, valid = wi.ring_row, wi.is_new, wi.new_row, wi.valid
+        if rows is not None:
+            q, ring_row, is_new, new_row, valid = q[rows], ring_row[rows], is_new[rows], new_row[rows], valid[rows]
+        win = L.win_codec.decode(*(p[ring_row] for p in ring), dtype=kv.dtype)
+        keys = torch.where(is_new[..., None], kv[new_row], win)
         if self.ratio:
-            selected = meta.scratch.get("selected")
-            T = q.shape[0]
-            if selected is not None and selected[0] == self.source:
-                rows = selected[1]
-            else:  # without an index source for this source in this step, nothing is selectable
-                rows = torch.full((T, cfg.index_topk), -1, dtype=torch.int64, device=q.device)
-            chosen = L.cmp_codec.decode(*(p[rows.clamp_min(0)] for p in pools.compressed[self.source]), dtype=kv.dtype)
-            keys, valid = torch.cat([keys, chosen], 1), torch.cat([valid, rows >= 0], 1)
+            chosen_rows = self._selected(meta, meta.positions.shape[0], q.device)
+            if rows is not None:
+                chosen_rows = chosen_rows[rows]
+            chosen = L.cmp_codec.decode(*(p[chosen_rows.clamp_min(0)] for p in pools.compressed[self.source]),
+                                        dtype=kv.dtype)
+            keys, valid = torch.cat([keys, chosen], 1), torch.cat([valid, chosen_rows >= 0], 1)
         # masked slots keep whatever row they point at: every pool row holds a decoded finite value (pools start
         # zeroed and are written only through the codecs), and a -inf bias gives it a weight of exactly 0
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
-        out = ops.sink_attention(q, keys, bias, self.w.attn_sink, self.scale)
-        for part, new in zip(ring, kv_parts):  # after the read: a long chunk's writes may reuse rows it read
-            part.index_copy_(0, wi.write_row, new)
-        return out
+        return ops.sink_attention(q, keys, bias, self.w.attn_sink, self.scale)
 
-    def _attend_decode(self, q, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:
-        """One new token per sequence (or a verification's anchor and drafts): write them into the ring, then
-        attend over the caches as stored (the decode kernel on the GPU; the same slate as the prefill path, so
-        bitwise the same result on the CPU)."""
+    def _write_window(self, kv_parts, meta: StepMeta, pools: CachePools) -> None:
+        # after the reads: a long chunk's writes may reuse rows it read
+        for part, new in zip(pools.window[self.layer], kv_parts):
+            part.index_copy_(0, meta.window.write_row, new)
+
+    def _attend_decode(self, q, kv_parts, meta: StepMeta, pools: CachePools,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoding queries (every query, or the queries `rows`: each sequence's new token, or a verification's
+        anchor and drafts): write the step's rows into the ring, then attend over the caches as stored (the decode
+        kernel on the GPU; the same slate as the prefill path, so bitwise the same result on the CPU)."""
         L, S, R = pools.layout, pools.slots_alloc, pools.layout.ring
         ring = pools.window[self.layer]
-        for part, new in zip(ring, kv_parts):
-            part.index_copy_(0, meta.window.write_row, new)
+        self._write_window(kv_parts, meta, pools)
         codes, scales = (p[: S * R].view(S, R, -1) for p in ring)
+        slot, pos = meta.tok_slot, meta.positions
         if self.ratio:
-            selected = meta.scratch.get("selected")
-            rows = selected[1] if selected is not None and selected[0] == self.source else \
-                torch.full((q.shape[0], self.cfg.index_topk), -1, dtype=torch.int64, device=q.device)
+            sel = self._selected(meta, q.shape[0], q.device)
             cmp_kv, cmp_scale = pools.compressed[self.source]
         else:
-            rows = torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
+            sel = torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
             cmp_kv, cmp_scale = pools.no_compressed
-        return self.ops.sink_attention_decode(q, meta.tok_slot, meta.positions, codes, scales,
-                                              pools.win_pos[: S * R].view(S, R), cmp_kv, cmp_scale, rows,
-                                              self.w.attn_sink, self.scale, L.window)
+        if rows is not None:
+            q, slot, pos, sel = q[rows], slot[rows], pos[rows], sel[rows]
+        return self.ops.sink_attention_decode(q, slot, pos, codes, scales, pools.win_pos[: S * R].view(S, R), cmp_kv,
+                                              cmp_scale, sel, self.w.attn_sink, self.scale, L.window)

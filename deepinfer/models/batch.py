@@ -17,7 +17,12 @@ class ForwardBatch:
 
     `replay`: the pipeline's YOCO replay stage (models/replay.py BoundedReplay) on a prefill step, else None;
     `data_lens`: each sequence's full known length (prompt, + outputs on a recompute), where its keep rectangle
-    ends (None: where this step ends)."""
+    ends (None: where this step ends).
+
+    `decode_rows`: per sequence, whether its new tokens are tokens the model generated (a decode token, or a
+    verification's anchor and drafts) rather than prompt tokens: only those take the decode attention path, in a
+    decode-only step and beside prefill chunks alike, so a row's attention does not depend on what it is batched
+    with or how its prompt was chunked. None (a standalone forward): every one-token sequence counts as decoding."""
 
     token_ids: list[list[int]]
     states: list[SequenceCache]
@@ -25,3 +30,4 @@ class ForwardBatch:
     num_logits: list[int] | None = None
     replay: Any = None
     data_lens: list[int] | None = None
+    decode_rows: list[bool] | None = None

@@ -143,7 +143,7 @@ class DeepseekV41Model:
             st.reserve(st.num_tokens + len(ids))
         pasts = [st.num_tokens for st in batch.states]
         host = pack_step(batch.token_ids, batch.states, pools.layout, self.device, all_logits=batch.all_logits,
-                         num_logits=batch.num_logits)
+                         num_logits=batch.num_logits, decode_rows=batch.decode_rows)
         meta = derive(host, pools)
         if cp is not None:
             if batch.replay is not None:

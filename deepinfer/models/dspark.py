@@ -142,7 +142,7 @@ class DSpark:
             feats = h_pre[:, i]
             if w.markov_embed is not None:
                 e = w.markov_embed[prev].float()
-                logits = logits + e @ w.markov_head.float().T
+                logits = logits + ops.linear(e, w.markov_head.float())  # row-invariant GEMM
                 feats = torch.cat([feats, e], -1)
             # a per-row product-sum (a GEMV's reduction order may follow the batch size): confidences, and so
             # the varlen plan, do not depend on what else is drafted in the step

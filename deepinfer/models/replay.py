@@ -139,7 +139,7 @@ def _mask_view(meta: StepMeta, rect_lo: torch.Tensor, window: int) -> StepMeta:
     wi = meta.window
     inside = _window_look(meta.positions, window) >= rect_lo[meta.tok_seq][:, None]
     # the prefill (slate) path also for steps of one-token chunks: the decode path reads visibility from the ring
-    host = replace(meta.host, decode_only=False)
+    host = replace(meta.host, decode_only=False, split=None)
     return replace(meta, host=host, window=replace(wi, valid=wi.valid & inside))  # scratch: the same dict
 
 
@@ -171,7 +171,7 @@ def _compact_view(meta: StepMeta, pools: CachePools, rect_lo, clip, total: int, 
     base = dict(meta.host.base)
     last = base["last"]
     base["last"] = last - offset[meta.tok_seq[last]]
-    host = replace(meta.host, decode_only=False, base=base)
+    host = replace(meta.host, decode_only=False, split=None, base=base)
     # no compression groups / entry rows: the only KV source of the consumer layers (the boundary) has written
     # every row before the switch (`shared_kv_written`), so no consumer layer compresses
     view = StepMeta(host, meta.ids[kept], pos, tok_seq, meta.tok_slot[kept], meta.slots, window_c,

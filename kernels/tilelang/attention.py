@@ -101,8 +101,8 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     n_q, H, D = q.shape
     R, topk = win_kv.shape[1], sel.shape[1]
     assert R >= window and H == 64 and D == 512 and n_q > 0
-    splits = splits or _splits(n_q, (R + topk) // BLOCK_KEYS, q.device)
-    # a ring wider than the window (rollback rows for speculative decoding) is read whole: arch and regs as default
+    splits = splits or _splits(n_q, (window + topk) // BLOCK_KEYS, q.device)
+    # a ring wider than the window (rollback rows for speculative decoding): its width is a compile-time shape
     extra = (None, (192, 160, 152), R) if R != window else ()
     kernel = jit(build_sink_attention_decode, H, D, window, topk, splits, *extra)
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)

@@ -52,13 +52,16 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
     elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer. ring: rows
-    per sequence's ring (default `window`; wider when the caches keep rollback rows for speculative decoding: every
-    row is read, the visibility test keeps the `window` positions up to the query's)."""
+    per sequence's ring (default `window`; wider when the caches keep rollback rows for speculative decoding).
+    The window keys are read in position order, oldest first (slot j holds position p - window + 1 + j, ring row
+    that position mod `ring`, kept when the ring row still holds it), whatever the ring's width: a query's sum runs
+    over the same keys in the same order with and without rollback rows, so a verification row of speculative
+    decoding is bitwise the plain decode row."""
     H, D, BK = heads, dim, 64
-    W = ring or window             # ring rows read per query
-    assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0 and W >= window
-    NB = (W + topk) // BK          # key blocks per query
-    NWB = W // BK                  # of which window blocks
+    W = ring or window             # ring rows per sequence
+    assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0 and W >= window and window % BK == 0
+    NWB = window // BK             # window key blocks per query
+    NB = NWB + topk // BK          # key blocks per query
     PER = -(-NB // splits)         # blocks per split (the last may have fewer, or none)
     DH = D // 2
     n_prod = 128  # one producer warpgroup (two: ptxas cannot fit WG0's wgmma in 128 launch registers)
@@ -292,9 +295,9 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                         kb = kb0 + (i * n_prod + pt) // BK
                         r = (i * n_prod + pt) % BK
                         if kb < NWB:
-                            kp = win_pos[b, kb * BK + r]
-                            idx_s[i * n_prod + pt] = T.if_then_else((kp >= 0) and (kp <= p) and (kp > p - window),
-                                                                    kb * BK + r, -1)
+                            pp = p - window + 1 + kb * BK + r  # the slot's position; its ring row is pp mod W
+                            row = T.max(pp, 0) % W
+                            idx_s[i * n_prod + pt] = T.if_then_else((pp >= 0) and (win_pos[b, row] == pp), row, -1)
                         else:
                             idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
                 T.sync_threads(5, n_prod)  # producers only: the row table is complete

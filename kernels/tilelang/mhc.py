@@ -5,12 +5,14 @@ for expand), fp32 pre/post/comb, widths the tiles divide; anything else goes to 
 
 The mixes split their K loop over `_splits(T)` blocks per 64-token tile (static per compiled variant: 64 at
 decode, fewer as tiles multiply); the split count changes the fp32 summation order, so a token's mixes can differ
-in the last bits between batch sizes (not batch-invariant, like the MoE kernels' atomic combine).
+in the last bits between batch sizes. In the batch-invariant mode every token count uses the decode split (64):
+the order is then fixed (partials summed in split order by the finalize kernel), at the price of more partials
+at prefill sizes.
 """
 
 import torch
 
-from deepinfer.kernels.registry import fall_back
+from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import mhc as torch_mhc
 
 from ._build import jit
@@ -25,6 +27,8 @@ FILL_BLOCKS = 256        # premix blocks wanted in flight: ~2 per SM on an H200 
 
 def _splits(n_tok: int, k_steps: int) -> int:
     ok = [s for s in SPLITS if k_steps % s == 0]
+    if batch_invariant():
+        return ok[-1]
     tiles = -(-n_tok // BLOCK_T)
     return next((s for s in ok if tiles * s >= FILL_BLOCKS), ok[-1])
 

@@ -9,7 +9,8 @@ Kernel paths (all need a CUDA bf16 `x`; non-contiguous inputs are made contiguou
   multiple of 8; inv_freq fp32 / bf16 / fp16 (the torch op promotes it to fp32 too).
 * fake_quant_fp8 / fake_quant_fp4: `block` a multiple of 8 with block / 8 a power of two <= 32.
 RMSNorm's statistic follows ATen's summation order for its [rows, dim] launch (the lane count depends on the row
-count below 16 rows), so, like the torch op, a row's result can depend on how many rows are normalised together.
+count below 16 rows), so, like the torch op, a row's result can depend on how many rows are normalised together;
+the batch-invariant mode uses the 16-row lane count for every row count.
 """
 
 import functools
@@ -17,7 +18,7 @@ import functools
 import numpy as np
 import torch
 
-from deepinfer.kernels.registry import fall_back
+from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import norm as torch_norm
 from deepinfer.kernels.torch import quant as torch_quant
 from deepinfer.kernels.torch import rope as torch_rope
@@ -70,7 +71,9 @@ def _rms_plan(x: torch.Tensor, weight: torch.Tensor | None):
                                    and weight.shape[0] == dim and weight.dtype in (torch.bfloat16, torch.float32)):
         return None
     rows = x.numel() // dim
-    lanes = torch_reduce_lanes(dim, rows)
+    # batch-invariant mode: the lane count ATen uses from 16 rows up, whatever the row count (below 16 it follows
+    # the rows, and with it a row's summation order)
+    lanes = torch_reduce_lanes(dim, max(rows, 16) if batch_invariant() else rows)
     if lanes is None:
         return None
     return dim, rows, lanes

@@ -2,7 +2,13 @@
 
 import torch
 
+from deepinfer.kernels.registry import batch_invariant
+
 from .elementwise import ew
+
+# ATen's CUDA row reductions pick their lanes and block split by the row count; the batch-invariant mode runs the
+# gate over chunks of exactly this many tokens (the last one padded) so a token's sums do not follow its batch.
+CUDA_INVARIANT_TOKENS = 64
 
 
 def engram_hash(
@@ -23,8 +29,28 @@ def engram_gate(
 ) -> torch.Tensor:
     """streams [T, hc, D]; key [T, hc, D]; value [T, D]; weight [hc, D] (= q_weight * k_weight).
     X_k += sigmoid(signed_sqrt(normalised <X_k, w_k * key_k>)) * value, per token and stream."""
+    if streams.is_cuda and batch_invariant():
+        return _in_token_chunks(streams, key, value, weight, eps)
+    return _gate(streams, key, value, weight, eps)
+
+
+def _gate(streams, key, value, weight, eps):
     h, key = streams.float(), key.float()
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
     dot = (h * weight.float() * key).sum(-1) * rstd * h.shape[-1] ** -0.5
     gate = ew(torch.sigmoid, torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
     return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+
+
+def _in_token_chunks(streams, key, value, weight, eps):
+    n, t = CUDA_INVARIANT_TOKENS, streams.shape[0]
+    pad = -t % n
+
+    def padded(x):
+        return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+    streams, key, value = padded(streams), padded(key), padded(value)
+    out = torch.empty_like(streams)
+    for s in range(0, t + pad, n):
+        out[s:s + n] = _gate(streams[s:s + n], key[s:s + n], value[s:s + n], weight, eps)
+    return out[:t]

@@ -1,25 +1,43 @@
 import torch
 
 from deepinfer.kernels.fp8_weight import Fp8BlockWeight
+from deepinfer.kernels.registry import batch_invariant
 
 # Rows are padded to a multiple of this before the GEMM on the CPU: BLAS picks a different kernel (and summation
-# order) for very few rows, which would make a row's result depend on how many rows ride with it. Not on GPUs:
-# cuBLAS picks kernels by M anyway (padding cannot make it row-invariant), and the copies cost launches.
+# order) for very few rows, which would make a row's result depend on how many rows ride with it.
 ROW_TILE = 16
+# cuBLAS picks its kernel (tile, split-K) by M, so padding cannot make a row's result independent of its batch; in
+# the batch-invariant mode a dense GEMM on CUDA runs as GEMMs of exactly this many rows instead (the last one
+# padded): the same shapes, the same kernel, whatever the batch.
+CUDA_INVARIANT_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8BlockWeight) -> torch.Tensor:
-    """y = x @ weight.T (weight [out, in]), row-invariant across batch sizes on the CPU. An FP8 weight kept as
-    stored is dequantised to x's dtype first: the same matrix the loader builds when it dequantises at load."""
+    """y = x @ weight.T (weight [out, in]), row-invariant across batch sizes on the CPU (and on CUDA in the
+    batch-invariant mode). An FP8 weight kept as stored is dequantised to x's dtype first: the same matrix the
+    loader builds when it dequantises at load."""
     if isinstance(weight, Fp8BlockWeight):
         weight = weight.dense(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
+    if x.is_cuda and batch_invariant():
+        return _fixed_rows(x2, weight).reshape(*lead, weight.shape[0])
     pad = -m % ROW_TILE if x.device.type == "cpu" else 0
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
     return torch.nn.functional.linear(x2, weight)[:m].reshape(*lead, weight.shape[0])
+
+
+def _fixed_rows(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    m, rows = x2.shape[0], CUDA_INVARIANT_ROWS
+    pad = -m % rows
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    out = torch.empty(m + pad, weight.shape[0], dtype=torch.result_type(x2, weight), device=x2.device)
+    for start in range(0, m + pad, rows):
+        torch.mm(x2[start:start + rows], weight.t(), out=out[start:start + rows])
+    return out[:m]
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,16 @@ class HostStep:
     decode_only: bool  # the decode attention path: one token per sequence, or a verification (pack_step)
     max_entries: dict[int, int]  # ratio -> entries the widest sequence holds after the step
     base: dict[str, torch.Tensor]  # on the device: ids, positions, tok_seq, slots, past, lengths, table
+    # a step that mixes decoding sequences with prefill chunks: (rows of the decoding sequences, the other rows),
+    # on the device; the decoding rows take the decode attention path as they would in a decode-only step
+    split: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all_logits: bool = False,
-              num_logits: list[int] | None = None) -> HostStep:
+              num_logits: list[int] | None = None, decode_rows: list[bool] | None = None) -> HostStep:
     """The base tensors of a step (a captured graph fills its own static ones); `all_logits` keeps every row's
-    logits, `num_logits` the last num_logits[i] rows of sequence i (else its last row: base["last"])."""
+    logits, `num_logits` the last num_logits[i] rows of sequence i (else its last row: base["last"]);
+    `decode_rows` (ForwardBatch.decode_rows): which sequences bring generated tokens."""
     lengths = [len(t) for t in token_ids]
     past = [s.num_tokens for s in seqs]
     starts, acc = [], 0
@@ -70,8 +74,16 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all
         base["last"] = to_device([st + n - c + j for st, n, c in zip(starts, lengths, keep) for j in range(c)], device)
     # the decode attention path (reads the rings as stored): one new token per sequence, or a verification (the
     # anchor and its drafts, logits for each) that fits the rollback rows, so its writes never hide a window key
-    verify = num_logits is not None and all(n <= layout.max_rollback for n in lengths)
-    return HostStep(lengths, all(n == 1 for n in lengths) or verify, max_entries, base)
+    decoding = [n == 1 or (num_logits is not None and n <= layout.max_rollback) for n in lengths]
+    if decode_rows is not None:
+        decoding = [d and g for d, g in zip(decoding, decode_rows)]
+    split = None
+    if decode_rows is not None and any(decoding) and not all(decoding):
+        rows = [[], []]
+        for st, n, d in zip(starts, lengths, decoding):
+            rows[0 if d else 1].extend(range(st, st + n))
+        split = (to_device(rows[0], device), to_device(rows[1], device))
+    return HostStep(lengths, all(decoding), max_entries, base, split)
 
 
 @dataclass
