@@ -28,7 +28,7 @@ def _decode_case(B, seed):
     win_kv, win_sc, _ = fp8_rows32(B * W, D, g)
     cmp_kv, cmp_sc, _ = fp4_rows16_e4m3(4000, D, g)
     base = torch.randint(200, 5000, (B,), generator=g)
-    win_pos = torch.stack([base[b] + torch.randperm(W, generator=g) for b in range(B)]).int()
+    win_pos = torch.stack([base[b] + (torch.arange(W) - base[b]) % W for b in range(B)]).int()  # row = pos mod W
     q_pos = (base + W - 1).int()
     sel = torch.stack([torch.randperm(4000, generator=g)[:TOPK] for _ in range(B)]).int()
     sel[:, -50:] = -1
