@@ -2,6 +2,9 @@
 supports. Factories are "module:function" strings imported only when a pipeline picks them, so registering a
 GPU-only component costs a CPU machine nothing.
 
+It is the config's: the resolve step checks every `pipeline.stages.*.component` against it, and the config floor
+imports nothing above it, so the catalogue lives here and the builder (deepinfer.pipeline.build) loads from it.
+
 A factory is called as factory(model, sampler, options) and returns the stage's implementation.
 """
 
