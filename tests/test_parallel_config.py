@@ -196,3 +196,26 @@ def test_the_server_starts_its_engine_on_every_rank_of_the_layout(monkeypatch):
     with pytest.raises(Started) as info:
         build_state(load_settings(["parallel=dep4", "serve=openai"]))
     assert info.value.args == ("dep4", 4)
+
+
+def test_llm_and_the_server_pick_their_client_in_one_place(monkeypatch):
+    """make_client serves LLM (LLMEngine.for_settings) as it serves the server: a multi-rank layout gets the
+    data-parallel client, one rank the subprocess client, engine.process=inproc the in-process one."""
+    from deepinfer.engine import LLMEngine, client, dp_client
+
+    class Started(Exception):
+        pass
+
+    def started(kind):
+        def make(factory, options, parallel=None):
+            raise Started(kind, options.process)
+        return make
+
+    monkeypatch.setattr(dp_client, "DataParallelClient", started("dp"))
+    monkeypatch.setattr(client, "ProcessClient", started("subprocess"))
+    monkeypatch.setattr(client, "InprocClient", started("inproc"))
+    for overrides, want in ((["parallel=dep2"], ("dp", "subprocess")), ([], ("subprocess", "subprocess")),
+                            (["engine.process=inproc"], ("inproc", "inproc"))):
+        with pytest.raises(Started) as info:
+            LLMEngine.for_settings(load_settings(overrides))
+        assert info.value.args == want

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from deepinfer.config.errors import ConfigError
 from deepinfer.config.layout import expert_groups
 
 from . import groups
+
+if TYPE_CHECKING:
+    from deepinfer.config.schema import ParallelSettings
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -43,7 +47,7 @@ def launched_rank() -> tuple[int, int] | None:
     return (r, n) if n > 1 else None
 
 
-def check_launch(parallel) -> tuple[int, int] | None:
+def check_launch(parallel: ParallelSettings) -> tuple[int, int] | None:
     """The launched (rank, world size), checked against the layout: a one-line ConfigError when torchrun started a
     different number of processes than the layout has ranks."""
     launched = launched_rank()
@@ -70,7 +74,7 @@ class World:
     size: int
     local_rank: int
     device: str  # "cpu", or "cuda" with torch.cuda.set_device(local_rank) done
-    parallel: object  # the resolved ParallelSettings
+    parallel: ParallelSettings  # resolved
     control: dist.ProcessGroup
     ep_group: dist.ProcessGroup | None  # None: expert_parallel_size 1 (every rank holds every expert)
     ep_rank: int
@@ -98,7 +102,7 @@ def current() -> World | None:
     return _current
 
 
-def join(parallel, device: str) -> World:
+def join(parallel: ParallelSettings, device: str) -> World:
     """Join the world as torchrun's environment says (see the module docstring); the collectives raise after
     parallel.timeout seconds instead of hanging."""
     global _current
