@@ -241,6 +241,8 @@ def run_rank_or_exit(settings, options: EngineOptions | None = None) -> None:
 
 
 def follower_main() -> None:
+    """`python -m deepinfer.engine.core_process --follower`: a rank that DataParallelClient started on this machine,
+    its RankStartup on stdin."""
     from deepinfer.config.resolve import rebuild
     from deepinfer.engine import startup
     from deepinfer.engine.dp_core import first_line
