@@ -10,7 +10,7 @@ measured in the same run; EPLB's imbalance before/after on a skewed synthetic ro
     python3 benchmarks/parallel_gpu.py --device cpu --model tiny --batch 8 --context 64 --steps 4 --out outputs/parallel_cpu.json
 
 STRUCTURE. torch.multiprocessing starts 2 rank processes (spawn); each joins a process group of 2 through
-deepinfer.parallel.groups.init_group (NCCL on CUDA, one GPU a rank; gloo on the CPU) and runs, in this order:
+deepinfer.distributed.groups.init_group (NCCL on CUDA, one GPU a rank; gloo on the CPU) and runs, in this order:
   1. bandwidth: `all_to_all_single` of a --bw-mib MiB buffer split evenly over the 2 ranks (each rank sends half
      of it to the other and keeps half), 2 untimed + --bw-reps timed, median; bandwidth = bytes sent to the peer
      / time (per direction, both directions at once);
@@ -19,7 +19,7 @@ deepinfer.parallel.groups.init_group (NCCL on CUDA, one GPU a rank; gloo on the 
      at the same time, each its own copy; no collective inside);
   3. `dep2`: the full model in expert-parallel mode (ExpertParallel, ExpertPlacement.initial(E, 2): rank r holds
      experts [r*E/2, (r+1)*E/2), no redundant copies), every MoE layer going through
-     deepinfer.parallel.expert_parallel.ep_moe_experts over the world group.
+     deepinfer.distributed.expert_parallel.ep_moe_experts over the world group.
 Both variants: the rank's own batch of --batch sequences (different tokens per rank), context --context FILLED,
 not prefilled (layer_gpu.filled_sequences -> decode_gpu.fill_step: random valid cache codes), then --warmup
 untimed and --steps timed decode steps of one token per sequence through `model.forward` (eager: the EP path
@@ -38,7 +38,7 @@ synchronous). The calls are wrapped by replacing the module's `dist` with a forw
 waiting for the peer to arrive at the collective (rank skew), which is part of what a step pays. Bytes per step
 = rows sent to the OTHER rank x row bytes, summed over the calls; floor = those bytes / the measured bandwidth.
 
-EPLB: deepinfer.parallel.eplb_runtime.skewed_imbalance_report for this model's expert count, 2 ranks,
+EPLB: deepinfer.distributed.eplb_runtime.skewed_imbalance_report for this model's expert count, 2 ranks,
 --redundant redundant slots, top-k of the model, --batch tokens per rank (no model, no process group; the
 runtime's own re-placement and dispatch rule).
 
@@ -130,9 +130,7 @@ def build_model(name: str, device: str, n_experts: int | None, ep=None):
 
 
 def held_gb(model) -> float:
-    from deepinfer.models.deepseek_v41 import _held_bytes, _model_weights
-
-    return _held_bytes(_model_weights(model)) / 1e9
+    return model.weight_bytes() / 1e9
 
 
 # ---- timing -----------------------------------------------------------------------------------------------------
@@ -152,7 +150,7 @@ class Clock:
 
 
 class TimedDist:
-    """Stands in for `torch.distributed` inside deepinfer.parallel.expert_parallel: every all_to_all_single is
+    """Stands in for `torch.distributed` inside deepinfer.distributed.expert_parallel: every all_to_all_single is
     bracketed by two clock marks and its bytes to the other ranks recorded; everything else is forwarded."""
 
     def __init__(self, clock: Clock, me: int, world: int):
@@ -266,10 +264,10 @@ def run_variant(name: str, model, a, rank: int, clock: Clock, timer=None) -> dic
 def rank_main(rank: int, world: int, port: int, a, outdir: str) -> None:
     import torch.distributed as dist
 
-    from deepinfer.parallel import expert_parallel as ep_mod
-    from deepinfer.parallel import groups
-    from deepinfer.parallel.expert_parallel import ExpertParallel
-    from deepinfer.parallel.placement import ExpertPlacement
+    from deepinfer.distributed import expert_parallel as ep_mod
+    from deepinfer.distributed import groups
+    from deepinfer.distributed.expert_parallel import ExpertParallel
+    from deepinfer.distributed.placement import ExpertPlacement
 
     cuda = a.device.startswith("cuda")
     if cuda:
@@ -350,7 +348,7 @@ def free_port() -> int:
 def main(argv=None) -> int:
     import torch.multiprocessing as mp
 
-    from deepinfer.parallel.eplb_runtime import skewed_imbalance_report
+    from deepinfer.distributed.eplb_runtime import skewed_imbalance_report
 
     a = parse(argv)
     t_start = time.time()
@@ -442,7 +440,7 @@ def main(argv=None) -> int:
                 n_routed_experts=E, top_k=cfg.num_experts_per_tok, layers=cfg.num_hidden_layers,
                 backend="nccl" if cuda else "gloo", cmd=" ".join(sys.argv), host=platform.node(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), note=FILLED_NOTE,
-                dep2_moe_path="deepinfer.parallel.expert_parallel.ep_moe_experts (torch swiglu_expert per local "
+                dep2_moe_path="deepinfer.distributed.expert_parallel.ep_moe_experts (torch swiglu_expert per local "
                               "expert; host reads the row counts each MoE layer), eager",
                 single_moe_path="model.ops.moe_experts (TileLang grouped GEMM on CUDA), eager",
                 wall_s=time.time() - t_start)

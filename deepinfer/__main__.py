@@ -108,7 +108,7 @@ def follower_rank(settings) -> bool:
     is a one-line ConfigError)."""
     if settings.parallel.world_size == 1 and "WORLD_SIZE" not in os.environ:
         return False  # the common case: no torch.distributed import
-    from deepinfer.parallel.world import check_launch
+    from deepinfer.distributed.world import check_launch
 
     launched = check_launch(settings.parallel)
     return launched is not None and launched[0] != 0
@@ -345,7 +345,7 @@ def _hydra_task(cfg) -> None:
             settings = resolve(cfg)
             check_inputs(settings)
         if follower_rank(settings):  # torchrun: ranks other than 0 run no frontend, they follow rank 0's steps
-            from deepinfer.parallel.rank_process import run_rank_or_exit
+            from deepinfer.engine.core_process import run_rank_or_exit
 
             return run_rank_or_exit(settings)
         if settings.serve.name != "offline":  # serve=openai: the HTTP server, until SIGTERM / Ctrl-C

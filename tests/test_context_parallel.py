@@ -1,4 +1,4 @@
-"""Balanced (mirror) context parallel prefill (issue 13 item 5, deepinfer/parallel/context_parallel.py).
+"""Balanced (mirror) context parallel prefill (issue 13 item 5, deepinfer/distributed/context_parallel.py).
 
 With 2 and 4 gloo processes on the embedded tiny model (window 16, ratio-2 and ratio-1 KV sources, indexer with
 candidate blocks, Engram, DSpark draft rings): every rank runs the same prefill steps with `cp=` (its mirror blocks
@@ -22,8 +22,8 @@ from deepinfer import embedded
 from deepinfer.models import load_model
 from deepinfer.models.batch import ForwardBatch
 from deepinfer.models.cache import StandaloneAllocator
-from deepinfer.parallel import groups
-from deepinfer.parallel.context_parallel import ContextParallel, align_of, mirror_owner, split_cuts
+from deepinfer.distributed import groups
+from deepinfer.distributed.context_parallel import ContextParallel, align_of, mirror_owner, split_cuts
 
 # A case: prefill steps (per step, per sequence: a chunk length, 0 = not in this step), then decode steps.
 # (lengths per step, all_logits per step)

@@ -22,7 +22,7 @@ ENGINE = {"max_num_seqs": 4, "chunked_prefill": True, "max_num_batched_tokens": 
 SITECUSTOMIZE = '''
 import os
 if os.environ.get("CP_PLAN_LOG"):
-    from deepinfer.parallel import context_parallel as _cp
+    from deepinfer.distributed import context_parallel as _cp
     _plan = _cp.ContextParallel.plan
     def plan(self, lengths, pasts=None, align=1):
         p = _plan(self, lengths, pasts, align)

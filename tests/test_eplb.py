@@ -1,12 +1,12 @@
-"""EPLB placement policy (deepinfer/parallel/eplb.py) on synthetic expert loads."""
+"""EPLB placement policy (deepinfer/distributed/eplb.py) on synthetic expert loads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepinfer.parallel.eplb import imbalance, rebalance
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.distributed.eplb import imbalance, rebalance
+from deepinfer.distributed.placement import ExpertPlacement
 
 
 def skewed(num_experts: int = 64, seed: int = 0, window: int = 0) -> torch.Tensor:

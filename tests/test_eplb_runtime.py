@@ -1,4 +1,4 @@
-"""EPLB at run time (deepinfer/parallel/eplb_runtime.py, expert_move.py) on the embedded tiny model over gloo: the
+"""EPLB at run time (deepinfer/distributed/eplb_runtime.py, expert_move.py) on the embedded tiny model over gloo: the
 counts the MoE step records, re-placement during a run (prefill, then decode steps re-placed between them) with the
 logits bitwise equal to the single-process model, the weights moved between ranks equal to the checkpoint's, the
 imbalance falling on a skewed routing and the log line; and the move plan on its own (one process)."""
@@ -19,10 +19,10 @@ import deepinfer.models.deepseek_v41 as dsv
 from deepinfer import embedded
 from deepinfer.models import load_model
 from deepinfer.models.batch import ForwardBatch
-from deepinfer.parallel import groups
-from deepinfer.parallel.eplb_runtime import EplbRuntime, skewed_imbalance_report
-from deepinfer.parallel.expert_move import align, plan_moves, slot_tensors, transfers
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.distributed import groups
+from deepinfer.distributed.eplb_runtime import EplbRuntime, skewed_imbalance_report
+from deepinfer.distributed.expert_move import align, plan_moves, slot_tensors, transfers
+from deepinfer.distributed.placement import ExpertPlacement
 
 N_EXP, TOP_K, STEPS = 8, 2, 4  # the tiny model: 8 routed experts, top-2; decode steps after the prefill
 LINE = re.compile(r"\[EPLB\] step (\d+): re-placed 8 MoE layers, (\d+) physical experts \((\d+) redundant\) on (\d+) "

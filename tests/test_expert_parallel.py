@@ -1,5 +1,5 @@
-"""Expert-parallel MoE (deepinfer/parallel/expert_parallel.py) against the single-process op, bitwise, on the CPU with
-gloo: 2 and 4 processes spawned with torch.multiprocessing, each owning some tokens (one rank none) and its
+"""Expert-parallel MoE (deepinfer/distributed/expert_parallel.py) against the single-process op, bitwise, on the CPU
+with gloo: 2 and 4 processes spawned with torch.multiprocessing, each owning some tokens (one rank none) and its
 experts' weights, with experts no token picks and with redundant (replicated, shuffled) physical experts."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch.multiprocessing as mp
 
 from deepinfer.kernels.packed_experts import pack_quantized
 from deepinfer.kernels.torch.moe import moe_experts
+from deepinfer.distributed import groups
+from deepinfer.distributed.eplb import rebalance
+from deepinfer.distributed.expert_parallel import _pack, _unpack, choose_copies, ep_moe_experts, local_experts
+from deepinfer.distributed.placement import ExpertPlacement
 from deepinfer.models.random_weights import _fp4_rows
-from deepinfer.parallel import groups
-from deepinfer.parallel.eplb import rebalance
-from deepinfer.parallel.expert_parallel import _pack, _unpack, choose_copies, ep_moe_experts, local_experts
-from deepinfer.parallel.placement import ExpertPlacement
 
 N_EXP, TOP_K, D, INTER, LIMIT = 8, 3, 64, 32, 10.0
 UNUSED = (2, 5)  # experts no token picks

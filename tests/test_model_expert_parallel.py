@@ -19,8 +19,8 @@ from deepinfer.models import load_model
 from deepinfer.models.batch import ForwardBatch
 from deepinfer.models.loading.names import canonical_name
 from deepinfer.models.loading.safetensors_reader import SafetensorsFiles
-from deepinfer.parallel import groups
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.distributed import groups
+from deepinfer.distributed.placement import ExpertPlacement
 
 N_EXP = 8  # the embedded tiny model: 8 routed experts, top-2
 STEPS = 3  # decode steps after the prefill

@@ -20,7 +20,8 @@ from deepinfer.config.errors import ConfigError
 from deepinfer.config.schema import EplbSettings, ParallelSettings
 from deepinfer.engine.messages import AddRequest, CoreOutputs, RequestUpdate
 from deepinfer.entrypoints.llm import _parallel_overrides
-from deepinfer.parallel.lockstep import Commands, DataParallelCore
+from deepinfer.engine.dp_core import DataParallelCore
+from deepinfer.engine.lockstep import Commands
 from deepinfer.sampling import SamplingParams
 
 PARALLEL_VARS = ("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "DEEPINFER_EXPERT_COUNT_WINDOW_SIZE",
@@ -182,7 +183,7 @@ def test_context_parallel_ranks_get_the_same_commands():
 def test_the_server_starts_its_engine_on_every_rank_of_the_layout(monkeypatch):
     """serve=openai with a multi-rank layout reaches the engine through the data-parallel client (which starts the
     ranks: tests/test_parallel_engine.py), not one engine core that would refuse to join a world alone."""
-    from deepinfer.parallel import launch
+    from deepinfer.engine import dp_client
     from deepinfer.serving.server import build_state
 
     class Started(Exception):
@@ -191,7 +192,30 @@ def test_the_server_starts_its_engine_on_every_rank_of_the_layout(monkeypatch):
     def client(factory, options, parallel):
         raise Started(parallel.name, factory.settings.parallel.world_size)
 
-    monkeypatch.setattr(launch, "DataParallelClient", client)
+    monkeypatch.setattr(dp_client, "DataParallelClient", client)
     with pytest.raises(Started) as info:
         build_state(load_settings(["parallel=dep4", "serve=openai"]))
     assert info.value.args == ("dep4", 4)
+
+
+def test_llm_and_the_server_pick_their_client_in_one_place(monkeypatch):
+    """make_client serves LLM (LLMEngine.for_settings) as it serves the server: a multi-rank layout gets the
+    data-parallel client, one rank the subprocess client, engine.process=inproc the in-process one."""
+    from deepinfer.engine import LLMEngine, client, dp_client
+
+    class Started(Exception):
+        pass
+
+    def started(kind):
+        def make(factory, options, parallel=None):
+            raise Started(kind, options.process)
+        return make
+
+    monkeypatch.setattr(dp_client, "DataParallelClient", started("dp"))
+    monkeypatch.setattr(client, "ProcessClient", started("subprocess"))
+    monkeypatch.setattr(client, "InprocClient", started("inproc"))
+    for overrides, want in ((["parallel=dep2"], ("dp", "subprocess")), ([], ("subprocess", "subprocess")),
+                            (["engine.process=inproc"], ("inproc", "inproc"))):
+        with pytest.raises(Started) as info:
+            LLMEngine.for_settings(load_settings(overrides))
+        assert info.value.args == want

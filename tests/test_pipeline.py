@@ -10,7 +10,8 @@ from deepinfer.config.errors import ConfigError
 from deepinfer.config.hardware import Found
 from deepinfer.kernels.registry import BackendError
 from deepinfer.models import ForwardBatch
-from deepinfer.pipeline import REGISTRY, StepProgram, build_program, load_program
+from deepinfer.config.components import REGISTRY
+from deepinfer.pipeline import StepProgram, build_program, load_program
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepseek_v41"
 TINY = str(FIXTURES / "tiny-swa-csa2")

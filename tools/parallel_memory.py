@@ -34,7 +34,7 @@ from deepinfer.models.cache.pools import CacheLayout  # noqa: E402
 from deepinfer.models.config import ModelConfig  # noqa: E402
 from deepinfer.models.loading import tensors as kinds  # noqa: E402
 from deepinfer.models.loading.names import keeps_float32  # noqa: E402
-from deepinfer.parallel.placement import resolve_num_extra_experts  # noqa: E402
+from deepinfer.distributed.placement import resolve_num_extra_experts  # noqa: E402
 
 # The released text config (MODEL_V41_SPEC.md §1.1-1.2); the fields not given take the released defaults.
 FLASH_CONFIG = {

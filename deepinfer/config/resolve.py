@@ -22,8 +22,10 @@ from importlib import resources
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from deepinfer.config import hardware as hw
 from deepinfer.config import env_vars
+from deepinfer.config import hardware as hw
+from deepinfer.config import layout
+from deepinfer.config.components import REGISTRY
 from deepinfer.config.errors import ConfigError, explain, fmt
 from deepinfer.config.keys import strip_optional
 from deepinfer.config.schema import STAGES, HardwareSettings, Interval, ParallelSettings, Settings
@@ -53,8 +55,6 @@ def resolve(cfg: DictConfig, found: hw.Found | None = None) -> Settings:
 def _resolve_parallel(s: Settings) -> Settings:
     """data_parallel_size 0 -> EP / CP (DeepInfer's rule), then what a layout needs: EP divides CP x DP (DeepInfer's
     rule), parts the engine cannot run yet are refused (never run as something else), EPLB only with EP > 1."""
-    from deepinfer.parallel import layout
-
     p = s.parallel
     cp, ep = p.context_parallel_size, p.expert_parallel_size
     dp = layout.resolved_data_parallel_size(p.data_parallel_size, ep, cp)
@@ -76,9 +76,6 @@ def _resolve_parallel(s: Settings) -> Settings:
     if e.interval and not 1 <= e.window <= e.interval:
         raise ConfigError(f"parallel.eplb.window={e.window} (DEEPINFER_EXPERT_COUNT_WINDOW_SIZE) is out of range with "
                           f"parallel.eplb.interval={e.interval}; allowed: [1, {e.interval}] (DeepInfer's rule)")
-    if e.interval and not layout.eplb_runtime_available():
-        raise ConfigError(f"parallel.eplb.interval={e.interval} (DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL): EPLB "
-                          "re-placement is not built yet (deepinfer/parallel/eplb_runtime.py); allowed: 0")
     world = p.world_size
     if world == 1 and p.timeout != ParallelSettings().timeout:
         raise ConfigError(f"parallel.timeout={p.timeout:g} with one rank: it has no collective to time out; allowed: "
@@ -258,8 +255,6 @@ def _resolve_memory(s: Settings, found: hw.Found) -> Settings:
 
 # ---- 6: pipeline --------------------------------------------------------------------------------------------
 def _check_pipeline(s: Settings) -> None:
-    from deepinfer.pipeline.registry import REGISTRY
-
     stages = s.pipeline.stages
     names = list(stages)
     for name in names:

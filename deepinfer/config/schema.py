@@ -123,9 +123,10 @@ class EplbSettings:
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    """The parallel layout (conf/parallel/, deepinfer/parallel/): context_parallel_size x data_parallel_size ranks
-    (one process and one device each), attention data-parallel, routed experts sharded over groups of
-    expert_parallel_size ranks, which must divide the world (DeepInfer's rule). single: one process."""
+    """The parallel layout (conf/parallel/; run by deepinfer/distributed/ and the engine's data-parallel core):
+    context_parallel_size x data_parallel_size ranks (one process and one device each), attention data-parallel,
+    routed experts sharded over groups of expert_parallel_size ranks, which must divide the world (DeepInfer's
+    rule). single: one process."""
 
     name: str = "single"  # a label (the option's file name); the sizes below are what the engine reads
     # DeepInfer's data_parallel_size: 0 means expert_parallel_size / context_parallel_size (at least 1), resolved

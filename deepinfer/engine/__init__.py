@@ -2,7 +2,9 @@
 
 Rooms (ARCHITECTURE.md §4): Scheduler and CacheManager (pure Python), ModelRunner (the only room touching
 tensors), EngineCore (the step loop, synchronous or zero-overhead), the frontend LLMEngine talking to the core in
-its own process over private ipc sockets (or in-process).
+its own process over private ipc sockets (or in-process). With a multi-rank layout: the data-parallel client
+(dp_client), rank 0's DataParallelCore (dp_core) turning every rank in lockstep (lockstep), the other ranks in the
+core process's follower mode (core_process). make_client picks the client for LLM and the server alike.
 """
 
 from deepinfer.engine.backend import (

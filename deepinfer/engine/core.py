@@ -35,7 +35,7 @@ class EngineCore:
     def __init__(self, backend_factory: Callable[[], EngineBackend], options: EngineOptions,
                  agree_budget: Callable[[int], int] | None = None):
         """agree_budget: maps this process's cache budget (bytes) to the one to use; the ranks of a context-parallel
-        group agree on one (deepinfer.parallel.lockstep) so that their schedulers see the same cache geometry."""
+        group agree on one (deepinfer.engine.lockstep) so that their schedulers see the same cache geometry."""
         self.options = options
         self.zero_overhead = options.zero_overhead_scheduling
         self._worker = DeviceWorker() if self.zero_overhead else None
@@ -85,7 +85,7 @@ class EngineCore:
         )
         self._inflight: tuple[StepPlan, Future, float] | None = None
         self.grammars = GrammarCompilations(backend, options)
-        # Lockstep (deepinfer.parallel.lockstep, data-parallel ranks whose model forwards are collectives): every
+        # Lockstep (deepinfer.engine.lockstep, data-parallel ranks whose model forwards are collectives): every
         # step() runs exactly one forward, a dummy one when it has nothing to launch.
         self.lockstep = False
         self._sync_grammars = False  # context parallel: compile on arrival, never timing-dependent (enter_lockstep)
@@ -169,7 +169,7 @@ class EngineCore:
         """From now on every step() runs exactly one model forward (see `idle_step`), and a failed step ends the run
         instead of only its requests (the other ranks' collectives cannot be matched any more).
 
-        cp (deepinfer.parallel.context_parallel.ContextParallel): this core is one of a context-parallel group whose
+        cp (deepinfer.distributed.context_parallel.ContextParallel): this core is one of a context-parallel group whose
         cores get the same requests and must make the same decisions: prefill steps run model.forward(..., cp=cp),
         and a grammar is compiled before add_request returns, so when a request becomes sampleable never depends on
         a compiler thread's timing (which differs between ranks)."""

@@ -14,6 +14,14 @@ report a loop stuck past its deadline (a deadlock in a step).
 It exits when told to, and also on its own when the frontend process disappears (parent pid changes, and on Linux
 the kernel sends SIGKILL via PR_SET_PDEATHSIG), so a killed frontend never leaves a busy engine behind. Ctrl-C in
 a terminal reaches the whole process group: the core ignores SIGINT and lets the frontend decide.
+
+With a multi-rank layout this process is rank 0, driving the others (deepinfer.engine.dp_core). The other ranks run
+this module in its follower mode: `python -m deepinfer.engine.core_process --follower` with a RankStartup on stdin
+(started by deepinfer.engine.dp_client: the resolved settings and engine options as MessagePack, never pickle), or
+`run_rank(settings)` from the CLI of a torchrun process whose RANK is not 0. A follower joins the world, loads its
+share of the model, prints its weight memory, follows rank 0's turns (deepinfer.engine.lockstep) and exits 0 when
+rank 0 ends the run, or with one line on stderr and exit code 1 when it cannot go on (a collective failed: another
+rank died; or it could not start).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from deepinfer.engine.options import EngineOptions
 log = logging.getLogger("deepinfer.engine.core")
 
 IDLE_POLL_MS = 200
+EXIT_FAILED = 1  # a follower rank that cannot go on
 
 
 def _die_with_parent() -> None:
@@ -93,17 +102,7 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
     try:
         send(m.Hello(os.getpid()))  # lets the frontend learn which connection is ours
         try:
-            from deepinfer.parallel.lockstep import build_core
-
-            def build():
-                if options.num_threads:  # a fresh process: the frontend's setting is not inherited
-                    import torch
-
-                    torch.set_num_threads(options.num_threads)  # on the thread that runs the model
-                return factory()
-
-            # an EngineCore; with a multi-rank layout, rank 0 of the world driving the others (parallel/lockstep.py)
-            core = build_core(factory, build, options)
+            core = build_core(factory, options)
         except BaseException as exc:
             send(m.Failure(summary(exc), traceback.format_exc(), startup=True))
             return
@@ -125,6 +124,32 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
         beat.join(timeout=2)
         sock.close()
         ctx.term()
+
+
+def _builder(factory, options: EngineOptions):
+    """The core's build(): a fresh process does not inherit the frontend's thread count, so it is set here, on the
+    thread that runs the model."""
+    def build():
+        if options.num_threads:
+            import torch
+
+            torch.set_num_threads(options.num_threads)
+        return factory()
+
+    return build
+
+
+def build_core(factory, options: EngineOptions):
+    """An EngineCore; with a multi-rank layout (the factory's settings), rank 0 of the world driving the others
+    (deepinfer.engine.dp_core.DataParallelCore)."""
+    settings = getattr(factory, "settings", None)
+    if settings is None or settings.parallel.world_size == 1:
+        from deepinfer.engine.core import EngineCore
+
+        return EngineCore(_builder(factory, options), options)
+    from deepinfer.engine.dp_core import data_parallel_core
+
+    return data_parallel_core(settings, _builder(factory, options), options)
 
 
 def summary(exc: BaseException) -> str:
@@ -179,9 +204,67 @@ def _loop(core, sock: zmq.Socket, verifier: Verifier, send, parent_pid: int, clo
                 send(m.Outputs(out))
 
 
+# ---- follower mode: a rank other than 0 of a multi-rank layout ---------------------------------------------------
+def run_rank(settings, options: EngineOptions | None = None) -> None:
+    """Be a follower rank until rank 0 ends the run. options: the engine's (default: from the settings, as the
+    frontend builds them)."""
+    from deepinfer.distributed.world import join, leave
+    from deepinfer.engine.backend import SettingsBackend
+    from deepinfer.engine.dp_core import rank_core
+    from deepinfer.engine.lockstep import LockstepRank, follow
+
+    if options is None:
+        s = settings
+        options = EngineOptions.from_settings(s.engine, s.cache, s.runtime, s.sampling, s.decoding)
+    build = _builder(SettingsBackend(settings), options)
+    world = join(settings.parallel, settings.hardware.device)
+    try:
+        core, eplb = rank_core(build, options, world, settings)
+        rank = LockstepRank(core, world, eplb)
+        try:
+            follow(rank)
+        finally:
+            rank.close()
+    finally:
+        leave()
+
+
+def run_rank_or_exit(settings, options: EngineOptions | None = None) -> None:
+    """run_rank, ending the process with one line on stderr and exit code 1 when the rank cannot go on."""
+    from deepinfer.engine.dp_core import first_line
+
+    try:
+        run_rank(settings, options)
+    except Exception as exc:
+        print(f"deepinfer: rank {os.environ.get('RANK', '?')}: error: {first_line(exc)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
+
+
+def follower_main() -> None:
+    """`python -m deepinfer.engine.core_process --follower`: a rank that DataParallelClient started on this machine,
+    its RankStartup on stdin."""
+    from deepinfer.config.resolve import rebuild
+    from deepinfer.engine import startup
+    from deepinfer.engine.dp_core import first_line
+
+    _die_with_parent()  # the frontend that started us is gone: so are we
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the frontend decides
+    try:
+        args = startup.decode_rank(sys.stdin.buffer.read())
+        settings = rebuild(args.settings)
+    except Exception as exc:
+        print(f"deepinfer: rank {os.environ.get('RANK', '?')}: bad start-up message: {first_line(exc)}",
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
+    run_rank_or_exit(settings, args.options)
+
+
 def main() -> None:
     from deepinfer.engine import startup
 
+    if sys.argv[1:] == ["--follower"]:
+        follower_main()
+        return
     try:
         args = startup.decode(sys.stdin.buffer.read())
         factory = startup.factory_from(args.backend)

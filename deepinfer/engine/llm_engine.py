@@ -12,7 +12,8 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from deepinfer.engine.client import EngineDeadError, InprocClient, ProcessClient
+from deepinfer.engine.client import EngineDeadError, InprocClient
+from deepinfer.engine.make_client import client_for, make_client
 from deepinfer.engine.messages import AddRequest, RequestUpdate
 from deepinfer.engine.metrics import RunMetrics
 from deepinfer.engine.options import EngineOptions
@@ -45,14 +46,12 @@ class LLMEngine:
     (e.g. ModelDirBackend(path)). tokenizer: anything with decode(ids, skip_special_tokens=...), for output text
     (None: text is "")."""
 
-    def __init__(self, backend_factory, options: EngineOptions | None = None, tokenizer=None, client_cls=None):
-        """client_cls: how to reach the core (default: by options.process; a multi-rank layout passes
-        deepinfer.parallel.launch.DataParallelClient)."""
+    def __init__(self, backend_factory, options: EngineOptions | None = None, tokenizer=None, client=None):
+        """client: a started client (deepinfer.engine.make_client, as for_settings passes); default: one for
+        `backend_factory` by options.process."""
         self.options = options or EngineOptions()
         self.tokenizer = tokenizer
-        if client_cls is None:
-            client_cls = ProcessClient if self.options.process == "subprocess" else InprocClient
-        self.client = client_cls(backend_factory, self.options)
+        self.client = client if client is not None else client_for(backend_factory, self.options)
         self.info = self.client.info
         mode = "async" if self.info.zero_overhead else "sync"
         log.info("engine ready (%s, %s scheduling, max_model_len %d): %s", self.options.process, mode,
@@ -72,22 +71,9 @@ class LLMEngine:
         """The engine LLM uses: from resolved Settings (deepinfer.config.schema.Settings). In a subprocess the
         engine builds its own StepProgram from the settings; in-process it reuses `program` when given. Text comes
         from the program's tokenizer (or none)."""
-        import functools
-
-        from deepinfer.engine.backend import SettingsBackend, backend_from_program
-
         options = EngineOptions.for_settings(settings, **overrides)
-        if options.process == "inproc" and program is not None:
-            factory = functools.partial(backend_from_program, program)
-        else:
-            factory = SettingsBackend(settings)
         tokenizer = getattr(getattr(program, "tokenize", None), "tokenizer", None)
-        client_cls = None
-        if settings.parallel.world_size > 1:  # one engine core per rank (deepinfer/parallel), rank 0 driving
-            from deepinfer.parallel.launch import DataParallelClient
-
-            client_cls = functools.partial(DataParallelClient, parallel=settings.parallel)
-        return cls(factory, options, tokenizer, client_cls)
+        return cls(None, options, tokenizer, make_client(settings, options, program))
 
     # ---- generation ----------------------------------------------------------------------------------------
     def generate(

@@ -1,4 +1,5 @@
-"""The engine core's start-up message: what the frontend writes on the child's stdin, as typed MessagePack.
+"""The engine core's start-up messages: what the frontend writes on the child's stdin, as typed MessagePack (the
+core's CoreStartup; a follower rank's RankStartup).
 
 It names the backend by description (the resolved Settings, a model directory, or an import path), never as a
 pickled callable, so the core process runs only code that its own installation holds. Decoding checks every
@@ -82,3 +83,19 @@ def encode(startup: CoreStartup) -> bytes:
 
 def decode(data: bytes) -> CoreStartup:
     return msgspec.msgpack.decode(data, type=CoreStartup)
+
+
+class RankStartup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A follower rank's start-up message (`python -m deepinfer.engine.core_process --follower`, started by
+    deepinfer.engine.dp_client): it talks to no frontend socket, only to the other ranks' collectives."""
+
+    settings: dict[str, Any]  # msgspec.to_builtins(Settings), rebuilt through the config's own checks
+    options: EngineOptions
+
+
+def encode_rank(settings, options: EngineOptions) -> bytes:
+    return msgspec.msgpack.encode(RankStartup(msgspec.to_builtins(settings), options))
+
+
+def decode_rank(data: bytes) -> RankStartup:
+    return msgspec.msgpack.decode(data, type=RankStartup)

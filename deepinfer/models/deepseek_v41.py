@@ -15,8 +15,8 @@ from tokenizers import Tokenizer
 
 from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.rope import default_inv_freq, yarn_inv_freq
-from deepinfer.parallel.context_parallel import ContextParallel, align_of
-from deepinfer.parallel.expert_parallel import ExpertParallel, ep_moe_experts
+from deepinfer.distributed.context_parallel import ContextParallel, align_of
+from deepinfer.distributed.expert_parallel import ExpertParallel, ep_moe_experts
 
 from .attention import Attention
 from .batch import ForwardBatch
@@ -29,7 +29,7 @@ from .weights import LayerWeights, arrange, arrange_drafts
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from deepinfer.parallel.placement import ExpertPlacement
+    from deepinfer.distributed.placement import ExpertPlacement
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
 STANDALONE_SLOTS = 64
@@ -52,7 +52,7 @@ class DeepseekV41Model:
         self.ops = ops
         self.device = torch.device(device)
         self.dtype = dtype
-        # expert parallel (deepinfer.parallel.expert_parallel.ExpertParallel: read its docstring, every rank must
+        # expert parallel (deepinfer.distributed.expert_parallel.ExpertParallel: read its docstring, every rank must
         # call forward in step): the layers hold only this rank's physical expert slots
         self.expert_parallel = expert_parallel
         ep = expert_parallel
@@ -101,6 +101,16 @@ class DeepseekV41Model:
         if self.drafter is not None:
             self.drafter.use_ops(ops)
 
+    # ---- memory ----------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this process holds (layers, embedding, final norm, head; a tensor shared or viewed
+        counts once): what each rank of a parallel layout reports when loaded."""
+        return _held_bytes([self.layers, self.embed, self.final_norm, self.head])
+
+    def routed_expert_bytes(self) -> int:
+        """Bytes of the routed experts this process holds (with expert parallelism: only its physical slots)."""
+        return _held_bytes([lw.experts for lw in self.layers])
+
     # ---- caches ----------------------------------------------------------------------------
     def cache_layout(self, block_size: int = 64, max_rollback: int = 0, drafts: bool = False) -> CacheLayout:
         """`drafts`: with the DSpark draft layers' rings (the model must have them: load_model(draft_layers=True))."""
@@ -128,7 +138,7 @@ class DeepseekV41Model:
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cp: ContextParallel | None = None) -> torch.Tensor:
-        """`cp` (deepinfer.parallel.context_parallel.ContextParallel): balanced context-parallel prefill. Every rank
+        """`cp` (deepinfer.distributed.context_parallel.ContextParallel): balanced context-parallel prefill. Every rank
         of cp.group calls forward in step with the same token ids and tokens held per sequence (its own slots and
         blocks); each computes its mirror blocks of every chunk, every rank's pools end up holding the whole step's
         caches, and every rank returns the same (single-process) logits."""
@@ -303,11 +313,11 @@ def load_model(
     give the same weights, on one device type), the draft layers too when loaded. `tokenizer`: a tokenizer.json
     (or a directory holding one) instead of the checkpoint's; its vocabulary must fit the config.
 
-    `expert_placement` (deepinfer.parallel.placement.ExpertPlacement; issue 13 expert parallelism): this process
+    `expert_placement` (deepinfer.distributed.placement.ExpertPlacement; issue 13 expert parallelism): this process
     is rank `ep_rank` of `ep_group` (None: the default group, which must be initialised before the first forward).
     Only the routed experts of the rank's physical slots are read from the checkpoint (a replicated expert once);
     shared experts, attention, router, embeddings and Engram tables load in full on every rank. The model runs in
-    expert-parallel mode (`model.expert_parallel`, deepinfer.parallel.expert_parallel.ExpertParallel): every rank
+    expert-parallel mode (`model.expert_parallel`, deepinfer.distributed.expert_parallel.ExpertParallel): every rank
     must call `forward` the same number of times. One log line gives this rank's weight bytes. The draft layers
     are not supported with it yet: pass `draft_layers=False` for a checkpoint that has them. With
     `load_format="dummy"` every expert is drawn (the draws depend on all of them) and the other ranks' are dropped."""
@@ -346,14 +356,13 @@ def load_model(
     ep = ExpertParallel(expert_placement, ep_rank, ep_group)
     model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
     del ckpt
-    routed = _held_bytes([lw.experts for lw in model.layers])
     import logging
 
     logging.getLogger("deepinfer.loading").info(
         "expert parallel rank %d of %d: %d of %d physical expert slots per layer (%d distinct experts of %d), "
         "weights on this rank %.3f GB (routed experts %.3f GB)", ep_rank, expert_placement.num_ranks,
         expert_placement.per_rank, expert_placement.num_physical, len(set(local)), expert_placement.num_logical,
-        _held_bytes(_model_weights(model)) / 1e9, routed / 1e9)
+        model.weight_bytes() / 1e9, model.routed_expert_bytes() / 1e9)
     return model
 
 
@@ -378,10 +387,6 @@ def _check_expert_parallel(model_dir, placement, rank: int, group, draft_layers:
             raise ValueError(f"expert_placement is for {placement.num_ranks} ranks and ep_rank={rank}; this process "
                              f"is rank {me} of a group of {world}")
     return placement.local_logical(rank)
-
-
-def _model_weights(model: DeepseekV41Model) -> list:
-    return [model.layers, model.embed, model.final_norm, model.head]
 
 
 def _held_bytes(obj) -> int:

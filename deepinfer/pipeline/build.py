@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from pathlib import Path
 
+from deepinfer.config.components import REGISTRY, Component
 from deepinfer.config.errors import ConfigError
 from deepinfer.config.resolve import check_replay_fits, with_model_limits
 from deepinfer.config.schema import STAGES, PipelineSettings, Settings
 from deepinfer.pipeline.program import StageInfo, StepProgram
-from deepinfer.pipeline.registry import REGISTRY
 
 
 def build_program(pipeline: PipelineSettings, model, sampler) -> StepProgram:
@@ -34,7 +36,7 @@ def build_program(pipeline: PipelineSettings, model, sampler) -> StepProgram:
                 f"{', '.join(unsupported)}; allowed: {', '.join(comp.backends)}"
             )
         options = dict(spec.options)
-        impls[name] = comp.load()(model, sampler, options)
+        impls[name] = _factory(comp)(model, sampler, options)
         infos.append(StageInfo(name, comp.name, options))
     order = [s.name for s in infos]
     if order != [s for s in STAGES if s in impls]:
@@ -57,7 +59,6 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
     import torch
 
     from deepinfer.models import load_model
-    from deepinfer.parallel.world import expert_parallel_kwargs
     from deepinfer.sampling.sampler import Sampler
 
     model_dir = model_location(settings.model.path)
@@ -90,6 +91,29 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
     return program, dataclasses.replace(settings, model=model_path)
 
 
+def expert_parallel_kwargs(settings: Settings, model_dir, weights: bool = True) -> dict:
+    """load_model's expert-parallel arguments for this rank under `settings` ({} with one rank per expert set or
+    without weights): DeepInfer's initial placement of the routed experts plus at least eplb.redundant_experts
+    copies (rounded up to divide over the EP ranks), this rank's place in its EP group. It reads the world this
+    process joined (deepinfer.distributed.world), so it belongs to the builder, which sits above both the model and
+    the distributed floor."""
+    p = settings.parallel
+    if p.expert_parallel_size == 1 or not weights:
+        return {}
+    from deepinfer.distributed.placement import ExpertPlacement
+    from deepinfer.distributed.world import current
+    from deepinfer.models.config import ModelConfig
+    from deepinfer.models.loading import resolve_model_dir
+
+    w = current()
+    if w is None:
+        raise RuntimeError(f"parallel={p.name} loads one rank's experts: build the program in a rank process "
+                           "(deepinfer.engine.dp_core.rank_core), after deepinfer.distributed.world.join")
+    cfg = ModelConfig.from_file(Path(resolve_model_dir(model_dir, weights=False)) / "config.json")
+    placement = ExpertPlacement.initial(cfg.n_routed_experts, p.expert_parallel_size, p.eplb.redundant_experts)
+    return {"expert_placement": placement, "ep_rank": w.ep_rank, "ep_group": w.ep_group}
+
+
 def model_location(path: str):
     """`embedded:NAME` -> the embedded checkpoint's directory (built on first use); anything else as given
     (a local directory or a hub id, resolved by the model loader)."""
@@ -98,6 +122,12 @@ def model_location(path: str):
 
         return embedded.materialize(path.partition(":")[2])
     return path
+
+
+def _factory(comp: Component):
+    """The component's factory, imported now: only the components a pipeline picks are ever imported."""
+    module, _, attr = comp.factory.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _device_type(model) -> str:

@@ -19,8 +19,7 @@ DEFAULT_MODEL_NAME = "DeepSeek-V4.1-Flash"
 
 def build_state(settings):
     """(ServerState, AsyncEngine) for resolved Settings; the engine core is started (not yet pumping)."""
-    from deepinfer.engine.client import InprocClient, ProcessClient
-    from deepinfer.engine.backend import SettingsBackend, backend_from_program
+    from deepinfer.engine.make_client import make_client
     from deepinfer.engine.options import EngineOptions
     from deepinfer.pipeline import load_program
     from deepinfer.serving.app import ServerState
@@ -32,16 +31,7 @@ def build_state(settings):
     # the frontend needs the tokenizer and the model's limits; a subprocess engine core holds the weights
     program, settings = load_program(settings, weights=inproc)
     options = EngineOptions.for_settings(settings)  # decoding too: DSpark and the rollback rows
-    import functools
-
-    if inproc:
-        client = InprocClient(functools.partial(backend_from_program, program), options)
-    elif settings.parallel.world_size > 1:  # one engine core per rank, rank 0 driving (deepinfer/parallel)
-        from deepinfer.parallel.launch import DataParallelClient
-
-        client = DataParallelClient(SettingsBackend(settings), options, parallel=settings.parallel)
-    else:
-        client = ProcessClient(SettingsBackend(settings), options)
+    client = make_client(settings, options, program)
     tokenizer = program.tokenize.tokenizer
     metrics = ServerMetrics()
     engine = AsyncEngine(client, seed=options.seed, on_outputs=metrics.on_engine_outputs)

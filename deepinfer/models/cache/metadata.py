@@ -132,7 +132,7 @@ class StepMeta:
     # KV-source layers whose compressor already wrote every row of the step: YOCO compact's consumer view
     # (models/replay.py) runs the boundary layer on fewer rows after its shared KV was written for all of them
     shared_kv_written: tuple[int, ...] = ()
-    # context-parallel prefill (deepinfer.parallel.context_parallel.CPStep): this view's rows are the rank's own
+    # context-parallel prefill (deepinfer.distributed.context_parallel.CPStep): this view's rows are the rank's own
     # queries; cp.full is the whole step's metadata, which the cache writes use, and cp.gather brings other ranks' rows
     cp: Any = None
 

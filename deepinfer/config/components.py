@@ -2,14 +2,16 @@
 supports. Factories are "module:function" strings imported only when a pipeline picks them, so registering a
 GPU-only component costs a CPU machine nothing.
 
+It is the config's: the resolve step checks every `pipeline.stages.*.component` against it, and the config floor
+imports nothing above it, so the catalogue (names and strings only) lives here; the builder
+(deepinfer.pipeline.build) imports the factory a pipeline picks.
+
 A factory is called as factory(model, sampler, options) and returns the stage's implementation.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Callable
 
 ANY_BACKEND = "*"  # a host-side component that runs whatever kernels the model uses
 
@@ -22,10 +24,6 @@ class Component:
     devices: tuple[str, ...]  # torch device types it can serve
     factory: str  # "module:function"
     doc: str = ""
-
-    def load(self) -> Callable:
-        module, _, attr = self.factory.partition(":")
-        return getattr(importlib.import_module(module), attr)
 
     def supports(self, backend: str) -> bool:
         return ANY_BACKEND in self.backends or backend in self.backends

@@ -1,15 +1,15 @@
-"""One process's place in a multi-rank layout: joining the world, its process groups, and what it loads.
+"""One process's place in a multi-rank layout: joining the world and its process groups.
 
 A rank is a process started with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT):
-by `torchrun` itself across machines, or by deepinfer.parallel.launch, which sets the same variables for the ranks
+by `torchrun` itself across machines, or by deepinfer.engine.dp_client, which sets the same variables for the ranks
 it starts on this machine. Either way the rank joins with init_method "env://" and gets:
-  - the default (world) group on the device's backend (NCCL on CUDA, gloo on the CPU: deepinfer.parallel.groups);
-  - `control`, a gloo group on the CPU for the lockstep loop's small messages (deepinfer.parallel.lockstep). It is
+  - the default (world) group on the device's backend (NCCL on CUDA, gloo on the CPU: deepinfer.distributed.groups);
+  - `control`, a gloo group on the CPU for the lockstep loop's small messages (deepinfer.engine.lockstep). It is
     separate because the loop's collectives run on the engine's loop thread while the model's all-to-alls run on
     its device thread: two threads issuing collectives on one group could interleave differently on different
     ranks, and then they would match the wrong partners;
   - `ep_group`, the ranks that share the routed experts (consecutive runs of expert_parallel_size ranks,
-    layout.expert_groups; the world itself when EP spans it);
+    deepinfer.config.layout.expert_groups; the world itself when EP spans it);
   - `cp_group`, the context-parallel ranks of one replica (the world itself: one replica is all the engine runs).
 """
 
@@ -18,15 +18,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from deepinfer.config.errors import ConfigError
+from deepinfer.config.layout import expert_groups
 
 from . import groups
-from .layout import expert_groups
+
+if TYPE_CHECKING:
+    from deepinfer.config.schema import ParallelSettings
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -44,7 +47,7 @@ def launched_rank() -> tuple[int, int] | None:
     return (r, n) if n > 1 else None
 
 
-def check_launch(parallel) -> tuple[int, int] | None:
+def check_launch(parallel: ParallelSettings) -> tuple[int, int] | None:
     """The launched (rank, world size), checked against the layout: a one-line ConfigError when torchrun started a
     different number of processes than the layout has ranks."""
     launched = launched_rank()
@@ -71,7 +74,7 @@ class World:
     size: int
     local_rank: int
     device: str  # "cpu", or "cuda" with torch.cuda.set_device(local_rank) done
-    parallel: object  # the resolved ParallelSettings
+    parallel: ParallelSettings  # resolved
     control: dist.ProcessGroup
     ep_group: dist.ProcessGroup | None  # None: expert_parallel_size 1 (every rank holds every expert)
     ep_rank: int
@@ -99,7 +102,7 @@ def current() -> World | None:
     return _current
 
 
-def join(parallel, device: str) -> World:
+def join(parallel: ParallelSettings, device: str) -> World:
     """Join the world as torchrun's environment says (see the module docstring); the collectives raise after
     parallel.timeout seconds instead of hanging."""
     global _current
@@ -126,7 +129,7 @@ def join(parallel, device: str) -> World:
         else:
             made = [dist.new_group(r, timeout=timeout) for r in ranks]  # every rank creates every group, in order
             ep_group = made[rank // ep]
-    # context parallel: one replica (layout.context_parallel_refusal), so the group is the world
+    # context parallel: one replica (config.layout.context_parallel_refusal), so the group is the world
     cp_group = dist.group.WORLD if parallel.context_parallel_size > 1 else None
     _current = World(rank, size, local, device, parallel, control, ep_group, rank % ep, cp_group)
     return _current
@@ -138,23 +141,3 @@ def leave() -> None:
     _current = None
     groups.destroy()
 
-
-def expert_parallel_kwargs(settings, model_dir, weights: bool = True) -> dict:
-    """load_model's expert-parallel arguments for this rank under `settings` ({} with one rank per expert set or
-    without weights): DeepInfer's initial placement of the routed experts plus at least eplb.redundant_experts
-    copies (rounded up to divide over the EP ranks), this rank's place in its EP group."""
-    p = settings.parallel
-    if p.expert_parallel_size == 1 or not weights:
-        return {}
-    w = current()
-    if w is None:
-        raise RuntimeError(f"parallel={p.name} loads one rank's experts: build the program in a rank process "
-                           "(deepinfer.parallel.lockstep), after deepinfer.parallel.world.join")
-    from deepinfer.models.config import ModelConfig
-    from deepinfer.models.loading import resolve_model_dir
-
-    from .placement import ExpertPlacement
-
-    cfg = ModelConfig.from_file(Path(resolve_model_dir(model_dir, weights=False)) / "config.json")
-    placement = ExpertPlacement.initial(cfg.n_routed_experts, p.expert_parallel_size, p.eplb.redundant_experts)
-    return {"expert_placement": placement, "ep_rank": w.ep_rank, "ep_group": w.ep_group}

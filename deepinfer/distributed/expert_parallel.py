@@ -56,7 +56,7 @@ class ExpertParallel:
     and content). A rank that skips or adds a forward leaves the others waiting in the all-to-all until the
     group's timeout.
 
-    EPLB (deepinfer.parallel.eplb_runtime.EplbRuntime) installs the per-layer state below: each MoE layer's own
+    EPLB (deepinfer.distributed.eplb_runtime.EplbRuntime) installs the per-layer state below: each MoE layer's own
     placement (re-placed over time), its dispatch table on the device (built once, rewritten in place) and the
     per-slot token counts of the current step (a preallocated device buffer the MoE step adds to). Without it
     every layer uses `placement`, the table is built per call and nothing is counted."""

@@ -11,8 +11,8 @@ Follows DeepInfer 0.1.0 `deepinfer/model_executor/eplb/__init__.py` (ExpertLoadB
     re-placement reads were all taken under the placement it replaces (each slot's count is mapped to its expert
     through that placement);
   - at a re-placement: the ring mapped to [window, layers, logical experts] and all-reduced (sum) over the EP
-    group; the greedy policy (deepinfer.parallel.eplb.rebalance) per layer on the per-step counts; the weights
-    moved (deepinfer.parallel.expert_move: batched point-to-point, see there why); the dispatch tables rewritten
+    group; the greedy policy (deepinfer.distributed.eplb.rebalance) per layer on the per-step counts; the weights
+    moved (deepinfer.distributed.expert_move: batched point-to-point, see there why); the dispatch tables rewritten
     in place; one log line on rank 0 with the imbalance (max / mean rank load over the window) before and after.
   - `redundant_experts` (DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS): the minimum redundant physical slots, rounded up so
     the slots divide over the ranks; the model must have been loaded with that placement

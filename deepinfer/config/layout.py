@@ -1,5 +1,6 @@
-"""The arithmetic of a parallel layout (no torch, so the config's resolve step can use it): how many ranks, which
-ranks share their experts, and which parts of the layouts the engine can run today.
+"""The arithmetic of a parallel layout (no torch: it is the config's, so the resolve step checks a layout without
+importing the distributed code): how many ranks, which ranks share their experts, and which parts of the layouts
+the engine can run today. deepinfer.distributed.world builds its expert groups from it.
 
 Ranks are numbered as DeepInfer numbers them (worker/base.py: rank = engine_rank * cp + cp_rank): a world of
 context_parallel_size x data_parallel_size ranks, each group of expert_parallel_size consecutive ranks holding one
@@ -7,8 +8,6 @@ copy of every routed expert between them.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 
 def resolved_data_parallel_size(data_parallel_size: int, expert_parallel_size: int, context_parallel_size: int) -> int:
@@ -30,7 +29,7 @@ def context_parallel_refusal(cp: int, dp: int, ep: int, decoding: str = "plain",
     """THE HOOK for balanced context parallelism in the engine: None where the engine runs context_parallel_size
     `cp` > 1 with the rest of the layout, else the one-line reason it refuses it (never run as something else).
 
-    What runs (deepinfer/parallel/lockstep.py): the world is ONE data-parallel replica of cp ranks; every rank gets
+    What runs (deepinfer/engine/lockstep.py): the world is ONE data-parallel replica of cp ranks; every rank gets
     the same requests in the same turn and runs an identical engine core (same deterministic scheduler, same cache
     geometry, seeded sampling on identical logits), prefill steps through model.forward(batch, cp=...), decode
     steps on every rank; the experts either whole on every rank (EP 1) or sharded over the same cp ranks (EP = cp).
@@ -54,8 +53,3 @@ def context_parallel_refusal(cp: int, dp: int, ep: int, decoding: str = "plain",
                 "allowed: 0")
     return None
 
-
-def eplb_runtime_available() -> bool:
-    """Whether the EPLB re-placement runtime (deepinfer/parallel/eplb_runtime.py, EplbRuntime) is installed; the
-    resolve step refuses eplb.interval > 0 without it."""
-    return importlib.util.find_spec("deepinfer.parallel.eplb_runtime") is not None

@@ -1,14 +1,15 @@
-"""The frontend's side of a multi-rank layout: start the ranks, talk to rank 0, watch the others.
+"""The frontend's client for a multi-rank layout, beside the in-process and subprocess clients: start the ranks,
+talk to rank 0, watch the others.
 
 `python -m deepinfer parallel=dep2` (or `LLM(parallel="dep2")`) on one machine: the frontend picks a free TCP port
 on 127.0.0.1 and starts the ranks as torchrun would, with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-MASTER_PORT in their environment: ranks 1.. as `python -m deepinfer.parallel.rank_process` (their settings typed on
-stdin), rank 0 as the usual engine-core process (deepinfer.engine.core_process), which the frontend talks to over
-its private signed sockets as for one core (ProcessClient: typed messages, heartbeats, bounded waits).
+MASTER_PORT in their environment: ranks 1.. as `python -m deepinfer.engine.core_process --follower` (their settings
+typed on stdin), rank 0 as the usual engine-core process (deepinfer.engine.core_process), which the frontend talks to
+over its private signed sockets as for one core (ProcessClient: typed messages, heartbeats, bounded waits).
 
 Under torchrun (RANK and WORLD_SIZE already set) the ranks exist already: rank 0's frontend starts only its own
 engine core, which inherits the environment and so joins as rank 0; the other torchrun processes run
-deepinfer.parallel.rank_process.run_rank themselves.
+deepinfer.engine.core_process.run_rank themselves.
 
 A rank that exits ends the run: between its waits the frontend polls the ranks it started, and an exit (or rank 0's
 report that a collective failed) becomes one EngineDeadError naming the rank; close() stops them all, bounded.
@@ -24,10 +25,10 @@ import sys
 import time
 
 from deepinfer.config.errors import ConfigError
+from deepinfer.distributed.world import check_launch
 from deepinfer.engine.client import ProcessClient
 from deepinfer.engine.options import EngineOptions
-
-from .world import check_launch
+from deepinfer.engine.startup import encode_rank
 
 DEATH_WAIT_S = 1.0  # after rank 0 reports a failed collective: how long to wait for the rank that caused it to exit
 
@@ -41,8 +42,6 @@ def free_port() -> int:
 
 class DataParallelClient(ProcessClient):
     def __init__(self, factory, options: EngineOptions, parallel):
-        from .rank_process import startup_payload
-
         self.parallel = parallel
         self.followers: list[tuple[int, subprocess.Popen]] = []
         env = None
@@ -50,15 +49,15 @@ class DataParallelClient(ProcessClient):
         if launched is not None and launched[0] != 0:
             raise ConfigError(f"RANK={launched[0]}: under torchrun only rank 0 runs the frontend (LLM, the CLI's "
                               "prompts, the server); allowed: `python -m deepinfer ...` on every rank, whose ranks "
-                              "other than 0 follow rank 0 (deepinfer.parallel.rank_process.run_rank)")
+                              "other than 0 follow rank 0 (deepinfer.engine.core_process.run_rank)")
         if launched is None:  # not under torchrun: start ranks 1.. here
             n = parallel.world_size
             base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n),
                         LOCAL_WORLD_SIZE=str(n))
-            payload = startup_payload(factory.settings, options)
+            payload = encode_rank(factory.settings, options)
             try:
                 for r in range(1, n):
-                    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.parallel.rank_process"],
+                    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.engine.core_process", "--follower"],
                                             stdin=subprocess.PIPE, close_fds=True,
                                             env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
                     self.followers.append((r, proc))
