@@ -120,11 +120,13 @@ def check_cp(tmp_path, world: int, cases: dict) -> None:
     mp.spawn(_worker, args=(world, f"file://{tmp_path}/rendezvous", cases, want), nprocs=world, join=True)
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(300)
 def test_cp2_prefill_then_decode_equals_single_process(tmp_path):
     check_cp(tmp_path, 2, CASES | LONG_CASES)
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(300)
 def test_cp4_prefill_then_decode_equals_single_process(tmp_path):
     check_cp(tmp_path, 4, CASES)
