@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.config.hardware import cpu_threads
+
 BUILD_VERSION = 1
 SEED = 41
 NAMES = ("tiny", "tiny-random")
@@ -191,17 +193,15 @@ def materialize(name: str = "tiny") -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a few hundred tiny tensors: extra threads only add sync cost (10x on busy hosts)
     try:
-        write_checkpoint(tmp)
+        with cpu_threads(1):  # a few hundred tiny tensors: extra threads only add sync cost (10x on busy hosts)
+            write_checkpoint(tmp)
         try:
             os.replace(tmp, final)
         except OSError:  # another process finished first: its directory is identical
             if not (final / "model.safetensors").is_file():
                 raise
     finally:
-        torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 

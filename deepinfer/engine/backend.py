@@ -95,10 +95,10 @@ class ModelDirBackend:
 
         import torch
 
+        from deepinfer.config.hardware import set_cpu_threads
         from deepinfer.models import load_model
 
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        set_cpu_threads(self.num_threads)
         model = load_model(
             self.model, device=self.device, dtype=getattr(torch, self.dtype), batch_invariant=self.batch_invariant
         )

@@ -96,10 +96,9 @@ def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str],
             from deepinfer.parallel.lockstep import build_core
 
             def build():
-                if options.num_threads:  # a fresh process: the frontend's setting is not inherited
-                    import torch
+                from deepinfer.config.hardware import set_cpu_threads
 
-                    torch.set_num_threads(options.num_threads)  # on the thread that runs the model
+                set_cpu_threads(options.num_threads)  # on the thread that runs the model
                 return factory()
 
             # an EngineCore; with a multi-rank layout, rank 0 of the world driving the others (parallel/lockstep.py)

@@ -45,10 +45,9 @@ def run_rank(settings, options: EngineOptions | None = None) -> None:
     factory = SettingsBackend(settings)
 
     def build():
-        if options.num_threads:  # on the thread that runs the model, as the engine-core process does
-            import torch
+        from deepinfer.config.hardware import set_cpu_threads
 
-            torch.set_num_threads(options.num_threads)
+        set_cpu_threads(options.num_threads)  # on the thread that runs the model, as the engine-core process does
         return factory()
 
     world = join(settings.parallel, settings.hardware.device)
