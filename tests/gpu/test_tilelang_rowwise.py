@@ -18,8 +18,7 @@ from test_tilelang_lowering_rowwise import quant_inputs  # tests/ is on pytest's
 
 from ._helpers import poison_allocator
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 NORM_DIMS = (128, 512, 1024, 1280, 5120)
 TOKENS = (1, 7, 300, 8192)
