@@ -222,11 +222,6 @@ def write_release(out: Path, cfg: dict, tokenizer_json: bytes, weights: dict[str
     save_file(release_tensors(cfg, weights), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def build_tensors(cfg: dict) -> dict[str, torch.Tensor]:
-    """Random weights in the released storage formats."""
-    return release_tensors(cfg, random_weights(cfg))
-
-
 def random_weights(cfg: dict) -> dict[str, torch.Tensor]:
     """Dense random values for every tensor the config implies, drawn in sorted-name order from one seeded CPU
     generator."""

@@ -23,7 +23,7 @@ from deepinfer.models import load_model
 from deepinfer.models.batch import ForwardBatch
 from deepinfer.models.cache import StandaloneAllocator
 from deepinfer.parallel import groups
-from deepinfer.parallel.context_parallel import ContextParallel, align_of, mirror_owner, split_cuts
+from deepinfer.parallel.context_parallel import ContextParallel, align_of, split_cuts
 
 # A case: prefill steps (per step, per sequence: a chunk length, 0 = not in this step), then decode steps.
 # (lengths per step, all_logits per step)
@@ -168,8 +168,8 @@ def test_split_plan_mirror_blocks(size):
         # interior cuts are whole compression groups in absolute positions (or the chunk's ends)
         assert all((past + c) % 2 == 0 or c in (0, n) for c in cuts[1:-1])
         for b in range(2 * size):  # block b and its mirror belong to rank min(b, 2size-1-b)
-            r = mirror_owner(b, size)
-            assert r == min(b, 2 * size - 1 - b) and set(range(start + cuts[b], start + cuts[b + 1])) <= set(plan.rows[r])
+            r = min(b, 2 * size - 1 - b)
+            assert set(range(start + cuts[b], start + cuts[b + 1])) <= set(plan.rows[r])
         start += n
     # balanced causal work on a long prompt: each rank's sum of (position + 1) within 10% of the mean
     long = cp.plan([4096], [0], align=2)

@@ -20,13 +20,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8BlockWeight) -> torch.Tens
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
     return torch.nn.functional.linear(x2, weight)[:m].reshape(*lead, weight.shape[0])
-
-
-def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [N, K].T for a `b` whose row count varies (e.g. a growing key cache): both M and N
-    are padded to ROW_TILE so neither dimension changes the kernel BLAS picks."""
-    n = b.shape[0]
-    pad = -n % ROW_TILE if b.device.type == "cpu" else 0
-    if pad:
-        b = torch.cat([b, b.new_zeros(pad, b.shape[1])])
-    return linear(a, b)[..., :n]
