@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from deepinfer.engine import EngineOptions, ImportedBackend, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
 from deepinfer.engine import messages as m
 from deepinfer.engine import startup
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, new_key
@@ -107,7 +107,6 @@ def test_the_start_up_message_is_typed_and_a_plain_callable_cannot_cross():
     back = startup.decode(startup.encode(args))
     assert back == args and back.options.max_num_seqs == 3
     assert startup.factory_from(back.backend) == ModelDirBackend(MODEL)
-    assert startup.factory_from(startup.describe(ImportedBackend("m:f", (1, "x")))) == ImportedBackend("m:f", (1, "x"))
     with pytest.raises(TypeError, match="typed description.*got function.*engine.process=inproc"):
         startup.describe(lambda: None)
     with pytest.raises(msgspec.ValidationError):

@@ -9,6 +9,7 @@ import pickle
 import re
 import shutil
 import signal
+import textwrap
 import time
 from pathlib import Path
 
@@ -99,13 +100,34 @@ def test_a_stopped_core_is_reported_even_while_generate_is_waiting_for_tokens():
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_step_loop_stuck_while_the_heartbeat_runs_is_reported_within_the_step_deadline(monkeypatch):
-    from deepinfer.engine import ImportedBackend
+STALLING_CORE = '''
+    """sitecustomize of the engine-core process: the real model, except that every forward blocks for an hour (a step
+    loop stuck in a call that never returns, while the rest of the process, its heartbeat thread, runs on)."""
+    import time
 
-    tests_dir = str(Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
-    eng = LLMEngine(ImportedBackend("reliability_helpers:stalling_backend", (MODEL,)),
-                    EngineOptions(process="subprocess", memory_budget=1 << 22, step_timeout_s=2.0))
+    from deepinfer.engine.backend import ModelDirBackend
+
+    load = ModelDirBackend.__call__
+
+
+    def stalling(self):
+        backend = load(self)
+
+        def stall(batch):
+            time.sleep(3600)
+
+        backend.prefill = backend.decode = stall
+        return backend
+
+
+    ModelDirBackend.__call__ = stalling
+'''
+
+
+def test_a_step_loop_stuck_while_the_heartbeat_runs_is_reported_by_the_step_deadline(monkeypatch, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(STALLING_CORE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    eng = engine(step_timeout_s=2.0)
     try:
         took, exc = timed(lambda: eng.generate([PROMPT], greedy(), use_tqdm=False))
         assert exc is not None and took < HANG_S

@@ -7,7 +7,6 @@ its own process over private ipc sockets (or in-process).
 
 from deepinfer.engine.backend import (
     EngineBackend,
-    ImportedBackend,
     ModelDirBackend,
     SettingsBackend,
     backend_from_model,
@@ -26,7 +25,6 @@ __all__ = [
     "EngineCore",
     "EngineDeadError",
     "EngineOptions",
-    "ImportedBackend",
     "LLMEngine",
     "ModelDirBackend",
     "Scheduler",
