@@ -9,8 +9,7 @@ import time
 import pytest
 
 from deepinfer import LLM
-from deepinfer.sampling import SamplingParams
-from deepinfer.sampling import compile_queue
+from deepinfer.sampling import SamplingParams, compile_queue
 from deepinfer.sampling.compile_queue import CompileQueue, QueueFull
 
 
@@ -85,8 +84,8 @@ def test_a_job_that_finishes_after_its_deadline_is_a_timeout_whatever_the_thread
 def test_heavy_jobs_cannot_delay_a_light_one_and_overrunning_jobs_are_capped():
     release = threading.Event()
     q = CompileQueue(timeout_s=0.2, on_timeout=timeout_error, light_cost=10, max_abandoned=1)
-    heavy = [q.submit(release.wait, cost=1000) for _ in range(4)]  # never end before release: only a lane of its
-    assert q.submit(lambda: "light", cost=5).result(60) == "light"  # own lets the light job through
+    heavy = [q.submit(release.wait, cost=1000) for _ in range(4)]  # none ends before release
+    assert q.submit(lambda: "light", cost=5).result(60) == "light"  # so only a lane of its own lets it through
     for job in heavy[:2]:  # the first overruns (abandoned, replaced), so does the second (no room for a third)
         with pytest.raises(TimeoutError):
             job.result(60)
