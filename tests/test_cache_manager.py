@@ -93,4 +93,4 @@ def test_random_reserve_and_free_never_hand_out_a_slot_or_block_twice():
         slots = [cm.slot_of(r) for r in sizes]
         assert len(slots) == len(set(slots)) and all(0 <= s < 12 for s in slots)
         for r, n in sizes.items():
-            assert cm.reserved_tokens(r) >= n
+            assert len(cm.blocks_of(r)) * cm.block_size >= n

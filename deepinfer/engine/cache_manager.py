@@ -90,9 +90,6 @@ class CacheManager:
     def blocks_of(self, request_id: int) -> list[int]:
         return list(self._held.get(request_id, ()))
 
-    def reserved_tokens(self, request_id: int) -> int:
-        return len(self._held.get(request_id, ())) * self.block_size
-
     # ---- allocation ---------------------------------------------------------------------------------------
     def extra_blocks(self, request_id: int, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self._held.get(request_id, ())))
