@@ -24,6 +24,7 @@ import deepinfer.kernels.torch.mhc as mhc
 import deepinfer.kernels.torch.moe as moe
 import deepinfer.kernels.torch.rope as rope
 from deepinfer import embedded
+from deepinfer.config.hardware import set_cpu_threads
 from deepinfer.models import ForwardBatch, load_model
 
 EW_USERS = (mhc, moe, engram, rope)
@@ -69,7 +70,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--context", type=int, default=64, help="tokens each decoding sequence holds before timing")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    set_cpu_threads(1)
     model = load_model(embedded.materialize("tiny-random"))
     cases = [(f"decode batch {b}", lambda b=b: decode_ms(model, b, args.decode_steps, args.context)) for b in (1, 8, 64)]
     cases.append(("prefill 512 tokens", lambda: prefill_ms(model, 512, 1)))

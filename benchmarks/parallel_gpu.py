@@ -274,7 +274,9 @@ def rank_main(rank: int, world: int, port: int, a, outdir: str) -> None:
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     else:
-        torch.set_num_threads(max(1, a.threads))
+        from deepinfer.config.hardware import set_cpu_threads
+
+        set_cpu_threads(max(1, a.threads))
         device = "cpu"
     clock = Clock(cuda)
     result = dict(rank=rank, device=torch.cuda.get_device_name(rank) if cuda else "cpu", rows=[])

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from deepinfer.config.hardware import set_cpu_threads
 from deepinfer.sampling import SampleRow, Sampler, SamplingParams
 from deepinfer.sampling.grammar import GrammarCompilerPool
 
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batches", default="1,8,32")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    set_cpu_threads(1)
     tokenizer = Tokenizer.from_file(str(TOKENIZER))
     sampler = Sampler(VOCAB, EOS, tokenizer=tokenizer)
     with GrammarCompilerPool.for_tokenizer(tokenizer, VOCAB, EOS) as pool:

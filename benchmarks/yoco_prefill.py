@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from deepinfer.config.hardware import set_cpu_threads
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
     from deepinfer.models import load_model
     from deepinfer.models.replay import BoundedReplay, consumer_boundary
 
-    torch.set_num_threads(1)
+    set_cpu_threads(1)
     model = load_model(embedded.materialize("tiny-random"))
     cfg = model.config
     boundary = consumer_boundary(cfg)

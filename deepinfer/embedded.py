@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.config.hardware import cpu_threads
+
 BUILD_VERSION = 1
 SEED = 41
 NAMES = ("tiny", "tiny-random")
@@ -191,17 +193,15 @@ def materialize(name: str = "tiny") -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a few hundred tiny tensors: extra threads only add sync cost (10x on busy hosts)
     try:
-        write_checkpoint(tmp)
+        with cpu_threads(1):  # a few hundred tiny tensors: extra threads only add sync cost (10x on busy hosts)
+            write_checkpoint(tmp)
         try:
             os.replace(tmp, final)
         except OSError:  # another process finished first: its directory is identical
             if not (final / "model.safetensors").is_file():
                 raise
     finally:
-        torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
@@ -220,11 +220,6 @@ def write_release(out: Path, cfg: dict, tokenizer_json: bytes, weights: dict[str
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "tokenizer.json").write_bytes(tokenizer_json)
     save_file(release_tensors(cfg, weights), str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def build_tensors(cfg: dict) -> dict[str, torch.Tensor]:
-    """Random weights in the released storage formats."""
-    return release_tensors(cfg, random_weights(cfg))
 
 
 def random_weights(cfg: dict) -> dict[str, torch.Tensor]:

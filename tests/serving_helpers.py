@@ -42,8 +42,8 @@ class ThreadServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             c = self.cache
-            if (self.engine.num_in_flight == 0 and c.num_used_blocks == 0 and c.num_free_slots == c.num_slots
-                    and not self.engine.client.core.has_work()):
+            # a held slot always holds a block: the scheduler reserves at least one token
+            if self.engine.num_in_flight == 0 and c.num_used_blocks == 0 and not self.engine.client.core.has_work():
                 return True
             time.sleep(0.05)
         return False

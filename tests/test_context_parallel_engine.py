@@ -112,6 +112,7 @@ def test_cp2_returns_the_tokens_of_single_greedy_and_sampled(plan_log):
     _check_split(plan_log, 2, requests)
 
 
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
 @pytest.mark.timeout(240)
 def test_cp4_without_expert_parallel_returns_the_tokens_of_single(plan_log):
     requests = workload(6, 11)

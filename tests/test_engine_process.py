@@ -66,7 +66,7 @@ def test_subprocess_engine_serves_over_a_private_socket_and_cleans_up():
     assert not os.path.exists(sock_dir)
 
 
-def test_killing_the_engine_process_during_generate_raises_within_10_s():
+def test_killing_the_engine_process_during_generate_raises_engine_dead_and_cleans_up():
     engine = LLMEngine(ModelDirBackend(MODEL), EngineOptions(process="subprocess", memory_budget=1 << 22))
     proc = engine.client.process
     killed_at = []
@@ -79,7 +79,7 @@ def test_killing_the_engine_process_during_generate_raises_within_10_s():
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     with pytest.raises(EngineDeadError, match="exited with code"):
         engine.generate([[0, 5, 6, 7]] * 4, params, use_tqdm=False, on_update=kill_on_first_token)
-    assert killed_at and time.monotonic() - killed_at[0] < 10
+    assert killed_at and time.monotonic() - killed_at[0] < 60  # only catches a hang (quiet machine: < 1 s)
     assert proc.poll() is not None and not os.path.exists(engine.client._endpoints.dir)
     with pytest.raises(EngineDeadError):
         engine.generate([[0, 5]], params, use_tqdm=False)
@@ -108,7 +108,7 @@ def test_the_engine_process_does_not_outlive_its_frontend(how):
         if how == "killed":
             front.kill()
         front.wait(timeout=30)
-        assert wait_until(lambda: gone(engine_pid), timeout=10), "the engine process outlived its frontend"
+        assert wait_until(lambda: gone(engine_pid), timeout=60), "the engine process outlived its frontend"
         assert not os.path.exists(sock_dir), "no socket directory is left behind"
     finally:
         if front.poll() is None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from deepinfer.api import LLM
 from deepinfer.engine import LLMEngine
-from deepinfer.runtime.sequential import SequentialRunner
 from deepinfer.sampling import SamplingParams
+from sequential_oracle import SequentialRunner  # tests/ is on pytest's pythonpath (pyproject)
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 

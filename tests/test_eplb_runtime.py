@@ -140,6 +140,7 @@ def check_log(results: list[dict], expect_steps: list[int]) -> list[re.Match]:
     return matches
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(240)
 def test_replacement_during_run_two_ranks_bitwise(tmp_path):
     """2 ranks, dense experts, 2 redundant slots (0 and 7 on both ranks, the rest shuffled), the model's own routing;
@@ -150,6 +151,7 @@ def test_replacement_during_run_two_ranks_bitwise(tmp_path):
     assert sum(rec[3] for rec in results[0]["recs"]) > 0  # weights did move between ranks
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(300)
 def test_skewed_routing_four_ranks_fp4(tmp_path):
     """4 ranks, FP4 experts as stored, 4 redundant slots, experts 4 and 5 made hot (both on rank 1 in the initial

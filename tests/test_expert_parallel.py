@@ -82,6 +82,7 @@ def spawn(world: int, tmp_path, cases: list) -> None:
     mp.spawn(_worker, args=(world, f"file://{tmp_path}/rendezvous", cases), nprocs=world, join=True)
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(120)
 def test_ep_two_ranks_equals_single_process(tmp_path):
     plain = ExpertPlacement.initial(N_EXP, 2)
@@ -92,6 +93,7 @@ def test_ep_two_ranks_equals_single_process(tmp_path):
     ])
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(120)
 def test_ep_four_ranks_equals_single_process(tmp_path):
     plain = ExpertPlacement.initial(N_EXP, 4)
@@ -101,6 +103,7 @@ def test_ep_four_ranks_equals_single_process(tmp_path):
     ])
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(120)
 def test_ep_redundant_placement_equals_single_process(tmp_path):
     # 8 logical experts on 12 physical slots: hot experts 0, 3 and 7 replicated (7 three times), shuffled over ranks

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import logging
 import pickle
-import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from deepinfer.engine import EngineOptions, ImportedBackend, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
 from deepinfer.engine import messages as m
 from deepinfer.engine import startup
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, new_key
@@ -96,7 +95,7 @@ def test_a_hostile_frame_on_the_live_engine_socket_is_dropped_and_the_engine_kee
         wrong = msgspec.msgpack.encode({"kind": "abort", "request_ids": "all"})
         client._signer._seq += 1
         client._sock.send_multipart([client._core_id, _signed_raw(client._signer._key, FRONTEND, client._signer._seq, wrong)])
-        time.sleep(0.5)
+        # one connection delivers in order: the core has read (and dropped) both frames before the next request
         assert eng.generate([PROMPT], greedy, use_tqdm=False)[0].token_ids == before
     assert not marker.exists()
 
@@ -108,7 +107,6 @@ def test_the_start_up_message_is_typed_and_a_plain_callable_cannot_cross():
     back = startup.decode(startup.encode(args))
     assert back == args and back.options.max_num_seqs == 3
     assert startup.factory_from(back.backend) == ModelDirBackend(MODEL)
-    assert startup.factory_from(startup.describe(ImportedBackend("m:f", (1, "x")))) == ImportedBackend("m:f", (1, "x"))
     with pytest.raises(TypeError, match="typed description.*got function.*engine.process=inproc"):
         startup.describe(lambda: None)
     with pytest.raises(msgspec.ValidationError):

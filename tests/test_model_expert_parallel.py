@@ -80,17 +80,20 @@ def check_ep(tmp_path, placement: ExpertPlacement, split: list[int], lengths: li
                             split, lengths, seed, want), nprocs=placement.num_ranks, join=True)
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(180)
 def test_ep_model_two_ranks_equals_single_process(tmp_path):
     # rank 0: 3 prompts, rank 1: 2 others of other lengths
     check_ep(tmp_path, ExpertPlacement.initial(N_EXP, 2), [3, 2], [5, 17, 9, 12, 3], seed=0)
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(180)
 def test_ep_model_redundant_experts_fp4_as_stored(tmp_path):
     check_ep(tmp_path, REDUNDANT, [2, 3], [11, 4, 7, 20, 6], seed=1, packed=True)
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 @pytest.mark.timeout(180)
 def test_ep_model_one_token_rank_against_many(tmp_path):
     # rank 0: one sequence of one token (then one token per decode step); rank 1: six prompts, 82 tokens

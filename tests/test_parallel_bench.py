@@ -8,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("parallel_gpu", ROOT / "benchmarks" / "parallel_gpu.py")
 bench = importlib.util.module_from_spec(spec)
@@ -18,6 +20,7 @@ ARGS = ["--device", "cpu", "--model", "tiny", "--batch", "8", "--context", "64",
         "--bw-mib", "4", "--bw-reps", "3", "--eplb-steps", "40", "--timeout", "60"]
 
 
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
 def test_dep2_vs_single_on_cpu(tmp_path):
     out = tmp_path / "p.json"
     assert bench.main(ARGS + ["--out", str(out)]) == 0

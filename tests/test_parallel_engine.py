@@ -6,7 +6,8 @@ it, not a hang.
 
 One launch per layout serves all of its assertions (CI time): dep2 through the CLI (`python -m deepinfer
 parallel=dep2` starting its ranks itself), dep4 through the Python API (its engine is killed in the kill test), dep2
-with EPLB re-placing the experts every 4 steps, dep2 under torchrun, and attention DP without EP (dp2 ep1).
+with EPLB re-placing the experts every 4 steps, dep2 under torchrun, and attention DP without EP (dp2 ep1). Only the
+CLI's dep2 is in the fast tier; the other launches are in the slow tier (`python -m pytest -m slow`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def dep4():
     llm.close()
 
 
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
 @pytest.mark.timeout(300)
 def test_dep4_returns_the_tokens_of_single_and_reproduces_seeded_sampling(dep4, requests, single):
     got = [o.token_ids for o in generate_requests(dep4, requests)]
@@ -102,6 +104,7 @@ def test_dep4_returns_the_tokens_of_single_and_reproduces_seeded_sampling(dep4, 
     assert [o.token_ids for o in again] == single[:32]
 
 
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
 @pytest.mark.timeout(120)
 def test_a_killed_rank_ends_the_run_with_an_error_naming_it(dep4):
     client = dep4._engine.client
@@ -133,6 +136,7 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it(dep4):
     assert all(p.poll() is not None for p in others)
 
 
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
 @pytest.mark.timeout(300)
 def test_dep2_with_eplb_replacing_experts_during_the_run_returns_the_tokens_of_single(requests, single, capfd):
     # 2 redundant slots, re-placed every 4 steps from the last 2 steps' counts: weights move between the ranks
@@ -171,6 +175,7 @@ def test_torchrun_dep2_returns_the_tokens_of_single(tmp_path, requests, single):
     assert _tokens_of(tmp_path / "run") == single
 
 
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
 @pytest.mark.timeout(300)
 def test_attention_data_parallel_without_expert_parallel_returns_the_tokens_of_single(requests, single):
     """DeepInfer's LLM(data_parallel_size=2): two ranks, each with every expert (no MoE collective)."""

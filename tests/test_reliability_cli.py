@@ -70,10 +70,8 @@ def test_a_bad_config_value_is_one_line_and_exit_2(overrides, message, tmp_path,
     assert message in one_error_line(stderr)
 
 
-def test_a_cache_budget_beyond_the_machine_exits_2_in_under_5_s_without_allocating(tmp_path):
-    t0 = time.monotonic()
+def test_a_cache_budget_beyond_the_machine_exits_2_from_the_cli_without_allocating(tmp_path):
     code, stderr = cli(["cache.memory_budget=100000000000000"], tmp_path)
-    assert time.monotonic() - t0 < 5
     assert code == 2 and "cache.memory_budget=100000000000000 is out of range" in one_error_line(stderr)
 
 
@@ -111,20 +109,32 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
 def _start_long_run(tmp_path, inputs):
-    """Five prompts that run for a long time, one that ends at once with an error (longer than max_model_len)."""
+    """Five prompts that run for a long time, one that ends at once with an error (longer than max_model_len).
+    Returns once the engine core is generating: its "engine ready" line is out and it has since computed for a
+    while (so the run is inside generate, the error request finished)."""
     lines = [json.dumps({"prompt_token_ids": [0] * 300})] + [json.dumps({"prompt": f"p{i}"}) for i in range(5)]
     path = inputs("long.jsonl", ("\n".join(lines) + "\n").encode())
     args = [f"input_path={path}", "engine.max_model_len=4096", "sampling.max_tokens=4000",
             "sampling.ignore_eos=true", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not _children(proc.pid):
-        time.sleep(0.1)
+    for line in proc.stdout:  # a hang here is bounded by the test's timeout
+        if b"engine ready" in line:
+            break
     core = _children(proc.pid)
-    assert core, "the engine core never started"
-    time.sleep(4)  # the core loads, then generates
+    assert core, f"the engine core never started: {proc.stderr.read() if proc.poll() is not None else ''}"
+    ready = _cpu_seconds(core[0])
+    deadline = time.monotonic() + 120  # only bounds a hang: a few generated tokens take well under a second
+    while _cpu_seconds(core[0]) < ready + 0.5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _cpu_seconds(core[0]) >= ready + 0.5, "the engine core never started generating"
     return proc, core[0]
 
 

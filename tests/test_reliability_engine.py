@@ -1,12 +1,15 @@
-"""Faults of the engine-core process and hostile requests (issue 11): every fault is reported within a bounded
-time, close() never hangs, and one bad request ends alone while the engine keeps serving."""
+"""Faults of the engine-core process and hostile requests (issue 11): every fault is reported by the deadline
+that names it, close() never hangs (it reaps the core), and one bad request ends alone while the engine keeps
+serving. Wall-clock bounds here only catch a hang: they are far above the quiet-machine times."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import signal
+import textwrap
 import time
 from pathlib import Path
 
@@ -30,6 +33,9 @@ def greedy(n=4) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n)
 
 
+HANG_S = 60  # far above any quiet-machine time below (a deadline of 2-3 s, a close of under 2 s)
+
+
 def timed(fn):
     t0 = time.monotonic()
     try:
@@ -39,34 +45,40 @@ def timed(fn):
     return time.monotonic() - t0, None
 
 
-def test_a_core_killed_while_idle_makes_the_next_generate_raise_within_15_s_and_close_return_within_10_s():
+def silent_seconds(exc) -> int:
+    """The silence the client measured when it gave up ("... sent no heartbeat for N s ...")."""
+    return int(re.search(r"for (\d+) s \(deadline", str(exc)).group(1))
+
+
+def test_a_core_killed_while_idle_makes_the_next_generate_raise_and_close_reap_it():
     eng = engine()
     try:
         eng.generate([PROMPT], greedy(), use_tqdm=False)
         os.kill(eng.client.process.pid, signal.SIGKILL)
-        time.sleep(0.5)  # dead between two calls
+        eng.client.process.wait(timeout=HANG_S)  # dead between two calls
         took, exc = timed(lambda: eng.generate([PROMPT], greedy(), use_tqdm=False))
-        assert exc is not None and took < 15
+        assert exc is not None and took < HANG_S
         assert "exited with code -9" in str(exc)
     finally:
         took, _ = timed(eng.close)
-    assert took < 10
+    assert took < HANG_S
 
 
-def test_a_stopped_core_is_reported_within_its_heartbeat_deadline_and_close_kills_it_within_10_s():
+def test_a_stopped_core_is_reported_by_its_heartbeat_deadline_and_close_kills_it():
     eng = engine(heartbeat_timeout_s=3.0)
     pid = eng.client.process.pid
     try:
         eng.generate([PROMPT], greedy(), use_tqdm=False)
         os.kill(pid, signal.SIGSTOP)  # alive to the OS, silent to us: the case a pid check cannot see
         took, exc = timed(lambda: eng.generate([PROMPT], greedy(64), use_tqdm=False))
-        assert exc is not None and took < 3.0 + 3.0  # the deadline, a poll slice, slack for a loaded CI machine
-        assert "no heartbeat" in str(exc) and "stopped or hung" in str(exc)
+        assert exc is not None and took < HANG_S
+        assert "no heartbeat" in str(exc) and "(deadline 3 s): it is stopped or hung" in str(exc)
+        assert silent_seconds(exc) >= 3, "never declared dead before its deadline"
     finally:
         took, _ = timed(eng.close)
         if eng.client.process.poll() is None:  # never leave a stopped process behind, even when failing
             os.kill(pid, signal.SIGKILL)
-    assert took < 10
+    assert took < HANG_S
     assert eng.client.process.poll() is not None
 
 
@@ -80,27 +92,49 @@ def test_a_stopped_core_is_reported_even_while_generate_is_waiting_for_tokens():
     try:
         took, exc = timed(lambda: eng.generate([PROMPT] * 2, greedy(200), use_tqdm=False,
                                                on_update=stop_on_first_token))
-        assert exc is not None and took < 2.0 + 3.0
+        assert exc is not None and took < HANG_S
+        assert "(deadline 2 s): it is stopped or hung" in str(exc) and silent_seconds(exc) >= 2
     finally:
         eng.close()
         if eng.client.process.poll() is None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_step_loop_stuck_while_the_heartbeat_runs_is_reported_within_the_step_deadline(monkeypatch):
-    from deepinfer.engine import ImportedBackend
+STALLING_CORE = '''
+    """sitecustomize of the engine-core process: the real model, except that every forward blocks for an hour (a step
+    loop stuck in a call that never returns, while the rest of the process, its heartbeat thread, runs on)."""
+    import time
 
-    tests_dir = str(Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
-    eng = LLMEngine(ImportedBackend("reliability_helpers:stalling_backend", (MODEL,)),
-                    EngineOptions(process="subprocess", memory_budget=1 << 22, step_timeout_s=2.0))
+    from deepinfer.engine.backend import ModelDirBackend
+
+    load = ModelDirBackend.__call__
+
+
+    def stalling(self):
+        backend = load(self)
+
+        def stall(batch):
+            time.sleep(3600)
+
+        backend.prefill = backend.decode = stall
+        return backend
+
+
+    ModelDirBackend.__call__ = stalling
+'''
+
+
+def test_a_step_loop_stuck_while_the_heartbeat_runs_is_reported_by_the_step_deadline(monkeypatch, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(STALLING_CORE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    eng = engine(step_timeout_s=2.0)
     try:
         took, exc = timed(lambda: eng.generate([PROMPT], greedy(), use_tqdm=False))
-        assert exc is not None and took < 2.0 + 3.0
-        assert "step loop" in str(exc) and "it is hung" in str(exc)
+        assert exc is not None and took < HANG_S
+        assert "step loop" in str(exc) and "(deadline 2 s): it is hung" in str(exc)
     finally:
         took, _ = timed(eng.close)
-    assert took < 10
+    assert took < HANG_S
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", None), ("max_tokens", "8"), ("max_tokens", -5),
@@ -124,7 +158,7 @@ def test_the_engine_core_rejects_a_malformed_request_that_skipped_the_frontend_a
         eng.client.add([AddRequest(10_000, PROMPT, bad, 1), AddRequest(10_001, [1, "x"], greedy(), 1),
                         AddRequest(10_002, PROMPT, "not params", 1)])
         errors = {}
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while len(errors) < 3 and time.monotonic() < deadline:
             out = eng.client.get(timeout=0.5)
             for upd in out.updates if out else []:
@@ -160,14 +194,16 @@ def test_a_peer_without_the_key_is_ignored_and_reads_nothing(tmp_path, monkeypat
         spy.connect(endpoints.control)
         beat.connect(endpoints.heartbeat)
         evil = pickle.dumps(("outputs", _Payload(marker)))
-        time.sleep(0.2)
         for _ in range(3):
             spy.send(b"\0" * 40 + evil)
             beat.send(b"\0" * 40 + pickle.dumps(("heartbeat", _Payload(marker))))
         outs = eng.generate([PROMPT] * 2, greedy(), use_tqdm=False)
         assert [o.finish_reason for o in outs] == ["length", "length"]
-        assert not marker.exists()
+        deadline = time.monotonic() + HANG_S  # the frames may still be on their way: wait until they are read
+        while eng.client.dropped_frames < 3 and time.monotonic() < deadline:
+            eng.client.get(timeout=0.1)
         assert eng.client.dropped_frames >= 3
+        assert not marker.exists()
         assert spy.poll(500) == 0  # the frontend routes only to the core's own connection
     finally:
         spy.close()

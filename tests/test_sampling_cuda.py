@@ -9,7 +9,7 @@ import torch
 from deepinfer.sampling import SampleRow, Sampler, SamplingParams
 from deepinfer.sampling.fixed_point import draw_from_weights, fixed_point_weights
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 KINDS = [
     SamplingParams(temperature=0.8, top_p=0.9, top_logprobs=5),
     SamplingParams(temperature=1.0),

@@ -38,7 +38,7 @@ def _kernels():
 @pytest.mark.parametrize("name", ["moe_prep", "router_logits", "router_topk", "attn_dense", "attn_dense_single",
                                   "attn_combine", "indexer_dense", "indexer_fp4"])
 def test_kernel_lowers_to_cuda(name, arch):
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
 
     src = lower_source(_kernels()[name](), arch)
     assert "__global__" in src

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(tilelang_missing, reason="tilelang is not instal
 
 
 def _source(arch, splits):
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
     return lower_source(build_sink_attention_decode(splits=splits, arch=arch), arch)
@@ -64,7 +64,7 @@ def test_default_splits_fill_the_sms_with_at_least_one_block_per_split():
 def test_decode_kernel_reads_a_ring_wider_than_the_window():
     """Speculative decoding keeps rollback rows: a ring of 192 rows is read whole (3 window blocks + 8 pool
     blocks), while a key stays visible only within the 128 positions up to the query's."""
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
     wide = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", ring=192), "sm_90a")

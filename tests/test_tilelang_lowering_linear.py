@@ -23,7 +23,7 @@ FLASH = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_a_
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", ["wq_a", "wq_b"])  # split K (partials) and unsplit (bf16 out)
 def test_fp8_linear_lowers_to_cuda(name, arch):
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.linear import split_count
     from deepinfer.kernels.tilelang.linear_kernel import BLOCK_T, build_fp8_linear
 
@@ -36,7 +36,7 @@ def test_fp8_linear_lowers_to_cuda(name, arch):
 
 
 def test_split_reduce_lowers_and_sums_in_split_order():
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.linear_kernel import build_split_reduce
 
     src = lower_source(build_split_reduce(1280, 10), "sm_90a")
@@ -80,7 +80,7 @@ def test_fp8_linear_sm90_machine_code(tmp_path):
     """ptxas: no spills, registers within the occupancy the launch bounds ask for, no serialized wgmma."""
     from tilelang import env
 
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear
     from deepinfer.kernels.tilelang.moe_kernel import shared_bytes
 

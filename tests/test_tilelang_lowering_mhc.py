@@ -42,7 +42,7 @@ def test_names_cover_every_split():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", NAMES)
 def test_mhc_kernel_lowers_to_cuda(name, arch):
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
 
     src = lower_source(_kernels()[name](), arch)
     assert "__global__" in src

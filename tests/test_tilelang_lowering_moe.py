@@ -37,7 +37,7 @@ def _build(name, **kw):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_moe_kernel_lowers_to_cuda(name, arch):
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
 
     src = lower_source(_build(name), arch)
     assert "__global__" in src and "di3_group<" in src and "di3_permute_x<" in src
@@ -50,7 +50,7 @@ def test_moe_kernel_lowers_to_cuda(name, arch):
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 def test_moe_kernel_split_k_lowers():
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
 
     src = lower_source(_build("down_fp4_bt8", k_splits=3), "sm_90a")
     assert "blockIdx.z" in src and "wgmma" in src
@@ -65,7 +65,7 @@ def test_moe_kernel_sm90_machine_code(name, tmp_path):
     'wgmma ... serialized' fallback (which would undo the dequant/MMA overlap)."""
     from tilelang import env
 
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.moe_kernel import shared_bytes
 
     src = lower_source(_build(name), "sm_90a")

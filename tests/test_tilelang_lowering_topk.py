@@ -44,7 +44,7 @@ def _lowered_as_compiled(cache, arch="sm_90a", block_size=8):
 @needs_tilelang
 @pytest.mark.parametrize("arch", ["sm_90a", pytest.param("sm_100a", marks=pytest.mark.slow)])
 def test_topk_kernel_lowers_to_cuda(arch):
-    from deepinfer.kernels.tilelang._build import lower_source
+    from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.topk import CACHE
     from deepinfer.kernels.tilelang.topk_kernel import build_index_topk
 

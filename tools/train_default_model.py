@@ -169,8 +169,10 @@ def engine_evaluation(out: Path, held_files, n_headers: int, log) -> dict:
 
 
 def main(argv=None) -> dict:
+    from deepinfer.config.hardware import set_cpu_threads
+
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     if args.evaluate is not None:
         report = json.loads((args.evaluate / "report.json").read_text())
         preset = presets.PRESETS[report["preset"]]

@@ -7,6 +7,7 @@ enough to run in the resolve step before anything loads.
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 # The recipe that runs on each detected preset: named in the error when a recipe's hardware is absent.
@@ -73,3 +74,26 @@ def device_memory_bytes(device: str, found: Found) -> int | None:
     if device == "cpu":
         return cpu_memory_bytes()
     return found.memory_bytes if device == found.device else None
+
+
+def set_cpu_threads(n: int | None) -> None:
+    """torch's intra-op CPU threads for this process (runtime.num_threads); None or 0 leaves torch's setting. The one
+    place DeepInfer sets them: process-wide (torch has no per-model setting), and a fresh process does not inherit
+    its parent's, so each process that runs a model calls this on the thread that runs it."""
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+@contextmanager
+def cpu_threads(n: int | None):
+    """set_cpu_threads(n) for the duration of the block, then the previous count again."""
+    import torch
+
+    before = torch.get_num_threads()
+    set_cpu_threads(n)
+    try:
+        yield
+    finally:
+        set_cpu_threads(before)

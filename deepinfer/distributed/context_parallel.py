@@ -46,11 +46,6 @@ from . import groups
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def mirror_owner(block: int, size: int) -> int:
-    """Rank owning block `block` of 2·size: block r and its mirror 2·size−1−r belong to rank r."""
-    return block if block < size else 2 * size - 1 - block
-
-
 def split_cuts(n: int, past: int, size: int, align: int = 1) -> list[int]:
     """2·size+1 cut points (chunk-relative, 0..n) of a chunk of n tokens starting at position `past`: block b is
     [cuts[b], cuts[b+1]). Interior cuts sit at past + k·ceil(n / 2size), rounded up to a multiple of `align` in

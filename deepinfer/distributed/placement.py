@@ -56,9 +56,6 @@ class ExpertPlacement:
     def per_rank(self) -> int:
         return self.num_physical // self.num_ranks
 
-    def rank_of(self, physical: int) -> int:
-        return physical // self.per_rank
-
     def local_logical(self, rank: int) -> tuple[int, ...]:
         """The logical expert of each of `rank`'s slots, in slot order: the weights that rank loads."""
         return self.physical_to_logical[rank * self.per_rank:(rank + 1) * self.per_rank]

@@ -9,7 +9,6 @@ core process's follower mode (core_process). make_client picks the client for LL
 
 from deepinfer.engine.backend import (
     EngineBackend,
-    ImportedBackend,
     ModelDirBackend,
     SettingsBackend,
     backend_from_model,
@@ -28,7 +27,6 @@ __all__ = [
     "EngineCore",
     "EngineDeadError",
     "EngineOptions",
-    "ImportedBackend",
     "LLMEngine",
     "ModelDirBackend",
     "Scheduler",

@@ -1,7 +1,7 @@
 """What the engine core needs from the model side, gathered in one object the ModelRunner drives.
 
 The core runs in its own process, so it builds its backend there from a zero-argument factory (`BackendFactory`)
-that is a typed description (SettingsBackend, ModelDirBackend, ImportedBackend: deepinfer.engine.startup sends it
+that is a typed description (SettingsBackend, ModelDirBackend: deepinfer.engine.startup sends it
 as data, never pickled): loading the model never happens in the frontend, and no tensor crosses the process
 boundary. In-process (engine.process=inproc) any zero-argument callable works.
 """
@@ -95,10 +95,10 @@ class ModelDirBackend:
 
         import torch
 
+        from deepinfer.config.hardware import set_cpu_threads
         from deepinfer.models import load_model
 
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        set_cpu_threads(self.num_threads)
         model = load_model(
             self.model, device=self.device, dtype=getattr(torch, self.dtype), batch_invariant=self.batch_invariant
         )
@@ -112,25 +112,3 @@ class ModelDirBackend:
 
 
 BackendFactory = Callable[[], EngineBackend]
-
-
-@dataclass(frozen=True)
-class ImportedBackend:
-    """Factory named by import path: `target` is "module:function" (a zero-argument callable after `args` are
-    applied), imported and called in the process that calls this, e.g. the engine core. For backends that are
-    neither a config nor a model directory (tests, benchmarks); the module must be importable there.
-    `args` are plain values (they travel to the engine core as MessagePack)."""
-
-    target: str
-    args: tuple = ()
-
-    def __call__(self) -> EngineBackend:
-        import importlib
-
-        module, sep, name = self.target.partition(":")
-        if not sep or not module or not name:
-            raise ValueError(f"ImportedBackend.target={self.target!r}; allowed: 'module:function'")
-        obj = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        return obj(*self.args)

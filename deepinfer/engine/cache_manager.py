@@ -28,9 +28,12 @@ class CacheManager:
             raise ValueError(f"the cache needs at least one slot and one block, got {num_slots} and {num_blocks}")
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
         self.block_bytes, self.slot_bytes = block_bytes, slot_bytes  # for describe() only
-        # LIFO free lists: recently freed blocks are reused first (warm memory)
+        # LIFO free lists: recently freed blocks are reused first (warm memory); blocks never handed out are not
+        # listed but counted (ids _fresh..num_blocks-1, handed out in ascending order), so a huge cache costs
+        # nothing at start
         self._free_slots = array("i", range(num_slots - 1, -1, -1))
-        self._free = array("i", range(num_blocks - 1, -1, -1))
+        self._free = array("i")
+        self._fresh = 0
         self._held: dict[int, array] = {}
         self._slot: dict[int, int] = {}
         self._published: dict[int, int] = {}  # blocks of a request already handed to the runner
@@ -67,16 +70,12 @@ class CacheManager:
 
     # ---- state --------------------------------------------------------------------------------------------
     @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
+    def _num_free_blocks(self) -> int:
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return self.num_blocks - self._num_free_blocks
 
     @property
     def utilization(self) -> float:
@@ -91,9 +90,6 @@ class CacheManager:
     def blocks_of(self, request_id: int) -> list[int]:
         return list(self._held.get(request_id, ()))
 
-    def reserved_tokens(self, request_id: int) -> int:
-        return len(self._held.get(request_id, ())) * self.block_size
-
     # ---- allocation ---------------------------------------------------------------------------------------
     def extra_blocks(self, request_id: int, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self._held.get(request_id, ())))
@@ -102,21 +98,25 @@ class CacheManager:
         """Whether `request_id` could grow (or be admitted) to `num_tokens` tokens of context now."""
         if request_id not in self._slot and not self._free_slots:
             return False
-        return self.extra_blocks(request_id, num_tokens) <= len(self._free)
+        return self.extra_blocks(request_id, num_tokens) <= self._num_free_blocks
 
     def reserve(self, request_id: int, num_tokens: int) -> None:
         """Grow (or create, with a slot) the reservation to cover `num_tokens`; never shrinks. Raises if it does
         not fit."""
         if not self.can_hold(request_id, num_tokens):
             raise MemoryError(f"request {request_id}: {self.extra_blocks(request_id, num_tokens)} blocks needed, "
-                              f"{len(self._free)} free, {len(self._free_slots)} free slots")
+                              f"{self._num_free_blocks} free, {len(self._free_slots)} free slots")
         if request_id not in self._slot:
             self._slot[request_id] = self._free_slots.pop()
             self._held[request_id] = array("i")
             self._published[request_id] = 0
         held = self._held[request_id]
         for _ in range(self.extra_blocks(request_id, num_tokens)):
-            held.append(self._free.pop())
+            if self._free:
+                held.append(self._free.pop())
+            else:
+                held.append(self._fresh)
+                self._fresh += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
 
     def take_new_blocks(self, request_id: int) -> tuple[int, ...]:

@@ -130,10 +130,9 @@ def _builder(factory, options: EngineOptions):
     """The core's build(): a fresh process does not inherit the frontend's thread count, so it is set here, on the
     thread that runs the model."""
     def build():
-        if options.num_threads:
-            import torch
+        from deepinfer.config.hardware import set_cpu_threads
 
-            torch.set_num_threads(options.num_threads)
+        set_cpu_threads(options.num_threads)
         return factory()
 
     return build

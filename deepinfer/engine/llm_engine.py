@@ -89,7 +89,7 @@ class LLMEngine:
         and a message. sampling_params: one SamplingParams for all prompts or one per prompt. on_update(index,
         new_token_ids) is called as tokens arrive (streaming). prompts: the texts, copied into the outputs.
         request_ids: the caller's ids, copied into the outputs and, for params without seq_seed, the seed source
-        (child_seed(runtime.seed, request_id), as the sequential runner does); default: a running count from 0.
+        (child_seed(runtime.seed, request_id)); default: a running count from 0.
         Per-run metrics land in `self.last_metrics`."""
         ids = list(prompt_token_ids)
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)

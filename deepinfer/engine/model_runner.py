@@ -116,13 +116,6 @@ class ModelRunner:
         state = self._SequenceCache(self.pools, self.pools.spare_slot, [self.pools.spare_block])
         self.backend.decode(self._ForwardBatch([[0]], [state]))
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self._seqs)
-
-    def state_of(self, request_id: int):
-        return self._seqs[request_id].state
-
     def release(self, request_ids) -> None:
         for rid in request_ids:
             self._seqs.pop(rid, None)

@@ -60,10 +60,6 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.rows)
 
-    @property
-    def is_decode_only(self) -> bool:
-        return all(r.num_new_tokens == 1 and r.new is None for r in self.rows)
-
 
 @dataclass(frozen=True)
 class SampledToken:

@@ -71,9 +71,5 @@ class Request:
         """Generated tokens counting in-flight samples: what max_tokens is checked against when planning."""
         return len(self.output_ids) + self.num_pending
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

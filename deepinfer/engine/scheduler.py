@@ -65,7 +65,6 @@ class Scheduler:
         self._release: list[int] = []  # states the runner must drop before the next step
         self._next_step = 0
         self.num_preemptions = 0
-        self.preemption_log: list[tuple[int, int]] = []  # (step_id, request_id), for tests and metrics
         self.num_draft_tokens = num_draft_tokens
         self.planner = planner  # deepinfer.engine.spec_schedule.VarlenPlanner, or None: verify every draft
 
@@ -238,7 +237,6 @@ class Scheduler:
         req.epoch += 1
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.preemption_log.append((plan.step_id, req.request_id))
         plan.num_preempted += 1
         self.waiting.appendleft(req)
 

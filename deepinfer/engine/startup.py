@@ -1,8 +1,8 @@
 """The engine core's start-up messages: what the frontend writes on the child's stdin, as typed MessagePack (the
 core's CoreStartup; a follower rank's RankStartup).
 
-It names the backend by description (the resolved Settings, a model directory, or an import path), never as a
-pickled callable, so the core process runs only code that its own installation holds. Decoding checks every
+It names the backend by description (the resolved Settings or a model directory), never as a pickled callable,
+so the core process runs only code that its own installation holds. Decoding checks every
 field's type; the Settings are rebuilt through the config's own builder (deepinfer.config.resolve.rebuild), so
 their ranges are checked again and nothing is resolved twice (hardware, memory: already concrete).
 """
@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from deepinfer.engine.backend import ImportedBackend, ModelDirBackend, SettingsBackend
+from deepinfer.engine.backend import ModelDirBackend, SettingsBackend
 from deepinfer.engine.options import EngineOptions
 
 
@@ -33,12 +33,7 @@ class ModelDirSpec(_Spec, tag="model_dir"):
     num_threads: Optional[int]
 
 
-class ImportSpec(_Spec, tag="import"):
-    target: str  # module:function
-    args: list[Any]
-
-
-BackendSpec = Union[SettingsSpec, ModelDirSpec, ImportSpec]
+BackendSpec = Union[SettingsSpec, ModelDirSpec]
 
 
 class CoreStartup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -57,11 +52,9 @@ def describe(factory) -> BackendSpec:
     if isinstance(factory, ModelDirBackend):
         return ModelDirSpec(str(factory.model), factory.device, factory.dtype, factory.batch_invariant,
                             factory.num_threads)
-    if isinstance(factory, ImportedBackend):
-        return ImportSpec(factory.target, list(factory.args))
     raise TypeError(
-        f"engine.process=subprocess starts the engine core from a typed description: SettingsBackend, "
-        f"ModelDirBackend or ImportedBackend('module:function'); got {type(factory).__name__} "
+        f"engine.process=subprocess starts the engine core from a typed description: SettingsBackend or "
+        f"ModelDirBackend; got {type(factory).__name__} "
         f"(use engine.process=inproc for any other callable)"
     )
 
@@ -72,9 +65,7 @@ def factory_from(spec: BackendSpec):
         from deepinfer.config.resolve import rebuild
 
         return SettingsBackend(rebuild(spec.settings))
-    if isinstance(spec, ModelDirSpec):
-        return ModelDirBackend(spec.model, spec.device, spec.dtype, spec.batch_invariant, spec.num_threads)
-    return ImportedBackend(spec.target, tuple(spec.args))
+    return ModelDirBackend(spec.model, spec.device, spec.dtype, spec.batch_invariant, spec.num_threads)
 
 
 def encode(startup: CoreStartup) -> bytes:

@@ -58,13 +58,13 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
     its weights are not: a frontend whose engine-core process runs the model needs no more."""
     import torch
 
+    from deepinfer.config.hardware import set_cpu_threads
     from deepinfer.models import load_model
     from deepinfer.sampling.sampler import Sampler
 
     model_dir = model_location(settings.model.path)
     hw, rt = settings.hardware, settings.runtime
-    if rt.num_threads is not None:
-        torch.set_num_threads(rt.num_threads)  # process-wide: torch has no per-model setting
+    set_cpu_threads(rt.num_threads)
     model = load_model(
         model_dir,
         device=hw.device,

@@ -79,11 +79,6 @@ class CompileQueue:
         return result
 
     @property
-    def num_waiting(self) -> int:
-        with self._lock:
-            return sum(len(ln.waiting) for ln in self._lanes.values())
-
-    @property
     def num_running(self) -> int:
         """Compilations alive, abandoned ones included: what the memory bound is about."""
         with self._lock:

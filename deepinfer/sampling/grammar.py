@@ -117,9 +117,6 @@ class GrammarCompilerPool:
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int, **kwargs) -> "GrammarCompilerPool":
         return cls(tokenizer_info(tokenizer, vocab_size, [eos_token_id]), **kwargs)
 
-    def cache_size_bytes(self) -> int:
-        return self._compiler.get_cache_size_bytes()
-
     def submit(self, so_args: dict, alive=None) -> Future:
         """Starts compiling; never blocks and never raises (errors arrive through the Future). alive(): False once
         the request is gone, so a compilation still waiting for its turn is skipped."""

@@ -110,14 +110,3 @@ def precompile(specs: Iterable[tuple], workers: int = 16) -> None:
     with ThreadPoolExecutor(max(1, min(workers, len(specs)))) as pool:
         list(pool.map(lambda s: jit(*s), specs))
 
-
-def lower_source(prim_func, arch: str) -> str:
-    """CUDA C++ source of a prim_func for `arch`, without a GPU (the CPU lowering test uses this)."""
-    import tilelang
-
-    from tvm import transform
-
-    tgt = target(arch)
-    with tgt, transform.PassContext(opt_level=3, config=PASS_CONFIGS):
-        art = tilelang.lower(prim_func, target=tgt)
-    return art.kernel_source

@@ -38,13 +38,3 @@ def _fixed_rows(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for start in range(0, m + pad, rows):
         torch.mm(x2[start:start + rows], weight.t(), out=out[start:start + rows])
     return out[:m]
-
-
-def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [N, K].T for a `b` whose row count varies (e.g. a growing key cache): both M and N
-    are padded to ROW_TILE so neither dimension changes the kernel BLAS picks."""
-    n = b.shape[0]
-    pad = -n % ROW_TILE if b.device.type == "cpu" else 0
-    if pad:
-        b = torch.cat([b, b.new_zeros(pad, b.shape[1])])
-    return linear(a, b)[..., :n]

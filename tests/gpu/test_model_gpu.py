@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "deepseek_v41"
 

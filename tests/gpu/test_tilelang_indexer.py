@@ -8,8 +8,7 @@ from deepinfer.kernels.torch import quant
 
 from ._helpers import poison_allocator, rel_err
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("S,G", [(1, 100), (3, 1000), (6, 4100)])

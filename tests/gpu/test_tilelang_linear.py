@@ -10,8 +10,7 @@ from deepinfer.kernels.fp8_weight import Fp8BlockWeight
 
 from ._helpers import fp8_blocks, poison_allocator, rel_err
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 SHAPES = {  # name: (N, K)
     "small": (256, 512),

@@ -11,8 +11,7 @@ from deepinfer.kernels.torch import mhc as ref
 
 from ._helpers import poison_allocator, rel_err
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 HC, D, ITERS, HC_EPS, NORM_EPS = 4, 5120, 20, 1e-6, 1e-6
 N = (2 + HC) * HC

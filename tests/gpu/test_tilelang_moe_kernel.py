@@ -11,8 +11,7 @@ from deepinfer.kernels.torch import moe as ref
 
 from ._helpers import fp4_rows, fp8_blocks, poison_allocator, rel_err
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 SHAPES = [(16, 1024, 512), (8, 5120, 2304)]  # (experts, hidden, inter); the second is the released width
 TOKENS = [1, 5, 64, 300]

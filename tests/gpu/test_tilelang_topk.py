@@ -14,8 +14,7 @@ from deepinfer.kernels.torch import indexer as ref
 
 from ._helpers import poison_allocator
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 TOPK, KB, BS = 512, 2048, 8
 

@@ -1,4 +1,5 @@
-"""The temporary runner: one request at a time through the StepProgram, until the engine takes over.
+"""The test oracle the engine is compared with (tests/test_engine_sequential.py): one request at a time through the
+StepProgram.
 
 Per request: validate the prompt (tokenize stage), prefill it into a fresh sequence state, then sample and decode
 one token per step until a stop condition (deepinfer.sampling.StopChecker: EOS unless ignore_eos,

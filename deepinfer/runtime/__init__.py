@@ -1,1 +1,0 @@
-"""Runners of the StepProgram. sequential.py: one request at a time, until the engine lands."""
