@@ -156,11 +156,34 @@ def test_explicit_dtype_wins_over_the_hardware_dtype():
     assert settle([]).model.dtype == "float32"
 
 
-def test_memory_budget_auto_is_the_fraction_of_device_memory():
+def test_memory_fraction_is_resolved_once_into_the_engines_limit_of_total_device_memory():
+    """cache.memory_fraction has one meaning (vLLM's gpu_memory_utilization): the share of the device's TOTAL
+    memory the engine may use, weights included. The resolve step turns it into cache.memory_limit (bytes), and
+    the engine core gives the caches what the loaded model leaves of it."""
     s = settle(["cache.memory_fraction=0.25"])
-    assert s.cache.memory_budget == int(hw.cpu_memory_bytes() * 0.25)
-    assert settle(["hardware=auto"], found=H200).cache.memory_budget == int(141 * 2**30 * 0.5)
+    assert s.cache.memory_limit == int(hw.cpu_memory_bytes() * 0.25) and s.cache.memory_budget is None
+    assert settle(["hardware=auto"], found=H200).cache.memory_limit == int(141 * 2**30 * 0.5)
     assert settle(["cache.memory_budget=5000"]).cache.memory_budget == 5000
+    assert settle(["cache.memory_limit=8192"]).cache.memory_limit == 8192
+    with pytest.raises(ConfigError, match="cache.memory_limit=.* is out of range; allowed: at most the cuda"):
+        settle(["hardware=auto", f"cache.memory_limit={142 * 2**30}"], found=H200)
+
+
+def test_the_engine_gives_the_caches_what_the_model_leaves_of_the_limit():
+    import torch
+
+    from deepinfer.engine.core import cache_budget
+
+    class Backend:
+        device = "cpu"
+        model = torch.nn.Linear(16, 16)  # 16 * 16 + 16 float32 parameters: 1088 bytes
+
+    from options_helpers import engine_options
+
+    assert cache_budget(engine_options(memory_limit=10_000), Backend()) == 10_000 - 1088
+    assert cache_budget(engine_options(memory_budget=5000, memory_limit=10_000), Backend()) == 5000
+    with pytest.raises(ValueError, match="leaves the caches nothing: the model takes 1088 B"):
+        cache_budget(engine_options(memory_limit=1000), Backend())
 
 
 def test_max_model_len_defaults_to_the_model_limit_and_may_not_exceed_it():

@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 import zmq
 
-from deepinfer.engine import EngineDeadError, EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineDeadError, LLMEngine, ModelDirBackend
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.engine.messages import AddRequest
 from deepinfer.sampling import SamplingParams
+from options_helpers import engine_options
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 PROMPT = [0, 5, 6, 7]
 
 
 def engine(process="subprocess", **kw) -> LLMEngine:
-    return LLMEngine(ModelDirBackend(MODEL), EngineOptions(process=process, memory_budget=1 << 22, **kw))
+    return LLMEngine(ModelDirBackend(MODEL), engine_options(process=process, memory_budget=1 << 22, **kw))
 
 
 def greedy(n=4) -> SamplingParams:
@@ -93,7 +94,7 @@ def test_a_step_loop_stuck_while_the_heartbeat_runs_is_reported_within_the_step_
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
     eng = LLMEngine(ImportedBackend("reliability_helpers:stalling_backend", (MODEL,)),
-                    EngineOptions(process="subprocess", memory_budget=1 << 22, step_timeout_s=2.0))
+                    engine_options(process="subprocess", memory_budget=1 << 22, step_timeout_s=2.0))
     try:
         took, exc = timed(lambda: eng.generate([PROMPT], greedy(), use_tqdm=False))
         assert exc is not None and took < 2.0 + 3.0

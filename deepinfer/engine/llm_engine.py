@@ -45,10 +45,10 @@ class LLMEngine:
     (e.g. ModelDirBackend(path)). tokenizer: anything with decode(ids, skip_special_tokens=...), for output text
     (None: text is "")."""
 
-    def __init__(self, backend_factory, options: EngineOptions | None = None, tokenizer=None, client_cls=None):
+    def __init__(self, backend_factory, options: EngineOptions, tokenizer=None, client_cls=None):
         """client_cls: how to reach the core (default: by options.process; a multi-rank layout passes
-        deepinfer.parallel.launch.DataParallelClient)."""
-        self.options = options or EngineOptions()
+        deepinfer.parallel.launch.DataParallelClient). options: EngineOptions.for_settings(settings)."""
+        self.options = options
         self.tokenizer = tokenizer
         if client_cls is None:
             client_cls = ProcessClient if self.options.process == "subprocess" else InprocClient
@@ -60,12 +60,6 @@ class LLMEngine:
         self._ids = itertools.count()  # engine-internal ids: unique for the engine's lifetime
         self._user_ids = itertools.count()  # the default caller ids
         self.last_metrics: dict | None = None
-
-    @classmethod
-    def from_settings(cls, backend_factory, engine=None, cache=None, runtime=None, tokenizer=None, sampling=None, **overrides):
-        """engine/cache/runtime/sampling: the config room's EngineSettings / CacheSettings / RuntimeSettings /
-        SamplingDefaults (only its xgrammar_* limits are read)."""
-        return cls(backend_factory, EngineOptions.from_settings(engine, cache, runtime, sampling, **overrides), tokenizer)
 
     @classmethod
     def for_settings(cls, settings, program=None, **overrides) -> "LLMEngine":

@@ -40,8 +40,7 @@ def run_rank(settings, options: EngineOptions | None = None) -> None:
     from .world import join, leave
 
     if options is None:
-        s = settings
-        options = EngineOptions.from_settings(s.engine, s.cache, s.runtime, s.sampling, s.decoding)
+        options = EngineOptions.for_settings(settings)
     factory = SettingsBackend(settings)
 
     def build():
