@@ -34,7 +34,13 @@ def build_program(pipeline: PipelineSettings, model, sampler) -> StepProgram:
                 f"{', '.join(unsupported)}; allowed: {', '.join(comp.backends)}"
             )
         options = dict(spec.options)
-        impls[name] = comp.load()(model, sampler, options)
+        unknown = sorted(set(options) - set(comp.option_names()))
+        if unknown:
+            raise ConfigError(
+                f"pipeline.stages.{name}.options.{unknown[0]}: not an option of component {comp.name!r}; "
+                f"allowed: {', '.join(comp.option_names()) or 'none'}"
+            )
+        impls[name] = comp.load(options)(model, sampler)
         infos.append(StageInfo(name, comp.name, options))
     order = [s.name for s in infos]
     if order != [s for s in STAGES if s in impls]:
