@@ -4,6 +4,8 @@ import dataclasses
 import os
 from importlib import resources
 
+from pathlib import Path
+
 import pytest
 from omegaconf import DictConfig
 
@@ -140,6 +142,53 @@ def test_ascend950_without_torch_npu_fails_clearly():
 def test_a_stage_component_that_is_not_registered_is_rejected_before_loading():
     message = one_line_error(["pipeline.stages.sample.component=beam"])
     assert message == "pipeline.stages.sample.component='beam' is not a registered sample component; allowed: sampler"
+
+
+def test_hydra_errors_are_told_apart_by_type_not_by_their_text():
+    """explain() reads the exception's type and attributes (Hydra's override parse, a sweep in run mode, a
+    missing interpolation), never its message text."""
+    assert one_line_error(["engine.max_num_seqs=[1"]).startswith("engine.max_num_seqs=[1: ")
+    assert one_line_error(["sampling.top_p=0.5,3"]) == (
+        "sampling.top_p=0.5,3 is ambiguous; allowed: --multirun to sweep over it, sampling.top_p=[0.5,3] for a "
+        "list, sampling.top_p='0.5,3' for a string")
+    message = one_line_error(["engine.max_num_seqs=${oc.env:DEEPINFER_TEST_NOT_SET}"])
+    assert message.startswith("engine.max_num_seqs=${oc.env:DEEPINFER_TEST_NOT_SET} cannot be resolved: ")
+
+
+def test_a_sweep_expands_as_hydras_basic_sweeper_does():
+    from deepinfer.config.hydra_callbacks import MAX_CHECKED_JOBS, job_overrides
+
+    assert job_overrides(["a=1,2", "b=x", "c=y,z"]) == [
+        ["a=1", "b=x", "c=y"], ["a=1", "b=x", "c=z"], ["a=2", "b=x", "c=y"], ["a=2", "b=x", "c=z"]]
+    assert job_overrides(["b=x"], sweeper_params={"a": "1,2"}) == [["a=1", "b=x"], ["a=2", "b=x"]]
+    assert len(job_overrides(["a=range(0,100)"])) == MAX_CHECKED_JOBS
+
+
+def test_no_import_cycle_among_the_entry_point_the_cli_and_config():
+    """deepinfer/__main__.py imports the CLI and config modules; nothing below imports it, and no two of them
+    import each other (issue 23: the callbacks called the CLI's checks, errors and compose imported each other)."""
+    import ast
+
+    root = Path(__file__).parents[1] / "deepinfer"
+    files = [root / "__main__.py", *(root / "config").glob("*.py"), *(root / "cli").glob("*.py")]
+    name = {f: "deepinfer." + ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            for f in files}
+    mods = set(name.values())
+    graph = {}
+    for f, m in name.items():
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[m] = (found & mods) - {m}
+    assert not any("deepinfer.__main__" in deps for deps in graph.values())
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, (*seen, d))) for d in graph[start])
+
+    assert [m for m in graph if reaches(m, m)] == []
 
 
 # ---- auto, dtypes, memory --------------------------------------------------------------------------------
