@@ -309,7 +309,7 @@ def test_unhonoured_variables_are_named_in_one_warning_each(monkeypatch, caplog)
 
 
 def test_dspark_needs_draft_layers(tmp_path):
-    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+    from deepinfer.engine import LLMEngine, ModelDirBackend
 
     opts = engine_options(process="inproc", memory_budget=1 << 24, num_draft_tokens=5)
     fixture = __import__("pathlib").Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2"

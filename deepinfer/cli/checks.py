@@ -10,6 +10,8 @@ from deepinfer.config.errors import ConfigError
 
 
 def check_inputs(settings) -> None:
+    """prompts / input_path / output_file of resolved settings: each request line parsed, the output directory
+    writable (a relative output_file is checked in the run directory, cli/outputs.py)."""
     if settings.prompts is not None and settings.input_path is not None:
         raise ConfigError("prompts and input_path are both set; allowed: one of them")
     if settings.prompts is not None and len(settings.prompts) == 0:
