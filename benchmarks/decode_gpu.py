@@ -203,6 +203,7 @@ def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: i
     """An in-process engine (the model is built once per run and shared) with pools for max_seqs sequences of
     context + max_tokens tokens: cache.memory_budget set from the pools' own layout. `num_draft`: DSpark drafts
     verified per step (0: plain decoding)."""
+    from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions, LLMEngine
 
     layout = (model.cache_layout(block_size, num_draft + 1, drafts=True) if num_draft
@@ -211,10 +212,11 @@ def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: i
     blocks = math.ceil(max_len / block_size)
     budget = int(max_seqs * (layout.slot_bytes() + blocks * layout.block_bytes()) * 1.01) + (1 << 20)
     backend = engine_backend(model, fill, seed)
-    opts = EngineOptions(max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens, max_model_len=max_len,
-                         memory_budget=budget, block_size=block_size, process="inproc",
-                         zero_overhead_scheduling=zero_overhead, enforce_eager=not graphs,
-                         cudagraph_batch_size_interval=interval, seed=0, num_draft_tokens=num_draft)
+    opts = EngineOptions.for_settings(Settings(), max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens,
+                                      max_model_len=max_len, memory_budget=budget, block_size=block_size,
+                                      process="inproc", zero_overhead_scheduling=zero_overhead,
+                                      enforce_eager=not graphs, cudagraph_batch_size_interval=interval, seed=0,
+                                      num_draft_tokens=num_draft)
     engine = LLMEngine(lambda: backend, opts)
     return engine, StepTap(engine), budget
 

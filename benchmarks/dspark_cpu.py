@@ -21,10 +21,11 @@ from pathlib import Path
 
 
 def run(model_dir, prompts, params, drafts, varlen, override=None):
+    from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
 
-    opts = EngineOptions(process="inproc", memory_budget=1 << 27, num_threads=1, num_draft_tokens=drafts,
-                         spec_varlen=varlen, max_num_batched_tokens=2048)
+    opts = EngineOptions.for_settings(Settings(), process="inproc", memory_budget=1 << 27, num_threads=1,
+                                      num_draft_tokens=drafts, spec_varlen=varlen, max_num_batched_tokens=2048)
     with LLMEngine(ModelDirBackend(model_dir), opts) as eng:
         if override is not None:
             eng.client.core.runner.draft_override = override

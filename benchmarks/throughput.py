@@ -27,7 +27,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-len", type=int, default=1024, help="longest prompt and output length")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--memory-budget", type=int, default=None, help="cache bytes (default: the engine's fraction)")
+    ap.add_argument("--memory-budget", type=int, default=None, help="cache bytes (default: what the model leaves of cache.memory_fraction of the device's memory)")
     ap.add_argument("--mode", choices=("async", "sync", "both"), default="both")
     ap.add_argument("--process", choices=("subprocess", "inproc"), default="subprocess")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the same workload on the GPU: bf16, CUDA graphs)")
@@ -54,17 +54,28 @@ def workload(args, vocab: int):
     return prompts, out_lens
 
 
+def memory_limit(device: str) -> int:
+    """cache.memory_fraction (the schema's) of the device's total memory, as the resolve step computes it."""
+    from deepinfer.config import hardware as hw
+    from deepinfer.config.schema import Settings
+
+    return int(Settings().cache.memory_fraction * hw.device_memory_bytes(device.split(":")[0], hw.detect()))
+
+
 def run_mode(args, path: str, zero_overhead: bool) -> dict:
+    from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
     from deepinfer.sampling import SamplingParams
 
-    options = EngineOptions(
+    options = EngineOptions.for_settings(
+        Settings(),
         process=args.process,
         zero_overhead_scheduling=zero_overhead,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=2 * args.max_len + 1,
         memory_budget=args.memory_budget,
+        memory_limit=None if args.memory_budget else memory_limit(args.device),
     )
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     backend = ModelDirBackend(path, device=args.device, dtype=dtype, num_threads=args.threads or None)

@@ -55,17 +55,20 @@ class OpEntry:
     kind: str
     backend: str
     devices: tuple[str, ...]  # torch device types: "cpu", "cuda", "npu"
-    target: str  # "module.path:function"
+    target: str  # the implementation's dotted import path, "module.path.function" (Hydra's `_target_` form)
 
     def load(self) -> Callable:
-        module, _, attr = self.target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        """The implementation, imported by the one loader the config uses for `_target_` (hydra.utils)."""
+        from hydra.utils import get_method
+
+        return get_method(self.target)
 
 
 _REGISTRY: dict[tuple[str, str], OpEntry] = {}
 
 
 def register(kind: str, backend: str, devices: tuple[str, ...], target: str) -> None:
+    """target: "module.path.function", imported only when the op is chosen (OpEntry.load)."""
     if kind not in OP_KINDS:
         raise ValueError(f"unknown op kind {kind!r}; allowed: {', '.join(OP_KINDS)}")
     _REGISTRY[(kind, backend)] = OpEntry(kind, backend, tuple(devices), target)

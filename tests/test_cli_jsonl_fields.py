@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer import LLM
-from deepinfer.__main__ import generate_requests, read_requests
+from deepinfer.cli.requests import generate_requests, read_requests
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 

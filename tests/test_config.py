@@ -4,6 +4,8 @@ import dataclasses
 import os
 from importlib import resources
 
+from pathlib import Path
+
 import pytest
 from omegaconf import DictConfig
 
@@ -142,6 +144,53 @@ def test_a_stage_component_that_is_not_registered_is_rejected_before_loading():
     assert message == "pipeline.stages.sample.component='beam' is not a registered sample component; allowed: sampler"
 
 
+def test_hydra_errors_are_told_apart_by_type_not_by_their_text():
+    """explain() reads the exception's type and attributes (Hydra's override parse, a sweep in run mode, a
+    missing interpolation), never its message text."""
+    assert one_line_error(["engine.max_num_seqs=[1"]).startswith("engine.max_num_seqs=[1: ")
+    assert one_line_error(["sampling.top_p=0.5,3"]) == (
+        "sampling.top_p=0.5,3 is ambiguous; allowed: --multirun to sweep over it, sampling.top_p=[0.5,3] for a "
+        "list, sampling.top_p='0.5,3' for a string")
+    message = one_line_error(["engine.max_num_seqs=${oc.env:DEEPINFER_TEST_NOT_SET}"])
+    assert message.startswith("engine.max_num_seqs=${oc.env:DEEPINFER_TEST_NOT_SET} cannot be resolved: ")
+
+
+def test_a_sweep_expands_as_hydras_basic_sweeper_does():
+    from deepinfer.cli.hydra_callbacks import MAX_CHECKED_JOBS, job_overrides
+
+    assert job_overrides(["a=1,2", "b=x", "c=y,z"]) == [
+        ["a=1", "b=x", "c=y"], ["a=1", "b=x", "c=z"], ["a=2", "b=x", "c=y"], ["a=2", "b=x", "c=z"]]
+    assert job_overrides(["b=x"], sweeper_params={"a": "1,2"}) == [["a=1", "b=x"], ["a=2", "b=x"]]
+    assert len(job_overrides(["a=range(0,100)"])) == MAX_CHECKED_JOBS
+
+
+def test_no_import_cycle_among_the_entry_point_the_cli_and_config():
+    """deepinfer/__main__.py imports the CLI and config modules; nothing below imports it, and no two of them
+    import each other (issue 23: the callbacks called the CLI's checks, errors and compose imported each other)."""
+    import ast
+
+    root = Path(__file__).parents[1] / "deepinfer"
+    files = [root / "__main__.py", *(root / "config").glob("*.py"), *(root / "cli").glob("*.py")]
+    name = {f: "deepinfer." + ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            for f in files}
+    mods = set(name.values())
+    graph = {}
+    for f, m in name.items():
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[m] = (found & mods) - {m}
+    assert not any("deepinfer.__main__" in deps for deps in graph.values())
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, (*seen, d))) for d in graph[start])
+
+    assert [m for m in graph if reaches(m, m)] == []
+
+
 # ---- auto, dtypes, memory --------------------------------------------------------------------------------
 def test_auto_hardware_becomes_the_detected_preset_in_one_step():
     s = settle(["hardware=auto"], found=H200)
@@ -156,11 +205,34 @@ def test_explicit_dtype_wins_over_the_hardware_dtype():
     assert settle([]).model.dtype == "float32"
 
 
-def test_memory_budget_auto_is_the_fraction_of_device_memory():
+def test_memory_fraction_is_resolved_once_into_the_engines_limit_of_total_device_memory():
+    """cache.memory_fraction has one meaning (vLLM's gpu_memory_utilization): the share of the device's TOTAL
+    memory the engine may use, weights included. The resolve step turns it into cache.memory_limit (bytes), and
+    the engine core gives the caches what the loaded model leaves of it."""
     s = settle(["cache.memory_fraction=0.25"])
-    assert s.cache.memory_budget == int(hw.cpu_memory_bytes() * 0.25)
-    assert settle(["hardware=auto"], found=H200).cache.memory_budget == int(141 * 2**30 * 0.5)
+    assert s.cache.memory_limit == int(hw.cpu_memory_bytes() * 0.25) and s.cache.memory_budget is None
+    assert settle(["hardware=auto"], found=H200).cache.memory_limit == int(141 * 2**30 * 0.5)
     assert settle(["cache.memory_budget=5000"]).cache.memory_budget == 5000
+    assert settle(["cache.memory_limit=8192"]).cache.memory_limit == 8192
+    with pytest.raises(ConfigError, match="cache.memory_limit=.* is out of range; allowed: at most the cuda"):
+        settle(["hardware=auto", f"cache.memory_limit={142 * 2**30}"], found=H200)
+
+
+def test_the_engine_gives_the_caches_what_the_model_leaves_of_the_limit():
+    import torch
+
+    from deepinfer.engine.core import cache_budget
+
+    class Backend:
+        device = "cpu"
+        model = torch.nn.Linear(16, 16)  # 16 * 16 + 16 float32 parameters: 1088 bytes
+
+    from options_helpers import engine_options
+
+    assert cache_budget(engine_options(memory_limit=10_000), Backend()) == 10_000 - 1088
+    assert cache_budget(engine_options(memory_budget=5000, memory_limit=10_000), Backend()) == 5000
+    with pytest.raises(ValueError, match="leaves the caches nothing: the model takes 1088 B"):
+        cache_budget(engine_options(memory_limit=1000), Backend())
 
 
 def test_max_model_len_defaults_to_the_model_limit_and_may_not_exceed_it():

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from deepinfer.api import load_settings
 from deepinfer.config.resolve import ConfigError
-from deepinfer.config.schema import CacheSettings, EngineSettings, RuntimeSettings, SamplingDefaults
+from deepinfer.config.schema import CacheSettings, EngineSettings, RuntimeSettings, SamplingDefaults, Settings
 from deepinfer.engine.options import EngineOptions
 from deepinfer.sampling.params import SamplingParams
 
@@ -31,16 +31,21 @@ def test_the_sampling_section_defaults_are_sampling_params_own():
     assert composed == SamplingParams()  # temperature 1.0, max_tokens 16, seq_seed None: DeepInfer's
 
 
-def test_engine_options_defaults_are_the_schemas():
-    options = _defaults(EngineOptions)
+def test_engine_options_have_no_defaults_of_their_own_only_the_schemas():
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               for f in dataclasses.fields(EngineOptions))
+    options = EngineOptions.for_settings(Settings())
     for cls, names in ((EngineSettings, ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                          "zero_overhead_scheduling", "process")),
-                       (CacheSettings, ("memory_budget", "memory_fraction", "block_size")),
+                       (CacheSettings, ("memory_budget", "memory_limit", "block_size")),
                        (RuntimeSettings, ("seed", "enforce_eager", "cudagraph_batch_size_interval"))):
         schema = _defaults(cls)
-        assert {n: options[n] for n in names} == {n: schema[n] for n in names}, cls.__name__
-    assert options["heartbeat_timeout_s"] == _defaults(EngineSettings)["heartbeat_timeout"]
-    assert options["step_timeout_s"] == _defaults(EngineSettings)["step_timeout"]
+        assert {n: getattr(options, n) for n in names} == {n: schema[n] for n in names}, cls.__name__
+    engine = _defaults(EngineSettings)
+    for key in ("heartbeat_timeout", "step_timeout", "startup_timeout", "liveness_poll", "heartbeat_interval",
+                "send_timeout", "close_grace"):
+        assert getattr(options, f"{key}_s") == engine[key], key
+    assert options.xgrammar_max_schema_bytes == _defaults(SamplingDefaults)["xgrammar_max_schema_bytes"]
 
 
 def test_config_yaml_restates_no_sampling_default():
@@ -100,7 +105,7 @@ def test_config_yaml_restates_no_schema_default_and_its_env_fallbacks_are_the_sc
         schema = _defaults(cls)
         for name, value in schema.items():
             got = getattr(section, name)
-            if name == "memory_budget":  # null is resolved from memory_fraction in the resolve step
+            if name == "memory_limit":  # null is resolved from memory_fraction in the resolve step
                 assert value is None and got is not None
             elif name != "zero_overhead_scheduling":  # read from the environment
                 assert got == value, (cls.__name__, name)

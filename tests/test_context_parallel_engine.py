@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer import LLM
-from deepinfer.__main__ import generate_requests
+from deepinfer.cli.requests import generate_requests
 
 SEED = 7
 ENGINE = {"max_num_seqs": 4, "chunked_prefill": True, "max_num_batched_tokens": 24}  # 60-token prompts: 3+ chunks

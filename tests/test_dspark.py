@@ -22,6 +22,7 @@ from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
 from deepinfer.models import ForwardBatch, load_model
 from deepinfer.sampling import SamplingParams
 from deepinfer.sampling.speculative import accept_sampled
+from options_helpers import engine_options
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,7 +46,7 @@ def workload():
 
 def run(model_dir, prompts, params, drafts=0, zos=False, varlen=False, budget=1 << 26, override=None,
         batched_tokens=256):
-    opts = EngineOptions(process="inproc", zero_overhead_scheduling=zos, memory_budget=budget, num_threads=1,
+    opts = engine_options(process="inproc", zero_overhead_scheduling=zos, memory_budget=budget, num_threads=1,
                          num_draft_tokens=drafts, spec_varlen=varlen, max_num_batched_tokens=batched_tokens,
                          block_size=16)
     with LLMEngine(ModelDirBackend(model_dir), opts) as eng:
@@ -308,9 +309,9 @@ def test_unhonoured_variables_are_named_in_one_warning_each(monkeypatch, caplog)
 
 
 def test_dspark_needs_draft_layers(tmp_path):
-    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+    from deepinfer.engine import LLMEngine, ModelDirBackend
 
-    opts = EngineOptions(process="inproc", memory_budget=1 << 24, num_draft_tokens=5)
+    opts = engine_options(process="inproc", memory_budget=1 << 24, num_draft_tokens=5)
     fixture = __import__("pathlib").Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2"
     with pytest.raises(ValueError, match="draft layers"):
         LLMEngine(ModelDirBackend(str(fixture)), opts)
@@ -325,5 +326,5 @@ def test_backtracking_rows_are_kept_with_any_decoding(monkeypatch):
     for overrides, rows in ((["decoding=plain"], 7), (["decoding=dspark"], 7), (["decoding=dspark",
                                                                                 "decoding.num_draft_tokens=8"], 9)):
         s = load_settings(overrides)
-        opts = EngineOptions.from_settings(s.engine, s.cache, s.runtime, s.sampling, s.decoding)
+        opts = EngineOptions.for_settings(s)
         assert opts.max_rollback == s.decoding.max_rollback == rows, overrides

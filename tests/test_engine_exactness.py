@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import LLMEngine, ModelDirBackend
 from deepinfer.models import ForwardBatch, ModelConfig, load_model
 from deepinfer.models.cache import CacheLayout
 from deepinfer.sampling import SamplingParams
+from options_helpers import engine_options
 
 EOS = 1
 FIXTURES = Path(__file__).parent / "fixtures" / "deepseek_v41"
@@ -69,7 +70,7 @@ def solo_outputs(workload, model_dir):
 
 @pytest.mark.parametrize("zero_overhead", [False, True], ids=["sync", "async"])
 def test_batched_chunked_preempted_greedy_outputs_equal_each_request_run_alone(workload, model_dir, solo_outputs, zero_overhead):
-    options = EngineOptions(
+    options = engine_options(
         process="inproc",
         zero_overhead_scheduling=zero_overhead,
         max_num_batched_tokens=48,

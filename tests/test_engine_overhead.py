@@ -8,8 +8,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import LLMEngine, ModelDirBackend
 from deepinfer.sampling import SamplingParams
+from options_helpers import engine_options
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 HANG_S = 60  # bounds a hang only: the next plan comes within milliseconds
@@ -48,7 +49,7 @@ class StepOrder:
 
 
 def run(zero_overhead: bool):
-    options = EngineOptions(process="inproc", zero_overhead_scheduling=zero_overhead, max_num_seqs=32, memory_budget=1 << 24)
+    options = engine_options(process="inproc", zero_overhead_scheduling=zero_overhead, max_num_seqs=32, memory_budget=1 << 24)
     prompts = [[0] + [3 + (7 * i + j) % 500 for j in range(6 + i % 5)] for i in range(32)]
     with LLMEngine(ModelDirBackend(MODEL), options) as engine:
         order = StepOrder(engine.client.core, wait_for_next_plan=zero_overhead)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from deepinfer.engine import EngineDeadError, EngineOptions, LLMEngine, ModelDirBackend
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.sampling import SamplingParams
+from options_helpers import engine_options
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 
@@ -53,7 +54,7 @@ def test_socket_endpoints_live_in_a_fresh_directory_only_this_user_can_enter():
 def test_subprocess_engine_serves_over_a_private_socket_and_cleans_up():
     cases = load_file(f"{MODEL}/cases.safetensors")
     prompts = [cases[f"case{i}.input_ids"].tolist() for i in range(3)]
-    engine = LLMEngine(ModelDirBackend(MODEL), EngineOptions(process="subprocess", memory_budget=1 << 22))
+    engine = LLMEngine(ModelDirBackend(MODEL), engine_options(process="subprocess", memory_budget=1 << 22))
     sock_dir = engine.client._endpoints.dir
     assert engine.client._endpoints.control == f"ipc://{sock_dir}/control.sock"
     assert not os.path.exists(sock_dir), "once connected, the socket directory is gone"
@@ -67,7 +68,7 @@ def test_subprocess_engine_serves_over_a_private_socket_and_cleans_up():
 
 
 def test_killing_the_engine_process_during_generate_raises_engine_dead_and_cleans_up():
-    engine = LLMEngine(ModelDirBackend(MODEL), EngineOptions(process="subprocess", memory_budget=1 << 22))
+    engine = LLMEngine(ModelDirBackend(MODEL), engine_options(process="subprocess", memory_budget=1 << 22))
     proc = engine.client.process
     killed_at = []
 
@@ -89,8 +90,10 @@ def test_killing_the_engine_process_during_generate_raises_engine_dead_and_clean
 FRONTEND = textwrap.dedent(
     """
     import sys
+    from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
-    engine = LLMEngine(ModelDirBackend(sys.argv[1]), EngineOptions(process="subprocess", memory_budget=1 << 22))
+    engine = LLMEngine(ModelDirBackend(sys.argv[1]), EngineOptions.for_settings(Settings(), process="subprocess",
+                                                                     memory_budget=1 << 22))
     print(engine.client.process.pid, engine.client._endpoints.dir, flush=True)
     if sys.argv[2] == "hang":
         sys.stdin.read()

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import LLMEngine, ModelDirBackend
 from deepinfer.sampling import SamplingParams
+from options_helpers import engine_options
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -16,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
-    options = EngineOptions(process="inproc", max_model_len=128, max_num_batched_tokens=64, memory_budget=1 << 20)
+    options = engine_options(process="inproc", max_model_len=128, max_num_batched_tokens=64, memory_budget=1 << 20)
     with LLMEngine(ModelDirBackend(MODEL), options, tokenizer=Tokenizer.from_file(f"{MODEL}/tokenizer.json")) as eng:
         yield eng
 
@@ -121,7 +122,7 @@ class PoisonedBackend:
 
 @pytest.mark.parametrize("zero_overhead", [False, True], ids=["sync", "async"])
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_keeps_serving(zero_overhead):
-    options = EngineOptions(process="inproc", zero_overhead_scheduling=zero_overhead, max_num_batched_tokens=8, memory_budget=1 << 20)
+    options = engine_options(process="inproc", zero_overhead_scheduling=zero_overhead, max_num_batched_tokens=8, memory_budget=1 << 20)
     with LLMEngine(PoisonedBackend(), options) as engine:
         early = [0, 5, 6]  # admitted first: decoding by the time the poisoned prompt's chunk arrives
         outputs = engine.generate([early, [0] * 12 + [POISON]], GREEDY, use_tqdm=False)

@@ -11,12 +11,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import LLMEngine, ModelDirBackend
 from deepinfer.engine import messages as m
 from deepinfer.engine import startup
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, new_key
 from deepinfer.sampling import SamplingParams
 from deepinfer.sampling.logprobs import SampleOutput
+from options_helpers import engine_options
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 PROMPT = [0, 5, 6, 7]
@@ -85,7 +86,7 @@ def test_a_hostile_frame_on_the_live_engine_socket_is_dropped_and_the_engine_kee
     be dropped there (not unpickled: no marker file), and the engine answers the next requests as before."""
     marker = tmp_path / "marker"
     greedy = SamplingParams(temperature=0, max_tokens=3)
-    with LLMEngine(ModelDirBackend(MODEL), EngineOptions(process="subprocess", memory_budget=1 << 22)) as eng:
+    with LLMEngine(ModelDirBackend(MODEL), engine_options(process="subprocess", memory_budget=1 << 22)) as eng:
         before = eng.generate([PROMPT], greedy, use_tqdm=False)[0].token_ids
         client = eng.client
         evil = pickle.dumps(("add", _Payload(marker)))
@@ -102,7 +103,7 @@ def test_a_hostile_frame_on_the_live_engine_socket_is_dropped_and_the_engine_kee
 
 def test_the_start_up_message_is_typed_and_a_plain_callable_cannot_cross():
     key = new_key()
-    args = startup.CoreStartup(startup.describe(ModelDirBackend(MODEL)), EngineOptions(max_num_seqs=3),
+    args = startup.CoreStartup(startup.describe(ModelDirBackend(MODEL)), engine_options(max_num_seqs=3),
                                "ipc:///a", "ipc:///b", key, 42)
     back = startup.decode(startup.encode(args))
     assert back == args and back.options.max_num_seqs == 3
@@ -112,7 +113,7 @@ def test_the_start_up_message_is_typed_and_a_plain_callable_cannot_cross():
     with pytest.raises(msgspec.ValidationError):
         startup.decode(pickle.dumps(args.options))
     with pytest.raises(TypeError, match="typed description"):
-        LLMEngine(lambda: None, EngineOptions(process="subprocess"))
+        LLMEngine(lambda: None, engine_options(process="subprocess"))
 
 
 def test_resolved_settings_cross_as_data_and_come_back_equal():
@@ -121,5 +122,5 @@ def test_resolved_settings_cross_as_data_and_come_back_equal():
 
     settings = load_settings(["runtime.seed=5", "sampling.stop=[x]"])
     spec = startup.decode(startup.encode(startup.CoreStartup(startup.describe(SettingsBackend(settings)),
-                                                             EngineOptions(), "a", "b", b"k", 1))).backend
+                                                             engine_options(), "a", "b", b"k", 1))).backend
     assert startup.factory_from(spec).settings == settings

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from deepinfer import LLM
-from deepinfer.__main__ import generate_requests
+from deepinfer.cli.requests import generate_requests
 from deepinfer.engine import EngineDeadError
 
 SEED = 7  # runtime.seed: requests without seq_seed draw with child_seed(7, request id)

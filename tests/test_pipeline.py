@@ -79,6 +79,17 @@ def test_stages_out_of_order_or_missing_are_config_errors():
         load_settings(["pipeline.stages.sample.component=null"], CPU)
     with pytest.raises(ConfigError, match="needs YOCO"):
         load_settings(["pipeline.stages.replay.component=model_forward"], CPU)
+
+
+def test_a_component_is_a_hydra_partial_and_its_options_are_its_keyword_arguments():
+    comp = REGISTRY.get("replay", "yoco_compact")
+    assert comp.factory == {"_target_": "deepinfer.pipeline.components.yoco_compact", "_partial_": True,
+                            "_convert_": "all"}
+    assert comp.option_names() == ["keep_tokens"] and REGISTRY.get("decode", "model_forward").option_names() == []
+    assert comp.load({"keep_tokens": 7}).keywords == {"keep_tokens": 7}
+    with pytest.raises(ConfigError, match="pipeline.stages.decode.options.beam: not an option of component "
+                                          "'model_forward'; allowed: none"):
+        program_for("+pipeline.stages.decode.options.beam=2")
     with pytest.raises(ConfigError, match=r"^\+pipeline.stages.polish={component: x}: "):
         load_settings(["+pipeline.stages.polish={component: x}"], CPU)  # new stages come from YAML, not the CLI
 

@@ -93,7 +93,7 @@ def test_a_bad_input_line_is_one_line_and_exit_2_before_the_model_loads(content,
 
 
 def test_read_requests_names_the_line_of_a_bad_request(inputs):
-    from deepinfer.__main__ import read_requests
+    from deepinfer.cli.requests import read_requests
     from deepinfer.config.schema import Settings
 
     settings = Settings(input_path=inputs("x.jsonl", b'{"prompt": "a"}\n{"prompt_token_ids": [1, true]}\n'))

@@ -16,17 +16,18 @@ from pathlib import Path
 import pytest
 import zmq
 
-from deepinfer.engine import EngineDeadError, EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineDeadError, LLMEngine, ModelDirBackend
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.engine.messages import AddRequest
 from deepinfer.sampling import SamplingParams
+from options_helpers import engine_options
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 PROMPT = [0, 5, 6, 7]
 
 
 def engine(process="subprocess", **kw) -> LLMEngine:
-    return LLMEngine(ModelDirBackend(MODEL), EngineOptions(process=process, memory_budget=1 << 22, **kw))
+    return LLMEngine(ModelDirBackend(MODEL), engine_options(process=process, memory_budget=1 << 22, **kw))
 
 
 def greedy(n=4) -> SamplingParams:

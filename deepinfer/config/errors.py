@@ -1,18 +1,19 @@
 """ConfigError and the translation of Hydra/OmegaConf composition errors into one line.
 
 A user error in the configuration must read as one line that names the key, the value and what is allowed, never
-as a traceback: the CLI prints the message and exits 2, the Python API raises ConfigError with it.
+as a traceback: the CLI prints the message and exits 2, the Python API raises ConfigError with it. Errors are told
+apart by their exception type and read through their attributes (a missing option's `missing_cfg_file` and
+`options`, a bad key's `full_key`, a value's `value`, an override's parse), never by matching their message text.
 """
 
 from __future__ import annotations
 
-import re
-
-from hydra.errors import MissingConfigException
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
     InterpolationResolutionError,
+    InterpolationValidationError,
     MissingMandatoryValue,
     ValidationError,
 )
@@ -30,21 +31,20 @@ def fmt(value) -> str:
 
 
 def explain(exc: BaseException, overrides: list[str] | tuple[str, ...] = ()) -> ConfigError:
-    """The one-line ConfigError for an exception raised while Hydra composed the config with `overrides`."""
-    from deepinfer.config.compose import group_options
+    """The one-line ConfigError for an exception raised while Hydra composed the config with `overrides`
+    (command-line arguments that are not overrides, such as --multirun, are ignored)."""
     from deepinfer.config.keys import allowed_keys, describe_type
 
     if isinstance(exc, ConfigError):
         return exc
-    text = str(exc)
-    missing = re.search(r"Could not find '([\w/]+)/([^']+)'", text)
-    if isinstance(exc, MissingConfigException) and missing:
-        group, option = missing.group(1), missing.group(2)
+    overrides = [o for o in overrides if "=" in o and not o.startswith("-")]
+    if isinstance(exc, MissingConfigException) and "/" in (exc.missing_cfg_file or ""):
+        group, _, option = exc.missing_cfg_file.rpartition("/")
         plus = "+" if group == "recipe" else ""
-        options = getattr(exc, "options", None) or group_options(group)  # Hydra's list: an own recipe folder too
-        return ConfigError(
-            f"{plus}{group}={option} is not an option of config group {group!r}; allowed: " + ", ".join(options)
-        )
+        options = ", ".join(exc.options) if exc.options else "none found"  # Hydra's list: an own recipe folder too
+        return ConfigError(f"{plus}{group}={option} is not an option of config group {group!r}; allowed: {options}")
+    if isinstance(exc, OverrideParseException):
+        return ConfigError(f"{exc.override}: {_first_line(exc.message)}")
     cause = exc.__cause__ or exc
     key = getattr(cause, "full_key", None)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
@@ -57,28 +57,31 @@ def explain(exc: BaseException, overrides: list[str] | tuple[str, ...] = ()) -> 
         )
     if isinstance(cause, MissingMandatoryValue) and key:
         return ConfigError(f"{key} is required and has no value; set it, e.g. {key}=...")
+    if isinstance(cause, InterpolationValidationError) and key:  # e.g. an environment variable of the wrong type
+        return ConfigError(f"{key}={cause.child_node} resolved to {fmt(cause.value)}, which has the wrong type; "
+                           f"allowed: {describe_type(key)}")
     if isinstance(cause, InterpolationResolutionError) and key:
-        interp = re.search(r"interpolation '(\$\{[^']*\})'", str(cause))
-        value = _quoted_value(str(cause))
-        source = f"{key}={interp.group(1)} resolved to {value}" if interp else f"{key}={value}"
-        return ConfigError(f"{source}, which has the wrong type; allowed: {describe_type(key)}")
-    merging = re.match(r"Error merging override (.+)", text)
-    if isinstance(cause, ValidationError) and merging and describe_type(key or "") == "(no such key)":
+        return ConfigError(f"{key}={cause.child_node} cannot be resolved: {_first_line(cause.msg)}")
+    if isinstance(cause, ValidationError) and key and describe_type(key) == "(no such key)":
         # OmegaConf reports keys below a typed mapping relative to it; the override itself is the clearer name.
-        return ConfigError(f"{merging.group(1)}: {str(cause).splitlines()[0]}")
+        given = _override_ending(key, overrides)
+        return ConfigError(f"{given or key}: {_first_line(cause.msg)}")
     if isinstance(cause, ValidationError) and key:
         value = _override_value(key, overrides)
         if value is None:
-            value = _quoted_value(str(cause))
+            value = fmt(getattr(cause, "value", "?"))
         return ConfigError(f"{key}={value} has the wrong type; allowed: {describe_type(key)}")
-    if text.startswith("Ambiguous value for argument"):
-        arg = re.search(r"argument '([^=']+)=([^']*)'", text)
-        k, v = (arg.group(1), arg.group(2)) if arg else ("key", "a,b")
-        return ConfigError(
-            f"{k}={v} is ambiguous; allowed: --multirun to sweep over it, {k}=[{v}] for a list, {k}='{v}' for a string"
-        )
-    first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
-    return ConfigError(first)
+    if isinstance(exc, ConfigCompositionException) and exc.__cause__ is None:
+        sweep = _sweep_override(overrides)
+        if sweep is not None:  # Hydra's run mode refuses a sweep (a,b) outside --multirun
+            k, v = sweep.get_key_element(), sweep.input_line.partition("=")[2]
+            return ConfigError(f"{k}={v} is ambiguous; allowed: --multirun to sweep over it, {k}=[{v}] for a list, "
+                               f"{k}='{v}' for a string")
+    return ConfigError(_first_line(str(exc)) or type(exc).__name__)
+
+
+def _first_line(text) -> str:
+    return next((line for line in str(text or "").splitlines() if line.strip()), "")
 
 
 def _override_value(key: str, overrides) -> str | None:
@@ -89,6 +92,20 @@ def _override_value(key: str, overrides) -> str | None:
     return None
 
 
-def _quoted_value(message: str) -> str:
-    m = re.search(r"Value '([^']*)'", message)
-    return repr(m.group(1)) if m else "?"
+def _override_ending(key: str, overrides) -> str | None:
+    """The override whose key is `key` or ends with it (OmegaConf names keys below a mapping relative to it)."""
+    for ov in overrides:
+        k = ov.lstrip("+~").partition("=")[0]
+        if k == key or k.endswith("." + key):
+            return ov
+    return None
+
+
+def _sweep_override(overrides):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # noqa: BLE001 (a parse error is reported by Hydra itself)
+        return None
+    return next((ov for ov in parsed if ov.is_sweep_override()), None)

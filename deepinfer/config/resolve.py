@@ -6,7 +6,7 @@ order, before any weight is read:
   2. every value is in its declared range (schema.py `allowed`);
   3. hardware: `auto` becomes the detected preset, and a preset whose hardware is absent stops the run;
   4. dtypes: model.dtype `auto` becomes the hardware's dtype;
-  5. memory: cache.memory_budget null becomes memory_fraction of the device's memory;
+  5. memory: cache.memory_limit null becomes memory_fraction of the device's total memory (weights included);
   6. the parallel layout: data_parallel_size 0 becomes EP / CP, and the layout's rules (EP divides CP x DP);
   7. the pipeline names only registered components, in stage order.
 What needs the model itself (engine.max_model_len null -> max_position_embeddings) is `with_model_limits`, called
@@ -237,20 +237,25 @@ def _resolve_dtype(s: Settings) -> Settings:
 
 
 def _resolve_memory(s: Settings, found: hw.Found) -> Settings:
+    """cache.memory_limit null -> memory_fraction x the device's total memory (the one meaning of the fraction:
+    all the engine may use, weights included, as vLLM's gpu_memory_utilization); the engine core gives the caches
+    what the model leaves of it. Byte counts beyond the device's memory are refused."""
     total = hw.device_memory_bytes(s.hardware.device, found)
-    if s.cache.memory_budget is not None:
-        # Caches beyond the device's memory can never be filled, and their bookkeeping alone was measured at
-        # ~1 GB per 1e12 bytes of budget: the budget is bounded by the memory it stands for.
-        if total is not None and s.cache.memory_budget > total:
-            raise ConfigError(
-                f"cache.memory_budget={s.cache.memory_budget} is out of range; allowed: at most the "
-                f"{s.hardware.device} device's memory ({total} bytes)"
-            )
-        return s
-    if total is None:
-        return s
-    cache = dataclasses.replace(s.cache, memory_budget=int(total * s.cache.memory_fraction))
-    return dataclasses.replace(s, cache=cache)
+    c = s.cache
+    # Caches beyond the device's memory can never be filled, and their bookkeeping alone was measured at
+    # ~1 GB per 1e12 bytes of budget: a byte count is bounded by the memory it stands for.
+    for key in ("memory_budget", "memory_limit"):
+        value = getattr(c, key)
+        if value is not None and total is not None and value > total:
+            raise ConfigError(f"cache.{key}={value} is out of range; allowed: at most the {s.hardware.device} "
+                              f"device's memory ({total} bytes)")
+    if c.memory_limit is None and total is not None:
+        c = dataclasses.replace(c, memory_limit=int(total * c.memory_fraction))
+    if c.memory_budget is None and c.memory_limit is None:
+        raise ConfigError(f"cache.memory_fraction={c.memory_fraction}: the {s.hardware.device} device's memory is "
+                          "unknown on this machine; allowed: set cache.memory_budget (bytes for the caches) or "
+                          "cache.memory_limit (bytes the engine may use)")
+    return dataclasses.replace(s, cache=c)
 
 
 # ---- 6: pipeline --------------------------------------------------------------------------------------------

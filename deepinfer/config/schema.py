@@ -156,6 +156,7 @@ class DecodingSettings:
     max_backtracking_tokens: int = setting(0, allowed=up_to(0, 1024))
     varlen: bool = False  # DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled verification lengths
     perf_cache_dir: Optional[str] = None  # DEEPINFER_DECODE_PERF_CACHE_DIR: where its step-time curve is cached
+    perf_cache_ttl: float = setting(3600.0, allowed=POSITIVE)  # seconds a cached step-time curve stays valid
     # DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE: one value, or one per draft position
     confidence_temperature: List[float] = setting(factory=lambda: [1.0])
 
@@ -230,15 +231,29 @@ class EngineSettings:
     # DeepInfer's chunked_prefill: false = every prompt prefills in one step, so max_num_batched_tokens must
     # be at least max_model_len (checked once the model's limit is known: resolve.with_model_limits)
     chunked_prefill: bool = True
+    # seconds the frontend waits for the engine process to load the model and report ready
+    startup_timeout: float = setting(300.0, allowed=MAX_SECONDS)
+    # seconds between a waiting frontend's checks that the engine process is alive
+    liveness_poll: float = setting(0.2, allowed=MAX_SECONDS)
+    heartbeat_interval: float = setting(0.5, allowed=MAX_SECONDS)  # seconds between the engine core's heartbeats
+    # seconds a message may wait for the core's socket to take it; longer means the core is gone
+    send_timeout: float = setting(5.0, allowed=MAX_SECONDS)
+    # close(): seconds the core gets after the shutdown message, then again after SIGTERM, before SIGKILL
+    close_grace: float = setting(2.0, allowed=MAX_SECONDS)
 
 
 @dataclass(frozen=True)
 class CacheSettings:
-    # bytes for caches; null: from the fraction. At most the device's memory (checked in the resolve step).
-    # (the floor is low on purpose: tests and small deployments size it to a few sequences; the engine says when
-    # a budget cannot hold one)
+    # bytes for the caches; null: what the model leaves of memory_limit (the engine measures its weights after
+    # loading them). At most the device's memory (checked in the resolve step). (The floor is low on purpose:
+    # tests and small deployments size it to a few sequences; the engine says when a budget cannot hold one.)
     memory_budget: Optional[int] = setting(None, allowed=up_to(1 << 12, 1 << 50))
+    # The fraction of the device's TOTAL memory the engine may use, weights, caches and activations included
+    # (vLLM's gpu_memory_utilization; on the CPU, of the machine's RAM). Not read when memory_budget is set.
     memory_fraction: float = setting(0.5, allowed=Interval(0, 1, lo_open=True))
+    # bytes the engine may use on its device, weights included; null: memory_fraction x the device's total memory,
+    # resolved once in the resolve step (so every process of a run sees the same number). At most the device's memory.
+    memory_limit: Optional[int] = setting(None, allowed=up_to(1 << 12, 1 << 50))
     block_size: int = setting(64, allowed=up_to(8, MAX_BLOCK_SIZE))  # below 8 the per-block bookkeeping dominates
 
 
@@ -286,6 +301,8 @@ class SamplingDefaults:
     xgrammar_timeout: float = setting(20.0, allowed=MAX_SECONDS)  # DEEPINFER_XGRAMMAR_TIMEOUT, seconds
     # DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES
     xgrammar_cache_limit_bytes: int = setting(1 << 30, allowed=up_to(0, MAX_CACHE_BYTES))
+    # a JSON schema larger than this many bytes ends its request at once (sampling/grammar.py)
+    xgrammar_max_schema_bytes: int = setting(1 << 20, allowed=up_to(1, MAX_CACHE_BYTES))
 
     def params(self, **changes):
         """A SamplingParams from these defaults (grammar limits are engine-wide, not per request)."""

@@ -49,7 +49,7 @@ class EngineCore:
         max_len = backend.max_position_embeddings
         if options.max_model_len is not None:
             max_len = min(max_len, options.max_model_len)
-        budget = options.memory_budget or int(options.memory_fraction * free_memory_bytes(backend.device))
+        budget = cache_budget(options, backend)
         if agree_budget is not None:
             budget = agree_budget(budget)
         self.runner = ModelRunner(backend, options.num_draft_tokens, options.confidence_temperature)
@@ -325,20 +325,34 @@ class EngineCore:
         self.grammars.close()
 
 
-def free_memory_bytes(device: str) -> int:
-    """Memory the caches may take a fraction of: free device memory on CUDA, available RAM on the CPU."""
-    if device.startswith("cuda"):
-        import torch
+def cache_budget(options: EngineOptions, backend) -> int:
+    """Bytes for the caches: cache.memory_budget when set, else what the loaded model leaves of cache.memory_limit
+    (resolved once, in the resolve step, from cache.memory_fraction of the device's total memory)."""
+    if options.memory_budget is not None:
+        return options.memory_budget
+    if options.memory_limit is None:
+        raise ValueError("cache.memory_budget and cache.memory_limit are both null: EngineOptions come from "
+                         "resolved settings (deepinfer.config.resolve), which set memory_limit")
+    in_use = memory_in_use(backend)
+    budget = options.memory_limit - in_use
+    if budget <= 0:
+        raise ValueError(f"cache.memory_limit={options.memory_limit} B (cache.memory_fraction of the device's "
+                         f"memory) leaves the caches nothing: the model takes {in_use} B; allowed: a larger "
+                         "cache.memory_fraction, or cache.memory_budget")
+    return budget
 
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
 
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+def memory_in_use(backend) -> int:
+    """Bytes the loaded model takes on its device: the accelerator's allocated memory (weights and buffers, as
+    the allocator counts it), or on the CPU the model's parameters and buffers."""
+    import torch
+
+    device = torch.device(str(backend.device))
+    accel = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if accel is not None and hasattr(accel, "memory_allocated"):
+        return int(accel.memory_allocated(device))
+    model = getattr(backend, "model", None)
+    if model is None or not hasattr(model, "parameters"):
+        return 0
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)

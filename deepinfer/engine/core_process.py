@@ -213,8 +213,7 @@ def run_rank(settings, options: EngineOptions | None = None) -> None:
     from deepinfer.engine.lockstep import LockstepRank, follow
 
     if options is None:
-        s = settings
-        options = EngineOptions.from_settings(s.engine, s.cache, s.runtime, s.sampling, s.decoding)
+        options = EngineOptions.for_settings(settings)
     build = _builder(SettingsBackend(settings), options)
     world = join(settings.parallel, settings.hardware.device)
     try:

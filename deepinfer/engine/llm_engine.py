@@ -46,10 +46,10 @@ class LLMEngine:
     (e.g. ModelDirBackend(path)). tokenizer: anything with decode(ids, skip_special_tokens=...), for output text
     (None: text is "")."""
 
-    def __init__(self, backend_factory, options: EngineOptions | None = None, tokenizer=None, client=None):
+    def __init__(self, backend_factory, options: EngineOptions, tokenizer=None, client=None):
         """client: a started client (deepinfer.engine.make_client, as for_settings passes); default: one for
-        `backend_factory` by options.process."""
-        self.options = options or EngineOptions()
+        `backend_factory` by options.process. options: EngineOptions.for_settings(settings)."""
+        self.options = options
         self.tokenizer = tokenizer
         self.client = client if client is not None else client_for(backend_factory, self.options)
         self.info = self.client.info
@@ -59,12 +59,6 @@ class LLMEngine:
         self._ids = itertools.count()  # engine-internal ids: unique for the engine's lifetime
         self._user_ids = itertools.count()  # the default caller ids
         self.last_metrics: dict | None = None
-
-    @classmethod
-    def from_settings(cls, backend_factory, engine=None, cache=None, runtime=None, tokenizer=None, sampling=None, **overrides):
-        """engine/cache/runtime/sampling: the config room's EngineSettings / CacheSettings / RuntimeSettings /
-        SamplingDefaults (only its xgrammar_* limits are read)."""
-        return cls(backend_factory, EngineOptions.from_settings(engine, cache, runtime, sampling, **overrides), tokenizer)
 
     @classmethod
     def for_settings(cls, settings, program=None, **overrides) -> "LLMEngine":

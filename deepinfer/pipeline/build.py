@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 
-from deepinfer.config.components import REGISTRY, Component
+from deepinfer.config.components import REGISTRY
 from deepinfer.config.errors import ConfigError
 from deepinfer.config.resolve import check_replay_fits, with_model_limits
 from deepinfer.config.schema import STAGES, PipelineSettings, Settings
@@ -36,7 +35,13 @@ def build_program(pipeline: PipelineSettings, model, sampler) -> StepProgram:
                 f"{', '.join(unsupported)}; allowed: {', '.join(comp.backends)}"
             )
         options = dict(spec.options)
-        impls[name] = _factory(comp)(model, sampler, options)
+        unknown = sorted(set(options) - set(comp.option_names()))
+        if unknown:
+            raise ConfigError(
+                f"pipeline.stages.{name}.options.{unknown[0]}: not an option of component {comp.name!r}; "
+                f"allowed: {', '.join(comp.option_names()) or 'none'}"
+            )
+        impls[name] = comp.load(options)(model, sampler)
         infos.append(StageInfo(name, comp.name, options))
     order = [s.name for s in infos]
     if order != [s for s in STAGES if s in impls]:
@@ -122,12 +127,6 @@ def model_location(path: str):
 
         return embedded.materialize(path.partition(":")[2])
     return path
-
-
-def _factory(comp: Component):
-    """The component's factory, imported now: only the components a pipeline picks are ever imported."""
-    module, _, attr = comp.factory.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def _device_type(model) -> str:

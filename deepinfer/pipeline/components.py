@@ -1,4 +1,6 @@
-"""The built-in stage components. Each factory receives the loaded model, the sampler and the stage's options."""
+"""The built-in stage components. Each factory receives the loaded model and the sampler, then the stage's
+options (pipeline.stages.NAME.options) as keyword arguments (the registry binds them: hydra.utils.instantiate with
+_partial_)."""
 
 from __future__ import annotations
 
@@ -34,32 +36,32 @@ class TextTokenizer:
         return None
 
 
-def hf_tokenizer(model, sampler, options: dict) -> TextTokenizer:
+def hf_tokenizer(model, sampler) -> TextTokenizer:
     return TextTokenizer(model.tokenizer, model.config.vocab_size)
 
 
-def model_forward(model, sampler, options: dict):
+def model_forward(model, sampler):
     return model.forward
 
 
-def sampler(model, sampler, options: dict):
+def sampler(model, sampler):
     return sampler
 
 
-def yoco_mask(model, sampler, options: dict):
-    return _replay(model, "mask", options)
+def yoco_mask(model, sampler, keep_tokens: int):
+    return _replay(model, "mask", keep_tokens)
 
 
-def yoco_compact(model, sampler, options: dict):
-    return _replay(model, "compact", options)
+def yoco_compact(model, sampler, keep_tokens: int):
+    return _replay(model, "compact", keep_tokens)
 
 
-def _replay(model, mode: str, options: dict):
-    """The replay stage (YOCO bounded replay, deepinfer/models/replay.py); options: keep_tokens (K)."""
+def _replay(model, mode: str, keep_tokens: int):
+    """The replay stage (YOCO bounded replay, deepinfer/models/replay.py); keep_tokens: K."""
     from deepinfer.config.errors import ConfigError
     from deepinfer.models.replay import BoundedReplay
 
     try:
-        return BoundedReplay(model.config, mode, options["keep_tokens"])
+        return BoundedReplay(model.config, mode, keep_tokens)
     except ValueError as exc:  # a model without YOCO decoder layers: the config asked for what it cannot run
         raise ConfigError(str(exc)) from None

@@ -27,4 +27,4 @@ _WHERE = {
     "fake_quant_fp4": "rowwise",
 }
 for _kind, _module in _WHERE.items():
-    register(_kind, BACKEND, ("cuda",), f"deepinfer.kernels.tilelang.{_module}:{_kind}")
+    register(_kind, BACKEND, ("cuda",), f"deepinfer.kernels.tilelang.{_module}.{_kind}")

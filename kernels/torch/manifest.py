@@ -24,4 +24,4 @@ _WHERE = {
     "engram_gate": "engram",
 }
 for _kind, _module in _WHERE.items():
-    register(_kind, "torch", _DEVICES, f"deepinfer.kernels.torch.{_module}:{_kind}")
+    register(_kind, "torch", _DEVICES, f"deepinfer.kernels.torch.{_module}.{_kind}")

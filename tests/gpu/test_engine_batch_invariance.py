@@ -50,10 +50,12 @@ def _params(kind: str):
 
 def _run(backend, prompts, params, *, budget=8192, eager=False, drafts=0):
     """Every prompt submitted at once; returns (outputs in order, the run's metrics)."""
+    from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions, LLMEngine
 
-    opts = EngineOptions(max_num_seqs=80, max_num_batched_tokens=budget, memory_budget=24 << 30, process="inproc",
-                         enforce_eager=eager, num_draft_tokens=drafts, seed=0)
+    opts = EngineOptions.for_settings(Settings(), max_num_seqs=80, max_num_batched_tokens=budget,
+                                      memory_budget=24 << 30, process="inproc", enforce_eager=eager,
+                                      num_draft_tokens=drafts, seed=0)
     with LLMEngine(lambda: backend, opts) as engine:
         outs = engine.generate(prompts, params, use_tqdm=False)
         return outs, engine.last_metrics

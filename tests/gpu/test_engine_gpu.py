@@ -82,6 +82,7 @@ def test_bf16_kernel_sized_model_through_the_engine_never_falls_back_per_call():
     so sampled ids stay inside Engram's token map) through the engine, graphs on: no kind whose chosen backend is
     TileLang hands a single call to torch, in prefill (chunked: 64-token budget) or decode. Kinds chosen as torch
     (compressor_pool and the Engram ops have no TileLang kernel) are outside the claim."""
+    from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions, LLMEngine
     from deepinfer.engine.backend import backend_from_model
     from deepinfer.kernels.registry import kernel_stats
@@ -95,7 +96,8 @@ def test_bf16_kernel_sized_model_through_the_engine_never_falls_back_per_call():
     before = kernel_stats()["fallbacks"]  # process-wide counters: other tests (fp32 fixtures) add their own
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (300, 17, 150, 2)]
-    opts = EngineOptions(max_num_seqs=8, max_num_batched_tokens=64, memory_budget=1 << 28, process="inproc")
+    opts = EngineOptions.for_settings(Settings(), max_num_seqs=8, max_num_batched_tokens=64, memory_budget=1 << 28,
+                                      process="inproc")
     with LLMEngine(lambda: backend, opts) as engine:
         outs = engine.generate(prompts, _greedy(12), use_tqdm=False)
         metrics = engine.last_metrics

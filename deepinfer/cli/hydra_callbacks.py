@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +37,16 @@ def resolved_settings(task_overrides) -> Any:
     return _RESOLVED.pop(tuple(task_overrides), None)
 
 
-def job_overrides(task_overrides: list[str], config_loader=None) -> list[list[str]]:
-    """The override list of each job of a sweep, in Hydra's basic sweeper's order and spelling (the key under
-    which the job finds its resolved settings); at most MAX_CHECKED_JOBS."""
-    import itertools
-
+def job_overrides(task_overrides: list[str], config_loader=None, sweeper_params=None) -> list[list[str]]:
+    """The override list of each job of a sweep, as Hydra's basic sweeper expands it (its own split_arguments, its
+    params first: the key under which the job finds its resolved settings); at most MAX_CHECKED_JOBS."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(task_overrides)
-    choices: OrderedDict[str, list[str]] = OrderedDict()
-    for ov in parsed:
-        key = ov.get_key_element()
-        if ov.is_sweep_override():
-            choices[key] = [f"{key}={v}" for v in ov.sweep_string_iterator()]
-        else:
-            choices[key] = [f"{key}={ov.get_value_element_as_str()}"]
-    return [list(c) for c in itertools.islice(itertools.product(*choices.values()), MAX_CHECKED_JOBS)]
+    arguments = [f"{k}={v}" for k, v in (sweeper_params or {}).items()] + list(task_overrides)
+    parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(arguments)
+    jobs = [job for batch in BasicSweeper.split_arguments(parsed, MAX_CHECKED_JOBS) for job in batch]
+    return jobs[:MAX_CHECKED_JOBS]
 
 
 def _job_config(config: DictConfig) -> DictConfig:
@@ -76,7 +69,7 @@ class Preflight(Callback):
 
         loader = GlobalHydra.instance().config_loader()  # the app's own search path (--config-dir included)
         try:
-            jobs = job_overrides(list(config.hydra.overrides.task), loader)
+            jobs = job_overrides(list(config.hydra.overrides.task), loader, config.hydra.sweeper.get("params"))
         except Exception as exc:
             raise PreflightFailed(_explained(exc, config.hydra.overrides.task)) from None
         # Each job composed as the sweeper will compose it (ConfigLoader.load_sweep_config)
@@ -84,7 +77,7 @@ class Preflight(Callback):
 
     @staticmethod
     def _check(jobs, hydra_overrides: list[str] | None) -> None:
-        from deepinfer.__main__ import check_inputs, check_run_dir
+        from deepinfer.cli.checks import check_inputs, check_run_dir
         from deepinfer.config import hardware
         from deepinfer.config.resolve import resolve
 
