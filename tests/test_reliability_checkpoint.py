@@ -93,7 +93,7 @@ def test_a_nan_checkpoint_through_the_cli_is_one_line_and_exit_2(tiny, tmp_path)
 
 
 def test_the_finiteness_check_costs_little_load_time(tiny):
-    """Measured here on the tiny model; the README reports the full-width measurement."""
+    """Measured here on the tiny model; docs/failure-behaviour.md reports the full-width measurement."""
     from deepinfer.models.loading import materialize as m
 
     def load_time():
