@@ -2,8 +2,8 @@
 
 `embedded:tiny`, the default, is shipped in the package (deepinfer/assets/tiny-v41, ~5 MB): trained by
 tools/train_default_model.py on the Python standard library, backbone and DSpark draft layers, in the released
-format, with its own byte-level BPE (1536 ids, DeepSeek-V4.1's chat markers at 1520..1535). README "Training the
-default model" has how it was trained and what it scores.
+format, with its own byte-level BPE (1536 ids, DeepSeek-V4.1's chat markers at 1520..1535). docs/training.md has
+how it was trained and what it scores.
 
 `embedded:tiny-random` is the test model (random weights, small enough that its 16-token window and compressed
 layers are all exercised by short prompts). It is built, not shipped: deterministically (fixed seed, a CPU

@@ -1,5 +1,5 @@
 """An ops team's own recipe folder: `--config-dir DIR` or `hydra.searchpath=[file://DIR]` with DIR/recipe/NAME.yaml,
-selected with `+recipe=NAME` like a shipped recipe (README: "Your own recipes")."""
+selected with `+recipe=NAME` like a shipped recipe (docs/config.md: "Your own recipes")."""
 
 import json
 import os

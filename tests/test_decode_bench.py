@@ -93,8 +93,9 @@ def test_roofline_copy_is_the_shared_tool_verbatim():
 
 
 def test_roofline_arithmetic_matches_the_recorded_layer_figures():
-    """README's layer table (H200, 4.27 TB/s, 791 TFLOP/s): the Flash-width six layers' mean floor is 0.074 ms at
-    B=1, 4K and 1.125 ms at B=64, 4K; the whole step adds the lm head (129280 x 5120 bf16) to the bytes."""
+    """docs/hopper-kernels.md's layer table (H200, 4.27 TB/s, 791 TFLOP/s): the Flash-width six layers' mean floor
+    is 0.074 ms at B=1, 4K and 1.125 ms at B=64, 4K; the whole step adds the lm head (129280 x 5120 bf16) to the
+    bytes."""
     from deepinfer.models import synthetic
 
     roofline = bench.load_roofline()

@@ -19,7 +19,7 @@ Compared (each test's docstring says exactly what):
   * indexer scoring + causal top-k   (`DeepseekV4IndexerScorer`, `DeepseekV4Indexer`) vs
                                       `indexer.indexer_scores` / `indexer.index_topk`
 
-Not compared (V4 and V4.1 legitimately differ; see README.md, "Op parity with transformers' DeepSeek-V4"): the *shifted* mHC site
+Not compared (V4 and V4.1 legitimately differ; see docs/model.md, "Op parity with transformers' DeepSeek-V4"): the *shifted* mHC site
 wiring (V4.1 collapses a site with the previous site's pre-mix; V4 with its own), V4's separate
 `hc_head` final collapse, hash-routed MoE layers, `gate_temp`, V4's compressor `position_bias` and
 CSA overlap windows, V4.1's ratio-1 compressor, the indexer key path (V4: its own overlapping

@@ -1,6 +1,6 @@
 """Per-rank memory of the full-size DeepSeek-V4.1-Flash under the parallel layouts (issue 13 item 7, on paper).
 
-    python tools/parallel_memory.py                       # markdown tables (README "Parallel layouts (issue 13)")
+    python tools/parallel_memory.py                       # markdown tables (docs/parallel.md)
     python tools/parallel_memory.py --redundant 0 --gpu-gb 141 --reserve-gb 10
 
 Weights: every tensor `deepinfer.models.loading.expected_tensors` lists for the released config (MODEL_V41_SPEC.md

@@ -10,7 +10,7 @@ attention, the router bias by the noaux_tc rule) -> export through deepinfer.emb
 BF16 / F32 as released) -> measurements on the export: held-out loss vs a unigram baseline (training forward),
 greedy completions and the plausibility rate by the inference engine, and the largest logit difference between
 the training forward and deepinfer.models.load_model on the exported checkpoint. `report.json` in --out holds all
-of it. Deterministic given --seed (on CUDA up to what torch's deterministic mode covers; see README).
+of it. Deterministic given --seed (on CUDA up to what torch's deterministic mode covers; see docs/training.md).
 """
 
 from __future__ import annotations

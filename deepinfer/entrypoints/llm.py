@@ -6,7 +6,7 @@ defaults, mapped onto this engine's config, and its return value (strings with d
     llm = LLM(model="path/or/hub-id", expert_parallel_size=1, gpu_memory_utilization=0.9)
     texts = llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=64))   # list[str]
 
-Each argument either changes the config (the table in README "DeepInfer's Python API") or is refused with a
+Each argument either changes the config (the table in docs/python-api.md, "DeepInfer's Python API") or is refused with a
 one-line ConfigError naming what is allowed: nothing is accepted and ignored. Keyword arguments of deepinfer.LLM
 (hardware=, process=, engine={...}, overrides=[...]) pass through.
 """

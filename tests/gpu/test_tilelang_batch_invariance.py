@@ -1,6 +1,6 @@
 """Batch invariance of the TileLang attention and MoE launchers on the GPU (marker gpu): with the registry's
 batch-invariant mode a row's output is bitwise the same alone, inside any batch and run after run; without it the
-split counts, token tiles and the MoE's fp32 atomics may change the last bits (README, Hopper section)."""
+split counts, token tiles and the MoE's fp32 atomics may change the last bits (docs/hopper-kernels.md)."""
 
 import pytest
 import torch
