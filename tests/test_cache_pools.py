@@ -172,3 +172,51 @@ def test_a_replayed_verification_step_equals_the_eager_step(model):
                 a.rollback(back)
                 b.rollback(back)
     assert {key[2] for key in graphs._graphs} == {2, 6}
+
+
+def test_decoding_rows_beside_a_prefill_chunk_take_the_decode_path_and_prompt_rows_never(model, monkeypatch):
+    """A mixed step splits its rows (HostStep.split): the decoding sequence's row runs the decode op exactly as in a
+    decode-only step, the prompt chunk's rows the slate path; a one-token prompt chunk is a prompt row. The result is
+    bitwise the same as the sequences run apart (the CPU ops agree; the split is what keeps the GPU kernels' rows
+    the same, tests/gpu/test_engine_batch_invariance.py)."""
+    from deepinfer.models.attention import Attention
+
+    rng = random.Random(1)
+    a_ids, b_ids = [rng.randrange(3, 512) for _ in range(30)], [rng.randrange(3, 512) for _ in range(25)]
+    alone_a = model.new_state()
+    model.forward(ForwardBatch([a_ids[:29]], [alone_a]))
+    want = model.forward(ForwardBatch([a_ids[29:]], [alone_a], decode_rows=[True]))
+    calls = []
+    decode = Attention._attend_decode
+
+    def spy(self, q, kv_parts, meta, pools, rows=None):
+        calls.append(None if rows is None else rows.tolist())
+        return decode(self, q, kv_parts, meta, pools, rows)
+
+    monkeypatch.setattr(Attention, "_attend_decode", spy)
+    a, b = model.new_state(), model.new_state()
+    model.forward(ForwardBatch([a_ids[:29]], [a]))
+    model.forward(ForwardBatch([b_ids[:20]], [b]))
+    calls.clear()
+    got = model.forward(ForwardBatch([a_ids[29:], b_ids[20:]], [a, b], decode_rows=[True, False]))
+    assert torch.equal(got[0], want[0])
+    assert calls and all(c == [0] for c in calls)  # only the decoding sequence's row, in every layer
+    calls.clear()
+    c = model.new_state()
+    model.forward(ForwardBatch([b_ids[:24]], [c]))
+    model.forward(ForwardBatch([b_ids[24:]], [c], decode_rows=[False]))  # a prompt's last token, chunked alone
+    assert calls == []
+
+
+def test_pack_step_splits_only_when_told_which_rows_are_generated(model):
+    from deepinfer.models.cache import SequenceCache, pack_step
+
+    pools = model.allocate_cache(num_slots=2, num_blocks=4)
+    seqs = [SequenceCache(pools, 0, [0]), SequenceCache(pools, 1, [1])]
+    plain = pack_step([[5], [6, 7, 8]], seqs, pools.layout, "cpu")
+    assert plain.split is None and not plain.decode_only
+    told = pack_step([[5], [6, 7, 8]], seqs, pools.layout, "cpu", decode_rows=[True, False])
+    assert [t.tolist() for t in told.split] == [[0], [1, 2, 3]] and not told.decode_only
+    prompt = pack_step([[5], [6]], seqs, pools.layout, "cpu", decode_rows=[True, False])
+    assert not prompt.decode_only and [t.tolist() for t in prompt.split] == [[0], [1]]
+    assert pack_step([[5], [6]], seqs, pools.layout, "cpu", decode_rows=[True, True]).decode_only

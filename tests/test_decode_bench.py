@@ -110,3 +110,32 @@ def test_roofline_arithmetic_matches_the_recorded_layer_figures():
     assert step["bytes"] == pytest.approx(layers_bytes + 129280 * 5120 * 2)
     assert step["floor_ms"] == pytest.approx(max(step["bytes"] / bw, step["flops"] / peak) * 1e3)
     assert math.isclose(step["floor_ms"], step["bw_ms"])  # batch 1 decode is bandwidth-bound
+
+
+def test_targets_are_written_from_the_measured_rows():
+    rows = [dict(mode="prefill", tokens=8192, pct_compute_roofline=41.0),
+            dict(mode="prefill", tokens=4096, pct_compute_roofline=1.0),  # no target at 4K
+            dict(mode="decode", variant="graphs", batch=64, context=4096, pct_roofline=64.9),
+            dict(mode="decode", variant="graphs", batch=1, context=32768, pct_roofline=40.0),
+            dict(mode="decode", variant="eager", batch=64, context=4096, pct_roofline=99.0)]  # graphs rows only
+    got = {t["name"]: (t["measured"], t["target"], t["met"]) for t in bench.targets(rows)}
+    assert got == {"prefill of 8192 tokens, % of the compute roofline": (41.0, 40.0, True),
+                   "decode B=64 ctx=4096, % of the step roofline": (64.9, 65.0, False),
+                   "decode B=1 ctx=32768, % of the step roofline": (40.0, 40.0, True)}
+
+
+def test_the_batch_invariance_cost_compares_an_off_and_an_on_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("bi_cost", ROOT / "benchmarks" / "batch_invariance_cost_gpu.py")
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+
+    def run(name, invariant, step_ms, prefill_s):
+        rows = [dict(mode="decode", variant="graphs", batch=64, context=4096, step_ms=step_ms),
+                dict(mode="prefill", tokens=8192, prefill_s=prefill_s)]
+        (tmp_path / name).write_text(json.dumps(dict(meta=dict(model="flash", batch_invariant=invariant), rows=rows)))
+        return str(tmp_path / name)
+
+    out = cost.compare(run("off.json", False, 10.0, 1.0), run("on.json", True, 11.6, 1.1))
+    assert [(t["measured"], t["met"]) for t in out["targets"]] == [(16.0, False), (10.0, True)]
+    with pytest.raises(SystemExit, match="--off must be a run without"):
+        cost.compare(run("a.json", True, 1.0, 1.0), run("b.json", True, 1.0, 1.0))
