@@ -24,7 +24,7 @@ in.
 
 import tilelang.language as T
 
-from .moe_kernel import BLOCK_N, CS_PAD, THREADS, cuda_source, shared_bytes, smem_layout, stage_macros
+from .moe_kernel import BLOCK_N, CS_PAD, THREADS, cuda_source, k_loop_macro, shared_bytes, smem_layout, stage_macros
 
 BLOCK_T = 32  # tokens per tile (the wgmma N): M <= 32 reads each weight once from HBM
 BLOCK_K = 128  # K per pipeline step: 8 KB of FP8 weights + 8 KB of activations per stage
@@ -55,7 +55,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     out_dtype = "float32" if partial else "bfloat16"
 
     @T.macro
-    def issue(smem, xr, x, w, ws, bn, tx, kk, slot):
+    def issue(smem, xr, x, w, ws, bn, _, tx, kk, slot):  # (p, q) = (bn, unused): k_loop_macro's call
         # one stage (global K step kk) into slot: weights (16-byte chunks XOR-swizzled as di3_group reads them),
         # the two 32-row scale rows of the tile, the token rows of the activations
         base = slot * STAGE
@@ -69,6 +69,8 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
             T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
                           T.address_of(ws[bn * 2 + tx, kk * SCB]), 1)
         load_x(smem, xr, x, tx, kk, base)  # tokens past M (xr < 0) are zero-filled
+
+    k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group)
 
     @T.prim_func
     def fp8_linear(
@@ -91,43 +93,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
             for i in T.unroll(BT // 2):
                 acc[i] = T.float32(0)
             xr = T.if_then_else(bm * BT + tx % BT < m, bm * BT + tx % BT, -1)
-            # prologue: stages 0..S-2 in flight, the activations of steps 0 and 1 permuted
-            for s in T.unroll(S - 1):
-                if s < NK:
-                    issue(smem, xr, x, w, ws, bn, tx, k_first + s, s)
-                T.call_extern("handle", "di3_cp_commit")
-            T.call_extern("handle", f"di3_cp_wait<{S - 3}>")
-            T.sync_threads()
-            permute(smem, xr, tx, 0)
-            if NK > 1:
-                permute(smem, xr, tx, 1)
-            T.sync_threads()
-            for k in T.serial(NK):
-                group(smem, a, acc, k % S, 0)
-                group(smem, a, acc, k % S, 1)
-                # the MoE kernel's step: stages <= k+2 landed and every warp past step k-1's wgmmas, so step
-                # k-1's slot takes stage k+S-1 and step k+2's activations are permuted
-                T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
-                T.sync_threads()
-                if k + 2 < NK:
-                    permute(smem, xr, tx, (k + 2) % S)
-                if k + S - 1 < NK:
-                    issue(smem, xr, x, w, ws, bn, tx, k_first + k + S - 1, (k + S - 1) % S)
-                T.call_extern("handle", "di3_cp_commit")
-                if NG > 2:
-                    group(smem, a, acc, k % S, 2)
-                    group(smem, a, acc, k % S, 3)
-                if NG > 4:
-                    group(smem, a, acc, k % S, 4)
-                    group(smem, a, acc, k % S, 5)
-                    group(smem, a, acc, k % S, 6)
-                    group(smem, a, acc, k % S, 7)
-            T.call_extern("handle", "di3_wgmma_wait<0>")
-            T.call_extern("handle", "di3_fence_regs", T.address_of(acc[0]), BT // 2)
-            # wgmma D layout (cute CLayout_64xN): acc[i] = (row 16w + g + 8*(i/2%2), token 8*(i/4) + 2q + i%2)
-            for i in T.unroll(BT // 2):
-                c_s[8 * (i // 4) + 2 * (tx % 4) + i % 2,
-                    16 * (tx // 32) + (tx // 4) % 8 + 8 * ((i // 2) % 2)] = acc[i]
+            k_loop(smem, a, acc, c_s, xr, x, w, ws, bn, 0, tx, k_first)
             T.sync_threads()
             # consecutive threads write consecutive output columns (weight rows)
             for it in T.unroll(BLOCK_N * BT // THREADS):

@@ -323,6 +323,58 @@ def stage_macros(fmt: str, block_t: int, block_k: int):
     return load_x, permute, group
 
 
+def k_loop_macro(num_stages: int, n_steps: int, n_groups: int, block_t: int, issue, permute, group):
+    """The pipelined main loop both weight-streaming GEMMs share, over `n_steps` K steps of `n_groups` 64-K groups
+    with `num_stages` cp.async stage slots: prologue (stages 0..S-2 in flight, the activations of steps 0 and 1
+    permuted), one barrier per step, then the accumulators stored to `c_s` [tokens, 64 rows]. `issue(smem, xr, x,
+    w, ws, p, q, tx, kk, slot)` loads global K step kk into a slot; p, q locate the weight tile (each GEMM reads
+    them its own way)."""
+    S, NK, NG, BT = num_stages, n_steps, n_groups, block_t
+
+    @T.macro
+    def k_loop(smem, a, acc, c_s, xr, x, w, ws, p, q, tx, k_first):
+        for s in T.unroll(S - 1):
+            if s < NK:
+                issue(smem, xr, x, w, ws, p, q, tx, k_first + s, s)
+            T.call_extern("handle", "di3_cp_commit")
+        T.call_extern("handle", f"di3_cp_wait<{S - 3}>")
+        T.sync_threads()
+        permute(smem, xr, tx, 0)
+        if NK > 1:
+            permute(smem, xr, tx, 1)
+        T.sync_threads()
+        for k in T.serial(NK):
+            group(smem, a, acc, k % S, 0)
+            group(smem, a, acc, k % S, 1)
+            # stages <= k+2 landed; past this barrier every warp is past step k-1's wgmmas (wait_group 1
+            # in group 1), so the slot of step k-1 is free and step k+2's tile can be permuted. The permute
+            # (and its proxy fence, a MEMBAR in SASS) runs before the next stage is issued: with 4 stages
+            # this thread then has no cp.async in flight for the fence to wait on.
+            T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
+            T.sync_threads()
+            if k + 2 < NK:
+                permute(smem, xr, tx, (k + 2) % S)
+            if k + S - 1 < NK:
+                issue(smem, xr, x, w, ws, p, q, tx, k_first + k + S - 1, (k + S - 1) % S)
+            T.call_extern("handle", "di3_cp_commit")
+            if NG > 2:
+                group(smem, a, acc, k % S, 2)
+                group(smem, a, acc, k % S, 3)
+            if NG > 4:
+                group(smem, a, acc, k % S, 4)
+                group(smem, a, acc, k % S, 5)
+                group(smem, a, acc, k % S, 6)
+                group(smem, a, acc, k % S, 7)
+        T.call_extern("handle", "di3_wgmma_wait<0>")
+        T.call_extern("handle", "di3_fence_regs", T.address_of(acc[0]), BT // 2)
+        # wgmma D layout (cute CLayout_64xN): acc[i] = (row 16w + g + 8*(i/2%2), token 8*(i/4) + 2q + i%2)
+        for i in T.unroll(BT // 2):
+            c_s[8 * (i // 4) + 2 * (tx % 4) + i % 2,
+                16 * (tx // 32) + (tx // 4) % 8 + 8 * ((i // 2) % 2)] = acc[i]
+
+    return k_loop
+
+
 def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int) -> int:
     """Dynamic shared memory of one block (stages + epilogue tile + token rows), for occupancy planning."""
     stage = smem_layout(fmt, block_t, block_k)[0]
@@ -381,6 +433,8 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
                               T.address_of(ws[e, bx * 2 + tx, kk * SCB]), 1)
         load_x(smem, xr, x, tx, kk, base)
 
+    k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group)
+
     @T.prim_func
     def grouped_gemm(
         x: T.Tensor((n_x, K), "bfloat16"),
@@ -422,45 +476,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
                     acc[i] = T.float32(0)
                 T.sync_threads()
                 xr = row_s[tx % BT]
-                # prologue: stages 0..S-2 in flight, the activations of steps 0 and 1 permuted
-                for s in T.unroll(S - 1):
-                    if s < NK:
-                        issue(smem, xr, x, w, ws, e, bx, tx, k_first + s, s)
-                    T.call_extern("handle", "di3_cp_commit")
-                T.call_extern("handle", f"di3_cp_wait<{S - 3}>")
-                T.sync_threads()
-                permute(smem, xr, tx, 0)
-                if NK > 1:
-                    permute(smem, xr, tx, 1)
-                T.sync_threads()
-                for k in T.serial(NK):
-                    group(smem, a, acc, k % S, 0)
-                    group(smem, a, acc, k % S, 1)
-                    # stages <= k+2 landed; past this barrier every warp is past step k-1's wgmmas (wait_group 1
-                    # in group 1), so the slot of step k-1 is free and step k+2's tile can be permuted. The permute
-                    # (and its proxy fence, a MEMBAR in SASS) runs before the next stage is issued: with 4 stages
-                    # this thread then has no cp.async in flight for the fence to wait on.
-                    T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
-                    T.sync_threads()
-                    if k + 2 < NK:
-                        permute(smem, xr, tx, (k + 2) % S)
-                    if k + S - 1 < NK:
-                        issue(smem, xr, x, w, ws, e, bx, tx, k_first + k + S - 1, (k + S - 1) % S)
-                    T.call_extern("handle", "di3_cp_commit")
-                    if NG > 2:
-                        group(smem, a, acc, k % S, 2)
-                        group(smem, a, acc, k % S, 3)
-                    if NG > 4:
-                        group(smem, a, acc, k % S, 4)
-                        group(smem, a, acc, k % S, 5)
-                        group(smem, a, acc, k % S, 6)
-                        group(smem, a, acc, k % S, 7)
-                T.call_extern("handle", "di3_wgmma_wait<0>")
-                T.call_extern("handle", "di3_fence_regs", T.address_of(acc[0]), BT // 2)
-                # wgmma D layout (cute CLayout_64xN): acc[i] = (row 16w + g + 8*(i/2%2), token 8*(i/4) + 2q + i%2)
-                for i in T.unroll(BT // 2):
-                    c_s[8 * (i // 4) + 2 * (tx % 4) + i % 2,
-                        16 * (tx // 32) + (tx // 4) % 8 + 8 * ((i // 2) % 2)] = acc[i]
+                k_loop(smem, a, acc, c_s, xr, x, w, ws, e, bx, tx, k_first)
                 T.sync_threads()
                 if epilogue == "swiglu":
                     for it in T.unroll(half * BT // THREADS):
