@@ -55,7 +55,8 @@ def workload(args, vocab: int):
 
 
 def run_mode(args, path: str, zero_overhead: bool) -> dict:
-    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+    from deepinfer.engine import EngineOptions, ModelDirBackend
+    from deepinfer.frontend import LLMEngine
     from deepinfer.sampling import SamplingParams
 
     options = EngineOptions(

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineOptions, ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SamplingParams
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")

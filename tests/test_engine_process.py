@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from deepinfer.engine import EngineDeadError, EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineDeadError, EngineOptions, ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.sampling import SamplingParams
 
@@ -89,7 +90,8 @@ def test_killing_the_engine_process_during_generate_raises_within_10_s():
 FRONTEND = textwrap.dedent(
     """
     import sys
-    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+    from deepinfer.engine import EngineOptions, ModelDirBackend
+    from deepinfer.frontend import LLMEngine
     engine = LLMEngine(ModelDirBackend(sys.argv[1]), EngineOptions(process="subprocess", memory_budget=1 << 22))
     print(engine.client.process.pid, engine.client._endpoints.dir, flush=True)
     if sys.argv[2] == "hang":

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineOptions, ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SamplingParams
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")

@@ -12,7 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from deepinfer.engine import EngineOptions, ImportedBackend, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineOptions, ImportedBackend, ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.engine import messages as m
 from deepinfer.engine import startup
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, new_key

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from deepinfer.engine import EngineDeadError, EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineDeadError, EngineOptions, ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.engine.messages import AddRequest
 from deepinfer.sampling import SamplingParams
