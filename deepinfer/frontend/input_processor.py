@@ -61,7 +61,7 @@ class InputProcessor:
             else:
                 error = params_error(params)
         if error is not None:
-            return [EngineInput(index, 0, rid, prompt, ids if isinstance(ids, list) else [], params, error=error)]
+            return [EngineInput(index, 0, rid, prompt, ids, params, error=error)]
         seed = seed_for(params.seq_seed, self.base_seed, rid)
         if params.n == 1:
             return [EngineInput(index, 0, rid, prompt, ids, params, seed)]
