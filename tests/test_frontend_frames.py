@@ -18,16 +18,9 @@ def _ours(filename: str) -> bool:
     return os.path.realpath(filename).startswith(OURS)
 
 
-def our_frames_from_generate(stack) -> list[str]:
-    """Our frames between LLM.generate (included) and the caller of the op, innermost first."""
-    names = []
-    for info in stack:
-        if not _ours(info.filename):
-            continue
-        names.append(f"{os.path.basename(info.filename)}:{info.function}")
-        if info.function == "generate" and info.filename.endswith(os.path.join("deepinfer", "api.py")):
-            return names
-    raise AssertionError("LLM.generate is not on the stack: " + " < ".join(names))
+def our_frames(stack) -> list[str]:
+    """Our frames on the stack, innermost first (the test's own frames and pytest's are not ours)."""
+    return [f"{os.path.basename(i.filename)}:{i.function}" for i in stack if _ours(i.filename)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +30,17 @@ def llm():
         yield llm
 
 
-def test_llm_generate_reaches_the_first_op_within_twelve_of_our_frames(llm):
+def run_generate(llm, sp):
+    return llm.generate(["def f("], sp, use_tqdm=False)[0]
+
+
+def run_generate_iter(llm, sp):
+    return [u.output for u in llm.generate_iter(["def f("], sp) if u.output is not None][0]
+
+
+@pytest.mark.parametrize("run, outermost", [(run_generate, "api.py:generate"),
+                                            (run_generate_iter, "llm_engine.py:stream")])
+def test_the_first_op_is_within_twelve_of_our_frames_in_the_callers_thread(llm, run, outermost):
     ops = llm.program.model.ops
     seen: list[list[str]] = []
     original = dict(ops._fns)
@@ -46,17 +49,18 @@ def test_llm_generate_reaches_the_first_op_within_twelve_of_our_frames(llm):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if not seen:
-                seen.append(our_frames_from_generate(inspect.stack(0)[1:]))
+                seen.append(our_frames(inspect.stack(0)[1:]))
             return fn(*args, **kwargs)
 
         return call
 
     ops._fns.update({kind: spy(fn) for kind, fn in original.items()})
     try:
-        out = llm.generate(["def f("], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+        out = run(llm, SamplingParams(temperature=0, max_tokens=2))
     finally:
         ops._fns.update(original)
     assert out.finish_reason in ("stop", "length") and seen
     frames = ["<the op>"] + seen[0]  # innermost first; the op's own frame (kernels/) is ours too
-    print(f"{len(frames)} of our frames from LLM.generate to the first op:\n  " + "\n  ".join(reversed(frames)))
+    print(f"{len(frames)} of our frames from {outermost} to the first op:\n  " + "\n  ".join(reversed(frames)))
+    assert frames[-1] == outermost, "the op did not run under the caller's frame (another thread?)"
     assert len(frames) <= LIMIT, " < ".join(reversed(frames))
