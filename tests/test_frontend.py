@@ -60,7 +60,7 @@ def test_invalid_inputs_become_one_error_request_each():
 # ---- output processor ------------------------------------------------------------------------------------------
 def state_for(tok, params, skip_special_tokens=True):
     out = OutputProcessor(tok, EOS, skip_special_tokens)
-    return out.new_state(EngineInput(0, 0, 0, None, [0], params, 1))
+    return out.new_state(EngineInput(0, 0, 0, None, [0], params, 1), engine_id=0)
 
 
 def feed(st, tokens, finish=None, step=2):

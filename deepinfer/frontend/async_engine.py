@@ -57,9 +57,9 @@ class EngineStream:
     def finished(self) -> bool:
         return self.state.finished
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.state.token_ids)
+    def append(self, state: RequestState) -> None:
+        """The output processor's news of this request (the stream is the state's inbox)."""
+        self._news.set()
 
     async def next(self) -> StreamOutput:
         """Waits for news; what arrived since the last call (the last one has finish_reason set)."""
@@ -83,7 +83,6 @@ class AsyncEngine:
         self.output = OutputProcessor(tokenizer, self.info.eos_token_id, skip_special_tokens=False)
         self.dead: str | None = None  # set when the core is gone: new requests are refused (503)
         self._ids = itertools.count()
-        self._streams: dict[int, EngineStream] = {}
         self._adds: list[AddRequest] = []
         self._aborts: list[int] = []
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-engine-client")
@@ -97,7 +96,7 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self.output.states)
 
     def submit(self, prompt_ids: list[int], params) -> EngineStream:
         """Queues one request; its outputs arrive through the returned stream's next() (the last one has
@@ -105,20 +104,18 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         (inp,) = self.input.process(0, None, list(prompt_ids), params)
-        st = self.output.new_state(inp)
-        st.engine_id = rid = next(self._ids)
-        stream = EngineStream(st)
-        if st.finished:
+        stream = EngineStream(None)
+        stream.state = st = self.output.new_state(inp, next(self._ids), inbox=stream)
+        if st.finished:  # refused by the input processor
             stream._news.set()
             return stream
-        self._streams[rid] = stream
-        self._adds.append(AddRequest(rid, inp.prompt_ids, inp.params, inp.seed))
+        self._adds.append(AddRequest(st.engine_id, inp.prompt_ids, inp.params, inp.seed))
         self._wake_loop()
         return stream
 
     def abort(self, stream: EngineStream) -> None:
         """Stops a request that is still running (a client that went away); its cache is freed by the core."""
-        if not stream.finished and stream.request_id in self._streams:
+        if not stream.finished and stream.request_id in self.output.states:
             self._aborts.append(stream.request_id)
             self._wake_loop()
 
@@ -144,7 +141,7 @@ class AsyncEngine:
                 now = time.perf_counter()
                 if self.on_outputs is not None:
                     self.on_outputs(out.updates, out.stats, now)
-                self._deliver(out.updates, now)
+                self.output.process(out.updates, now)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
@@ -161,24 +158,10 @@ class AsyncEngine:
             self.client.abort(aborts)
         return self.client.get(timeout=POLL_S)
 
-    def _deliver(self, updates, now: float) -> None:
-        for upd in updates:
-            stream = self._streams.get(upd.request_id)
-            if stream is None:
-                continue
-            stream.state.apply(upd, now)
-            if upd.finish_reason is not None:
-                del self._streams[upd.request_id]
-            stream._news.set()
-
     def _stop(self, message: str) -> None:
         self.dead = message
         log.error("engine stopped: %s", message)
-        for stream in list(self._streams.values()):
-            st = stream.state
-            st.finish_reason, st.error = "error", message
-            stream._news.set()
-        self._streams.clear()
+        self.output.fail_all(message)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def close(self) -> None:

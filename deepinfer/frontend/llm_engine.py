@@ -55,7 +55,6 @@ class LLMEngine:
         encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).ids)
         self.input = InputProcessor(encode, self.options.seed)
         self.output = OutputProcessor(tokenizer, self.info.eos_token_id)
-        self._states: dict[int, RequestState] = {}  # engine id -> state, while it runs
         self.last_metrics: dict | None = None
 
     @classmethod
@@ -94,55 +93,35 @@ class LLMEngine:
     def add_requests(self, inputs: list[EngineInput], run: RunMetrics | None = None,
                      inbox: list | None = None) -> list[RequestState]:
         """add_request for many, sent to the core in one message."""
-        states, submit = [], []
-        for inp in inputs:
-            st = self.output.new_state(inp, run, inbox)
-            st.engine_id = rid = next(self._ids)
-            if run is not None:
-                run.on_submit(rid, len(inp.prompt_ids))
-            if not st.finished:
-                self._states[rid] = st
-                submit.append(AddRequest(rid, inp.prompt_ids, inp.params, inp.seed))
-            states.append(st)
+        states = [self.output.new_state(inp, next(self._ids), run, inbox) for inp in inputs]
+        submit = [AddRequest(st.engine_id, st.input.prompt_ids, st.input.params, st.input.seed)
+                  for st in states if not st.finished]
         if submit:
             self.client.add(submit)
         return states
 
     def abort(self, states: Iterable[RequestState]) -> None:
-        ids = [st.engine_id for st in states if self._states.pop(st.engine_id, None) is not None]
+        """Stops following these requests and tells the core to drop them."""
+        ids = [st.engine_id for st in states if self.output.states.pop(st.engine_id, None) is not None]
         if ids:
             self.client.abort(ids)
 
     def has_unfinished(self) -> bool:
-        return bool(self._states)
+        return bool(self.output.states)
 
-    def step(self, timeout: float = 1.0, run: RunMetrics | None = None) -> list[RequestState]:
-        """One batch of the core's updates folded in; the states that changed, each also appended to its inbox.
-        run: where the batch's step stats go."""
-        return self._fold(self.client.get(timeout=timeout), run)
+    def step(self, timeout: float = 1.0, run: RunMetrics | None = None) -> None:
+        """One batch of the core's updates folded in (each changed state is appended to its inbox). run: where the
+        batch's step stats go."""
+        self._fold(self.client.get(timeout=timeout), run)
 
-    def _fold(self, out, run: RunMetrics | None) -> list[RequestState]:
+    def _fold(self, out, run: RunMetrics | None) -> None:
         if out is None:
-            if self._states and isinstance(self.client, InprocClient) and not self.client.core.has_work():
-                raise RuntimeError(f"engine bug: requests {sorted(self._states)} were never answered")
-            return []
-        now = time.perf_counter()
+            if self.output.states and isinstance(self.client, InprocClient) and not self.client.core.has_work():
+                raise RuntimeError(f"engine bug: requests {sorted(self.output.states)} were never answered")
+            return
         if run is not None:
             run.steps.extend(out.stats)
-        changed = []
-        for upd in out.updates:
-            st = self._states.get(upd.request_id)
-            if st is None:
-                continue  # aborted meanwhile
-            st.apply(upd, now)
-            if upd.token_ids and st.run is not None:
-                st.run.on_tokens(upd.request_id, len(upd.token_ids), now)
-            if upd.finish_reason is not None:
-                del self._states[upd.request_id]
-            if st.inbox is not None:
-                st.inbox.append(st)
-            changed.append(st)
-        return changed
+        self.output.process(out.updates, time.perf_counter())
 
     def stream(self, prompts=None, sampling_params=None, *, prompt_token_ids=None, use_tqdm: bool = False,
                tokens: bool = True, on_update: Callable[[int, list[int]], None] | None = None,

@@ -22,7 +22,7 @@ from deepinfer.sampling.stop import StopChecker
 
 class RequestState:
     """Frontend-side record of one engine request. `run`: the per-call RunMetrics (or None); `inbox`: where the
-    loop that owns it collects states with news (see LLMEngine)."""
+    loop that owns it learns of its news (LLMEngine: a list per stream; AsyncEngine: the request's EngineStream)."""
 
     def __init__(self, inp: EngineInput, tokenizer, eos_token_id: int | None, skip_special_tokens: bool = True,
                  run=None, inbox: list | None = None):
@@ -121,14 +121,47 @@ class RequestState:
 
 
 class OutputProcessor:
-    """tokenizer: a tokenizers.Tokenizer for output text (None: text is ""). skip_special_tokens: False for the
-    server (its protocol parser reads the special tokens)."""
+    """The states of the requests in flight, by engine id, and the one place the core's updates are folded in.
+    tokenizer: a tokenizers.Tokenizer for output text (None: text is ""). skip_special_tokens: False for the server
+    (its protocol parser reads the special tokens)."""
 
     def __init__(self, tokenizer, eos_token_id: int | None, skip_special_tokens: bool = True):
         self.tokenizer, self.eos_token_id, self.skip_special_tokens = tokenizer, eos_token_id, skip_special_tokens
+        self.states: dict[int, RequestState] = {}
 
-    def new_state(self, inp: EngineInput, run=None, inbox: list | None = None) -> RequestState:
-        return RequestState(inp, self.tokenizer, self.eos_token_id, self.skip_special_tokens, run, inbox)
+    def new_state(self, inp: EngineInput, engine_id: int, run=None, inbox=None) -> RequestState:
+        """The state of a new request; registered unless the input processor already refused it (then it is
+        finished). inbox: anything with append(state), told of every change (the loop waiting on the request)."""
+        st = RequestState(inp, self.tokenizer, self.eos_token_id, self.skip_special_tokens, run, inbox)
+        st.engine_id = engine_id
+        if run is not None:
+            run.on_submit(engine_id, len(inp.prompt_ids))
+        if not st.finished:
+            self.states[engine_id] = st
+        return st
+
+    def process(self, updates, now: float) -> None:
+        """Folds a batch of RequestUpdates into their states (updates of requests no longer followed are
+        dropped); a finished request stops being followed; each changed state goes to its inbox."""
+        for upd in updates:
+            st = self.states.get(upd.request_id)
+            if st is None:
+                continue
+            st.apply(upd, now)
+            if upd.token_ids and st.run is not None:
+                st.run.on_tokens(upd.request_id, len(upd.token_ids), now)
+            if upd.finish_reason is not None:
+                del self.states[upd.request_id]
+            if st.inbox is not None:
+                st.inbox.append(st)
+
+    def fail_all(self, message: str) -> None:
+        """The engine is gone: every request followed ends with `message`."""
+        states, self.states = list(self.states.values()), {}
+        for st in states:
+            st.finish_reason, st.error = "error", message
+            if st.inbox is not None:
+                st.inbox.append(st)
 
 
 def request_outputs(states: Iterable[RequestState], only_finished: bool = False) -> list[RequestOutput]:
