@@ -3,9 +3,9 @@
 `add_request` puts requests through the input processor (validation, seeds, n) and sends them to the engine core;
 `step` takes one batch of the core's updates and folds each into its RequestState (the output processor: text,
 RequestOutput). `stream` is the loop itself, a generator: it yields tokens as they arrive and then one output per
-prompt, so generate_iter is this generator and generate is list() over it; no thread, nothing between the caller
-and the core but these two frames. Several streams may be open at once: `step` hands each state to the inbox of the
-stream that owns it.
+prompt. LLM.generate_iter returns it and LLM.generate drains it with list(), so no thread runs it and the core's
+client is called from the frame right below the caller's. Several streams may be open at once: each state goes to
+the inbox of the stream that owns it, whichever stream's step brought its news.
 
 The engine core (scheduler, cache manager, model runner, sampler) runs in its own process by default
 (options.process == "subprocess") or in this one ("inproc", for tests and debugging).
@@ -188,7 +188,7 @@ class LLMEngine:
         prompts: the texts, copied into the outputs. request_ids: the caller's ids, copied into the outputs and,
         for params without seq_seed, the seed source (child_seed(runtime.seed, request_id), as the sequential
         runner does); default: a running count from 0. Per-run metrics land in `self.last_metrics`."""
-        ids = [list(p) if isinstance(p, (list, tuple)) else p for p in prompt_token_ids]
+        ids = [_as_list(p) for p in prompt_token_ids]
         texts = list(prompts) if prompts is not None else [None] * len(ids)
         if len(texts) != len(ids):
             raise ValueError(f"{len(ids)} prompts but {len(texts)} texts")
@@ -211,6 +211,13 @@ class LLMEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _as_list(ids):
+    try:
+        return list(ids)
+    except TypeError:  # not a sequence: the input processor answers that request alone with an error
+        return ids
 
 
 class _NoBar:
