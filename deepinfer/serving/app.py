@@ -28,7 +28,6 @@ ROUTES = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/mes
 class ServerState:
     engine: object  # deepinfer.frontend.AsyncEngine
     converter: object  # Converter
-    tokenizer: object
     metrics: object  # ServerMetrics
     max_in_flight: int  # engine.max_num_seqs + serve.max_queued_requests
     served_name: str

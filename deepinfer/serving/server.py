@@ -51,7 +51,6 @@ def build_state(settings):
     state = ServerState(
         engine=engine,
         converter=Converter(tokenizer, tokenizer.to_str(), info.max_model_len, name, serve.default_thinking),
-        tokenizer=tokenizer,
         metrics=metrics,
         max_in_flight=settings.engine.max_num_seqs + serve.max_queued_requests,
         served_name=name,
