@@ -104,8 +104,9 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         (inp,) = self.input.process(0, None, list(prompt_ids), params)
-        stream = EngineStream(None)
-        stream.state = st = self.output.new_state(inp, next(self._ids), inbox=stream)
+        st = self.output.new_state(inp, next(self._ids))
+        stream = EngineStream(st)
+        st.inbox = stream  # the loop's news of this request wake the stream
         if st.finished:  # refused by the input processor
             stream._news.set()
             return stream
