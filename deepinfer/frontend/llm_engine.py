@@ -162,7 +162,7 @@ class LLMEngine:
             if isinstance(exc, EngineDeadError):  # every request, in order; the unfinished ones end with its error
                 for st in states:
                     if not st.finished:
-                        st.finish_reason, st.error = "error", str(exc)
+                        st.fail(str(exc))
                 exc.outputs = request_outputs(states)
             raise
         finally:

@@ -76,6 +76,13 @@ class RequestState:
             if self._checker is not None and not self._checker.finished:
                 self._checker.flush()  # ended before its checker did: everything generated is text
 
+    def fail(self, message: str) -> None:
+        """Ends a request the core will not answer any more (the engine is gone)."""
+        self.finish_reason, self.error = "error", message
+        self.metrics.finish_time = time.perf_counter()
+        if self._checker is not None and not self._checker.finished:
+            self._checker.flush()
+
     def take_new(self) -> list[int]:
         new, self.new_token_ids = self.new_token_ids, []
         return new
@@ -101,8 +108,6 @@ class RequestState:
         logprobs = None
         if self.logprobs and all(lp is not None for lp in self.logprobs):
             logprobs = [TokenLogprob(tok, lp[0], lp[1]) for tok, lp in zip(self.token_ids, self.logprobs)]
-        if self.metrics.finish_time is None:  # still running (e.g. the finished outputs of an interrupted run)
-            self.metrics.finish_time = time.perf_counter()
         self.metrics.num_output_tokens = len(self.token_ids)
         return RequestOutput(
             request_id=inp.request_id,
@@ -159,7 +164,7 @@ class OutputProcessor:
         """The engine is gone: every request followed ends with `message`."""
         states, self.states = list(self.states.values()), {}
         for st in states:
-            st.finish_reason, st.error = "error", message
+            st.fail(message)
             if st.inbox is not None:
                 st.inbox.append(st)
 
