@@ -204,7 +204,8 @@ def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: i
     context + max_tokens tokens: cache.memory_budget set from the pools' own layout. `num_draft`: DSpark drafts
     verified per step (0: plain decoding)."""
     from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, LLMEngine
+    from deepinfer.engine import EngineOptions
+    from deepinfer.frontend import LLMEngine
 
     layout = (model.cache_layout(block_size, num_draft + 1, drafts=True) if num_draft
               else model.cache_layout(block_size))

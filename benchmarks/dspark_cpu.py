@@ -22,7 +22,8 @@ from pathlib import Path
 
 def run(model_dir, prompts, params, drafts, varlen, override=None):
     from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+    from deepinfer.engine import EngineOptions, ModelDirBackend
+    from deepinfer.frontend import LLMEngine
 
     opts = EngineOptions.for_settings(Settings(), process="inproc", memory_budget=1 << 27, num_threads=1,
                                       num_draft_tokens=drafts, spec_varlen=varlen, max_num_batched_tokens=2048)

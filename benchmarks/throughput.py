@@ -64,7 +64,8 @@ def memory_limit(device: str) -> int:
 
 def run_mode(args, path: str, zero_overhead: bool) -> dict:
     from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+    from deepinfer.engine import EngineOptions, ModelDirBackend
+    from deepinfer.frontend import LLMEngine
     from deepinfer.sampling import SamplingParams
 
     options = EngineOptions.for_settings(

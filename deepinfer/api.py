@@ -9,17 +9,15 @@ LLM composes its configuration with Hydra's compose API from the same conf/ tree
 
 from __future__ import annotations
 
-import dataclasses
-
+import operator
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from deepinfer.config.compose import compose, group_options
 from deepinfer.config.errors import ConfigError, explain
 from deepinfer.config.resolve import resolve
 from deepinfer.config.schema import Settings
-from deepinfer.outputs import RequestOutput, error_output
+from deepinfer.outputs import RequestOutput, StreamUpdate
 from deepinfer.sampling import SamplingParams
-from deepinfer.streaming import StreamUpdate
 
 GROUPS = ("hardware", "parallel", "decoding", "yoco", "pipeline")
 SECTIONS = ("engine", "cache", "runtime", "sampling", "hardware", "model")
@@ -99,6 +97,9 @@ def load_settings(overrides: Sequence[str], found=None) -> Settings:
     return resolve(cfg, found=found)
 
 
+_OUTPUT = operator.attrgetter("output")
+
+
 class LLM:
     """A loaded model and its step program. Use as a context manager or call close() when done."""
 
@@ -114,18 +115,20 @@ class LLM:
         return llm
 
     def _init(self, settings: Settings) -> None:
-        from deepinfer.engine import LLMEngine
+        from deepinfer.frontend import LLMEngine
         from deepinfer.pipeline import load_program
 
         # the frontend needs the tokenizer and the model's limits; a subprocess engine core holds the weights
         self.program, self.settings = load_program(settings, weights=settings.engine.process == "inproc")
         self._engine = LLMEngine.for_settings(self.settings, self.program)
-        self._next_id = 0
-        self.last_metrics: dict | None = None
 
     @property
     def tokenizer(self):
         return self.program.tokenize
+
+    @property
+    def last_metrics(self) -> dict | None:
+        return None if self._engine is None else self._engine.last_metrics
 
     def default_sampling_params(self) -> SamplingParams:
         return self.settings.sampling.params()
@@ -144,56 +147,22 @@ class LLM:
         one for all, or one per prompt (default: the config's `sampling` section). on_update(index, new_token_ids)
         is called from this thread as tokens arrive (index: the prompt's; with n > 1, sample 0's tokens only);
         raising from it aborts the unfinished requests and propagates. See `generate_iter` for an iterator."""
-        if self._engine is None:
-            raise RuntimeError("LLM.generate after close()")
-        items = _normalize_prompts(prompts, prompt_token_ids)
-        params = _per_prompt(sampling_params, len(items), self.default_sampling_params)
-        outputs: list[RequestOutput | None] = [None] * len(items)
-        ids, sps, texts, rids, owners = [], [], [], [], []
-        for i, ((text, tok), sp) in enumerate(zip(items, params)):
-            rid, self._next_id = self._next_id, self._next_id + 1
-            if tok is not None and not isinstance(tok, list):
-                outputs[i] = error_output(rid, text, [], f"prompt_token_ids={tok!r} is not a list of token ids")
-                continue
-            if tok is None:
-                if not isinstance(text, str):
-                    outputs[i] = error_output(rid, None, [], f"prompt {text!r} is not a string")
-                    continue
-                tok = self.program.tokenize.encode(text)
-            # n independent samples: n requests of n=1 whose seeds derive from the parent's
-            for child, child_sp in enumerate(_expand_samples(sp, rid, self.settings.runtime.seed)):
-                ids.append(list(tok))
-                sps.append(child_sp)
-                texts.append(text)
-                rids.append(rid if child == 0 else self._next_id)
-                self._next_id += child > 0
-                owners.append(i)
-        samples: dict[int, list[RequestOutput]] = {}
-        forward = None
-        if on_update is not None:
-            first = {owners.index(i) for i in set(owners)}  # each prompt's sample 0
-
-            def forward(k: int, new_ids: list[int]) -> None:
-                if k in first:
-                    on_update(owners[k], new_ids)
-
-        if ids:
-            done = self._engine.generate(ids, sps, use_tqdm=use_tqdm, prompts=texts, request_ids=rids,
-                                         on_update=forward)
-            for i, out in zip(owners, done):
-                samples.setdefault(i, []).append(out)
-        for i, outs in samples.items():
-            outputs[i] = outs[0] if len(outs) == 1 else dataclasses.replace(outs[0], samples=outs)
-        self.last_metrics = self._engine.last_metrics
-        return outputs
+        # the frontend's loop (LLMEngine.stream), drained here: its final updates carry the outputs
+        return list(map(_OUTPUT, self._live().stream(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
+                                                     use_tqdm=use_tqdm, tokens=False, on_update=on_update,
+                                                     default_params=self.default_sampling_params)))
 
     def generate_iter(self, prompts=None, sampling_params=None, *, prompt_token_ids=None) -> Iterator[StreamUpdate]:
         """generate() as an iterator: StreamUpdate(index, token_ids) as tokens arrive, then one StreamUpdate per
-        prompt with `output` set (its RequestOutput), in input order. The engine runs in a helper thread; leaving
-        the loop early (break, an exception) aborts the unfinished requests before this returns."""
-        from deepinfer.streaming import stream_generate
+        prompt with `output` set (its RequestOutput), in input order. It is the frontend's loop itself (no thread):
+        leaving it early (close(), break, an exception) aborts the unfinished requests."""
+        return self._live().stream(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
+                                   default_params=self.default_sampling_params)
 
-        return stream_generate(self.generate, prompts, sampling_params, prompt_token_ids)
+    def _live(self):
+        if self._engine is None:
+            raise RuntimeError("LLM.generate after close()")
+        return self._engine
 
     def close(self) -> None:
         if self._engine is not None:
@@ -206,48 +175,3 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, list[int] | None]]:
-    if prompts is not None and prompt_token_ids is not None:
-        raise ValueError("generate: pass prompts or prompt_token_ids, not both")
-    if prompt_token_ids is not None:
-        return [(None, list(ids)) for ids in prompt_token_ids]
-    if prompts is None:
-        raise ValueError("generate: prompts or prompt_token_ids is required")
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    items = []
-    for p in prompts:
-        if isinstance(p, dict):
-            ids = p.get("prompt_token_ids")
-            # ids that are not a list stay as they are: the engine answers that request alone with an error
-            items.append((p.get("prompt"), list(ids) if isinstance(ids, (list, tuple)) else ids))
-        elif isinstance(p, (list, tuple)):
-            items.append((None, list(p)))
-        else:
-            items.append((p, None))
-    return items
-
-
-def _per_prompt(sampling_params, n: int, default) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [default() for _ in range(n)]
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    sampling_params = list(sampling_params)
-    if len(sampling_params) != n:
-        raise ValueError(f"generate: {len(sampling_params)} sampling_params for {n} prompts; allowed: 1 or {n}")
-    return sampling_params
-
-
-def _expand_samples(sp: SamplingParams, request_id: int, base_seed: int | None) -> list[SamplingParams]:
-    """n > 1: n requests with n=1; sample i draws with child_seed(seed, i) (sample 0 keeps the seed)."""
-    if sp.n == 1:
-        return [sp]
-    from deepinfer.sampling import child_seed, request_seed
-
-    seed = sp.seq_seed
-    if seed is None:
-        seed = child_seed(base_seed, request_id) if base_seed is not None else request_seed(None)
-    return [dataclasses.replace(sp, n=1, seq_seed=child_seed(seed, i)) for i in range(sp.n)]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -81,3 +83,14 @@ def error_output(request_id: int, prompt: str | None, prompt_ids: list[int], mes
     now = time.perf_counter()
     metrics = RequestMetrics(arrival_time=now, finish_time=now, num_prompt_tokens=len(prompt_ids))
     return RequestOutput(request_id, prompt, list(prompt_ids), "", [], "error", error=message, metrics=metrics)
+
+
+@dataclass(frozen=True)
+class StreamUpdate:
+    """What LLM.generate_iter yields. index: the prompt's position in the input. token_ids: tokens new since the last
+    update of that prompt (sample 0 of n). output: None while it runs; the final RequestOutput once everything has
+    finished (one update per prompt, in input order)."""
+
+    index: int
+    token_ids: list[int]
+    output: Any = None

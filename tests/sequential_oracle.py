@@ -15,7 +15,7 @@ import time
 from deepinfer.models import ForwardBatch
 from deepinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob, error_output
 from deepinfer.pipeline.program import StepProgram
-from deepinfer.sampling import SampleRow, SamplingParams, StopChecker, child_seed, prompt_logprobs, request_seed
+from deepinfer.sampling import SampleRow, SamplingParams, StopChecker, prompt_logprobs, seed_for
 
 
 class SequentialRunner:
@@ -47,10 +47,7 @@ class SequentialRunner:
                 for s in prompt_logprobs(logits, prompt_ids, params.top_logprobs, p.sample.vocab_size)
             ]
             logits = logits[-1:]
-        if params.seq_seed is None and self.base_seed is not None:
-            seed = child_seed(self.base_seed, request_id)
-        else:
-            seed = request_seed(params.seq_seed)
+        seed = seed_for(params.seq_seed, self.base_seed, request_id)
         # The context limit is a max_tokens cap, so the stop checker ends the request (and flushes its text).
         room = self.max_model_len - len(prompt_ids)
         if params.max_tokens > room:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from deepinfer import embedded
-from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineOptions, ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.models import ForwardBatch, load_model
 from deepinfer.sampling import SamplingParams
 from deepinfer.sampling.speculative import accept_sampled
@@ -309,7 +310,8 @@ def test_unhonoured_variables_are_named_in_one_warning_each(monkeypatch, caplog)
 
 
 def test_dspark_needs_draft_layers(tmp_path):
-    from deepinfer.engine import LLMEngine, ModelDirBackend
+    from deepinfer.engine import ModelDirBackend
+    from deepinfer.frontend import LLMEngine
 
     opts = engine_options(process="inproc", memory_budget=1 << 24, num_draft_tokens=5)
     fixture = __import__("pathlib").Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2"

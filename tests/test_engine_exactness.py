@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.engine import LLMEngine, ModelDirBackend
+from deepinfer.engine import ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.models import ForwardBatch, ModelConfig, load_model
 from deepinfer.models.cache import CacheLayout
 from deepinfer.sampling import SamplingParams

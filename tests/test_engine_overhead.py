@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from deepinfer.engine import LLMEngine, ModelDirBackend
+from deepinfer.engine import ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SamplingParams
 from options_helpers import engine_options
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from deepinfer.engine import EngineDeadError, EngineOptions, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineDeadError, EngineOptions, ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.sampling import SamplingParams
 from options_helpers import engine_options
@@ -91,7 +92,8 @@ FRONTEND = textwrap.dedent(
     """
     import sys
     from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, LLMEngine, ModelDirBackend
+    from deepinfer.engine import EngineOptions, ModelDirBackend
+    from deepinfer.frontend import LLMEngine
     engine = LLMEngine(ModelDirBackend(sys.argv[1]), EngineOptions.for_settings(Settings(), process="subprocess",
                                                                      memory_budget=1 << 22))
     print(engine.client.process.pid, engine.client._endpoints.dir, flush=True)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from deepinfer.engine import LLMEngine, ModelDirBackend
+from deepinfer.engine import ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SamplingParams
 from options_helpers import engine_options
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from deepinfer.api import LLM
-from deepinfer.engine import LLMEngine
+from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SamplingParams
 from sequential_oracle import SequentialRunner  # tests/ is on pytest's pythonpath (pyproject)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from deepinfer.engine import LLMEngine, ModelDirBackend
+from deepinfer.engine import ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.engine import messages as m
 from deepinfer.engine import startup
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, new_key

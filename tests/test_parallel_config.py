@@ -201,7 +201,8 @@ def test_the_server_starts_its_engine_on_every_rank_of_the_layout(monkeypatch):
 def test_llm_and_the_server_pick_their_client_in_one_place(monkeypatch):
     """make_client serves LLM (LLMEngine.for_settings) as it serves the server: a multi-rank layout gets the
     data-parallel client, one rank the subprocess client, engine.process=inproc the in-process one."""
-    from deepinfer.engine import LLMEngine, client, dp_client
+    from deepinfer.engine import client, dp_client
+    from deepinfer.frontend import LLMEngine
 
     class Started(Exception):
         pass

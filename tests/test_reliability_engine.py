@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from deepinfer.engine import EngineDeadError, LLMEngine, ModelDirBackend
+from deepinfer.engine import EngineDeadError, ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.engine.messages import AddRequest
 from deepinfer.sampling import SamplingParams

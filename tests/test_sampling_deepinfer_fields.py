@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.engine import LLMEngine, ModelDirBackend
+from deepinfer.engine import ModelDirBackend
+from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SampleRow, Sampler, SamplingParams
 from deepinfer.sampling.params import params_from_dict
 from options_helpers import engine_options

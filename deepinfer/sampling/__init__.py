@@ -7,7 +7,7 @@ for it.
 from deepinfer.sampling.logprobs import SampleOutput, prompt_logprobs
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import SampleRow, Sampler, VerifyRequest
-from deepinfer.sampling.seeds import DrawKind, child_seed, request_seed
+from deepinfer.sampling.seeds import DrawKind, child_seed, request_seed, seed_for
 from deepinfer.sampling.stop import StopChecker
 
 __all__ = [
@@ -21,4 +21,5 @@ __all__ = [
     "child_seed",
     "prompt_logprobs",
     "request_seed",
+    "seed_for",
 ]

@@ -58,3 +58,11 @@ def child_seed(seq_seed: int, i: int) -> int:
 def request_seed(seq_seed: int | None) -> int:
     """The seed a request samples with: its own, or a fresh random one drawn at admission when None."""
     return secrets.randbits(64) if seq_seed is None else seq_seed
+
+
+def seed_for(seq_seed: int | None, base_seed: int | None, request_id: int) -> int:
+    """The one per-request seed rule: the request's own seq_seed; without one, child_seed(base_seed, request_id)
+    (runtime.seed: reproducible runs); without a base either, a fresh random seed."""
+    if seq_seed is None and base_seed is not None:
+        return child_seed(base_seed, request_id)
+    return request_seed(seq_seed)

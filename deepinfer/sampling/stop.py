@@ -1,16 +1,15 @@
 """When a request stops, and its final text: EOS, stop_token_ids, stop strings, max_tokens, grammar termination.
 
-Text is detokenized incrementally: only tokens after the last stable point are decoded again, and a decode that
-ends in U+FFFD (an unfinished UTF-8 sequence split across byte-level tokens) waits for the next token. Stop strings
+Text is detokenized incrementally by the one IncrementalDetokenizer (tokenizers' DecodeStream): a decode that ends in
+an unfinished UTF-8 sequence (split across byte-level tokens) waits for the next token. Stop strings
 are searched in the newly stable text plus the len(stop) - 1 characters before it, so a stop string that spans
 token boundaries is found as soon as its last character appears.
 """
 
 from __future__ import annotations
 
+from deepinfer.sampling.detokenize import IncrementalDetokenizer
 from deepinfer.sampling.params import SamplingParams
-
-_REPLACEMENT = "\ufffd"
 
 
 class StopChecker:
@@ -34,9 +33,7 @@ class StopChecker:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._text = ""
-        self._text_ids: list[int] = []  # ids whose text counts (a final stop token is excluded)
-        self._prefix_offset = 0  # decode window start: a little context before the unread tokens
-        self._read_offset = 0  # tokens before this are already in _text
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)  # a final stop token is never fed
 
     @property
     def finished(self) -> bool:
@@ -55,9 +52,8 @@ class StopChecker:
         may_stop = len(self.token_ids) > self.params.min_tokens
         if may_stop and token_id in self.stop_token_ids:
             return self._finish("stop")
-        self._text_ids.append(token_id)
         searched = len(self._text)
-        self._detokenize()
+        self._text += self._detok.step(token_id)
         if may_stop and self.stop_strings and self._cut_at_stop_string(searched):
             self.finish_reason = "stop"  # no flush: the text already ends where the stop string began
             return self.finish_reason
@@ -67,17 +63,6 @@ class StopChecker:
             return self._finish("length")
         return None
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _detokenize(self, flush: bool = False) -> None:
-        ids = self._text_ids
-        before = self._decode(ids[self._prefix_offset : self._read_offset])
-        after = self._decode(ids[self._prefix_offset :])
-        if len(after) > len(before) and (flush or not after.endswith(_REPLACEMENT)):
-            self._text += after[len(before) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-
     def _cut_at_stop_string(self, searched: int) -> bool:
         start = max(0, searched - self._longest_stop + 1)
         hits = [i for i in (self._text.find(s, start) for s in self.stop_strings) if i >= 0]
@@ -86,7 +71,13 @@ class StopChecker:
         self._text = self._text[: min(hits)]
         return True
 
+    def flush(self) -> str:
+        """The request ended elsewhere (aborted, an error, a limit this checker does not know): the tokens still
+        waiting become text (an unfinished UTF-8 tail U+FFFD). Returns the final text."""
+        self._text += self._detok.flush()
+        return self._text
+
     def _finish(self, reason: str) -> str:
-        self._detokenize(flush=True)  # an unfinished UTF-8 tail becomes U+FFFD: nothing will complete it now
+        self.flush()  # an unfinished UTF-8 tail becomes U+FFFD: nothing will complete it now
         self.finish_reason = reason
         return reason

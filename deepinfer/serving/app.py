@@ -26,10 +26,8 @@ ROUTES = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/mes
 
 @dataclass
 class ServerState:
-    engine: object  # AsyncEngine
+    engine: object  # deepinfer.frontend.AsyncEngine
     converter: object  # Converter
-    tokenizer: object
-    stop_ids: set
     metrics: object  # ServerMetrics
     max_in_flight: int  # engine.max_num_seqs + serve.max_queued_requests
     served_name: str
@@ -79,7 +77,7 @@ def _handler(state: ServerState, endpoint: str):
                 prepared = state.converter.convert_completion(body)
             else:
                 prepared = state.converter.convert(endpoint, body)
-            run = RequestRun(state.engine, prepared, state.tokenizer, state.stop_ids, state.metrics)
+            run = RequestRun(state.engine, prepared, state.metrics)
             await _until_disconnect(request, run.start())
             if prepared.stream:
                 return StreamingResponse(_sse(run, prepared), media_type="text/event-stream",
@@ -147,7 +145,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def _complete(run: RequestRun, prepared):
     if prepared.endpoint == "completions":
-        shaper = CompletionShaper(prepared, lambda: run.detok.num_tokens)
+        shaper = CompletionShaper(prepared, lambda: run.num_tokens)
         async for chunks in run.chunks():
             for c in chunks:
                 shaper.feed(c)
@@ -163,7 +161,7 @@ async def _sse(run: RequestRun, prepared):
     `finally` aborts the request in the engine."""
     try:
         if prepared.endpoint == "completions":
-            shaper = CompletionShaper(prepared, lambda: run.detok.num_tokens)
+            shaper = CompletionShaper(prepared, lambda: run.num_tokens)
             async for chunks in run.chunks():
                 for c in chunks:
                     out = shaper.feed(c)

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (GET /metrics, text format), in a registry of its own per server.
 
 Request-side values are updated by the request handlers (event loop); engine-side values (cache use, preemptions,
-tokens/s) by the engine pump thread from each step's StepStats. prometheus_client's metrics are thread-safe.
+tokens/s) by the frontend's engine loop (deepinfer.frontend.AsyncEngine, on the event loop) from each step's StepStats. prometheus_client's metrics are thread-safe.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ServerMetrics:
     def on_rejected(self, status: int) -> None:
         self.rejected.labels(str(status)).inc()
 
-    # ---- engine pump thread --------------------------------------------------------------------------------
+    # ---- the engine loop (deepinfer.frontend.AsyncEngine) ------------------------------------------------
     def on_engine_outputs(self, updates, stats, now: float) -> None:
         tokens = sum(len(u.token_ids) for u in updates)
         for s in stats:

@@ -1,4 +1,5 @@
-"""One request on the engine: its updates -> incremental text -> deepseek_recipe chunks.
+"""One request on the engine: its stream's outputs (text from the frontend's output processor) -> deepseek_recipe
+chunks.
 
 The HTTP status is decided before the first byte is sent: `start()` waits for the engine's first update, and a
 request the engine refuses at once (prompt too long, more cache than the budget, a schema that does not compile)
@@ -11,7 +12,6 @@ import time
 
 import deepseek_recipe as dr
 
-from deepinfer.serving.detokenize import IncrementalText
 from deepinfer.serving.errors import HTTPError
 
 FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length,
@@ -20,10 +20,10 @@ FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishRea
 
 
 class RequestRun:
-    def __init__(self, engine, prepared, tokenizer, stop_ids: set[int], metrics):
+    def __init__(self, engine, prepared, metrics):
         self.engine, self.prepared, self.metrics = engine, prepared, metrics
-        self.detok = IncrementalText(tokenizer, stop_ids | set(prepared.params.stop_token_ids or []))
         self.stream = None
+        self.num_tokens = 0  # generated tokens taken from the stream so far (a final stop token included): usage
         self._first = None
         self._last_token_time: float | None = None
         self.finish_reason: str | None = None
@@ -32,7 +32,7 @@ class RequestRun:
         """Submits the request and waits for its first update; raises HTTPError if the engine refuses it."""
         self.stream = self.engine.submit(self.prepared.prompt_ids, self.prepared.params)
         self.metrics.on_submit(len(self.prepared.prompt_ids))
-        self._first = await self.stream.queue.get()
+        self._first = await self.stream.next()
         if self._first.finish_reason == "error" and not self._first.token_ids:
             self.metrics.on_finish("error", started=False)
             raise HTTPError(400, self._first.error or "the engine refused the request")
@@ -48,10 +48,10 @@ class RequestRun:
                 self.metrics.on_finish("error", started=self._last_token_time is not None)
                 raise HTTPError(500, f"the request failed in the engine: {upd.error}", "server_error")
             self._observe(upd)
+            self.num_tokens += len(upd.token_ids)
             done = upd.finish_reason is not None
-            text, count = self.detok.add(list(upd.token_ids), finished=done)
-            if text or count:
-                yield p.push(dr.InferenceChunk.text(text, count))
+            if upd.text or upd.num_tokens:
+                yield p.push(dr.InferenceChunk.text(upd.text, upd.num_tokens))
             if p.finished:  # a stop sequence matched in the answer: the processor has ended the response
                 self.engine.abort(self.stream)
                 self._end("stop")
@@ -62,7 +62,7 @@ class RequestRun:
                     yield p.finish()
                 self._end(upd.finish_reason)
                 return
-            upd = await self.stream.queue.get()
+            upd = await self.stream.next()
 
     def _observe(self, upd) -> None:
         if not upd.token_ids:

@@ -23,7 +23,7 @@ def build_state(settings):
     from deepinfer.engine.options import EngineOptions
     from deepinfer.pipeline import load_program
     from deepinfer.serving.app import ServerState
-    from deepinfer.serving.async_engine import AsyncEngine
+    from deepinfer.frontend.async_engine import AsyncEngine
     from deepinfer.serving.convert import Converter
     from deepinfer.serving.metrics import ServerMetrics
 
@@ -34,16 +34,13 @@ def build_state(settings):
     client = make_client(settings, options, program)
     tokenizer = program.tokenize.tokenizer
     metrics = ServerMetrics()
-    engine = AsyncEngine(client, seed=options.seed, on_outputs=metrics.on_engine_outputs)
+    engine = AsyncEngine(client, seed=options.seed, on_outputs=metrics.on_engine_outputs, tokenizer=tokenizer)
     serve = settings.serve
     name = serve.served_model_name or DEFAULT_MODEL_NAME
     info = client.info
-    stop_ids = {info.eos_token_id} if info.eos_token_id is not None else set()
     state = ServerState(
         engine=engine,
         converter=Converter(tokenizer, tokenizer.to_str(), info.max_model_len, name, serve.default_thinking),
-        tokenizer=tokenizer,
-        stop_ids=stop_ids,
         metrics=metrics,
         max_in_flight=settings.engine.max_num_seqs + serve.max_queued_requests,
         served_name=name,

@@ -51,7 +51,8 @@ def _params(kind: str):
 def _run(backend, prompts, params, *, budget=8192, eager=False, drafts=0):
     """Every prompt submitted at once; returns (outputs in order, the run's metrics)."""
     from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, LLMEngine
+    from deepinfer.engine import EngineOptions
+    from deepinfer.frontend import LLMEngine
 
     opts = EngineOptions.for_settings(Settings(), max_num_seqs=80, max_num_batched_tokens=budget,
                                       memory_budget=24 << 30, process="inproc", enforce_eager=eager,

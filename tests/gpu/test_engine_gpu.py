@@ -83,7 +83,8 @@ def test_bf16_kernel_sized_model_through_the_engine_never_falls_back_per_call():
     TileLang hands a single call to torch, in prefill (chunked: 64-token budget) or decode. Kinds chosen as torch
     (compressor_pool and the Engram ops have no TileLang kernel) are outside the claim."""
     from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, LLMEngine
+    from deepinfer.engine import EngineOptions
+    from deepinfer.frontend import LLMEngine
     from deepinfer.engine.backend import backend_from_model
     from deepinfer.kernels.registry import kernel_stats
     from deepinfer.models import synthetic
