@@ -98,6 +98,14 @@ def test_a_terminated_grammar_stops_the_request(tok):
     assert (checker.finish_reason, checker.text) == ("stop", "Hello")
 
 
+def test_streamable_text_holds_back_a_possible_stop_prefix(tok):
+    checker = StopChecker(SamplingParams(stop=["###"], max_tokens=50), tok, EOS)
+    for token in ids(tok, "abc#"):
+        checker.append(token)
+    assert checker.text == "abc#"
+    assert checker.streamable_text == "ab"
+
+
 def test_append_after_finishing_is_a_bug(tok):
     checker = run(tok, SamplingParams(max_tokens=1), ids(tok, "ab"))
     with pytest.raises(RuntimeError):
