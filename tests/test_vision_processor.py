@@ -130,3 +130,11 @@ def test_byte_pixel_and_count_limits_name_the_allowed_bound():
     with pytest.raises(ImageInputError) as e:
         proc([png(1)] * 3)
     assert "3 images in one request; allowed: at most 2" in _one_line(e)
+
+
+def test_a_side_that_would_shrink_to_nothing_is_stretched_onto_the_canvas():
+    """100000 x 1 under the released config: `contain` would give a 0-pixel-high image, so (as DeepInfer) the image
+    is stretched to the whole canvas instead; the span is the full budget, a single LLM row."""
+    out = ImageProcessor(released()).process_one(_encode(Image.new("RGB", (100_000, 1), (9, 9, 9)), "PNG"))
+    assert (out.layout.n_llm_h, out.layout.num_tokens) == (1, 1024)
+    assert (out.pixel_values == (9 / 255 - 0.5) / 0.5).float().mean() > 0.99  # no pad columns or rows

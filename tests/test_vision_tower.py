@@ -15,6 +15,7 @@ from deepinfer.models.loading.errors import CheckpointError
 from deepinfer.models.vision import ImageProcessor, VisionConfig, VisionConfigError, plan_image
 from deepinfer.models.vision.aligner import unshuffle
 from deepinfer.models.vision.loading import load_vision_model
+from deepinfer.models.vision.model import VisionModel
 from deepinfer.models.vision.span import span_rows
 from vision_fixture import CASES, VISION_FIXTURE, case, geometry, png
 
@@ -118,3 +119,30 @@ def test_checkpoint_errors_are_one_line(tmp_path):
     (text_only / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(VisionConfigError, match="no vision_config"):
         load_vision_model(text_only)
+
+
+def test_released_structure_has_the_checkpoint_shapes_and_size():
+    """The released vision_config builds the tensors of VISION_SPEC.md §7: 411,842,560 ViT and 73,410,560 aligner
+    parameters plus three [5120] span vectors (built on the meta device: nothing is allocated)."""
+    from test_vision_processor import released
+
+    with torch.device("meta"):
+        model = VisionModel(released())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["vision.patch_embed.proj.weight"] == (1024, 588)
+    assert shapes["vision.blocks.31.attn.wqkv.weight"] == (3072, 1024)
+    assert shapes["vision.blocks.31.mlp.w1.weight"] == (5632, 1024)
+    assert shapes["vision.blocks.31.mlp.w2.weight"] == (1024, 2816)
+    assert shapes["aligner.w1.weight"] == (5120, 9216) and shapes["image_newline"] == (5120,)
+    count = lambda prefix: sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefix))  # noqa: E731
+    assert (count("vision."), count("aligner."), count("image_")) == (411_842_560, 73_410_560, 3 * 5120)
+
+
+def test_bf16_weights_run_close_to_the_float32_reference():
+    """The same path in bfloat16 (the real dtype; the GPU path will follow DeepInfer's bf16 rounding points): only
+    the structure is checked here, to bf16 accuracy."""
+    model = load_vision_model(VISION_FIXTURE, dtype=torch.bfloat16)
+    processed = ImageProcessor(model.cfg)([png(0)])
+    [rows] = model(processed)
+    assert rows.dtype == torch.bfloat16
+    torch.testing.assert_close(rows.float(), case(0, "span_embeds"), atol=0.05, rtol=0.02)  # measured: 1.6e-2

@@ -29,9 +29,14 @@ def resize_into(img: Image.Image, layout: ImageLayout) -> Image.Image:
     """The image scaled to fit the canvas, aspect kept (Pillow BICUBIC, antialiased when shrinking)."""
     size = (layout.best_width, layout.best_height)
     try:
-        return ImageOps.contain(img, size, method=Image.Resampling.BICUBIC)
-    except ValueError:  # a side would round to 0 (1 x 100000): DeepInfer stretches instead
-        return img.resize(size, Image.Resampling.BICUBIC)
+        out = ImageOps.contain(img, size, method=Image.Resampling.BICUBIC)
+        if out.width and out.height:
+            return out
+    except ValueError:
+        pass
+    # A side rounds to 0 (1 x 100000): DeepInfer catches Pillow's error and stretches to the canvas instead.
+    # Pillow 13 returns an empty image rather than raising, so both are caught here.
+    return img.resize(size, Image.Resampling.BICUBIC)
 
 
 def pad_offsets(layout: ImageLayout, resized_w: int, resized_h: int) -> tuple[int, int]:
