@@ -92,6 +92,14 @@ def test_arguments_that_cannot_apply_are_refused_with_one_line(kwargs, message):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
+def test_images_are_refused_with_one_line_on_a_text_only_model(dropin):
+    """The tiny text checkpoint's vision_config is null: multi_modal_data is a one-line ConfigError, nothing runs."""
+    images = {"image_bytes": [b"\x89PNG"], "image_sizes": [[1, 1]]}
+    with pytest.raises(ConfigError, match=r"^generate\(multi_modal_data=...\): this model has no vision tower "
+                                          r"\(no vision_config in its config.json\); allowed: None$"):
+        dropin.generate("Describe <image>", multi_modal_data=images, use_tqdm=False)
+
+
 def test_dropin_arguments_reach_the_config(dropin):
     s = dropin._llm.settings
     assert (s.engine.max_num_seqs, s.cache.memory_fraction, s.runtime.seed, s.engine.chunked_prefill) == (256, 0.9, 0, False)

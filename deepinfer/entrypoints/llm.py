@@ -14,6 +14,7 @@ one-line ConfigError naming what is allowed: nothing is accepted and ignored. Ke
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,19 @@ def _parallel_overrides(ep, dp, cp, ours: dict) -> list[str]:
         return [f"parallel=dep{ep}"]
     return ["parallel=dep2", f"parallel.name=ep{ep}_dp{dp}_cp{cp}", f"parallel.expert_parallel_size={ep}",
             f"parallel.data_parallel_size={dp}", f"parallel.context_parallel_size={cp}"]
+
+
+def _images_refused(model_dir: str) -> str:
+    """Why generate(multi_modal_data=...) is refused. A text-only checkpoint has no vision tower; for one with a
+    vision_config the image path exists (deepinfer.models.vision: processor, tower, aligner, span) but the text model
+    and the engine do not take image spans yet (docs/vision.md)."""
+    try:
+        has_tower = isinstance(json.loads((Path(model_dir) / "config.json").read_text()).get("vision_config"), dict)
+    except (OSError, ValueError):
+        has_tower = False
+    why = ("image input is not wired into the engine yet (docs/vision.md)" if has_tower
+           else "this model has no vision tower (no vision_config in its config.json)")
+    return f"generate(multi_modal_data=...): {why}; allowed: None"
 
 
 class LLM:
@@ -134,7 +148,7 @@ class LLM:
         None: DeepInfer's SamplingParams() (not the config's sampling section). A request that could not run
         raises here (DeepInfer has no per-request error in a string)."""
         if multi_modal_data is not None:
-            raise ConfigError("generate(multi_modal_data=...): the vision tower is not built yet; allowed: None")
+            raise ConfigError(_images_refused(self._llm.settings.model.path))
         if prompts is None and prompt_token_ids is None:
             raise ValueError("Either prompts or prompt_token_ids must be provided.")
         if sampling_params is None:

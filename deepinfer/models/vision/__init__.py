@@ -1,0 +1,12 @@
+"""DeepSeek-V4.1's image path on the CPU (VISION_SPEC.md, docs/vision.md): bytes -> patches (processor), the ViT
+and the 3x3 aligner (tower, aligner), and the image span's ids and embedding rows (span). Not wired into the text
+model or the engine yet."""
+
+from .config import VisionConfig, VisionConfigError
+from .decode import ImageLimits
+from .errors import ImageInputError
+from .geometry import ImageLayout, plan_image
+from .processor import ImageProcessor, ProcessedImage
+
+__all__ = ["ImageInputError", "ImageLayout", "ImageLimits", "ImageProcessor", "ProcessedImage", "VisionConfig",
+           "VisionConfigError", "plan_image"]
