@@ -10,6 +10,7 @@ LLM composes its configuration with Hydra's compose API from the same conf/ tree
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from deepinfer.config.compose import compose, group_options
@@ -121,6 +122,9 @@ class LLM:
         # the frontend needs the tokenizer and the model's limits; a subprocess engine core holds the weights
         self.program, self.settings = load_program(settings, weights=settings.engine.process == "inproc")
         self._engine = LLMEngine.for_settings(self.settings, self.program)
+        # one caller at a time: the engine client's sockets and the frontend's loop are not thread-safe, so calls
+        # from several threads are served one after the other (reentrant: one thread may interleave iterators)
+        self._lock = threading.RLock()
 
     @property
     def tokenizer(self):
@@ -148,16 +152,22 @@ class LLM:
         is called from this thread as tokens arrive (index: the prompt's; with n > 1, sample 0's tokens only);
         raising from it aborts the unfinished requests and propagates. See `generate_iter` for an iterator."""
         # the frontend's loop (LLMEngine.stream), drained here: its final updates carry the outputs
-        return list(map(_OUTPUT, self._live().stream(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
-                                                     use_tqdm=use_tqdm, tokens=False, on_update=on_update,
-                                                     default_params=self.default_sampling_params)))
+        with self._lock:
+            return list(map(_OUTPUT, self._live().stream(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
+                                                         use_tqdm=use_tqdm, tokens=False, on_update=on_update,
+                                                         default_params=self.default_sampling_params)))
 
     def generate_iter(self, prompts=None, sampling_params=None, *, prompt_token_ids=None) -> Iterator[StreamUpdate]:
         """generate() as an iterator: StreamUpdate(index, token_ids) as tokens arrive, then one StreamUpdate per
         prompt with `output` set (its RequestOutput), in input order. It is the frontend's loop itself (no thread):
-        leaving it early (close(), break, an exception) aborts the unfinished requests."""
-        return self._live().stream(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
-                                   default_params=self.default_sampling_params)
+        leaving it early (close(), break, an exception) aborts the unfinished requests. From its first item until
+        it ends or is closed it holds the LLM: other threads' calls wait for it."""
+        return self._holding(self._live().stream(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
+                                                 default_params=self.default_sampling_params))
+
+    def _holding(self, updates: Iterator[StreamUpdate]) -> Iterator[StreamUpdate]:
+        with self._lock:
+            yield from updates
 
     def _live(self):
         if self._engine is None:

@@ -11,8 +11,10 @@ Liveness: a heartbeat thread (it runs no steps) sends, every heartbeat_interval_
 turned. The frontend declares the core dead when heartbeats stop (killed, SIGSTOPped, a GIL held forever) or
 report a loop stuck past its deadline (a deadlock in a step).
 
-It exits when told to, and also on its own when the frontend process disappears (parent pid changes, and on Linux
-the kernel sends SIGKILL via PR_SET_PDEATHSIG), so a killed frontend never leaves a busy engine behind. Ctrl-C in
+It exits when told to, and also on its own when the frontend process disappears (a watcher thread sees the parent
+pid change and SIGKILLs the process; the step loop checks too), so a killed frontend never leaves a busy engine
+behind. The parent is a process, not the thread that started the core: an LLM built in a thread that then exits
+keeps its engine. Ctrl-C in
 a terminal reaches the whole process group: the core ignores SIGINT and lets the frontend decide.
 
 With a multi-rank layout this process is rank 0, driving the others (deepinfer.engine.dp_core). The other ranks run
@@ -47,15 +49,18 @@ IDLE_POLL_MS = 200
 EXIT_FAILED = 1  # a follower rank that cannot go on
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
+def _die_with_parent(parent_pid: int | None = None, every_s: float = 0.5) -> None:
+    """SIGKILL this process once the process that started it is gone (a killed frontend never leaves a busy
+    engine behind). A watcher thread polls the parent pid: not PR_SET_PDEATHSIG, which fires when the parent
+    *thread* that forked us exits, so an LLM built in a short-lived thread would lose its engine core at once."""
+    parent = os.getppid() if parent_pid is None else parent_pid
 
-            PR_SET_PDEATHSIG = 1
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass  # best effort; the parent-pid check below still ends the loop
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="deepinfer-parent-watch").start()
 
 
 class _LoopClock:
@@ -85,7 +90,7 @@ def _heartbeat(ctx, addr: str, key: bytes, options: EngineOptions, clock: _LoopC
 
 
 def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str], key: bytes, parent_pid: int) -> None:
-    _die_with_parent()
+    _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     control, heartbeat = endpoints
     ctx = zmq.Context()
