@@ -49,6 +49,13 @@ CASES = {
                                   "max_position_embeddings=0 is out of range; allowed: >= 2"),
     "num_hidden_layers--1": (lambda t: {"config": text_config_with(t, num_hidden_layers=-1)},
                              "num_hidden_layers=-1 is out of range; allowed: >= 1"),
+    # a loop count that would hang the load, and numbers a step divides by
+    "hc_sinkhorn_iters-1e9": (lambda t: {"config": text_config_with(t, hc_sinkhorn_iters=10**9)},
+                              "hc_sinkhorn_iters=1000000000 is out of range; allowed: <= 1000"),
+    "rms_norm_eps-nan": (lambda t: {"config": text_config_with(t, rms_norm_eps=float("nan"))},
+                         "rms_norm_eps=nan is out of range; allowed: a finite number"),
+    "rope_theta-negative": (lambda t: {"config": text_config_with(t, rope_theta=-10000.0)},
+                            "rope_theta=-10000.0 is out of range; allowed: > 0"),
 }
 
 
@@ -63,6 +70,14 @@ def test_a_malformed_checkpoint_is_one_line_naming_the_field_and_exit_2(case, ti
                           capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_a_config_nested_beyond_reason_is_one_line(tiny, tmp_path):
+    ckpt = copy_checkpoint(tiny, tmp_path / "ckpt")
+    (ckpt / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="nested too deeply") as info:
+        load_checkpoint(ckpt, weights=False)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

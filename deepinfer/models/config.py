@@ -126,6 +126,8 @@ class ModelConfig:
             raise ModelConfigError(f"config.json not found at {path}") from None
         except json.JSONDecodeError as exc:
             raise ModelConfigError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except RecursionError:
+            raise ModelConfigError(f"{path} is nested too deeply to be a model config") from None
         return cls.from_dict(data)
 
     @classmethod
@@ -177,6 +179,14 @@ def _check_number_types(t: dict) -> None:
 _AT_LEAST = {"vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 1,
              "q_lora_rank": 1, "o_groups": 1, "o_lora_rank": 1, "sliding_window": 1, "moe_intermediate_size": 1,
              "n_routed_experts": 1, "num_experts_per_tok": 1, "max_position_embeddings": 2}
+# Loop counts and sizes a step or the load iterates over: far above any released value, low enough that a hostile
+# config.json cannot hang the load (a Sinkhorn of 1e9 iterations) or ask for absurd tensors; every other integer
+# field stays below 2**31.
+_AT_MOST = {"hc_sinkhorn_iters": 1000, "hc_mult": 16, "engram_max_ngram_size": 16, "num_nextn_predict_layers": 16,
+            "num_hidden_layers": 4096, "dspark_block_size": 64}
+_INT_MAX = 2**31 - 1
+_POSITIVE_FLOATS = ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "gate_temp",
+                    "routed_scaling_factor")
 
 
 def _parse_quant(q: dict | None) -> QuantConfig | None:
@@ -343,7 +353,29 @@ def _build(t: dict, quant: QuantConfig | None) -> ModelConfig:
     return cfg
 
 
+def _check_numbers(c: ModelConfig) -> None:
+    """Every number finite and bounded, the ones a step divides by or exponentiates positive."""
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ModelConfigError(f"config.json: {f.name}={value} is out of range; allowed: a finite number")
+        if isinstance(value, int) and value > _AT_MOST.get(f.name, _INT_MAX):
+            raise ModelConfigError(f"config.json: {f.name}={value} is out of range; allowed: "
+                                   f"<= {_AT_MOST.get(f.name, _INT_MAX)}")
+    for name in _POSITIVE_FLOATS:
+        if not getattr(c, name) > 0:
+            raise ModelConfigError(f"config.json: {name}={getattr(c, name)} is out of range; allowed: > 0")
+    if c.rms_norm_eps >= 1:
+        raise ModelConfigError(f"config.json: rms_norm_eps={c.rms_norm_eps} is out of range; allowed: (0, 1)")
+    if c.swiglu_limit < 0:
+        raise ModelConfigError(f"config.json: swiglu_limit={c.swiglu_limit} is out of range; allowed: >= 0 "
+                               "(0: no limit)")
+
+
 def _validate(c: ModelConfig) -> None:
+    _check_numbers(c)
     for name, low in _AT_LEAST.items():
         if getattr(c, name) < low:
             raise ModelConfigError(f"config.json: {name}={getattr(c, name)} is out of range; allowed: >= {low}")
