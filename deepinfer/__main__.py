@@ -23,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+EXIT_ALL_FAILED = 1  # the job ran, and every request ended in an error
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # the shell's code for a run ended by SIGINT
 
@@ -76,7 +77,11 @@ def _hydra_task(cfg) -> None:
             from deepinfer.serving import serve
 
             return serve(settings)
-        run_job(settings, Path(hc.runtime.output_dir), list(hc.overrides.task))
+        summary = run_job(settings, Path(hc.runtime.output_dir), list(hc.overrides.task))
+        if summary["requests"] and summary["errors"] == summary["requests"]:
+            print(f"deepinfer: error: every request failed ({summary['errors']} of {summary['requests']}); their "
+                  f"errors are in {summary['outputs']}", file=sys.stderr)
+            raise SystemExit(EXIT_ALL_FAILED)
     except _user_errors() as exc:
         raise SystemExit(_fail(exc))
     except Interrupted as exc:

@@ -19,6 +19,15 @@ def output_path(settings, run_dir: Path) -> Path:
 
 
 def write_outputs(out_path: Path, outputs) -> None:
-    with out_path.open("w") as f:
-        for o in outputs:
-            f.write(json.dumps(o.to_json()) + "\n")
+    """One JSON line per output, each flushed as it is written: a full disk loses only the line being written, and
+    is one line naming the file and how many outputs it holds (a ConfigError: exit 2, no traceback)."""
+    written = 0
+    try:
+        with out_path.open("w") as f:
+            for o in outputs:
+                f.write(json.dumps(o.to_json()) + "\n")
+                f.flush()
+                written += 1
+    except OSError as exc:
+        raise ConfigError(f"output_file={str(out_path)!r} could not be written ({exc.strerror or exc}); "
+                          f"{written} of {len(outputs)} outputs were written before it") from None

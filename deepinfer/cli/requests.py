@@ -3,7 +3,9 @@ order, a line whose sampling fields cannot apply getting an error output of its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from deepinfer.config.errors import ConfigError
@@ -69,8 +71,6 @@ def request_params(llm, item: dict):
     """(SamplingParams, None) for one input line: the config's sampling section, then the line's own
     SamplingParams fields (any of them, so_args included); or (None, one-line error) for an unknown field or a
     bad value, which ends that line's request only."""
-    import dataclasses
-
     from deepinfer.sampling.params import params_from_dict
 
     fields = {k: v for k, v in item.items() if k not in REQUEST_KEYS}
@@ -95,8 +95,9 @@ def generate_requests(llm, requests: list[dict]) -> list:
             run.append(i)
             params.append(sp)
     if run:
+        # a progress bar over the requests on a terminal, none in logs
         done = llm.generate([{k: requests[i][k] for k in REQUEST_KEYS if k in requests[i]} for i in run], params,
-                            use_tqdm=False)
+                            use_tqdm=sys.stderr.isatty())
         for i, out in zip(run, done):
-            outputs[i] = out
+            outputs[i] = dataclasses.replace(out, request_id=i)  # request ids are input lines, failed ones too
     return outputs
