@@ -14,7 +14,7 @@ import torch
 
 from deepinfer.kernels.torch.cache_formats import Fp4Codec, Fp8Codec
 
-from .cache import CachePools, StepMeta
+from .cache import CachePools, Selection, StepMeta
 from .weights import LayerWeights
 
 
@@ -109,7 +109,7 @@ class Attention:
         weights = ops.linear(h, w.i_weights_proj).float() * cfg.index_n_heads**-0.5
         ent = meta.entries[self.ratio]
         if ent.width == 0:  # nothing compressed yet in any sequence of the step
-            meta.scratch["selected"] = (self.source, torch.full((T, topk), -1, dtype=torch.int64, device=h.device))
+            meta.selected = Selection(self.source, torch.full((T, topk), -1, dtype=torch.int64, device=h.device))
             return
         stored = [p[ent.rows] for p in pools.index_keys[self.source]]  # [B, G, ...] each sequence's keys as stored
         if isinstance(L.key_codec, Fp4Codec):
@@ -121,7 +121,7 @@ class Attention:
             scores,
             ent.visible,
             topk,
-            candidates=meta.scratch.get("candidates") if self.uses_candidates else None,
+            candidates=meta.candidates if self.uses_candidates else None,
             candidate_blocks=cfg.candidate_topk_blocks if self.is_candidate_source else 0,
             candidate_block_size=cfg.candidate_block_size,
         )
@@ -131,9 +131,9 @@ class Attention:
         order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)[:, :topk]
         ok = selected.gather(1, order)
         rows = ent.rows[meta.tok_seq[:, None], order.clamp_max(ent.width - 1)]
-        meta.scratch["selected"] = (self.source, torch.where(ok, rows, -1))
+        meta.selected = Selection(self.source, torch.where(ok, rows, -1))
         if self.is_candidate_source:
-            meta.scratch["candidates"] = candidates
+            meta.candidates = candidates
 
     # ---------------------------------------------------------------------------------------
     def _attend(self, q, kv, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:
@@ -156,9 +156,9 @@ class Attention:
 
     def _selected(self, meta: StepMeta, T: int, device) -> torch.Tensor:
         """[T, index_topk] pool rows each query attends to (-1: none), from this step's index source."""
-        selected = meta.scratch.get("selected")
-        if selected is not None and selected[0] == self.source:
-            return selected[1]
+        selected = meta.selected
+        if selected is not None and selected.source == self.source:
+            return selected.rows
         # without an index source for this source in this step, nothing is selectable
         return torch.full((T, self.cfg.index_topk), -1, dtype=torch.int64, device=device)
 
