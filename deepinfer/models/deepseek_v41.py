@@ -12,14 +12,15 @@ from tokenizers import Tokenizer
 
 from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.rope import default_inv_freq, yarn_inv_freq
-from deepinfer.distributed.context_parallel import ContextParallel, align_of
+from deepinfer.distributed.context_parallel import ContextParallel
 from deepinfer.distributed.expert_parallel import ExpertParallel, ep_moe_experts
 
 from .attention import Attention
 from .batch import ForwardBatch
-from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, StepMeta, derive, pack_step, query_view
+from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, StepMeta
 from .config import ModelConfig
 from .engram import EngramTables
+from .step import ModelStep
 from .weights import LayerWeights, arrange, arrange_drafts
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
@@ -126,37 +127,13 @@ class DeepseekV41Model:
             self._standalone[(max_rollback, drafts)] = alloc
         return alloc.new()
 
-    # ---- forward ---------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- forward ----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cp: ContextParallel | None = None) -> torch.Tensor:
-        """`cp` (deepinfer.distributed.context_parallel.ContextParallel): balanced context-parallel prefill. Every rank
-        of cp.group calls forward in step with the same token ids and tokens held per sequence (its own slots and
-        blocks); each computes its mirror blocks of every chunk, every rank's pools end up holding the whole step's
-        caches, and every rank returns the same (single-process) logits."""
-        if len(batch.token_ids) != len(batch.states):
-            raise ValueError("ForwardBatch: token_ids and states must have the same length")
-        if any(len(t) == 0 for t in batch.token_ids):
-            raise ValueError("ForwardBatch: every sequence needs at least one new token")
-        pools = batch.states[0].pools
-        if any(st.pools is not pools for st in batch.states):
-            raise ValueError("ForwardBatch: every sequence of a step must live in the same cache pools")
-        for st, ids in zip(batch.states, batch.token_ids):
-            st.reserve(st.num_tokens + len(ids))
-        pasts = [st.num_tokens for st in batch.states]
-        host = pack_step(batch.token_ids, batch.states, pools.layout, self.device, all_logits=batch.all_logits,
-                         num_logits=batch.num_logits, decode_rows=batch.decode_rows)
-        meta = derive(host, pools)
-        if cp is not None:
-            if batch.replay is not None:
-                raise ValueError("context parallel prefill does not support YOCO replay (yoco=mask|compact) yet")
-            plan = cp.plan(host.lengths, pasts, align_of(self.config.compress_ratios))
-            step = cp.step(plan, meta, self.device)
-            meta = query_view(meta, step.own, step)
-        replay = batch.replay.plan(meta, pools, pasts, batch.data_lens) if batch.replay is not None else None
-        logits = self.run(meta, pools, replay)
-        for st, n in zip(batch.states, host.lengths):
-            st.num_tokens += n
-        return logits
+        """A convenience for scripts and tests: one step from a ForwardBatch (models/step.py ModelStep, the
+        engine's prefill/decode stage: the host builds the step's metadata, then `run`). `cp`
+        (deepinfer.distributed.context_parallel.ContextParallel): balanced context-parallel prefill; every rank of
+        cp.group calls forward in step with the same batch and returns the same logits."""
+        return ModelStep(self)(batch, cp)
 
     __call__ = forward
 
