@@ -21,7 +21,7 @@ from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, 
 from .config import ModelConfig
 from .engram import EngramTables
 from .step import ModelStep
-from .weights import LayerWeights, arrange, arrange_drafts
+from .weights import Engram, HyperConnection, Layer, MoE, arrange, arrange_drafts
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
 STANDALONE_SLOTS = 64
@@ -60,7 +60,7 @@ class DeepseekV41Model:
             else default_inv_freq(cfg.compress_rope_theta, rope_dim)
         ).to(self.device)
         self.attn = [
-            Attention(cfg, i, lw, ops, self.main_freqs, self.compress_freqs) for i, lw in enumerate(self.layers)
+            Attention(cfg, i, lw.attn, ops, self.main_freqs, self.compress_freqs) for i, lw in enumerate(self.layers)
         ]
         self.layer_hook = None  # optional callable(i) at each layer boundary (0..n_layers): benchmarks time layers
         self.engram = None
@@ -101,7 +101,7 @@ class DeepseekV41Model:
 
     def routed_expert_bytes(self) -> int:
         """Bytes of the routed experts this process holds (with expert parallelism: only its physical slots)."""
-        return _held_bytes([lw.experts for lw in self.layers])
+        return _held_bytes([lw.ffn.experts for lw in self.layers])
 
     # ---- caches ----------------------------------------------------------------------------
     def cache_layout(self, block_size: int = 64, max_rollback: int = 0, drafts: bool = False) -> CacheLayout:
@@ -163,8 +163,8 @@ class DeepseekV41Model:
                 hook(i)
             if drafter is not None and i in drafter.targets:  # DSpark context: the trunk entering the layer
                 features.append(streams.float().mean(1).to(self.dtype))
-            if lw.e_table is not None:
-                streams = self._engram(streams, lw, hash_ids[:, cfg.engram_layer_ids.index(i)])
+            if lw.engram is not None:
+                streams = self._engram(streams, lw.engram, hash_ids[:, cfg.engram_layer_ids.index(i)])
             if replay is not None and i == replay.boundary:
                 streams, pre, meta, hash_ids = replay.enter(self, streams, pre, meta, pools, hash_ids)
             streams, pre = self._block(streams, pre, lw, attn, meta, pools, i)
@@ -187,36 +187,36 @@ class DeepseekV41Model:
         y = ops.rms_norm(ops.mhc_collapse(streams, pre), self.final_norm, cfg.rms_norm_eps)
         return ops.linear(y, self.head).float()
 
-    def _block(self, streams, prev_pre, lw: LayerWeights, attn: Attention, meta: StepMeta, pools: CachePools,
+    def _block(self, streams, prev_pre, lw: Layer, attn: Attention, meta: StepMeta, pools: CachePools,
                layer: int | None = None):
         cfg, ops = self.config, self.ops
         mix = (cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
-        a_pre, a_post, a_comb = ops.mhc_mixes(streams, *lw.hc_attn, *mix)
+        a_pre, a_post, a_comb = ops.mhc_mixes(streams, *_hc(lw.hc_attn), *mix)
         h = self.attn_input(streams, prev_pre, lw)
         streams = ops.mhc_expand(attn(h, meta, pools), streams, a_post, a_comb)
-        f_pre, f_post, f_comb = ops.mhc_mixes(streams, *lw.hc_ffn, *mix)
+        f_pre, f_post, f_comb = ops.mhc_mixes(streams, *_hc(lw.hc_ffn), *mix)
         g = ops.rms_norm(ops.mhc_collapse(streams, a_pre), lw.ffn_norm, cfg.rms_norm_eps)
-        streams = ops.mhc_expand(self._moe(g, lw, layer), streams, f_post, f_comb)
+        streams = ops.mhc_expand(self._moe(g, lw.ffn, layer), streams, f_post, f_comb)
         return streams, f_pre
 
-    def attn_input(self, streams, prev_pre, lw: LayerWeights) -> torch.Tensor:
+    def attn_input(self, streams, prev_pre, lw: Layer) -> torch.Tensor:
         """A layer's attention-norm output: the streams collapsed with the previous site's pre-mix, normed."""
         return self.ops.rms_norm(self.ops.mhc_collapse(streams, prev_pre), lw.attn_norm, self.config.rms_norm_eps)
 
-    def _moe(self, g: torch.Tensor, lw: LayerWeights, layer: int | None = None) -> torch.Tensor:
+    def _moe(self, g: torch.Tensor, moe: MoE, layer: int | None = None) -> torch.Tensor:
         """`layer`: the backbone layer index (expert parallel with EPLB keeps a placement, dispatch table and
         token counts per layer); None for the draft layers."""
         cfg, ops = self.config, self.ops
         weights, idx = ops.moe_router(
-            g, lw.gate_weight, lw.gate_bias, lw.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
+            g, moe.gate.weight, moe.gate.bias, moe.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         ep = self.expert_parallel
-        if ep is not None:  # lw.experts: this rank's physical slots; a collective over ep.group
+        if ep is not None:  # moe.experts: this rank's physical slots; a collective over ep.group
             placement, replicas, load = ep.for_layer(layer)
-            return ep_moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit, placement,
+            return ep_moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit, placement,
                                   ep.group, load=load, replicas=replicas)
-        return ops.moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit)
+        return ops.moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit)
 
     # ---- engram ----------------------------------------------------------------------------
     def _engram_hash(self, meta: StepMeta, pools: CachePools) -> torch.Tensor:
@@ -230,18 +230,18 @@ class DeepseekV41Model:
         pools.ngram.index_copy_(0, write_row, new)  # after the read: a long chunk may reuse rows it read
         return self.ops.engram_hash(look, tabs.multipliers, tabs.primes, tabs.offsets)
 
-    def _engram(self, streams: torch.Tensor, lw: LayerWeights, ids: torch.Tensor) -> torch.Tensor:
+    def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.config, self.ops
-        rows = lw.e_table[ids].flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
-        kv = ops.linear(rows, lw.e_wkv)
+        rows = engram.embed[ids].flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
+        kv = ops.linear(rows, engram.wkv)
         key, value = kv.split([cfg.hc_mult * cfg.hidden_size, cfg.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (cfg.hc_mult, cfg.hidden_size))
-        return ops.engram_gate(streams, key, value, lw.e_weight, cfg.rms_norm_eps)
+        return ops.engram_gate(streams, key, value, engram.weight, cfg.rms_norm_eps)
 
 
 def _held_bytes(obj) -> int:
     """Bytes of the distinct tensor storages reachable from `obj` (tensors, lists/tuples/dicts, dataclasses such
-    as LayerWeights, PackedExperts, Fp8BlockWeight): a tensor referenced twice, or a view, counts once."""
+    as the weight tree, PackedExperts, Fp8BlockWeight): a tensor referenced twice, or a view, counts once."""
     seen: dict[tuple[str, int], int] = {}
 
     def walk(o):
@@ -260,3 +260,8 @@ def _held_bytes(obj) -> int:
 
     walk(obj)
     return sum(seen.values())
+
+
+def _hc(site: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An mHC site's parameters in the order ops.mhc_mixes takes them."""
+    return site.fn, site.scale, site.base
