@@ -21,7 +21,7 @@ from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, 
 from .config import ModelConfig
 from .engram import EngramTables
 from .step import ModelStep
-from .weights import Engram, HyperConnection, Layer, MoE, arrange, arrange_drafts
+from .weights import Engram, HyperConnection, Layer, MoE, arrange, arrange_drafts, held_bytes
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
 STANDALONE_SLOTS = 64
@@ -97,11 +97,11 @@ class DeepseekV41Model:
     def weight_bytes(self) -> int:
         """Bytes of the weights this process holds (layers, embedding, final norm, head; a tensor shared or viewed
         counts once): what each rank of a parallel layout reports when loaded."""
-        return _held_bytes([self.layers, self.embed, self.final_norm, self.head])
+        return held_bytes([self.layers, self.embed, self.final_norm, self.head])
 
     def routed_expert_bytes(self) -> int:
         """Bytes of the routed experts this process holds (with expert parallelism: only its physical slots)."""
-        return _held_bytes([lw.ffn.experts for lw in self.layers])
+        return held_bytes([lw.ffn.experts for lw in self.layers])
 
     # ---- caches ----------------------------------------------------------------------------
     def cache_layout(self, block_size: int = 64, max_rollback: int = 0, drafts: bool = False) -> CacheLayout:
@@ -237,29 +237,6 @@ class DeepseekV41Model:
         key, value = kv.split([cfg.hc_mult * cfg.hidden_size, cfg.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (cfg.hc_mult, cfg.hidden_size))
         return ops.engram_gate(streams, key, value, engram.weight, cfg.rms_norm_eps)
-
-
-def _held_bytes(obj) -> int:
-    """Bytes of the distinct tensor storages reachable from `obj` (tensors, lists/tuples/dicts, dataclasses such
-    as the weight tree, PackedExperts, Fp8BlockWeight): a tensor referenced twice, or a view, counts once."""
-    seen: dict[tuple[str, int], int] = {}
-
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            st = o.untyped_storage()
-            seen[(str(o.device), st.data_ptr())] = st.nbytes()
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif hasattr(o, "__dataclass_fields__"):
-            for name in o.__dataclass_fields__:
-                walk(getattr(o, name))
-
-    walk(obj)
-    return sum(seen.values())
 
 
 def _hc(site: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -158,6 +158,30 @@ def _linears(obj):
             yield from _linears(v)
 
 
+def held_bytes(obj) -> int:
+    """Bytes of the distinct tensor storages reachable from `obj` (tensors, lists/tuples/dicts, dataclasses such
+    as the weight tree's objects, PackedExperts, Fp8BlockWeight): a tensor referenced twice, or a view, counts
+    once."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            seen[(str(o.device), st.data_ptr())] = st.nbytes()
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif hasattr(o, "__dataclass_fields__"):
+            for name in o.__dataclass_fields__:
+                walk(getattr(o, name))
+
+    walk(obj)
+    return sum(seen.values())
+
+
 def _single(experts):
     return experts if isinstance(experts, PackedExperts) else experts[0]
 

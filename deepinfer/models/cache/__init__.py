@@ -3,5 +3,5 @@
 from .metadata import EntryIndex, HostStep, Selection, StepMeta, WindowIndex, derive, pack_step, query_view
 from .pools import CacheLayout, CachePools, SequenceCache, StandaloneAllocator
 
-__all__ = ["CacheLayout", "CachePools", "EntryIndex", "HostStep", "Selection", "SequenceCache", "StandaloneAllocator", "StepMeta",
-           "WindowIndex", "derive", "pack_step", "query_view"]
+__all__ = ["CacheLayout", "CachePools", "EntryIndex", "HostStep", "Selection", "SequenceCache", "StandaloneAllocator",
+           "StepMeta", "WindowIndex", "derive", "pack_step", "query_view"]
