@@ -42,7 +42,7 @@ def skew(model, hot: dict[int, float]) -> None:
     """A skewed routing: the router's selection bias raised for the `hot` experts in every layer."""
     for lw in model.layers:
         for e, b in hot.items():
-            lw.gate_bias[e] += b
+            lw.ffn.gate.bias[e] += b
 
 
 def reference(model_dir, packed: bool, hot: dict[int, float], lengths: list[int], seed: int):
@@ -53,7 +53,7 @@ def reference(model_dir, packed: bool, hot: dict[int, float], lengths: list[int]
     states = [model.new_state() for _ in ps]
     want = [model.forward(ForwardBatch(ps, states, all_logits=True))]
     want += [model.forward(ForwardBatch([[t] for t in toks], states)) for toks in steps]
-    return want, [lw.experts for lw in model.layers]
+    return want, [lw.ffn.experts for lw in model.layers]
 
 
 def _worker(rank, world, init, model_dir, placement, packed, hot, split, lengths, seed, eplb, want, full, out):
@@ -108,7 +108,7 @@ def _worker(rank, world, init, model_dir, placement, packed, hot, split, lengths
         for i, lw in enumerate(model.layers):
             mine = ep.layer_placements[i].local_logical(rank)
             for j, e in enumerate(mine):
-                for a, b in zip(slot_tensors(lw.experts, j), slot_tensors(full[i], e)):
+                for a, b in zip(slot_tensors(lw.ffn.experts, j), slot_tensors(full[i], e)):
                     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (rank, i, j, e)
             new_here += len(set(mine) - set(placement.local_logical(rank)))
         summary = {"rank": rank, "lines": lines, "new_experts": new_here,

@@ -66,11 +66,11 @@ def test_linear_bytes_counts_fp8_as_held_and_as_bf16():
 def test_model_with_fp8_linears_gives_identical_logits_and_holds_them_as_stored():
     dense = load_model(FIXTURE, fp8_linears=False)
     stored = load_model(FIXTURE, fp8_linears=True)
-    assert isinstance(dense.layers[0].wq_a, torch.Tensor)
+    assert isinstance(dense.layers[0].attn.wq_a, torch.Tensor)
     lw = stored.layers[0]
-    for w in (lw.wq_a, lw.wq_b, lw.wkv, lw.wo_b, *lw.wo_a):
+    for w in (lw.attn.wq_a, lw.attn.wq_b, lw.attn.wkv, lw.attn.wo_b, *lw.attn.wo_a):
         assert isinstance(w, Fp8BlockWeight)
-    assert len(lw.wo_a) == stored.config.o_groups  # wo_a[g], as the model indexes it
+    assert len(lw.attn.wo_a) == stored.config.o_groups  # wo_a[g], as the model indexes it
     ids = [[5, 9, 13, 2, 77, 31, 8], [4, 4, 19]]
     a = dense.forward(ForwardBatch(ids, [dense.new_state(), dense.new_state()], all_logits=True))
     b = stored.forward(ForwardBatch(ids, [stored.new_state(), stored.new_state()], all_logits=True))
@@ -79,7 +79,7 @@ def test_model_with_fp8_linears_gives_identical_logits_and_holds_them_as_stored(
 
 def test_loader_default_keeps_the_cpu_reference_dense():
     model = load_model(FIXTURE)
-    assert isinstance(model.layers[0].wq_a, torch.Tensor)
+    assert isinstance(model.layers[0].attn.wq_a, torch.Tensor)
 
 
 def test_synthetic_fp8_projections_hold_the_values_of_the_dense_variant():

@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, init: str, model_dir: str, placement, packed:
         model = load_model(model_dir, expert_placement=placement, ep_rank=rank, ep_group=group, draft_layers=False,
                            packed_experts=packed)
         assert model.expert_parallel.rank == rank
-        assert all((lw.experts.n_experts if packed else len(lw.experts)) == placement.per_rank
+        assert all((lw.ffn.experts.n_experts if packed else len(lw.ffn.experts)) == placement.per_rank
                    for lw in model.layers)
         ps, steps = prompts(seed, lengths)
         lo, hi = sum(split[:rank]), sum(split[:rank + 1])  # this rank's prompts: [lo, hi) of the global list
@@ -139,9 +139,9 @@ def test_rank_reads_only_its_experts(monkeypatch, caplog):
         assert any(".ffn.shared_experts." in n for n in reads) and "embed.weight" in reads
         # slot j holds logical expert local[j], bit for bit the full model's (a redundant copy: the same bytes)
         for lw, fw in zip(model.layers, full.layers):
-            assert lw.experts.n_experts == REDUNDANT.per_rank
+            assert lw.ffn.experts.n_experts == REDUNDANT.per_rank
             for j, e in enumerate(local):
-                for a, b in zip(lw.experts.dense(j, torch.float32), fw.experts.dense(e, torch.float32)):
+                for a, b in zip(lw.ffn.experts.dense(j, torch.float32), fw.ffn.experts.dense(e, torch.float32)):
                     assert torch.equal(a, b)
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"expert parallel rank {rank} ")]
         assert len(lines) == 1 and "5 of 10 physical expert slots" in lines[0] and "GB" in lines[0], lines

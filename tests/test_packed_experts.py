@@ -43,9 +43,9 @@ def test_only_whole_half_tiles_pack():
 def test_model_with_packed_experts_gives_identical_logits():
     dense = load_model(FIXTURE, packed_experts=False)
     packed = load_model(FIXTURE, packed_experts=True)
-    assert isinstance(packed.layers[0].experts, PackedExperts)
-    assert isinstance(packed.layers[0].shared_expert, PackedExperts)
-    assert isinstance(dense.layers[0].experts, list)
+    assert isinstance(packed.layers[0].ffn.experts, PackedExperts)
+    assert isinstance(packed.layers[0].ffn.shared_experts, PackedExperts)
+    assert isinstance(dense.layers[0].ffn.experts, list)
     ids = [[5, 9, 13, 2, 77, 31, 8], [4, 4, 19]]
     a = dense.forward(ForwardBatch(ids, [dense.new_state(), dense.new_state()], all_logits=True))
     b = packed.forward(ForwardBatch(ids, [packed.new_state(), packed.new_state()], all_logits=True))

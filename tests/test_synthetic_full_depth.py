@@ -37,9 +37,10 @@ def test_shared_layers_hold_one_copy_of_weights_and_their_own_caches():
     model = synthetic.build_model(synthetic.config(NARROW, full_depth=True), "cpu", torch.float32, fp8_linears=False)
     assert model.config.num_hidden_layers == 40 and synthetic.config(NARROW, full_depth=True).num_hidden_layers == 40
     layers = model.layers
-    assert layers[8].experts is layers[2].experts  # packed once (weights.arrange), not a stack per layer
-    assert layers[8].wq_a is layers[2].wq_a and layers[39].wq_a is layers[0].wq_a
-    assert layers[14].experts is not layers[2].experts and layers[1].e_table is not layers[14].e_table
+    assert layers[8].ffn.experts is layers[2].ffn.experts  # packed once (weights.arrange), not a stack per layer
+    assert layers[8].attn.wq_a is layers[2].attn.wq_a and layers[39].attn.wq_a is layers[0].attn.wq_a
+    assert layers[14].ffn.experts is not layers[2].ffn.experts
+    assert layers[1].engram.embed is not layers[14].engram.embed
     pools = model.allocate_cache(num_slots=2, num_blocks=4)
     rings = {pools.window[i][0].data_ptr() for i in range(40)}
     assert len(rings) == 40  # every layer its own window ring

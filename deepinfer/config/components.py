@@ -86,7 +86,8 @@ REGISTRY.register(
 for _stage in ("prefill", "decode"):
     REGISTRY.register(
         _stage, "model_forward", backends=["torch", "tilelang-sm90"], devices=_ALL_DEVICES,
-        target=f"{_HERE}.model_forward", doc="DeepseekV41Model.forward over a packed ForwardBatch",
+        target=f"{_HERE}.model_forward",
+        doc="the model's own step over a packed ForwardBatch (models/step.py: the metadata, then model.run)",
     )
 for _mode in ("mask", "compact"):
     REGISTRY.register(

@@ -135,7 +135,7 @@ class EplbRuntime:
         layers, dev = len(model.layers), model.device
         self._width = extra + 1  # the most copies one expert can get: all redundant slots
         for lw in model.layers:
-            own_slots(lw.experts)  # each slot overwritable on its own
+            own_slots(lw.ffn.experts)  # each slot overwritable on its own
         table, copies = replica_table(placement, self._width)
         ep.replicas = table.to(dev).unsqueeze(0).repeat(layers, 1, 1)
         ep.copies = copies.to(dev).unsqueeze(0).repeat(layers, 1)
@@ -183,9 +183,9 @@ class EplbRuntime:
         new = [ExpertPlacement(tuple(row), ep.placement.num_logical, ep.placement.num_ranks) for row in maps.tolist()]
         moved_bytes = moved = 0
         for lw, a, b in zip(model.layers, old, new):
-            move_experts(lw.experts, plan_moves(a, b, self.rank), self.group)
+            move_experts(lw.ffn.experts, plan_moves(a, b, self.rank), self.group)
             n = transfers(a, b)
-            moved, moved_bytes = moved + n, moved_bytes + n * slot_bytes(lw.experts)
+            moved, moved_bytes = moved + n, moved_bytes + n * slot_bytes(lw.ffn.experts)
         tables = [replica_table(p, self._width) for p in new]
         ep.replicas.copy_(torch.stack([t for t, _ in tables]))
         ep.copies.copy_(torch.stack([c for _, c in tables]))

@@ -35,7 +35,8 @@ def backend_from_program(program) -> EngineBackend:
 
 def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_invariant: bool = False) -> EngineBackend:
     """Wraps a loaded model (deepinfer.models.load_model) and, when given, the pipeline's StepProgram, whose
-    prefill/decode stages and sampler take precedence over the plain model forward."""
+    prefill/decode stages and sampler take precedence over the model's own step (models/step.py ModelStep: the
+    step metadata built on the host from a ForwardBatch, then model.run)."""
     cfg = model.config
     if tokenizer is None:
         tokenizer = getattr(model, "tokenizer", None)
@@ -47,8 +48,13 @@ def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_
         sampler = Sampler(cfg.vocab_size, cfg.eos_token_id, tokenizer=tokenizer, batch_invariant=batch_invariant)
     if tokenizer is None:
         tokenizer = getattr(sampler, "tokenizer", None)
-    prefill = getattr(program, "prefill", None) or model.forward
-    decode = getattr(program, "decode", None) or model.forward
+    step = None
+    if getattr(program, "prefill", None) is None or getattr(program, "decode", None) is None:
+        from deepinfer.models.step import ModelStep  # here: importing the engine never loads the model code
+
+        step = ModelStep(model)
+    prefill = getattr(program, "prefill", None) or step
+    decode = getattr(program, "decode", None) or step
     return EngineBackend(
         prefill=prefill,
         decode=decode,

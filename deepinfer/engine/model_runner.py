@@ -2,10 +2,11 @@
 
 It owns the memory: the cache pools, allocated once (`allocate`), which every sequence addresses by the slot and
 blocks the CacheManager gave it (carried by the plan's rows). It turns a StepPlan into one ForwardBatch, runs the
-pipeline's prefill or decode stage (a decode step by CUDA-graph replay where it can), and samples the rows that end
-at their sequence's last token. It executes plans strictly in order, which is what lets a plan carry placeholder
-tokens (by the time a plan runs, the step before it has sampled them) and lets a freed slot or block be handed to
-another request in the very next plan (the step still using it has finished by then).
+pipeline's prefill or decode stage (by default the model's own step, models/step.py: the step metadata built on the
+host, then `model.run(meta, pools)`; a decode step by CUDA-graph replay of `model.run` where it can), and samples
+the rows that end at their sequence's last token. It executes plans strictly in order, which is what lets a plan
+carry placeholder tokens (by the time a plan runs, the step before it has sampled them) and lets a freed slot or
+block be handed to another request in the very next plan (the step still using it has finished by then).
 """
 
 from __future__ import annotations

@@ -14,12 +14,13 @@ import torch
 
 from deepinfer.kernels.torch.cache_formats import Fp4Codec, Fp8Codec
 
-from .cache import CachePools, StepMeta
-from .weights import LayerWeights
+from .cache import CachePools, Selection, StepMeta
+from .weights import Attention as AttentionWeights
 
 
 class Attention:
-    def __init__(self, cfg, layer: int, w: LayerWeights, ops, rope_freqs: torch.Tensor, compress_freqs: torch.Tensor):
+    def __init__(self, cfg, layer: int, w: AttentionWeights, ops, rope_freqs: torch.Tensor,
+                 compress_freqs: torch.Tensor):
         self.cfg, self.layer, self.w, self.ops = cfg, layer, w, ops
         self.ratio = cfg.compress_ratios[layer]
         self.freqs = compress_freqs if self.ratio else rope_freqs
@@ -71,10 +72,10 @@ class Attention:
     def compress_input(self, h: torch.Tensor) -> torch.Tensor:
         """The compressor's per-token part (what context parallel gathers): ratio 1 the normed latent [T, D];
         ratio > 1 the fp32 (kv, gate) projections [T, 2, D]."""
-        cfg, w, ops = self.cfg, self.w, self.ops
+        cfg, c, ops = self.cfg, self.w.compressor, self.ops
         if self.ratio == 1:
-            return ops.rms_norm(ops.linear(h, w.c_wkv), w.c_norm, cfg.rms_norm_eps)
-        return torch.stack([ops.linear(h.float(), w.c_wkv.float()), ops.linear(h.float(), w.c_wgate.float())], 1)
+            return ops.rms_norm(ops.linear(h, c.wkv), c.norm, cfg.rms_norm_eps)
+        return torch.stack([ops.linear(h.float(), c.wkv.float()), ops.linear(h.float(), c.wgate.float())], 1)
 
     def store_compressed(self, c_in: torch.Tensor, meta: StepMeta, pools: CachePools, dtype: torch.dtype) -> None:
         """compress() from the compressor input of every row of `meta`'s step."""
@@ -90,10 +91,10 @@ class Attention:
             members = torch.where(gi.member_is_new[..., None, None], raw[gi.member_new_row], held[gi.member_open_row])
             held.index_copy_(0, gi.open_write_row, raw)  # after the read: a write may reuse a row just read
             pooled = ops.compressor_pool(members[:, :, 0].reshape(T * r, D), members[:, :, 1].reshape(T * r, D), r)
-            latent = ops.rms_norm(pooled.to(dtype), w.c_norm, cfg.rms_norm_eps)
+            latent = ops.rms_norm(pooled.to(dtype), w.compressor.norm, cfg.rms_norm_eps)
             pos, dst = gi.rope_pos, gi.entry_row
         if self.is_index:  # indexer keys come from the pre-RoPE latent
-            k = ops.rope(ops.rms_norm(ops.linear(latent, w.i_wk), w.i_k_norm, cfg.rms_norm_eps), pos,
+            k = ops.rope(ops.rms_norm(ops.linear(latent, w.indexer.wk), w.indexer.k_norm, cfg.rms_norm_eps), pos,
                          self.compress_freqs)
             for part, new in zip(pools.index_keys[self.layer], L.key_codec.encode(k)):
                 part.index_copy_(0, dst, new)
@@ -104,12 +105,12 @@ class Attention:
         """Score every query against its sequence's indexer keys; publish each query's selected pool rows."""
         cfg, w, ops, L = self.cfg, self.w, self.ops, pools.layout
         T, topk = h.shape[0], cfg.index_topk
-        iq = ops.linear(q_res, w.i_wq_b).view(T, cfg.index_n_heads, cfg.index_head_dim)
+        iq = ops.linear(q_res, w.indexer.wq_b).view(T, cfg.index_n_heads, cfg.index_head_dim)
         iq = ops.fake_quant_fp4(ops.rope(iq, meta.positions, self.compress_freqs), 32, False)
-        weights = ops.linear(h, w.i_weights_proj).float() * cfg.index_n_heads**-0.5
+        weights = ops.linear(h, w.indexer.weights_proj).float() * cfg.index_n_heads**-0.5
         ent = meta.entries[self.ratio]
         if ent.width == 0:  # nothing compressed yet in any sequence of the step
-            meta.scratch["selected"] = (self.source, torch.full((T, topk), -1, dtype=torch.int64, device=h.device))
+            meta.selected = Selection(self.source, torch.full((T, topk), -1, dtype=torch.int64, device=h.device))
             return
         stored = [p[ent.rows] for p in pools.index_keys[self.source]]  # [B, G, ...] each sequence's keys as stored
         if isinstance(L.key_codec, Fp4Codec):
@@ -121,7 +122,7 @@ class Attention:
             scores,
             ent.visible,
             topk,
-            candidates=meta.scratch.get("candidates") if self.uses_candidates else None,
+            candidates=meta.candidates if self.uses_candidates else None,
             candidate_blocks=cfg.candidate_topk_blocks if self.is_candidate_source else 0,
             candidate_block_size=cfg.candidate_block_size,
         )
@@ -131,9 +132,9 @@ class Attention:
         order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)[:, :topk]
         ok = selected.gather(1, order)
         rows = ent.rows[meta.tok_seq[:, None], order.clamp_max(ent.width - 1)]
-        meta.scratch["selected"] = (self.source, torch.where(ok, rows, -1))
+        meta.selected = Selection(self.source, torch.where(ok, rows, -1))
         if self.is_candidate_source:
-            meta.scratch["candidates"] = candidates
+            meta.candidates = candidates
 
     # ---------------------------------------------------------------------------------------
     def _attend(self, q, kv, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:
@@ -156,9 +157,9 @@ class Attention:
 
     def _selected(self, meta: StepMeta, T: int, device) -> torch.Tensor:
         """[T, index_topk] pool rows each query attends to (-1: none), from this step's index source."""
-        selected = meta.scratch.get("selected")
-        if selected is not None and selected[0] == self.source:
-            return selected[1]
+        selected = meta.selected
+        if selected is not None and selected.source == self.source:
+            return selected.rows
         # without an index source for this source in this step, nothing is selectable
         return torch.full((T, self.cfg.index_topk), -1, dtype=torch.int64, device=device)
 

@@ -7,29 +7,21 @@ norm and head. All arithmetic goes through the op set (`kernels/`), never raw ke
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 from tokenizers import Tokenizer
 
 from deepinfer.kernels.registry import OpSet
 from deepinfer.kernels.torch.rope import default_inv_freq, yarn_inv_freq
-from deepinfer.distributed.context_parallel import ContextParallel, align_of
+from deepinfer.distributed.context_parallel import ContextParallel
 from deepinfer.distributed.expert_parallel import ExpertParallel, ep_moe_experts
 
 from .attention import Attention
 from .batch import ForwardBatch
-from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, StepMeta, derive, pack_step, query_view
-from .card import ModelCard
+from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, StepMeta
 from .config import ModelConfig
 from .engram import EngramTables
-from .weights import LayerWeights, arrange, arrange_drafts
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-    from deepinfer.distributed.placement import ExpertPlacement
+from .step import ModelStep
+from .weights import Engram, HyperConnection, Layer, MoE, arrange, arrange_drafts, held_bytes
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
 STANDALONE_SLOTS = 64
@@ -68,7 +60,7 @@ class DeepseekV41Model:
             else default_inv_freq(cfg.compress_rope_theta, rope_dim)
         ).to(self.device)
         self.attn = [
-            Attention(cfg, i, lw, ops, self.main_freqs, self.compress_freqs) for i, lw in enumerate(self.layers)
+            Attention(cfg, i, lw.attn, ops, self.main_freqs, self.compress_freqs) for i, lw in enumerate(self.layers)
         ]
         self.layer_hook = None  # optional callable(i) at each layer boundary (0..n_layers): benchmarks time layers
         self.engram = None
@@ -105,11 +97,11 @@ class DeepseekV41Model:
     def weight_bytes(self) -> int:
         """Bytes of the weights this process holds (layers, embedding, final norm, head; a tensor shared or viewed
         counts once): what each rank of a parallel layout reports when loaded."""
-        return _held_bytes([self.layers, self.embed, self.final_norm, self.head])
+        return held_bytes([self.layers, self.embed, self.final_norm, self.head])
 
     def routed_expert_bytes(self) -> int:
         """Bytes of the routed experts this process holds (with expert parallelism: only its physical slots)."""
-        return _held_bytes([lw.experts for lw in self.layers])
+        return held_bytes([lw.ffn.experts for lw in self.layers])
 
     # ---- caches ----------------------------------------------------------------------------
     def cache_layout(self, block_size: int = 64, max_rollback: int = 0, drafts: bool = False) -> CacheLayout:
@@ -135,37 +127,13 @@ class DeepseekV41Model:
             self._standalone[(max_rollback, drafts)] = alloc
         return alloc.new()
 
-    # ---- forward ---------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- forward ----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cp: ContextParallel | None = None) -> torch.Tensor:
-        """`cp` (deepinfer.distributed.context_parallel.ContextParallel): balanced context-parallel prefill. Every rank
-        of cp.group calls forward in step with the same token ids and tokens held per sequence (its own slots and
-        blocks); each computes its mirror blocks of every chunk, every rank's pools end up holding the whole step's
-        caches, and every rank returns the same (single-process) logits."""
-        if len(batch.token_ids) != len(batch.states):
-            raise ValueError("ForwardBatch: token_ids and states must have the same length")
-        if any(len(t) == 0 for t in batch.token_ids):
-            raise ValueError("ForwardBatch: every sequence needs at least one new token")
-        pools = batch.states[0].pools
-        if any(st.pools is not pools for st in batch.states):
-            raise ValueError("ForwardBatch: every sequence of a step must live in the same cache pools")
-        for st, ids in zip(batch.states, batch.token_ids):
-            st.reserve(st.num_tokens + len(ids))
-        pasts = [st.num_tokens for st in batch.states]
-        host = pack_step(batch.token_ids, batch.states, pools.layout, self.device, all_logits=batch.all_logits,
-                         num_logits=batch.num_logits, decode_rows=batch.decode_rows)
-        meta = derive(host, pools)
-        if cp is not None:
-            if batch.replay is not None:
-                raise ValueError("context parallel prefill does not support YOCO replay (yoco=mask|compact) yet")
-            plan = cp.plan(host.lengths, pasts, align_of(self.config.compress_ratios))
-            step = cp.step(plan, meta, self.device)
-            meta = query_view(meta, step.own, step)
-        replay = batch.replay.plan(meta, pools, pasts, batch.data_lens) if batch.replay is not None else None
-        logits = self.run(meta, pools, replay)
-        for st, n in zip(batch.states, host.lengths):
-            st.num_tokens += n
-        return logits
+        """A convenience for scripts and tests: one step from a ForwardBatch (models/step.py ModelStep, the
+        engine's prefill/decode stage: the host builds the step's metadata, then `run`). `cp`
+        (deepinfer.distributed.context_parallel.ContextParallel): balanced context-parallel prefill; every rank of
+        cp.group calls forward in step with the same batch and returns the same logits."""
+        return ModelStep(self)(batch, cp)
 
     __call__ = forward
 
@@ -195,8 +163,8 @@ class DeepseekV41Model:
                 hook(i)
             if drafter is not None and i in drafter.targets:  # DSpark context: the trunk entering the layer
                 features.append(streams.float().mean(1).to(self.dtype))
-            if lw.e_table is not None:
-                streams = self._engram(streams, lw, hash_ids[:, cfg.engram_layer_ids.index(i)])
+            if lw.engram is not None:
+                streams = self._engram(streams, lw.engram, hash_ids[:, cfg.engram_layer_ids.index(i)])
             if replay is not None and i == replay.boundary:
                 streams, pre, meta, hash_ids = replay.enter(self, streams, pre, meta, pools, hash_ids)
             streams, pre = self._block(streams, pre, lw, attn, meta, pools, i)
@@ -219,36 +187,36 @@ class DeepseekV41Model:
         y = ops.rms_norm(ops.mhc_collapse(streams, pre), self.final_norm, cfg.rms_norm_eps)
         return ops.linear(y, self.head).float()
 
-    def _block(self, streams, prev_pre, lw: LayerWeights, attn: Attention, meta: StepMeta, pools: CachePools,
+    def _block(self, streams, prev_pre, lw: Layer, attn: Attention, meta: StepMeta, pools: CachePools,
                layer: int | None = None):
         cfg, ops = self.config, self.ops
         mix = (cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
-        a_pre, a_post, a_comb = ops.mhc_mixes(streams, *lw.hc_attn, *mix)
+        a_pre, a_post, a_comb = ops.mhc_mixes(streams, *_hc(lw.hc_attn), *mix)
         h = self.attn_input(streams, prev_pre, lw)
         streams = ops.mhc_expand(attn(h, meta, pools), streams, a_post, a_comb)
-        f_pre, f_post, f_comb = ops.mhc_mixes(streams, *lw.hc_ffn, *mix)
+        f_pre, f_post, f_comb = ops.mhc_mixes(streams, *_hc(lw.hc_ffn), *mix)
         g = ops.rms_norm(ops.mhc_collapse(streams, a_pre), lw.ffn_norm, cfg.rms_norm_eps)
-        streams = ops.mhc_expand(self._moe(g, lw, layer), streams, f_post, f_comb)
+        streams = ops.mhc_expand(self._moe(g, lw.ffn, layer), streams, f_post, f_comb)
         return streams, f_pre
 
-    def attn_input(self, streams, prev_pre, lw: LayerWeights) -> torch.Tensor:
+    def attn_input(self, streams, prev_pre, lw: Layer) -> torch.Tensor:
         """A layer's attention-norm output: the streams collapsed with the previous site's pre-mix, normed."""
         return self.ops.rms_norm(self.ops.mhc_collapse(streams, prev_pre), lw.attn_norm, self.config.rms_norm_eps)
 
-    def _moe(self, g: torch.Tensor, lw: LayerWeights, layer: int | None = None) -> torch.Tensor:
+    def _moe(self, g: torch.Tensor, moe: MoE, layer: int | None = None) -> torch.Tensor:
         """`layer`: the backbone layer index (expert parallel with EPLB keeps a placement, dispatch table and
         token counts per layer); None for the draft layers."""
         cfg, ops = self.config, self.ops
         weights, idx = ops.moe_router(
-            g, lw.gate_weight, lw.gate_bias, lw.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
+            g, moe.gate.weight, moe.gate.bias, moe.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         ep = self.expert_parallel
-        if ep is not None:  # lw.experts: this rank's physical slots; a collective over ep.group
+        if ep is not None:  # moe.experts: this rank's physical slots; a collective over ep.group
             placement, replicas, load = ep.for_layer(layer)
-            return ep_moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit, placement,
+            return ep_moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit, placement,
                                   ep.group, load=load, replicas=replicas)
-        return ops.moe_experts(g, weights, idx, lw.experts, lw.shared_expert, cfg.swiglu_limit)
+        return ops.moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit)
 
     # ---- engram ----------------------------------------------------------------------------
     def _engram_hash(self, meta: StepMeta, pools: CachePools) -> torch.Tensor:
@@ -262,151 +230,15 @@ class DeepseekV41Model:
         pools.ngram.index_copy_(0, write_row, new)  # after the read: a long chunk may reuse rows it read
         return self.ops.engram_hash(look, tabs.multipliers, tabs.primes, tabs.offsets)
 
-    def _engram(self, streams: torch.Tensor, lw: LayerWeights, ids: torch.Tensor) -> torch.Tensor:
+    def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.config, self.ops
-        rows = lw.e_table[ids].flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
-        kv = ops.linear(rows, lw.e_wkv)
+        rows = engram.embed[ids].flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
+        kv = ops.linear(rows, engram.wkv)
         key, value = kv.split([cfg.hc_mult * cfg.hidden_size, cfg.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (cfg.hc_mult, cfg.hidden_size))
-        return ops.engram_gate(streams, key, value, lw.e_weight, cfg.rms_norm_eps)
+        return ops.engram_gate(streams, key, value, engram.weight, cfg.rms_norm_eps)
 
 
-def load_model(
-    model: str | Path,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    backends: dict[str, list[str]] | list[str] | None = None,
-    strict_backends: bool = False,
-    batch_invariant: bool = False,
-    weights: bool = True,
-    packed_experts: bool | None = None,
-    fp8_linears: bool | None = None,
-    draft_layers: bool = True,
-    load_format: str = "auto",
-    tokenizer: str | Path | None = None,
-    seed: int = 0,
-    expert_placement: ExpertPlacement | None = None,
-    ep_rank: int = 0,
-    ep_group: ProcessGroup | None = None,
-) -> DeepseekV41Model | ModelCard:
-    """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
-    ModelCard, for a frontend whose engine process holds the weights).
-
-    `batch_invariant`: the torch backend is row-invariant by construction (fixed GEMM row tiles, tail-free SIMD,
-    per-query key slates, order-free indexer scores); the TileLang backend switches to fixed splits and tiles
-    (OpSet.build(batch_invariant=...)).
-
-    `packed_experts` (default: on CUDA) keeps FP4/FP8 expert weights as stored, stacked once (PackedExperts): the
-    TileLang grouped GEMM streams them, the torch op dequantises the experts each call touches. The values are
-    the same either way; dense dequantised experts would need ~27 GB per layer at V4.1-Flash size.
-
-    `fp8_linears` (default: on CUDA) keeps the other FP8 projections as stored (Fp8BlockWeight, 1 byte per weight
-    instead of 2 in bf16): the TileLang linear dequantises tiles in registers, the torch op dequantises per call
-    (same values, identical logits on the CPU, where the default stays dense).
-
-    `draft_layers`: load the DSpark draft layers (`mtp.*`) when the checkpoint has them (model.drafter); without
-    them the model decodes one token per step and they take no memory.
-
-    `load_format="dummy"` (DeepInfer's, for benchmarking): no weight file is read (a directory or hub id with only
-    config.json and tokenizer.json is enough); the weights are random in the released storage formats for the
-    checkpoint's config (deepinfer.models.random_weights, drawn with `seed`: the same config and seed
-    give the same weights, on one device type), the draft layers too when loaded. `tokenizer`: a tokenizer.json
-    (or a directory holding one) instead of the checkpoint's; its vocabulary must fit the config.
-
-    `expert_placement` (deepinfer.distributed.placement.ExpertPlacement; issue 13 expert parallelism): this process
-    is rank `ep_rank` of `ep_group` (None: the default group, which must be initialised before the first forward).
-    Only the routed experts of the rank's physical slots are read from the checkpoint (a replicated expert once);
-    shared experts, attention, router, embeddings and Engram tables load in full on every rank. The model runs in
-    expert-parallel mode (`model.expert_parallel`, deepinfer.distributed.expert_parallel.ExpertParallel): every rank
-    must call `forward` the same number of times. One log line gives this rank's weight bytes. The draft layers
-    are not supported with it yet: pass `draft_layers=False` for a checkpoint that has them. With
-    `load_format="dummy"` every expert is drawn (the draws depend on all of them) and the other ranks' are dropped."""
-    from .loading import load_checkpoint, resolve_model_dir
-
-    dummy = load_format == "dummy"
-    model_dir = resolve_model_dir(model, weights=not dummy)
-    local = None
-    if expert_placement is not None:
-        local = _check_expert_parallel(model_dir, expert_placement, ep_rank, ep_group, draft_layers)
-    if packed_experts is None:
-        packed_experts = torch.device(device).type == "cuda"
-    if fp8_linears is None:
-        fp8_linears = torch.device(device).type == "cuda"
-    ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts,
-                           quantized_linears=fp8_linears, draft_layers=draft_layers, load_format=load_format,
-                           tokenizer=tokenizer, routed_experts=local)
-    ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends, batch_invariant=batch_invariant)
-    tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
-    if not weights:
-        return ModelCard(ckpt.config, tok, ops, torch.device(device), Path(model_dir))
-    if dummy:
-        import logging
-
-        from .random_weights import random_weights
-
-        drafts = draft_layers and ckpt.config.num_nextn_predict_layers > 0
-        ckpt.weights = random_weights(ckpt.config, device, dtype, seed, packed_experts, fp8_linears,
-                                      draft_layers=drafts)
-        logging.getLogger("deepinfer.loading").warning(
-            "model.load_format=dummy: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
-            "file was read, outputs are meaningless (benchmarking only)", seed, len(ckpt.weights), model_dir,
-            ", with draft layers" if drafts else "")
-    if expert_placement is None:
-        return DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype)
-    ep = ExpertParallel(expert_placement, ep_rank, ep_group)
-    model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
-    del ckpt
-    import logging
-
-    logging.getLogger("deepinfer.loading").info(
-        "expert parallel rank %d of %d: %d of %d physical expert slots per layer (%d distinct experts of %d), "
-        "weights on this rank %.3f GB (routed experts %.3f GB)", ep_rank, expert_placement.num_ranks,
-        expert_placement.per_rank, expert_placement.num_physical, len(set(local)), expert_placement.num_logical,
-        model.weight_bytes() / 1e9, model.routed_expert_bytes() / 1e9)
-    return model
-
-
-def _check_expert_parallel(model_dir, placement, rank: int, group, draft_layers: bool) -> tuple[int, ...]:
-    """One-line errors for an expert-parallel load that cannot work; returns the rank's logical experts."""
-    import torch.distributed as dist
-
-    from .loading.checkpoint import _read_config
-
-    cfg = _read_config(Path(model_dir))
-    if placement.num_logical != cfg.n_routed_experts:
-        raise ValueError(f"expert_placement has {placement.num_logical} logical experts; the model has "
-                         f"n_routed_experts={cfg.n_routed_experts}")
-    if not 0 <= rank < placement.num_ranks:
-        raise ValueError(f"ep_rank={rank} is out of range; allowed: 0..{placement.num_ranks - 1}")
-    if draft_layers and cfg.num_nextn_predict_layers > 0:
-        raise ValueError("expert parallel does not support the DSpark draft layers (mtp.*) yet; pass "
-                         "draft_layers=False")
-    if dist.is_initialized():
-        world, me = dist.get_world_size(group), dist.get_rank(group)
-        if world != placement.num_ranks or me != rank:
-            raise ValueError(f"expert_placement is for {placement.num_ranks} ranks and ep_rank={rank}; this process "
-                             f"is rank {me} of a group of {world}")
-    return placement.local_logical(rank)
-
-
-def _held_bytes(obj) -> int:
-    """Bytes of the distinct tensor storages reachable from `obj` (tensors, lists/tuples/dicts, dataclasses such
-    as LayerWeights, PackedExperts, Fp8BlockWeight): a tensor referenced twice, or a view, counts once."""
-    seen: dict[tuple[str, int], int] = {}
-
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            st = o.untyped_storage()
-            seen[(str(o.device), st.data_ptr())] = st.nbytes()
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif hasattr(o, "__dataclass_fields__"):
-            for name in o.__dataclass_fields__:
-                walk(getattr(o, name))
-
-    walk(obj)
-    return sum(seen.values())
+def _hc(site: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An mHC site's parameters in the order ops.mhc_mixes takes them."""
+    return site.fn, site.scale, site.base

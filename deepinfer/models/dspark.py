@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .cache import CachePools
-from .weights import DraftWeights, LayerWeights
+from .weights import Attention as AttentionWeights, DraftWeights
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Drafts:
 class DraftAttention:
     """A ratio-0 V4.1 attention whose block queries see the context ring plus the whole block (non-causal)."""
 
-    def __init__(self, cfg, index: int, w: LayerWeights, ops, rope_freqs: torch.Tensor):
+    def __init__(self, cfg, index: int, w: AttentionWeights, ops, rope_freqs: torch.Tensor):
         self.cfg, self.index, self.w, self.ops, self.freqs = cfg, index, w, ops, rope_freqs
         self.scale = cfg.head_dim**-0.5
 
@@ -79,7 +79,8 @@ class DSpark:
         self.cfg = model.config
         self.w = weights
         self.targets = tuple(self.cfg.dspark_target_layer_ids)
-        self.attn = [DraftAttention(self.cfg, i, lw, model.ops, model.main_freqs) for i, lw in enumerate(weights.layers)]
+        self.attn = [DraftAttention(self.cfg, i, lw.attn, model.ops, model.main_freqs)
+                     for i, lw in enumerate(weights.layers)]
         self.confidence_temperature: tuple[float, ...] = (1.0,)
 
     @property

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from .cache import CachePools, EntryIndex, StepMeta, WindowIndex
+from .cache import CachePools, EntryIndex, Selection, StepMeta, WindowIndex
 from .cache.metadata import to_device
 
 MODES = ("mask", "compact")
@@ -113,21 +113,19 @@ class ReplayStep:
         """Called by the model before the boundary layer's block: returns the streams, pre-mix, metadata and Engram
         hash ids the consumer layers run on. Compact first writes the boundary layer's shared KV (compressed KV
         and indexer keys) for every row, from its attention-norm output of all rows."""
-        if self.kept is None:
-            return streams, pre, self.view, hash_ids
+        view, kept = self.view, self.kept
+        # the consumer layers go on from what the layers before the boundary selected (on the kept rows)
+        view.selected, view.candidates = meta.selected, meta.candidates
+        if kept is None:
+            return streams, pre, view, hash_ids
         attn = model.attn[self.boundary]
         if attn.is_source:
             attn.compress(model.attn_input(streams, pre, model.layers[self.boundary]), meta, pools)
-        kept = self.kept
-        self.view.scratch.update({k: _take(v, kept) for k, v in meta.scratch.items()})
-        return streams[kept], pre[kept], self.view, (hash_ids[kept] if hash_ids is not None else None)
-
-
-def _take(value, rows: torch.Tensor):
-    """A per-query scratch value (a tensor, or (source, tensor)) on the kept rows."""
-    if isinstance(value, tuple):
-        return tuple(_take(v, rows) for v in value)
-    return value[rows] if isinstance(value, torch.Tensor) else value
+        if view.selected is not None:
+            view.selected = Selection(view.selected.source, view.selected.rows[kept])
+        if view.candidates is not None:
+            view.candidates = view.candidates[kept]
+        return streams[kept], pre[kept], view, (hash_ids[kept] if hash_ids is not None else None)
 
 
 def _window_look(positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -140,7 +138,7 @@ def _mask_view(meta: StepMeta, rect_lo: torch.Tensor, window: int) -> StepMeta:
     inside = _window_look(meta.positions, window) >= rect_lo[meta.tok_seq][:, None]
     # the prefill (slate) path also for steps of one-token chunks: the decode path reads visibility from the ring
     host = replace(meta.host, decode_only=False, split=None)
-    return replace(meta, host=host, window=replace(wi, valid=wi.valid & inside))  # scratch: the same dict
+    return replace(meta, host=host, window=replace(wi, valid=wi.valid & inside))
 
 
 def _compact_view(meta: StepMeta, pools: CachePools, rect_lo, clip, total: int, window: int, shared: int):

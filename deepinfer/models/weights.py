@@ -1,11 +1,11 @@
-"""Checkpoint tensors (canonical names; dense, or kept as stored where the loader was asked to) arranged per layer
-for the forward pass."""
+"""Checkpoint tensors (canonical names; dense, or kept as stored where the loader was asked to) arranged as a tree
+shaped like the checkpoint (Layer -> Attention -> Compressor, Indexer; MoE; Engram) for the forward pass."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
@@ -13,21 +13,55 @@ from deepinfer.kernels.fp8_weight import Fp8BlockWeight, linear_bytes
 from deepinfer.kernels.packed_experts import PackedExperts, QuantizedWeight, can_pack, pack_quantized
 
 from .config import ModelConfig
+from .loading.tensors import Spec, draft_stage_tensors, layer_tensors
 
 log = logging.getLogger("deepinfer.models")
 
-# Projection weights the model applies through ops.linear: each a dense [out, in] tensor or an Fp8BlockWeight
-# (FP8 as stored; wo_a then a list of per-group Fp8BlockWeights).
-LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "c_wkv", "c_wgate", "i_wq_b", "i_weights_proj", "i_wk", "e_wkv")
-Linear = torch.Tensor | Fp8BlockWeight
+Linear = torch.Tensor | Fp8BlockWeight  # a dense [out, in] projection, or FP8 as stored
+Expert = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (w1, w2, w3)
+
+# The weight tree mirrors the checkpoint: a field is the checkpoint key under its object's prefix (`attn.wq_a` is
+# `layers.{i}.attn.wq_a.weight`, `hc_attn.fn` is `layers.{i}.hc_attn_fn`), so the tree is filled by walking the
+# layer's tensor table (loading/tensors.py: names, shapes, storage formats), the one place the layout is written.
+# LINEARS: the fields applied through ops.linear (dense, or Fp8BlockWeight as stored).
 
 
 @dataclass
-class LayerWeights:
-    attn_norm: torch.Tensor
-    ffn_norm: torch.Tensor
-    hc_attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn, scale, base
-    hc_ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+class HyperConnection:
+    """An mHC site's mixing parameters (`hc_attn_*`, `hc_ffn_*`)."""
+
+    fn: torch.Tensor
+    scale: torch.Tensor
+    base: torch.Tensor
+
+
+@dataclass
+class Compressor:
+    """`attn.compressor.*` of a KV-source layer; wgate only at ratio 2 (overlapping groups need the softmax gate)."""
+
+    LINEARS = ("wkv", "wgate")
+    wkv: Linear
+    norm: torch.Tensor
+    wgate: Linear | None = None
+
+
+@dataclass
+class Indexer:
+    """`attn.indexer.*`: the query side on index sources (wq_b, weights_proj), the key side on KV sources (wk,
+    k_norm: keys come from the compressed latent where it is produced)."""
+
+    LINEARS = ("wq_b", "weights_proj", "wk")
+    wq_b: Linear | None = None
+    weights_proj: torch.Tensor | None = None
+    wk: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class Attention:
+    """`attn.*`."""
+
+    LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
     wq_a: Linear
     q_norm: torch.Tensor
     wq_b: Linear
@@ -36,21 +70,50 @@ class LayerWeights:
     wo_a: torch.Tensor | list[Fp8BlockWeight]  # wo_a[g]: group g's [o_lora_rank, H * head_dim / o_groups]
     wo_b: Linear
     attn_sink: torch.Tensor
-    gate_weight: torch.Tensor
-    gate_bias: torch.Tensor | None
-    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | PackedExperts  # (w1, w2, w3) per expert
-    shared_expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | PackedExperts | None
-    c_wkv: torch.Tensor | None = None
-    c_wgate: torch.Tensor | None = None
-    c_norm: torch.Tensor | None = None
-    i_wq_b: Linear | None = None
-    i_weights_proj: torch.Tensor | None = None
-    i_wk: torch.Tensor | None = None
-    i_k_norm: torch.Tensor | None = None
-    e_table: torch.Tensor | None = None  # engram rows [n, engram_head_dim]
-    e_wkv: Linear | None = None
-    e_weight: torch.Tensor | None = None  # q_weight * k_weight (only the product is used)
+    compressor: Compressor | None = None
+    indexer: Indexer | None = None
+
+
+@dataclass
+class Gate:
+    """`ffn.gate.*`: the router (the bias only selects, it does not weight)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class MoE:
+    """`ffn.*`: the router, the routed experts (this rank's physical slots under expert parallelism) and the
+    shared expert, each (w1, w2, w3), or stacked as stored (PackedExperts)."""
+
+    gate: Gate
+    experts: list[Expert] | PackedExperts
+    shared_experts: Expert | PackedExperts | None
     top_k: int | None = None  # routed experts per token when not the config's num_experts_per_tok (draft layers)
+
+
+@dataclass
+class Engram:
+    """`engram.*`: the hashed n-gram table, the fused K/V projection and the gate weight."""
+
+    LINEARS = ("wkv",)
+    embed: torch.Tensor  # [rows, engram_head_dim]
+    wkv: Linear
+    weight: torch.Tensor  # q_weight * k_weight: only the product is used
+
+
+@dataclass
+class Layer:
+    """One decoder block, `layers.{i}.*` (or a draft stage, `mtp.{i}.*`)."""
+
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    hc_attn: HyperConnection
+    hc_ffn: HyperConnection
+    attn: Attention
+    ffn: MoE
+    engram: Engram | None = None
 
 
 def experts_of(group: list[tuple], dtype: torch.dtype, packed: dict | None = None):
@@ -80,9 +143,43 @@ def _row_groups(w: Linear, groups: int, rank: int):
     return w.view(groups, rank, w.shape[1])
 
 
-def linear_weight_bytes(layers: list[LayerWeights]) -> tuple[int, int]:
+def linear_weight_bytes(layers: list[Layer]) -> tuple[int, int]:
     """(bytes of the projection weights as held, bytes if the FP8 ones were dense bf16)."""
-    return linear_bytes(getattr(lw, f.name) for lw in layers for f in fields(lw) if f.name in LINEARS)
+    return linear_bytes(w for lw in layers for w in _linears(lw))
+
+
+def _linears(obj):
+    """The projection weights in `obj`'s subtree (the LINEARS fields of each object)."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if f.name in getattr(obj, "LINEARS", ()):
+            yield v
+        elif is_dataclass(v):
+            yield from _linears(v)
+
+
+def held_bytes(obj) -> int:
+    """Bytes of the distinct tensor storages reachable from `obj` (tensors, lists/tuples/dicts, dataclasses such
+    as the weight tree's objects, PackedExperts, Fp8BlockWeight): a tensor referenced twice, or a view, counts
+    once."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            seen[(str(o.device), st.data_ptr())] = st.nbytes()
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif hasattr(o, "__dataclass_fields__"):
+            for name in o.__dataclass_fields__:
+                walk(getattr(o, name))
+
+    walk(obj)
+    return sum(seen.values())
 
 
 def _single(experts):
@@ -92,16 +189,14 @@ def _single(experts):
 def arrange(
     cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
     experts: Sequence[int] | None = None,
-) -> tuple[list[LayerWeights], dict[str, torch.Tensor]]:
+) -> tuple[list[Layer], dict[str, torch.Tensor]]:
     """`experts` (expert parallelism): the logical routed expert of each of this rank's physical slots, in slot
     order (ExpertPlacement.local_logical); each layer's `experts` then holds those, a replicated expert once per
     copy (the same loaded tensors). None: all of them, in id order."""
     ids = range(cfg.n_routed_experts) if experts is None else experts
     packed: dict = {}
-    layers = [_layer(cfg, t, f"layers.{i}.", ids, dtype, packed) for i in range(cfg.num_hidden_layers)]
-    for i in cfg.engram_layer_ids:
-        p = f"layers.{i}."
-        layers[i].e_weight = t[p + "engram.q_weight"].float() * t[p + "engram.k_weight"].float()
+    layers = [_layer(cfg, t, f"layers.{i}.", layer_tensors(cfg, i), ids, dtype, packed)
+              for i in range(cfg.num_hidden_layers)]
     held, dense = linear_weight_bytes(layers)
     if held != dense:
         log.info("projection weights: %.3f GB held (FP8 as stored), %.3f GB if dequantised to bf16", held / 1e9,
@@ -114,7 +209,7 @@ def arrange(
 class DraftWeights:
     """The DSpark stages (MODEL_V41_SPEC.md §6.1): ratio-0 decoder blocks plus the context projection and heads."""
 
-    layers: list[LayerWeights]
+    layers: list[Layer]
     main_proj: Linear  # [D, D * n_targets]: concatenated target features -> context hidden
     main_norm: torch.Tensor
     norm: torch.Tensor  # before the shared lm head
@@ -129,9 +224,10 @@ def arrange_drafts(cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dt
     if not n or "mtp.0.main_proj.weight" not in t:
         return None
     last = f"mtp.{n - 1}."
-    layers = [_layer(cfg, t, f"mtp.{i}.", range(cfg.dspark_n_routed_experts), dtype) for i in range(n)]
+    layers = [_layer(cfg, t, f"mtp.{i}.", draft_stage_tensors(cfg, i), range(cfg.dspark_n_routed_experts), dtype)
+              for i in range(n)]
     for lw in layers:
-        lw.top_k = cfg.dspark_num_experts_per_tok
+        lw.ffn.top_k = cfg.dspark_num_experts_per_tok
     return DraftWeights(
         layers=layers,
         main_proj=t["mtp.0.main_proj.weight"],
@@ -143,41 +239,35 @@ def arrange_drafts(cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dt
     )
 
 
-def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, ids: Sequence[int],
-           dtype: torch.dtype, packed: dict | None = None) -> LayerWeights:
-    def get(name: str, optional: bool = False):
-        if optional and p + name not in t:
+def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, specs: dict[str, Spec], ids: Sequence[int],
+           dtype: torch.dtype, packed: dict | None = None) -> Layer:
+    """The layer under prefix `p` (its tensor table `specs`, names relative to p), filled by field name."""
+
+    def fill(cls, prefix: str, optional: bool = False, **given):
+        """`cls` from the tensors under p + prefix: field f is the key `f.weight` where the table names it so, else
+        `f`; an entry the table requires must be there, others are None when absent; `given`: fields built
+        otherwise. `optional`: None when the table has none of cls's tensors (a layer without a compressor)."""
+        keys = {f.name: prefix + f.name + ".weight" if prefix + f.name + ".weight" in specs else prefix + f.name
+                for f in fields(cls) if f.name not in given}
+        if optional and not any(k in specs for k in keys.values()):
             return None
-        return t[p + name]
+        return cls(**given, **{name: t[p + k] if k in specs and not specs[k].optional else t.get(p + k)
+                               for name, k in keys.items()})
 
-    def expert(prefix: str):
-        return tuple(get(f"{prefix}.{k}.weight") for k in ("w1", "w2", "w3"))
+    def expert(prefix: str) -> Expert:
+        return tuple(t[f"{p}{prefix}.{k}.weight"] for k in ("w1", "w2", "w3"))
 
-    return LayerWeights(
-        attn_norm=get("attn_norm.weight"),
-        ffn_norm=get("ffn_norm.weight"),
-        hc_attn=(get("hc_attn_fn"), get("hc_attn_scale"), get("hc_attn_base")),
-        hc_ffn=(get("hc_ffn_fn"), get("hc_ffn_scale"), get("hc_ffn_base")),
-        wq_a=get("attn.wq_a.weight"),
-        q_norm=get("attn.q_norm.weight"),
-        wq_b=get("attn.wq_b.weight"),
-        wkv=get("attn.wkv.weight"),
-        kv_norm=get("attn.kv_norm.weight"),
-        wo_a=_row_groups(get("attn.wo_a.weight"), cfg.o_groups, cfg.o_lora_rank),
-        wo_b=get("attn.wo_b.weight"),
-        attn_sink=get("attn.attn_sink"),
-        gate_weight=get("ffn.gate.weight"),
-        gate_bias=get("ffn.gate.bias", optional=True),
-        experts=experts_of([expert(f"ffn.experts.{e}") for e in ids], dtype, packed),
-        shared_expert=(_single(experts_of([expert("ffn.shared_experts")], dtype, packed))
-                       if p + "ffn.shared_experts.w1.weight" in t else None),
-        c_wkv=get("attn.compressor.wkv.weight", True),
-        c_wgate=get("attn.compressor.wgate.weight", True),
-        c_norm=get("attn.compressor.norm.weight", True),
-        i_wq_b=get("attn.indexer.wq_b.weight", True),
-        i_weights_proj=get("attn.indexer.weights_proj.weight", True),
-        i_wk=get("attn.indexer.wk.weight", True),
-        i_k_norm=get("attn.indexer.k_norm.weight", True),
-        e_table=get("engram.embed.weight", True),
-        e_wkv=get("engram.wkv.weight", True),
-    )
+    attn = fill(Attention, "attn.", compressor=fill(Compressor, "attn.compressor.", optional=True),
+                indexer=fill(Indexer, "attn.indexer.", optional=True))
+    attn.wo_a = _row_groups(attn.wo_a, cfg.o_groups, cfg.o_lora_rank)
+    routed = experts_of([expert(f"ffn.experts.{e}") for e in ids], dtype, packed)
+    shared = None
+    if p + "ffn.shared_experts.w1.weight" in t:
+        shared = _single(experts_of([expert("ffn.shared_experts")], dtype, packed))
+    ffn = MoE(fill(Gate, "ffn.gate."), routed, shared)
+    engram = None
+    if "engram.embed.weight" in specs:
+        weight = t[p + "engram.q_weight"].float() * t[p + "engram.k_weight"].float()
+        engram = fill(Engram, "engram.", weight=weight)
+    return fill(Layer, "", hc_attn=fill(HyperConnection, "hc_attn_"), hc_ffn=fill(HyperConnection, "hc_ffn_"),
+                attn=attn, ffn=ffn, engram=engram)

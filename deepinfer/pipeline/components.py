@@ -41,7 +41,10 @@ def hf_tokenizer(model, sampler) -> TextTokenizer:
 
 
 def model_forward(model, sampler):
-    return model.forward
+    """The model's own step (deepinfer/models/step.py): the step metadata built on the host, then model.run."""
+    from deepinfer.models.step import ModelStep
+
+    return ModelStep(model)
 
 
 def sampler(model, sampler):

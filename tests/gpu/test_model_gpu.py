@@ -84,7 +84,7 @@ def test_kernel_sized_model_in_bf16_is_as_accurate_as_the_torch_ops(monkeypatch)
     got = _run(model, prompts, follow)
     assert set(calls) >= {"moe.moe_experts_packed", "moe.jit", "attention._run", "indexer.jit",
                           "linear.fp8_linear"}, calls
-    assert isinstance(model.layers[0].wq_b, Fp8BlockWeight)  # synthetic models on CUDA hold FP8 projections
+    assert isinstance(model.layers[0].attn.wq_b, Fp8BlockWeight)  # synthetic models on CUDA hold FP8 projections
     model.use_ops(OpSet.build("cuda", ["torch"]))
     base = _run(model, prompts, follow)
 

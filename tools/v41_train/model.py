@@ -308,7 +308,7 @@ class TrainModel(StoredParams):
 
 
 class _Context:
-    """What one forward carries from layer to layer (the inference step's `meta.scratch`)."""
+    """What one forward carries from layer to layer (the inference step's `meta.selected` and `meta.candidates`)."""
 
     def __init__(self, B, T, pos, window):
         self.B, self.T, self.pos, self.window = B, T, pos, window

@@ -116,6 +116,14 @@ class EntryIndex:
 
 
 @dataclass
+class Selection:
+    """What an indexing layer hands the layers after it: each query's selected compressed-KV pool rows."""
+
+    source: int  # the KV-source layer whose compressed pool the rows address
+    rows: torch.Tensor  # [T, index_topk] pool rows (-1: unused slot)
+
+
+@dataclass
 class StepMeta:
     host: HostStep
     ids: torch.Tensor
@@ -128,7 +136,11 @@ class StepMeta:
     entry_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # ratio -> [T] pool row of entry p // r
     entries: dict[int, EntryIndex] = field(default_factory=dict)
     ngram: tuple | None = None  # (valid, is_new, ring_row, new_row) [T, n], write_row [T]
-    scratch: dict = field(default_factory=dict)  # per-step values layers hand each other (top-k selections)
+    # what the layers hand each other within the step (a new StepMeta per step starts them empty): the latest
+    # indexing layer's selection, read by the layers that share its KV source, and the candidate source's
+    # candidate blocks [T, candidate_topk_blocks], which the Reindex layers after it select within
+    selected: Selection | None = None
+    candidates: torch.Tensor | None = None
     # KV-source layers whose compressor already wrote every row of the step: YOCO compact's consumer view
     # (models/replay.py) runs the boundary layer on fewer rows after its shared KV was written for all of them
     shared_kv_written: tuple[int, ...] = ()
@@ -201,4 +213,4 @@ def query_view(meta: StepMeta, rows: torch.Tensor, cp: Any) -> StepMeta:
     entries = {r: EntryIndex(e.rows, e.visible[rows], e.width) for r, e in meta.entries.items()}
     return replace(meta, ids=meta.ids[rows], positions=meta.positions[rows], tok_seq=meta.tok_seq[rows],
                    tok_slot=meta.tok_slot[rows], window=window, groups={}, entry_rows={}, entries=entries, ngram=None,
-                   scratch={}, cp=cp)
+                   selected=None, candidates=None, cp=cp)

@@ -82,7 +82,7 @@ def load_checkpoint(
         raise CheckpointError(f"model.load_format={load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
     dtype = _as_dtype(dtype)
     device = torch.device(device)
-    cfg = _read_config(model_dir)
+    cfg = read_config(model_dir)
     if tokenizer is None:
         tokenizer_path = model_dir / "tokenizer.json"
         if not tokenizer_path.is_file():
@@ -191,7 +191,7 @@ def _check_tokenizer_fits(cfg: ModelConfig, path: Path, tok) -> None:
                 f"tokenizer with the vocabulary the model was trained with")
 
 
-def _read_config(model_dir: Path) -> ModelConfig:
+def read_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: config.json is missing")

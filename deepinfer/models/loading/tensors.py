@@ -37,7 +37,7 @@ def expected_tensors(cfg: ModelConfig, draft_layers: bool = True) -> dict[str, S
         "norm.weight": Spec((d,)),
     }
     for layer in range(cfg.num_hidden_layers):
-        out.update({f"layers.{layer}.{k}": s for k, s in _layer(cfg, layer).items()})
+        out.update({f"layers.{layer}.{k}": s for k, s in layer_tensors(cfg, layer).items()})
     if draft_layers:
         out.update(draft_tensors(cfg))
     return out
@@ -52,9 +52,7 @@ def draft_tensors(cfg: ModelConfig) -> dict[str, Spec]:
     d, v, rank = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
     out: dict[str, Spec] = {}
     for i in range(n):
-        # a layer id past the backbone: no compressor, indexer or Engram tensors
-        block = _layer(cfg, cfg.num_hidden_layers + i, n_exp=cfg.dspark_n_routed_experts)
-        out.update({f"mtp.{i}.{k}": s for k, s in block.items()})
+        out.update({f"mtp.{i}.{k}": s for k, s in draft_stage_tensors(cfg, i).items()})
     last = f"mtp.{n - 1}."
     out["mtp.0.main_proj.weight"] = Spec((d, d * len(cfg.dspark_target_layer_ids)), LINEAR)
     out["mtp.0.main_norm.weight"] = Spec((d,))
@@ -66,7 +64,15 @@ def draft_tensors(cfg: ModelConfig) -> dict[str, Spec]:
     return out
 
 
-def _layer(c: ModelConfig, layer: int, n_exp: int | None = None) -> dict[str, Spec]:
+def draft_stage_tensors(cfg: ModelConfig, stage: int) -> dict[str, Spec]:
+    """The decoder block of draft stage `stage` (names under `mtp.{stage}.`): its own MoE width, and as a layer id
+    past the backbone no compressor, indexer or Engram tensors."""
+    return layer_tensors(cfg, cfg.num_hidden_layers + stage, n_exp=cfg.dspark_n_routed_experts)
+
+
+def layer_tensors(c: ModelConfig, layer: int, n_exp: int | None = None) -> dict[str, Spec]:
+    """Decoder block `layer`'s tensors, names under `layers.{layer}.`: the checkpoint layout, written once here;
+    models/weights.py fills its weight tree (Layer -> Attention, MoE, Engram ...) from these names."""
     d, h, hd, hc = c.hidden_size, c.num_attention_heads, c.head_dim, c.hc_mult
     q, inter, n_exp = c.q_lora_rank, c.moe_intermediate_size, n_exp or c.n_routed_experts
     mix = (2 + hc) * hc  # mHC mixing outputs: pre weights, post weights and the hc x hc residual matrix

@@ -1,0 +1,136 @@
+"""`load_model`: a checkpoint directory or hub id -> a ready DeepseekV41Model (or, without weights, a ModelCard),
+with the op set built for the device and the one-line checks an expert-parallel load needs before reading."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tokenizers import Tokenizer
+
+from deepinfer.distributed.expert_parallel import ExpertParallel
+from deepinfer.kernels.registry import OpSet
+
+from ..card import ModelCard
+from ..deepseek_v41 import DeepseekV41Model
+from .checkpoint import read_config, load_checkpoint
+from .hub import resolve_model_dir
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from deepinfer.distributed.placement import ExpertPlacement
+
+log = logging.getLogger("deepinfer.loading")
+
+
+def load_model(
+    model: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backends: dict[str, list[str]] | list[str] | None = None,
+    strict_backends: bool = False,
+    batch_invariant: bool = False,
+    weights: bool = True,
+    packed_experts: bool | None = None,
+    fp8_linears: bool | None = None,
+    draft_layers: bool = True,
+    load_format: str = "auto",
+    tokenizer: str | Path | None = None,
+    seed: int = 0,
+    expert_placement: ExpertPlacement | None = None,
+    ep_rank: int = 0,
+    ep_group: ProcessGroup | None = None,
+) -> DeepseekV41Model | ModelCard:
+    """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
+    ModelCard, for a frontend whose engine process holds the weights).
+
+    `batch_invariant`: the torch backend is row-invariant by construction (fixed GEMM row tiles, tail-free SIMD,
+    per-query key slates, order-free indexer scores); the TileLang backend switches to fixed splits and tiles
+    (OpSet.build(batch_invariant=...)).
+
+    `packed_experts` (default: on CUDA) keeps FP4/FP8 expert weights as stored, stacked once (PackedExperts): the
+    TileLang grouped GEMM streams them, the torch op dequantises the experts each call touches. The values are
+    the same either way; dense dequantised experts would need ~27 GB per layer at V4.1-Flash size.
+
+    `fp8_linears` (default: on CUDA) keeps the other FP8 projections as stored (Fp8BlockWeight, 1 byte per weight
+    instead of 2 in bf16): the TileLang linear dequantises tiles in registers, the torch op dequantises per call
+    (same values, identical logits on the CPU, where the default stays dense).
+
+    `draft_layers`: load the DSpark draft layers (`mtp.*`) when the checkpoint has them (model.drafter); without
+    them the model decodes one token per step and they take no memory.
+
+    `load_format="dummy"` (DeepInfer's, for benchmarking): no weight file is read (a directory or hub id with only
+    config.json and tokenizer.json is enough); the weights are random in the released storage formats for the
+    checkpoint's config (deepinfer.models.random_weights, drawn with `seed`: the same config and seed
+    give the same weights, on one device type), the draft layers too when loaded. `tokenizer`: a tokenizer.json
+    (or a directory holding one) instead of the checkpoint's; its vocabulary must fit the config.
+
+    `expert_placement` (deepinfer.distributed.placement.ExpertPlacement; issue 13 expert parallelism): this process
+    is rank `ep_rank` of `ep_group` (None: the default group, which must be initialised before the first forward).
+    Only the routed experts of the rank's physical slots are read from the checkpoint (a replicated expert once);
+    shared experts, attention, router, embeddings and Engram tables load in full on every rank. The model runs in
+    expert-parallel mode (`model.expert_parallel`, deepinfer.distributed.expert_parallel.ExpertParallel): every rank
+    must call `forward` the same number of times. One log line gives this rank's weight bytes. The draft layers
+    are not supported with it yet: pass `draft_layers=False` for a checkpoint that has them. With
+    `load_format="dummy"` every expert is drawn (the draws depend on all of them) and the other ranks' are dropped."""
+    dummy = load_format == "dummy"
+    model_dir = resolve_model_dir(model, weights=not dummy)
+    local = None
+    if expert_placement is not None:
+        local = _check_expert_parallel(model_dir, expert_placement, ep_rank, ep_group, draft_layers)
+    if packed_experts is None:
+        packed_experts = torch.device(device).type == "cuda"
+    if fp8_linears is None:
+        fp8_linears = torch.device(device).type == "cuda"
+    ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts,
+                           quantized_linears=fp8_linears, draft_layers=draft_layers, load_format=load_format,
+                           tokenizer=tokenizer, routed_experts=local)
+    ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends, batch_invariant=batch_invariant)
+    tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
+    if not weights:
+        return ModelCard(ckpt.config, tok, ops, torch.device(device), Path(model_dir))
+    if dummy:
+        from ..random_weights import random_weights
+
+        drafts = draft_layers and ckpt.config.num_nextn_predict_layers > 0
+        ckpt.weights = random_weights(ckpt.config, device, dtype, seed, packed_experts, fp8_linears,
+                                      draft_layers=drafts)
+        log.warning(
+            "model.load_format=dummy: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
+            "file was read, outputs are meaningless (benchmarking only)", seed, len(ckpt.weights), model_dir,
+            ", with draft layers" if drafts else "")
+    if expert_placement is None:
+        return DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype)
+    ep = ExpertParallel(expert_placement, ep_rank, ep_group)
+    model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
+    del ckpt
+    log.info(
+        "expert parallel rank %d of %d: %d of %d physical expert slots per layer (%d distinct experts of %d), "
+        "weights on this rank %.3f GB (routed experts %.3f GB)", ep_rank, expert_placement.num_ranks,
+        expert_placement.per_rank, expert_placement.num_physical, len(set(local)), expert_placement.num_logical,
+        model.weight_bytes() / 1e9, model.routed_expert_bytes() / 1e9)
+    return model
+
+
+def _check_expert_parallel(model_dir, placement, rank: int, group, draft_layers: bool) -> tuple[int, ...]:
+    """One-line errors for an expert-parallel load that cannot work; returns the rank's logical experts."""
+    import torch.distributed as dist
+
+    cfg = read_config(Path(model_dir))
+    if placement.num_logical != cfg.n_routed_experts:
+        raise ValueError(f"expert_placement has {placement.num_logical} logical experts; the model has "
+                         f"n_routed_experts={cfg.n_routed_experts}")
+    if not 0 <= rank < placement.num_ranks:
+        raise ValueError(f"ep_rank={rank} is out of range; allowed: 0..{placement.num_ranks - 1}")
+    if draft_layers and cfg.num_nextn_predict_layers > 0:
+        raise ValueError("expert parallel does not support the DSpark draft layers (mtp.*) yet; pass "
+                         "draft_layers=False")
+    if dist.is_initialized():
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        if world != placement.num_ranks or me != rank:
+            raise ValueError(f"expert_placement is for {placement.num_ranks} ranks and ep_rank={rank}; this process "
+                             f"is rank {me} of a group of {world}")
+    return placement.local_logical(rank)
