@@ -21,13 +21,14 @@ from pathlib import Path
 
 
 def run(model_dir, prompts, params, drafts, varlen, override=None):
-    from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, ModelDirBackend
+    from deepinfer.api import load_settings, overrides_for
     from deepinfer.frontend import LLMEngine
 
-    opts = EngineOptions.for_settings(Settings(), process="inproc", memory_budget=1 << 27, num_threads=1,
-                                      num_draft_tokens=drafts, spec_varlen=varlen, max_num_batched_tokens=2048)
-    with LLMEngine(ModelDirBackend(model_dir), opts) as eng:
+    decoding = ["decoding=dspark", f"decoding.num_draft_tokens={drafts}", f"decoding.varlen={str(varlen).lower()}"]
+    settings = load_settings(overrides_for(model_dir, decoding if drafts else ["decoding=plain"], hardware="cpu",
+                                           process="inproc", memory_budget=1 << 27, max_num_batched_tokens=2048,
+                                           zero_overhead_scheduling=True, runtime={"num_threads": 1}))
+    with LLMEngine.for_settings(settings) as eng:
         if override is not None:
             eng.client.core.runner.draft_override = override
         t0 = time.perf_counter()

@@ -39,14 +39,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def model_dir(name: str) -> str:
-    if name.startswith("embedded:"):
-        from deepinfer import embedded
-
-        return str(embedded.materialize(name.partition(":")[2]))
-    return name
-
-
 def workload(args, vocab: int):
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_requests)]
@@ -54,33 +46,32 @@ def workload(args, vocab: int):
     return prompts, out_lens
 
 
-def memory_limit(device: str) -> int:
-    """cache.memory_fraction (the schema's) of the device's total memory, as the resolve step computes it."""
-    from deepinfer.config import hardware as hw
-    from deepinfer.config.schema import Settings
+def settings_for(args, zero_overhead: bool):
+    """The run's resolved Settings (the engine is built from them, as LLM and the server build theirs): the CPU, or
+    on CUDA the detected GPU's hardware option; the cache limit is cache.memory_fraction of the device's memory
+    (the resolve step's) unless --memory-budget names the bytes."""
+    from deepinfer.api import load_settings, overrides_for
 
-    return int(Settings().cache.memory_fraction * hw.device_memory_bytes(device.split(":")[0], hw.detect()))
-
-
-def run_mode(args, path: str, zero_overhead: bool) -> dict:
-    from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, ModelDirBackend
-    from deepinfer.frontend import LLMEngine
-    from deepinfer.sampling import SamplingParams
-
-    options = EngineOptions.for_settings(
-        Settings(),
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return load_settings(overrides_for(
+        args.model,
+        hardware="cpu" if args.device == "cpu" else "auto",
+        dtype=dtype,
         process=args.process,
         zero_overhead_scheduling=zero_overhead,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=2 * args.max_len + 1,
         memory_budget=args.memory_budget,
-        memory_limit=None if args.memory_budget else memory_limit(args.device),
-    )
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    backend = ModelDirBackend(path, device=args.device, dtype=dtype, num_threads=args.threads or None)
-    with LLMEngine(backend, options) as engine:
+        runtime={"num_threads": args.threads or None},
+    ))
+
+
+def run_mode(args, zero_overhead: bool) -> dict:
+    from deepinfer.frontend import LLMEngine
+    from deepinfer.sampling import SamplingParams
+
+    with LLMEngine.for_settings(settings_for(args, zero_overhead)) as engine:
         prompts, out_lens = workload(args, engine.info.vocab_size)
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seq_seed=i) for i, n in enumerate(out_lens)]
         engine.generate([[0, 5]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -118,10 +109,9 @@ def run_mode(args, path: str, zero_overhead: bool) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    path = model_dir(args.model)
     modes = {"async": [True], "sync": [False], "both": [False, True]}[args.mode]
     command = "python benchmarks/throughput.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results = [run_mode(args, path, zo) for zo in modes]
+    results = [run_mode(args, zo) for zo in modes]
     print(f"\n# {command}")
     for r in results:
         print(

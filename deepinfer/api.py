@@ -119,9 +119,9 @@ class LLM:
         from deepinfer.frontend import LLMEngine
         from deepinfer.pipeline import load_program
 
-        # the frontend needs the tokenizer and the model's limits; a subprocess engine core holds the weights
-        self.program, self.settings = load_program(settings, weights=settings.engine.process == "inproc")
-        self._engine = LLMEngine.for_settings(self.settings, self.program)
+        # the frontend needs the tokenizer and the model's limits (no weights); the engine core builds the model
+        self.program, self.settings = load_program(settings, weights=False)
+        self._engine = LLMEngine.for_settings(self.settings, self.program.tokenize.tokenizer)
         # one caller at a time: the engine client's sockets and the frontend's loop are not thread-safe, so calls
         # from several threads are served one after the other (reentrant: one thread may interleave iterators)
         self._lock = threading.RLock()

@@ -139,6 +139,18 @@ def test_with_a_subprocess_engine_the_frontend_holds_no_weights(llm):
     assert llm.program.summary()["ops"]["sink_attention"] == "torch"
 
 
+def test_with_an_in_process_engine_only_the_core_builds_the_model():
+    """One construction path: the frontend loads config and tokenizer; the core, here in this process, builds the
+    model from the settings (SettingsBackend), not from the frontend's program."""
+    from deepinfer.models.card import ModelCard
+
+    with LLM(model=str(FIXTURES / "tiny-swa-csa2"), hardware="cpu", process="inproc") as llm:
+        assert isinstance(llm.program.model, ModelCard)
+        core_model = llm._engine.client.core.runner.backend.model
+        assert not isinstance(core_model, ModelCard) and core_model.config == llm.program.model.config
+        assert llm.generate([[0, 5, 6]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].token_ids
+
+
 def test_a_checkpoint_is_checked_in_the_frontend_even_without_loading_its_weights(tmp_path):
     import shutil
 

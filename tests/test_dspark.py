@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from deepinfer import embedded
-from deepinfer.engine import EngineOptions, ModelDirBackend
+from deepinfer.engine import EngineOptions
 from deepinfer.frontend import LLMEngine
 from deepinfer.models import ForwardBatch, load_model
 from deepinfer.sampling import SamplingParams
 from deepinfer.sampling.speculative import accept_sampled
-from options_helpers import engine_options
+from options_helpers import settings_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,10 +47,12 @@ def workload():
 
 def run(model_dir, prompts, params, drafts=0, zos=False, varlen=False, budget=1 << 26, override=None,
         batched_tokens=256):
-    opts = engine_options(process="inproc", zero_overhead_scheduling=zos, memory_budget=budget, num_threads=1,
-                         num_draft_tokens=drafts, spec_varlen=varlen, max_num_batched_tokens=batched_tokens,
-                         block_size=16)
-    with LLMEngine(ModelDirBackend(model_dir), opts) as eng:
+    """drafts=0: plain decoding (decoding=plain, no draft layers loaded); else decoding=dspark with `drafts`."""
+    decoding = ["decoding=dspark", f"decoding.num_draft_tokens={drafts}", f"decoding.varlen={str(varlen).lower()}"]
+    settings = settings_for(model_dir, *(decoding if drafts else ["decoding=plain"]), process="inproc",
+                            zero_overhead_scheduling=zos, memory_budget=budget, max_num_batched_tokens=batched_tokens,
+                            block_size=16, runtime={"num_threads": 1})
+    with LLMEngine.for_settings(settings) as eng:
         if override is not None:
             eng.client.core.runner.draft_override = override
         outs = eng.generate(prompts, params, use_tqdm=False)
@@ -310,13 +312,11 @@ def test_unhonoured_variables_are_named_in_one_warning_each(monkeypatch, caplog)
 
 
 def test_dspark_needs_draft_layers(tmp_path):
-    from deepinfer.engine import ModelDirBackend
-    from deepinfer.frontend import LLMEngine
-
-    opts = engine_options(process="inproc", memory_budget=1 << 24, num_draft_tokens=5)
     fixture = __import__("pathlib").Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2"
+    settings = settings_for(fixture, "decoding=dspark", "decoding.num_draft_tokens=5", process="inproc",
+                            memory_budget=1 << 24)
     with pytest.raises(ValueError, match="draft layers"):
-        LLMEngine(ModelDirBackend(str(fixture)), opts)
+        LLMEngine.for_settings(settings)
 
 
 def test_backtracking_rows_are_kept_with_any_decoding(monkeypatch):

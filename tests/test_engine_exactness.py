@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.engine import ModelDirBackend
 from deepinfer.frontend import LLMEngine
 from deepinfer.models import ForwardBatch, ModelConfig, load_model
 from deepinfer.models.cache import CacheLayout
 from deepinfer.sampling import SamplingParams
-from options_helpers import engine_options
+from options_helpers import settings_for
 
 EOS = 1
 FIXTURES = Path(__file__).parent / "fixtures" / "deepseek_v41"
@@ -71,7 +70,8 @@ def solo_outputs(workload, model_dir):
 
 @pytest.mark.parametrize("zero_overhead", [False, True], ids=["sync", "async"])
 def test_batched_chunked_preempted_greedy_outputs_equal_each_request_run_alone(workload, model_dir, solo_outputs, zero_overhead):
-    options = engine_options(
+    settings = settings_for(
+        model_dir,
         process="inproc",
         zero_overhead_scheduling=zero_overhead,
         max_num_batched_tokens=48,
@@ -79,7 +79,7 @@ def test_batched_chunked_preempted_greedy_outputs_equal_each_request_run_alone(w
         memory_budget=small_budget(model_dir),
         block_size=16,
     )
-    with LLMEngine(ModelDirBackend(model_dir), options) as engine:
+    with LLMEngine.for_settings(settings) as engine:
         outputs = engine.generate(*workload, use_tqdm=False)
         metrics = engine.last_metrics
     assert [o.request_id for o in outputs] == list(range(48))

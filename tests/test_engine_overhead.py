@@ -8,10 +8,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from deepinfer.engine import ModelDirBackend
 from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SamplingParams
-from options_helpers import engine_options
+from options_helpers import settings_for
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 HANG_S = 60  # bounds a hang only: the next plan comes within milliseconds
@@ -50,9 +49,10 @@ class StepOrder:
 
 
 def run(zero_overhead: bool):
-    options = engine_options(process="inproc", zero_overhead_scheduling=zero_overhead, max_num_seqs=32, memory_budget=1 << 24)
+    settings = settings_for(MODEL, process="inproc", zero_overhead_scheduling=zero_overhead, max_num_seqs=32,
+                            memory_budget=1 << 24)
     prompts = [[0] + [3 + (7 * i + j) % 500 for j in range(6 + i % 5)] for i in range(32)]
-    with LLMEngine(ModelDirBackend(MODEL), options) as engine:
+    with LLMEngine.for_settings(settings) as engine:
         order = StepOrder(engine.client.core, wait_for_next_plan=zero_overhead)
         outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         return [o.token_ids for o in outputs], order, engine.last_metrics

@@ -14,13 +14,17 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from deepinfer.engine import EngineDeadError, EngineOptions, ModelDirBackend
+from deepinfer.engine import EngineDeadError
 from deepinfer.frontend import LLMEngine
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.sampling import SamplingParams
-from options_helpers import engine_options
+from options_helpers import settings_for
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
+
+
+def subprocess_engine() -> LLMEngine:
+    return LLMEngine.for_settings(settings_for(MODEL, process="subprocess", memory_budget=1 << 22))
 
 
 def gone(pid: int) -> bool:
@@ -55,7 +59,7 @@ def test_socket_endpoints_live_in_a_fresh_directory_only_this_user_can_enter():
 def test_subprocess_engine_serves_over_a_private_socket_and_cleans_up():
     cases = load_file(f"{MODEL}/cases.safetensors")
     prompts = [cases[f"case{i}.input_ids"].tolist() for i in range(3)]
-    engine = LLMEngine(ModelDirBackend(MODEL), engine_options(process="subprocess", memory_budget=1 << 22))
+    engine = subprocess_engine()
     sock_dir = engine.client._endpoints.dir
     assert engine.client._endpoints.control == f"ipc://{sock_dir}/control.sock"
     assert not os.path.exists(sock_dir), "once connected, the socket directory is gone"
@@ -69,7 +73,7 @@ def test_subprocess_engine_serves_over_a_private_socket_and_cleans_up():
 
 
 def test_killing_the_engine_process_during_generate_raises_engine_dead_and_cleans_up():
-    engine = LLMEngine(ModelDirBackend(MODEL), engine_options(process="subprocess", memory_budget=1 << 22))
+    engine = subprocess_engine()
     proc = engine.client.process
     killed_at = []
 
@@ -91,11 +95,11 @@ def test_killing_the_engine_process_during_generate_raises_engine_dead_and_clean
 FRONTEND = textwrap.dedent(
     """
     import sys
-    from deepinfer.config.schema import Settings
-    from deepinfer.engine import EngineOptions, ModelDirBackend
+    from deepinfer.api import load_settings
     from deepinfer.frontend import LLMEngine
-    engine = LLMEngine(ModelDirBackend(sys.argv[1]), EngineOptions.for_settings(Settings(), process="subprocess",
-                                                                     memory_budget=1 << 22))
+    settings = load_settings(["hardware=cpu", f"model.path='{sys.argv[1]}'", "engine.process=subprocess",
+                              "cache.memory_budget=4194304"])
+    engine = LLMEngine.for_settings(settings)
     print(engine.client.process.pid, engine.client._endpoints.dir, flush=True)
     if sys.argv[2] == "hang":
         sys.stdin.read()

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from deepinfer.engine import ModelDirBackend
+from deepinfer.engine import EngineOptions, SettingsBackend
 from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SamplingParams
-from options_helpers import engine_options
+from options_helpers import settings_for
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -18,8 +18,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
-    options = engine_options(process="inproc", max_model_len=128, max_num_batched_tokens=64, memory_budget=1 << 20)
-    with LLMEngine(ModelDirBackend(MODEL), options, tokenizer=Tokenizer.from_file(f"{MODEL}/tokenizer.json")) as eng:
+    settings = settings_for(MODEL, process="inproc", max_model_len=128, max_num_batched_tokens=64, memory_budget=1 << 20)
+    with LLMEngine.for_settings(settings, Tokenizer.from_file(f"{MODEL}/tokenizer.json")) as eng:
         yield eng
 
 
@@ -106,10 +106,14 @@ POISON = 499
 
 
 class PoisonedBackend:
-    """The real model, except that a forward containing token POISON raises (a stand-in for a kernel failure)."""
+    """The real model (built from the settings), except that a forward containing token POISON raises (a stand-in for
+    a kernel failure)."""
+
+    def __init__(self, settings):
+        self.settings = settings
 
     def __call__(self):
-        backend = ModelDirBackend(MODEL)()
+        backend = SettingsBackend(self.settings)()
         forward = backend.prefill
 
         def poisoned(batch):
@@ -123,8 +127,9 @@ class PoisonedBackend:
 
 @pytest.mark.parametrize("zero_overhead", [False, True], ids=["sync", "async"])
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_keeps_serving(zero_overhead):
-    options = engine_options(process="inproc", zero_overhead_scheduling=zero_overhead, max_num_batched_tokens=8, memory_budget=1 << 20)
-    with LLMEngine(PoisonedBackend(), options) as engine:
+    settings = settings_for(MODEL, process="inproc", zero_overhead_scheduling=zero_overhead, max_num_batched_tokens=8,
+                            memory_budget=1 << 20)
+    with LLMEngine(PoisonedBackend(settings), EngineOptions.for_settings(settings)) as engine:
         early = [0, 5, 6]  # admitted first: decoding by the time the poisoned prompt's chunk arrives
         outputs = engine.generate([early, [0] * 12 + [POISON]], GREEDY, use_tqdm=False)
         assert outputs[1].finish_reason == "error" and "injected kernel failure" in outputs[1].error

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from deepinfer.api import LLM
 from deepinfer.frontend import LLMEngine
+from deepinfer.pipeline import load_program
 from deepinfer.sampling import SamplingParams
 from sequential_oracle import SequentialRunner  # tests/ is on pytest's pythonpath (pyproject)
 
@@ -14,9 +15,10 @@ MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2
 
 
 def test_the_engine_from_settings_matches_the_sequential_runner_with_sampling():
-    with LLM(model=MODEL, hardware="cpu", seed=7, process="inproc") as llm:  # inproc: llm.program holds weights
+    with LLM(model=MODEL, hardware="cpu", seed=7, process="inproc") as llm:
         s = llm.settings
-        sequential = SequentialRunner(llm.program, s.engine.max_model_len, s.runtime.seed)
+        oracle, _ = load_program(s)  # the frontend holds no weights: the oracle loads the model from the same settings
+        sequential = SequentialRunner(oracle, s.engine.max_model_len, s.runtime.seed)
         prompts = [[0] + [3 + (31 * i + j) % 500 for j in range(5 + 3 * i)] for i in range(8)]
         params = [
             SamplingParams(
@@ -31,7 +33,8 @@ def test_the_engine_from_settings_matches_the_sequential_runner_with_sampling():
             for i in range(8)
         ]
         want = [sequential.run(i, None, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        with LLMEngine.for_settings(s, llm.program, process="subprocess", max_num_batched_tokens=16) as engine:
+        with LLMEngine.for_settings(s, llm.program.tokenize.tokenizer, process="subprocess",
+                                    max_num_batched_tokens=16) as engine:
             got = engine.generate(prompts, params, use_tqdm=False)
     assert any(w.finish_reason == "stop" for w in want), "a stop string fires in this workload"
     for w, g in zip(want, got):

@@ -11,14 +11,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from deepinfer.engine import ModelDirBackend
+from deepinfer.engine import SettingsBackend
 from deepinfer.frontend import LLMEngine
 from deepinfer.engine import messages as m
 from deepinfer.engine import startup
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, new_key
 from deepinfer.sampling import SamplingParams
 from deepinfer.sampling.logprobs import SampleOutput
-from options_helpers import engine_options
+from options_helpers import engine_options, settings_for
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 PROMPT = [0, 5, 6, 7]
@@ -87,7 +87,7 @@ def test_a_hostile_frame_on_the_live_engine_socket_is_dropped_and_the_engine_kee
     be dropped there (not unpickled: no marker file), and the engine answers the next requests as before."""
     marker = tmp_path / "marker"
     greedy = SamplingParams(temperature=0, max_tokens=3)
-    with LLMEngine(ModelDirBackend(MODEL), engine_options(process="subprocess", memory_budget=1 << 22)) as eng:
+    with LLMEngine.for_settings(settings_for(MODEL, process="subprocess", memory_budget=1 << 22)) as eng:
         before = eng.generate([PROMPT], greedy, use_tqdm=False)[0].token_ids
         client = eng.client
         evil = pickle.dumps(("add", _Payload(marker)))
@@ -103,14 +103,19 @@ def test_a_hostile_frame_on_the_live_engine_socket_is_dropped_and_the_engine_kee
 
 
 def test_the_start_up_message_is_typed_and_a_plain_callable_cannot_cross():
+    from deepinfer.engine.backend import backend_from_model
+
     key = new_key()
-    args = startup.CoreStartup(startup.describe(ModelDirBackend(MODEL)), engine_options(max_num_seqs=3),
+    settings = settings_for(MODEL)
+    args = startup.CoreStartup(startup.describe(SettingsBackend(settings)), engine_options(max_num_seqs=3),
                                "ipc:///a", "ipc:///b", key, 42)
     back = startup.decode(startup.encode(args))
-    assert back == args and back.options.max_num_seqs == 3
-    assert startup.factory_from(back.backend) == ModelDirBackend(MODEL)
+    assert back.options == args.options and back.options.max_num_seqs == 3 and back.key == key
+    assert startup.factory_from(back.backend) == SettingsBackend(settings)  # rebuilt through the config's checks
     with pytest.raises(TypeError, match="typed description.*got function.*engine.process=inproc"):
         startup.describe(lambda: None)
+    with pytest.raises(TypeError, match="typed description: SettingsBackend.*got function"):
+        startup.describe(backend_from_model)  # a model built in memory runs in-process only
     with pytest.raises(msgspec.ValidationError):
         startup.decode(pickle.dumps(args.options))
     with pytest.raises(TypeError, match="typed description"):
@@ -119,7 +124,6 @@ def test_the_start_up_message_is_typed_and_a_plain_callable_cannot_cross():
 
 def test_resolved_settings_cross_as_data_and_come_back_equal():
     from deepinfer.api import load_settings
-    from deepinfer.engine.backend import SettingsBackend
 
     settings = load_settings(["runtime.seed=5", "sampling.stop=[x]"])
     spec = startup.decode(startup.encode(startup.CoreStartup(startup.describe(SettingsBackend(settings)),

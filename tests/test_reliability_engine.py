@@ -16,19 +16,19 @@ from pathlib import Path
 import pytest
 import zmq
 
-from deepinfer.engine import EngineDeadError, ModelDirBackend
+from deepinfer.engine import EngineDeadError
 from deepinfer.frontend import LLMEngine
 from deepinfer.engine.ipc import PrivateEndpoints
 from deepinfer.engine.messages import AddRequest
 from deepinfer.sampling import SamplingParams
-from options_helpers import engine_options
+from options_helpers import settings_for
 
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
 PROMPT = [0, 5, 6, 7]
 
 
 def engine(process="subprocess", **kw) -> LLMEngine:
-    return LLMEngine(ModelDirBackend(MODEL), engine_options(process=process, memory_budget=1 << 22, **kw))
+    return LLMEngine.for_settings(settings_for(MODEL, process=process, memory_budget=1 << 22), **kw)
 
 
 def greedy(n=4) -> SamplingParams:
@@ -107,9 +107,9 @@ STALLING_CORE = '''
     loop stuck in a call that never returns, while the rest of the process, its heartbeat thread, runs on)."""
     import time
 
-    from deepinfer.engine.backend import ModelDirBackend
+    from deepinfer.engine.backend import SettingsBackend
 
-    load = ModelDirBackend.__call__
+    load = SettingsBackend.__call__
 
 
     def stalling(self):
@@ -122,7 +122,7 @@ STALLING_CORE = '''
         return backend
 
 
-    ModelDirBackend.__call__ = stalling
+    SettingsBackend.__call__ = stalling
 '''
 
 

@@ -6,11 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.engine import ModelDirBackend
 from deepinfer.frontend import LLMEngine
 from deepinfer.sampling import SampleRow, Sampler, SamplingParams
 from deepinfer.sampling.params import params_from_dict
-from options_helpers import engine_options
+from options_helpers import settings_for
 
 EOS = 2
 MODEL = str(Path(__file__).parent / "fixtures" / "deepseek_v41" / "tiny-swa-csa2")
@@ -76,8 +75,7 @@ def test_params_from_dict_names_an_unknown_field_and_passes_on_value_errors():
 
 
 def test_the_engine_forces_golden_tokens_suppresses_eos_and_drops_logprobs_end_to_end():
-    opts = engine_options(process="inproc", memory_budget=1 << 22)
-    with LLMEngine(ModelDirBackend(MODEL), opts) as eng:
+    with LLMEngine.for_settings(settings_for(MODEL, process="inproc", memory_budget=1 << 22)) as eng:
         free = eng.generate([[0, 5, 6]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
         golden = [free.token_ids[0] + 1, 7]
         outs = eng.generate([[0, 5, 6]] * 2, [SamplingParams(temperature=0, max_tokens=4, golden_token_ids=golden),

@@ -8,13 +8,7 @@ core process's follower mode (core_process). make_client picks the client for LL
 frontend above it (LLMEngine, AsyncEngine) is deepinfer.frontend.
 """
 
-from deepinfer.engine.backend import (
-    EngineBackend,
-    ModelDirBackend,
-    SettingsBackend,
-    backend_from_model,
-    backend_from_program,
-)
+from deepinfer.engine.backend import EngineBackend, SettingsBackend, backend_from_model
 from deepinfer.engine.cache_manager import CacheManager
 from deepinfer.engine.client import EngineDeadError
 from deepinfer.engine.core import EngineCore
@@ -27,9 +21,7 @@ __all__ = [
     "EngineCore",
     "EngineDeadError",
     "EngineOptions",
-    "ModelDirBackend",
     "Scheduler",
     "SettingsBackend",
     "backend_from_model",
-    "backend_from_program",
 ]

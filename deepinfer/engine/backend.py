@@ -1,9 +1,14 @@
 """What the engine core needs from the model side, gathered in one object the ModelRunner drives.
 
-The core runs in its own process, so it builds its backend there from a zero-argument factory (`BackendFactory`)
-that is a typed description (SettingsBackend, ModelDirBackend: deepinfer.engine.startup sends it
-as data, never pickled): loading the model never happens in the frontend, and no tensor crosses the process
-boundary. In-process (engine.process=inproc) any zero-argument callable works.
+One construction path: resolved Settings -> `SettingsBackend(settings)` -> EngineBackend, called by the engine core
+in the process that runs the model (in-process, the engine-core process, every data-parallel rank). The frontend
+loads config and tokenizer only; the core process gets the settings as data (deepinfer.engine.startup, never a
+pickled callable), so no tensor crosses the process boundary.
+
+`backend_from_model` is the lower-level step that path ends with: it wraps a model already built. It stays public
+for code that builds a model in memory with no checkpoint to name (the GPU benchmarks' and GPU tests' synthetic
+models, deepinfer.models.synthetic); such a backend runs only in-process (engine.process=inproc), through
+`LLMEngine(lambda: backend, options)`.
 """
 
 from __future__ import annotations
@@ -28,15 +33,11 @@ class EngineBackend:
     replay: Any = None  # the pipeline's YOCO replay stage (models/replay.py BoundedReplay); None: yoco=off
 
 
-def backend_from_program(program) -> EngineBackend:
-    """The pipeline's StepProgram (deepinfer.pipeline.program): its prefill/decode stages, sampler and model."""
-    return backend_from_model(program.model, sampler=program.sample, program=program)
-
-
 def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_invariant: bool = False) -> EngineBackend:
-    """Wraps a loaded model (deepinfer.models.load_model) and, when given, the pipeline's StepProgram, whose
-    prefill/decode stages and sampler take precedence over the model's own step (models/step.py ModelStep: the
-    step metadata built on the host from a ForwardBatch, then model.run)."""
+    """Wraps a model already built and, when given, the pipeline's StepProgram, whose prefill/decode stages,
+    sampler and replay stage take precedence over the model's own step (models/step.py ModelStep: the step metadata
+    built on the host from a ForwardBatch, then model.run); SettingsBackend passes its program. Without a sampler it
+    samples over the config's whole vocabulary (the settings path caps it at the tokenizer's)."""
     cfg = model.config
     if tokenizer is None:
         tokenizer = getattr(model, "tokenizer", None)
@@ -73,8 +74,11 @@ def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_
 
 @dataclass(frozen=True)
 class SettingsBackend:
-    """Factory: builds the configured StepProgram (deepinfer.pipeline.build.load_program) from the
-    resolved Settings in the process that calls it."""
+    """The one way the engine core gets its backend: resolved Settings -> the configured StepProgram
+    (deepinfer.pipeline.build.load_program: the model, its sampler over the tokenizer's vocabulary, the pipeline's
+    stages; DSpark's draft layers only with decoding=dspark) -> EngineBackend, built in the process that calls it.
+    The in-process core, the engine-core process (startup.describe sends the settings as data), the data-parallel
+    ranks, LLM, the server, tests and benchmarks all build through it."""
 
     settings: Any
 
@@ -82,39 +86,7 @@ class SettingsBackend:
         from deepinfer.pipeline.build import load_program
 
         program, _settings = load_program(self.settings)
-        return backend_from_program(program)
-
-
-@dataclass(frozen=True)
-class ModelDirBackend:
-    """Factory: loads a model directory (or hub id) with deepinfer.models.load_model in the process
-    that calls it, with the directory's tokenizer.json (if any) for stop strings."""
-
-    model: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    batch_invariant: bool = False
-    num_threads: int | None = None  # torch intra-op threads in the engine process (None: torch's default)
-
-    def __call__(self) -> EngineBackend:
-        import os
-
-        import torch
-
-        from deepinfer.config.hardware import set_cpu_threads
-        from deepinfer.models import load_model
-
-        set_cpu_threads(self.num_threads)
-        model = load_model(
-            self.model, device=self.device, dtype=getattr(torch, self.dtype), batch_invariant=self.batch_invariant
-        )
-        tokenizer = getattr(model, "tokenizer", None)
-        path = os.path.join(str(self.model), "tokenizer.json")
-        if tokenizer is None and os.path.isfile(path):
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(path)
-        return backend_from_model(model, tokenizer=tokenizer, batch_invariant=self.batch_invariant)
+        return backend_from_model(program.model, program=program)
 
 
 BackendFactory = Callable[[], EngineBackend]

@@ -63,8 +63,8 @@ class InprocClient:
 
 class ProcessClient:
     """Spawns the engine core in its own process and talks to it over private, signed ipc sockets (ipc.py), in
-    the typed messages of messages.py. `factory` must be a typed description (startup.describe: SettingsBackend,
-    ModelDirBackend): the core is started from data, never from a pickled callable.
+    the typed messages of messages.py. `factory` must be a typed description (startup.describe:
+    SettingsBackend(settings)): the core is started from data, never from a pickled callable.
 
     Every wait is bounded: the frontend polls in slices of liveness_poll_s and between them checks that the core
     process exists, that its heartbeat is fresh (heartbeat_timeout_s) and that its step loop is turning

@@ -4,24 +4,20 @@ per rank of a multi-rank layout with rank 0 driving the others (DataParallelClie
 
 from __future__ import annotations
 
-import functools
-
 from deepinfer.engine.options import EngineOptions
 
 
-def make_client(settings, options: EngineOptions | None = None, program=None):
-    """A started client for resolved Settings. options: the engine's (default: EngineOptions.for_settings).
-    program: the frontend's loaded StepProgram, reused by an in-process core instead of loading the model twice; a
-    core in its own process builds its own from the settings."""
-    from deepinfer.engine.backend import SettingsBackend, backend_from_program
+def make_client(settings, options: EngineOptions | None = None):
+    """A started client for resolved Settings. options: the engine's (default: EngineOptions.for_settings). The
+    core builds its backend from the settings (SettingsBackend, the one construction path), in this process
+    (inproc) or its own; the frontend never builds the model."""
+    from deepinfer.engine.backend import SettingsBackend
 
     options = options or EngineOptions.for_settings(settings)
     if settings.parallel.world_size > 1:  # the resolve step allows these only with engine.process=subprocess
         from deepinfer.engine.dp_client import DataParallelClient
 
         return DataParallelClient(SettingsBackend(settings), options, parallel=settings.parallel)
-    if options.process == "inproc" and program is not None:
-        return client_for(functools.partial(backend_from_program, program), options)
     return client_for(SettingsBackend(settings), options)
 
 

@@ -1,7 +1,8 @@
 """The engine core's start-up messages: what the frontend writes on the child's stdin, as typed MessagePack (the
 core's CoreStartup; a follower rank's RankStartup).
 
-It names the backend by description (the resolved Settings or a model directory), never as a pickled callable,
+It names the backend by description (the resolved Settings: SettingsBackend, the one construction path), never as
+a pickled callable,
 so the core process runs only code that its own installation holds. Decoding checks every
 field's type; the Settings are rebuilt through the config's own builder (deepinfer.config.resolve.rebuild), so
 their ranges are checked again and nothing is resolved twice (hardware, memory: already concrete).
@@ -9,11 +10,11 @@ their ranges are checked again and nothing is resolved twice (hardware, memory: 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import msgspec
 
-from deepinfer.engine.backend import ModelDirBackend, SettingsBackend
+from deepinfer.engine.backend import SettingsBackend
 from deepinfer.engine.options import EngineOptions
 
 
@@ -25,15 +26,7 @@ class SettingsSpec(_Spec, tag="settings"):
     settings: dict[str, Any]  # msgspec.to_builtins(Settings)
 
 
-class ModelDirSpec(_Spec, tag="model_dir"):
-    model: str
-    device: str
-    dtype: str
-    batch_invariant: bool
-    num_threads: Optional[int]
-
-
-BackendSpec = Union[SettingsSpec, ModelDirSpec]
+BackendSpec = SettingsSpec  # the one description: the settings the core builds its backend from
 
 
 class CoreStartup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -49,23 +42,18 @@ def describe(factory) -> BackendSpec:
     """The typed description of a backend factory; TypeError (one line) for one that has none."""
     if isinstance(factory, SettingsBackend):
         return SettingsSpec(msgspec.to_builtins(factory.settings))
-    if isinstance(factory, ModelDirBackend):
-        return ModelDirSpec(str(factory.model), factory.device, factory.dtype, factory.batch_invariant,
-                            factory.num_threads)
     raise TypeError(
-        f"engine.process=subprocess starts the engine core from a typed description: SettingsBackend or "
-        f"ModelDirBackend; got {type(factory).__name__} "
+        f"engine.process=subprocess starts the engine core from a typed description: SettingsBackend(settings); "
+        f"got {type(factory).__name__} "
         f"(use engine.process=inproc for any other callable)"
     )
 
 
 def factory_from(spec: BackendSpec):
     """The zero-argument factory the core builds its backend with."""
-    if isinstance(spec, SettingsSpec):
-        from deepinfer.config.resolve import rebuild
+    from deepinfer.config.resolve import rebuild
 
-        return SettingsBackend(rebuild(spec.settings))
-    return ModelDirBackend(spec.model, spec.device, spec.dtype, spec.batch_invariant, spec.num_threads)
+    return SettingsBackend(rebuild(spec.settings))
 
 
 def encode(startup: CoreStartup) -> bytes:

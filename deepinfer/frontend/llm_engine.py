@@ -36,9 +36,11 @@ _OUTPUT = operator.attrgetter("output")
 
 
 class LLMEngine:
-    """backend_factory: picklable zero-argument callable returning an EngineBackend, run in the engine process
-    (e.g. ModelDirBackend(path)). tokenizer: a tokenizers.Tokenizer, for text prompts and output text (None: token
-    ids only, text is "")."""
+    """Built from resolved Settings: `LLMEngine.for_settings(settings, tokenizer)` (the one construction path: the
+    core builds its backend with SettingsBackend(settings)). backend_factory: a zero-argument callable returning an
+    EngineBackend, run by the engine core (SettingsBackend(settings); with engine.process=inproc any callable, e.g.
+    one wrapping a model built in memory). tokenizer: a tokenizers.Tokenizer, for text prompts and output text
+    (None: token ids only, text is "")."""
 
     def __init__(self, backend_factory, options: EngineOptions, tokenizer=None, client=None):
         """client: a started client (deepinfer.engine.make_client, as for_settings passes); default: one for
@@ -57,13 +59,12 @@ class LLMEngine:
         self.last_metrics: dict | None = None
 
     @classmethod
-    def for_settings(cls, settings, program=None, **overrides) -> "LLMEngine":
-        """The engine LLM uses: from resolved Settings (deepinfer.config.schema.Settings). In a subprocess the
-        engine builds its own StepProgram from the settings; in-process it reuses `program` when given. Text comes
-        from the program's tokenizer (or none)."""
+    def for_settings(cls, settings, tokenizer=None, **overrides) -> "LLMEngine":
+        """The engine LLM uses: from resolved Settings (deepinfer.config.schema.Settings), options overridden by
+        field name. The engine core builds the model from the settings (in this process or its own); the frontend
+        holds only `tokenizer`, for text prompts and output text (None: token ids only)."""
         options = EngineOptions.for_settings(settings, **overrides)
-        tokenizer = getattr(getattr(program, "tokenize", None), "tokenizer", None)
-        return cls(None, options, tokenizer, make_client(settings, options, program))
+        return cls(None, options, tokenizer, make_client(settings, options))
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def add_request(self, inp: EngineInput, run: RunMetrics | None = None, inbox: list | None = None) -> RequestState:

@@ -27,11 +27,10 @@ def build_state(settings):
     from deepinfer.serving.convert import Converter
     from deepinfer.serving.metrics import ServerMetrics
 
-    inproc = settings.engine.process == "inproc"
-    # the frontend needs the tokenizer and the model's limits; a subprocess engine core holds the weights
-    program, settings = load_program(settings, weights=inproc)
+    # the frontend needs the tokenizer and the model's limits (no weights); the engine core builds the model
+    program, settings = load_program(settings, weights=False)
     options = EngineOptions.for_settings(settings)  # decoding too: DSpark and the rollback rows
-    client = make_client(settings, options, program)
+    client = make_client(settings, options)
     tokenizer = program.tokenize.tokenizer
     metrics = ServerMetrics()
     engine = AsyncEngine(client, seed=options.seed, on_outputs=metrics.on_engine_outputs, tokenizer=tokenizer)
