@@ -329,8 +329,12 @@ class ServeSettings:
     # requests accepted beyond engine.max_num_seqs; one more is answered 429 (the bound keeps memory and latency
     # bounded under overload instead of queueing without limit)
     max_queued_requests: int = setting(1024, allowed=up_to(0, 1 << 20))
-    served_model_name: Optional[str] = None  # the name /v1/models lists and requests use; null: DeepSeek-V4.1-Flash
-    default_thinking: bool = True  # thinking mode of chat requests that do not say ("thinking": {"type": ...})
+    # the name(s) /v1/models lists and requests may use: a name, or a list of aliases (vLLM's --served-model-name);
+    # null: the loaded model's identity (its directory name or hub id; deepinfer-embedded-NAME for an embedded one)
+    served_model_name: Optional[Any] = None
+    # thinking mode of requests that do not say (`thinking`, `reasoning_effort`, `reasoning.effort`); null: what
+    # suits the loaded model (off for an embedded model, on for a DeepSeek checkpoint)
+    default_thinking: Optional[bool] = None
     # seconds uvicorn waits for open streams after SIGTERM/Ctrl-C before closing them
     shutdown_timeout: float = setting(5.0, allowed=MAX_SECONDS)
     log_level: str = setting("warning", allowed=("critical", "error", "warning", "info", "debug"))

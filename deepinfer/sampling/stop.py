@@ -43,6 +43,14 @@ class StopChecker:
     def text(self) -> str:
         return self._text
 
+    @property
+    def streamable_text(self) -> str:
+        """Text safe to show while generating (the server's stream, RequestState.text_delta): holds back a tail
+        that could still become a stop string."""
+        if self.finished or self._longest_stop <= 1:
+            return self._text
+        return self._text[: max(0, len(self._text) - (self._longest_stop - 1))]
+
     def append(self, token_id: int, grammar_terminated: bool = False) -> str | None:
         """Takes one generated token; returns the finish reason once the request is finished, else None.
         grammar_terminated: the request's grammar has ended (its matcher is terminated)."""
