@@ -210,10 +210,18 @@ def test_vllm_sampling_fields(server, client, endpoint):
     assert count == 8 and finish == "length"
     # stop_token_ids: the greedy text's second token ends the request (it is not part of the text)
     tok = server.state.converter.tokenizer
-    ids = tok.encode(greedy[0]).ids
+    ids = tok.encode(greedy[0], add_special_tokens=False).ids
     if len(ids) >= 3 and ids[1] != eos:
         text, finish, _ = run(max_tokens=8, temperature=0, extra_body={"stop_token_ids": [ids[1]]})
         assert finish == "stop" and greedy[0].startswith(text) and len(text) < len(greedy[0])
+    # logit_bias: +100 makes a token the greedy choice every time, -100 bans the greedy text's first token
+    forced = tok.encode("x", add_special_tokens=False).ids[0]
+    text, _, _ = run(max_tokens=4, temperature=0, extra_body={"logit_bias": {str(forced): 100},
+                                                              "ignore_eos": True})
+    assert text == "x" * 4
+    if ids:
+        text, _, _ = run(max_tokens=4, temperature=0, extra_body={"logit_bias": {str(ids[0]): -100}})
+        assert not text.startswith(tok.decode([ids[0]]))
     # the choice list (structured outputs, vLLM's forms)
     for extra in ({"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_choice": ["yes", "no"]}):
         text, finish, _ = run(max_tokens=8, temperature=1.0, seed=1, extra_body=extra)
@@ -235,7 +243,8 @@ def test_vllm_fields_are_checked_alike_and_unknown_fields_ignored(server, path, 
     base = {**base, "model": MODEL, "max_tokens": 2}
     for extra, word in (({"repetition_penalty": 0}, "repetition_penalty"), ({"top_k": -5}, "top_k"),
                         ({"min_p": 2}, "min_p"), ({"min_tokens": 5}, "min_tokens"),
-                        ({"logit_bias": {"5": 10}}, "logit_bias"),
+                        ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
                         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided"),
                         ({"stop_token_ids": ["x"]}, "stop_token_ids")):
         r = post(server, path, {**base, **extra})

@@ -290,6 +290,7 @@ class SamplingDefaults:
     presence_penalty: float = setting(0.0, allowed=Interval(-2, 2))
     frequency_penalty: float = setting(0.0, allowed=Interval(-2, 2))
     repetition_penalty: float = setting(1.0, allowed=POSITIVE)
+    logit_bias: Optional[Dict[int, float]] = None  # {token id: bias in [-100, 100]} added to the logits
     n: int = setting(1, allowed=up_to(1, 1024))
     top_logprobs: int = setting(0, allowed=Interval(0, 1000))
     prompt_logprobs: bool = False
@@ -314,6 +315,8 @@ class SamplingDefaults:
         for key in ("stop", "stop_token_ids", "golden_token_ids"):
             if fields[key] is not None:
                 fields[key] = list(fields[key])
+        if fields["logit_bias"] is not None:
+            fields["logit_bias"] = dict(fields["logit_bias"])
         fields.update(changes)
         return SamplingParams(**fields)
 

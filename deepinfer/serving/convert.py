@@ -151,7 +151,25 @@ class Converter:
             del out["stop_token_ids"]
         bias = body.get("logit_bias")
         if bias:
-            raise bad_request("logit_bias is not supported by this engine yet; allowed: null or {}", "logit_bias")
+            out["logit_bias"] = self._logit_bias(bias)
+        return out
+
+    def _logit_bias(self, bias) -> dict[int, float]:
+        """OpenAI's {"token id": bias} (string keys in JSON) -> {int: float}; the range is SamplingParams'."""
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        allowed = f"an object of token ids in [0, {vocab}) to biases in [-100, 100]"
+        if not isinstance(bias, dict):
+            raise bad_request(f"logit_bias={str(bias)[:60]!r} is invalid; allowed: {allowed}", "logit_bias")
+        out = {}
+        for key, value in bias.items():
+            try:
+                tok = int(key)
+            except (TypeError, ValueError):
+                tok = -1
+            if not 0 <= tok < vocab or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad_request(f"logit_bias[{str(key)[:20]!r}]={str(value)[:20]} is invalid; allowed: {allowed}",
+                                  "logit_bias")
+            out[tok] = float(value)
         return out
 
     def _guided(self, body: dict) -> tuple[str, dict] | None:
