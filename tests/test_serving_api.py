@@ -366,3 +366,12 @@ def test_thinking_default_and_each_endpoints_switch(server, client):
     msg = ac.messages.create(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Hello"}],
                              thinking={"type": "enabled", "budget_tokens": 1024})
     assert msg.content[0].type == "thinking"
+
+
+@pytest.mark.timeout(120)
+def test_responses_top_logprobs(client):
+    out = client.responses.create(model=MODEL, input="Hello", max_output_tokens=6, temperature=0, top_logprobs=2,
+                                  include=["message.output_text.logprobs"])
+    part = out.output[0].content[0]
+    assert part.logprobs and all(len(t.top_logprobs) == 2 for t in part.logprobs)
+    assert "".join(t.token for t in part.logprobs) == part.text

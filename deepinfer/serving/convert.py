@@ -241,8 +241,8 @@ class Converter:
                 raise bad_request(f"{guided[0]} and response_format cannot both be given", guided[0])
         elif endpoint == "messages" and body.get("top_k") is not None:  # Anthropic's own field
             extras = {"top_k": body["top_k"]}
-        for key in ignored + [k for k in VLLM_FIELDS if k in body]:
-            body.pop(key, None)  # the recipe never sees them
+        for key in VLLM_FIELDS:
+            body.pop(key, None)  # read above; the recipe never sees them (it ignores what it does not define)
         conv = self._recipe_convert(req_cls, body)
         if any(m.image_sources for m in conv.conversation.messages):
             raise bad_request("image inputs are not supported by this server (the text model has no vision tower)")
