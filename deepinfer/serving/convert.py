@@ -243,7 +243,7 @@ class Converter:
             extras = {"top_k": body["top_k"]}
         for key in VLLM_FIELDS:
             body.pop(key, None)  # read above; the recipe never sees them (it ignores what it does not define)
-        conv = self._recipe_convert(req_cls, body)
+        conv, relaxed_tools = self._recipe_convert(req_cls, body)
         if any(m.image_sources for m in conv.conversation.messages):
             raise bad_request("image inputs are not supported by this server (the text model has no vision tower)")
         io = conv.inference_options
@@ -256,8 +256,13 @@ class Converter:
         except dr.ConversionError as exc:
             raise from_conversion(exc) from None
         thinking = conv.conversation.thinking_mode
+        constraint = io.output_constraint
+        if relaxed_tools and constraint is None and body.get("tool_choice") != "none":
+            # strict tools the recipe's strict check refused: their grammar, as the recipe would have asked for it
+            kind = "tool_call_required" if conv.parsing_options.starts_in_tool_calls else "tool_call"
+            constraint = _Constraint(kind, json.dumps(relaxed_tools))
         try:
-            so_args = so_args_for(io.output_constraint, thinking, self.ids)
+            so_args = so_args_for(constraint, thinking, self.ids)
             if guided is not None:
                 so_args = after_thinking(guided[1], thinking, self.ids)
         except ConstraintError as exc:
@@ -281,21 +286,20 @@ class Converter:
                         resp_cls, token_logprobs=token_logprobs, n=n, ignored=ignored)
 
     def _recipe_convert(self, req_cls, body: dict):
-        """The recipe's conversion; a json_schema with strict: true that the recipe's strict-mode check refuses
-        (a valid schema without a top-level object `type`: enum, const, an array) is converted again as a
-        non-strict schema, so the engine's grammar compiler is the one judge of a schema."""
+        """(the recipe's conversion, the function tools when strict tools were relaxed, else None). A strict
+        json_schema or strict tool whose schema the recipe's strict-mode check refuses (a valid schema without a
+        `type` such as enum or const, a top-level array, optional properties) is converted again with strict off,
+        and the schema goes to the engine as given: the grammar compiler is the one judge of a schema."""
         try:
-            return req_cls(body).convert(self.options)
+            return req_cls(body).convert(self.options), None
         except dr.ConversionError as exc:
             relaxed = _without_strict(body)
-            if relaxed is None or "json schema" not in str(exc).lower():
+            if relaxed is None:
                 raise from_conversion(exc) from None
             try:
-                return req_cls(relaxed).convert(self.options)
-            except dr.ConversionError:
+                return req_cls(relaxed[0]).convert(self.options), relaxed[1]
+            except (dr.ConversionError, ValueError, TypeError):
                 raise from_conversion(exc) from None
-            except (ValueError, TypeError) as exc2:
-                raise bad_request(_first_line(exc2)) from None
         except (ValueError, TypeError) as exc:  # the body does not deserialize into the protocol's request
             raise bad_request(_first_line(exc)) from None
 
@@ -376,6 +380,12 @@ class Converter:
         return out
 
 
+@dataclass
+class _Constraint:  # the shape of deepseek_recipe's OutputConstraint
+    kind: str
+    schema: str
+
+
 def _count(value, name: str) -> int:
     if value is None:
         return 1
@@ -384,17 +394,33 @@ def _count(value, name: str) -> int:
     return value
 
 
-def _without_strict(body: dict) -> dict | None:
-    """The body with `strict` off in its json_schema response format (None when it has none that is strict)."""
+def _without_strict(body: dict) -> tuple[dict, list[dict] | None] | None:
+    """The body with `strict` off in its json_schema response format and its tools, and (when a tool was strict)
+    the function tools in Chat Completions form for the tool-call grammar; None when nothing was strict."""
+    out, changed, tools_out = dict(body), False, None
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
         js = fmt["json_schema"]
         if js.get("strict"):
-            return {**body, "response_format": {**fmt, "json_schema": {**js, "strict": False}}}
+            out["response_format"], changed = {**fmt, "json_schema": {**js, "strict": False}}, True
     text = body.get("text")  # Responses: text.format
     if isinstance(text, dict) and isinstance(text.get("format"), dict) and text["format"].get("strict"):
-        return {**body, "text": {**text, "format": {**text["format"], "strict": False}}}
-    return None
+        out["text"], changed = {**text, "format": {**text["format"], "strict": False}}, True
+    tools = body.get("tools")
+    if isinstance(tools, list) and any(isinstance(t, dict) and (t.get("function") or t).get("strict")
+                                       for t in tools if isinstance(t, dict) and isinstance(t.get("function", t), dict)):
+        new_tools, tools_out = [], []
+        for t in tools:
+            fn = t.get("function", t) if isinstance(t, dict) else None
+            if not isinstance(fn, dict) or (t.get("type") not in (None, "function")):
+                new_tools.append(t)
+                continue
+            tools_out.append({"type": "function", "function": {"name": fn.get("name"), "description":
+                              fn.get("description"), "parameters": fn.get("parameters") or {}, "strict": True}})
+            relaxed = {**fn, "strict": False}
+            new_tools.append({**t, "function": relaxed} if "function" in t else relaxed)
+        out["tools"], changed = new_tools, True
+    return (out, tools_out) if changed else None
 
 
 def _params(**fields) -> SamplingParams:
