@@ -396,3 +396,31 @@ def test_strict_schema_with_typeless_members_and_optional_properties(client):
     call = out.choices[0].message.tool_calls[0]
     assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "paint"
     jsonschema.validate(json.loads(call.function.arguments), NESTED)
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_prompt_or_sample_refuses_the_whole_request_and_frees_the_rest(server):
+    long_prompt = [5] * (server.state.max_model_len + 10)
+    for path, body in (
+        ("/v1/completions", {"model": MODEL, "prompt": [[5, 6, 7], long_prompt], "max_tokens": 2}),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 3, "max_tokens": 2,
+                             "guided_regex": "(unclosed"}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3,
+                                  "max_tokens": 2, "guided_grammar": "root ::= nope"}),
+    ):
+        r = post(server, path, body)
+        assert r.status_code == 400, r.text
+        assert "\n" not in r.json()["error"]["message"]
+        assert server.idle(), "a refused request left work or cache behind"
+
+
+@pytest.mark.timeout(120)
+def test_disconnected_stream_of_many_choices_frees_them_all(server):
+    body = {"model": MODEL, "prompt": ["def f(", "class A"], "n": 2, "max_tokens": 2000, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(8)]
+            assert any(ln.startswith("data: ") for ln in got)
+            assert server.engine.num_in_flight == 4
+    assert server.idle(timeout=30), "the aborted choices still hold cache"

@@ -80,7 +80,7 @@ def _handler(state: ServerState, endpoint: str):
             else:
                 prepared = state.converter.convert(endpoint, body)
             runs = _submit(state, prepared)
-            await _until_disconnect(request, asyncio.gather(*(run.start() for run, _ in runs)))
+            await _until_disconnect(request, _start_all(runs))
             headers = {"x-deepinfer-ignored-fields": ",".join(prepared.ignored)} if prepared.ignored else {}
             if prepared.stream:
                 return StreamingResponse(_sse(state, runs, prepared), media_type="text/event-stream",
@@ -115,6 +115,15 @@ def _submit(state: ServerState, prepared) -> list:
                 run.response = response
             runs.append((run, job))
     return runs
+
+
+async def _start_all(runs) -> None:
+    """Every run's start (each waits for its first update); the first refusal is raised once all have answered,
+    so none is left with an exception nobody reads."""
+    results = await asyncio.gather(*(run.start() for run, _ in runs), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
 
 
 def _close(runs) -> None:
