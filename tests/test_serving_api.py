@@ -10,6 +10,7 @@ agreement between endpoints, between streaming and not, and with the engine's ow
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import httpx
@@ -239,7 +240,7 @@ def test_vllm_sampling_fields(server, client, endpoint):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
     ("/v1/completions", {"prompt": "x"}),
 ])
-def test_vllm_fields_are_checked_alike_and_unknown_fields_ignored(server, path, base):
+def test_vllm_fields_are_checked_alike_and_unknown_fields_ignored(server, path, base, caplog):
     base = {**base, "model": MODEL, "max_tokens": 2}
     for extra, word in (({"repetition_penalty": 0}, "repetition_penalty"), ({"top_k": -5}, "top_k"),
                         ({"min_p": 2}, "min_p"), ({"min_tokens": 5}, "min_tokens"),
@@ -250,9 +251,11 @@ def test_vllm_fields_are_checked_alike_and_unknown_fields_ignored(server, path, 
         r = post(server, path, {**base, **extra})
         assert r.status_code == 400, (extra, r.text)
         assert word in r.json()["error"]["message"] and "\n" not in r.json()["error"]["message"]
-    r = post(server, path, {**base, "invented_key": 1, "another": {"x": 1}})
+    with caplog.at_level(logging.WARNING, logger="deepinfer.serving"):
+        r = post(server, path, {**base, "invented_key": 1, "another": {"x": 1}})
     assert r.status_code == 200, r.text
     assert r.headers["x-deepinfer-ignored-fields"] == "another,invented_key"
+    assert "another, invented_key" in caplog.text  # the one rule: ignored, logged, named in the header
     assert server.idle()
 
 
@@ -288,6 +291,9 @@ def test_a_schema_the_compiler_refuses_is_a_400_naming_the_construct(server):
 @pytest.mark.timeout(120)
 def test_unknown_model_is_404_model_not_found_on_every_endpoint(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("DeepSeek-V4.1-Flash")
     bodies = {
         "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
         "/v1/completions": {"prompt": "x", "max_tokens": 2},

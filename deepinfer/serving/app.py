@@ -57,12 +57,21 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "deepinfer", "root": state.served_name,
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        names = getattr(state.converter, "served_names", None) or [state.served_name]
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "deepinfer",
-                                            "root": state.served_name, "max_model_len": state.max_model_len}
-                                           for name in names]}
+        return {"object": "list", "data": [model_card(name) for name in state.converter.served_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        try:
+            state.converter.check_model({"model": name})
+        except HTTPError as exc:
+            return JSONResponse(exc.body("models"), status_code=exc.status)
+        return model_card(name)
 
     for path, endpoint in ROUTES.items():
         app.add_api_route(path, _handler(state, endpoint), methods=["POST"])
