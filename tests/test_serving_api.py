@@ -430,3 +430,13 @@ def test_disconnected_stream_of_many_choices_frees_them_all(server):
             assert any(ln.startswith("data: ") for ln in got)
             assert server.engine.num_in_flight == 4
     assert server.idle(timeout=30), "the aborted choices still hold cache"
+
+
+@pytest.mark.timeout(120)
+def test_anthropic_top_k_is_honoured(server):
+    anthropic = pytest.importorskip("anthropic")
+    ac = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": "Hello"}]
+    greedy = ac.messages.create(model=MODEL, max_tokens=8, messages=msgs, extra_body={"temperature": 0})
+    top1 = ac.messages.create(model=MODEL, max_tokens=8, messages=msgs, extra_body={"temperature": 1.0, "top_k": 1})
+    assert top1.content[0].text == greedy.content[0].text
