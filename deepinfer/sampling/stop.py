@@ -45,8 +45,8 @@ class StopChecker:
 
     @property
     def streamable_text(self) -> str:
-        """Text safe to show while generating (the server's stream, RequestState.text_delta): holds back a tail
-        that could still become a stop string."""
+        """Text safe to show while generating (the frontend's text deltas): holds back a tail that could still
+        become a stop string."""
         if self.finished or self._longest_stop <= 1:
             return self._text
         return self._text[: max(0, len(self._text) - (self._longest_stop - 1))]
