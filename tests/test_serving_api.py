@@ -311,6 +311,11 @@ def test_unknown_model_is_404_model_not_found_on_every_endpoint(server, client):
                 assert err["code"] == "model_not_found" and name in err["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="DeepSeek-V4.1-Flash", prompt="x", max_tokens=1)
+    r = post(server, "/v1/chat/completions", {"model": ["a"], "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # no model: the served one (vLLM's rule)
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
 
 
 def test_served_names_and_thinking_default_follow_the_model():

@@ -130,7 +130,7 @@ class Converter:
         model = body.get("model")
         if model is None:
             return self.served_name
-        if model not in self.accepted_models:
+        if not isinstance(model, str) or model not in self.accepted_models:
             raise HTTPError(404, f"the model {str(model)[:100]!r} does not exist here; served: "
                                  f"{', '.join(self.served_names)}", "invalid_request_error", "model",
                             code="model_not_found")
