@@ -445,3 +445,12 @@ def test_anthropic_top_k_is_honoured(server):
     greedy = ac.messages.create(model=MODEL, max_tokens=8, messages=msgs, extra_body={"temperature": 0})
     top1 = ac.messages.create(model=MODEL, max_tokens=8, messages=msgs, extra_body={"temperature": 1.0, "top_k": 1})
     assert top1.content[0].text == greedy.content[0].text
+
+
+@pytest.mark.timeout(60)
+def test_an_integer_past_the_json_number_range_is_a_400(server):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 10**30}),
+                       ("/v1/responses", {"input": "x", "metadata": {"a": 10**30}}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": 10**30})):
+        r = post(server, path, {**body, "model": MODEL})
+        assert r.status_code == 400, (path, r.text)

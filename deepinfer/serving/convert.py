@@ -298,9 +298,10 @@ class Converter:
                 raise from_conversion(exc) from None
             try:
                 return req_cls(relaxed[0]).convert(self.options), relaxed[1]
-            except (dr.ConversionError, ValueError, TypeError):
+            except (dr.ConversionError, ValueError, TypeError, OverflowError):
                 raise from_conversion(exc) from None
-        except (ValueError, TypeError) as exc:  # the body does not deserialize into the protocol's request
+        except (ValueError, TypeError, OverflowError) as exc:  # the body does not deserialize into the request
+            # (OverflowError: an integer past the JSON number range, in any field)
             raise bad_request(_first_line(exc)) from None
 
     # ---- legacy Completions ---------------------------------------------------------------------------------
@@ -350,13 +351,14 @@ class Converter:
             prompt_logprobs=bool(echo and logprobs is not None), so_args=guided[1] if guided else None,
             **{k: body[k] for k in PENALTIES if body.get(k) is not None}, **self._vllm_sampling(body),
         )
+        _params(**fields)  # the values' own checks first (one-line 400 naming the field)
         jobs = []
         for text, ids in prompts:
             if len(ids) + fields["max_tokens"] > self.max_model_len:
                 raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is past the "
                                   f"context (max_model_len={self.max_model_len})", "max_tokens")
             jobs.append(Job(ids, _params(**fields), text))
-        stream_options = body.get("stream_options") or {}
+        stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
         return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), jobs, stream,
                         include_usage=bool(stream_options.get("include_usage", True)), n=n, best_of=best_of,
                         echo=echo, logprobs=logprobs, zero_tokens=zero, ignored=ignored)
