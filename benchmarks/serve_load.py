@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-MODEL = "DeepSeek-V4.1-Flash"
+MODEL = "deepinfer-embedded-tiny"  # the embedded model's served name (serving.server.model_identity)
 PROMPTS = ("def fibonacci(n):", "import os\nimport sys\n", "class Config:", "The quick brown fox", "Hello")
 
 

@@ -12,7 +12,7 @@ from deepinfer.api import load_settings
 from deepinfer.serving.app import build_app
 from deepinfer.serving.server import build_state
 
-MODEL = "DeepSeek-V4.1-Flash"
+MODEL = "deepinfer-embedded-tiny"  # the embedded model's served name (serving.server.model_identity)
 
 
 class ThreadServer:

@@ -39,7 +39,7 @@ def run_generate_iter(llm, sp):
 
 
 @pytest.mark.parametrize("run, outermost", [(run_generate, "api.py:generate"),
-                                            (run_generate_iter, "llm_engine.py:stream")])
+                                            (run_generate_iter, "api.py:_holding")])
 def test_the_first_op_is_within_twelve_of_our_frames_in_the_callers_thread(llm, run, outermost):
     ops = llm._engine.client.core.runner.backend.model.ops  # the core's model: the frontend holds no weights
     seen: list[list[str]] = []

@@ -45,7 +45,7 @@ def chat(client, **kw):
 def test_health_models_and_metrics(server, client):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
-    chat(client, max_tokens=3, extra_body=NO_THINKING)
+    chat(client, max_tokens=3)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("deepinfer_requests_waiting", "deepinfer_requests_running", "deepinfer_generation_tokens_per_second",
                  "deepinfer_time_to_first_token_seconds_bucket", "deepinfer_inter_token_latency_seconds_bucket",
@@ -70,10 +70,11 @@ def test_chat_streaming_equals_non_streaming_and_ends_with_usage(client):
 
 @pytest.mark.timeout(120)
 def test_chat_thinking_puts_text_in_reasoning_content(client):
-    out = chat(client, max_tokens=6, seed=7)  # thinking is the default: the model is still reasoning at 6 tokens
+    thinking = {"thinking": {"type": "enabled"}}  # off by default for the embedded model (serve.default_thinking)
+    out = chat(client, max_tokens=6, seed=7, extra_body=thinking)  # the model is still reasoning at 6 tokens
     msg = out.choices[0].message
     assert msg.content == "" and msg.model_extra.get("reasoning_content")
-    again = chat(client, max_tokens=6, seed=7)  # OpenAI's seed is the request's seq_seed
+    again = chat(client, max_tokens=6, seed=7, extra_body=thinking)  # OpenAI's seed is the request's seq_seed
     assert again.choices[0].message.model_extra["reasoning_content"] == msg.model_extra["reasoning_content"]
 
 
@@ -188,7 +189,7 @@ def test_anthropic_messages(server):
 
 BAD = [
     ("/v1/chat/completions", b"{not json", 400, "not JSON"),
-    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 400, "gpt-4"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400,
      "temperature"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
@@ -199,7 +200,7 @@ BAD = [
                               "response_format": {"type": "regex", "regex": "(unclosed"}, **NO_THINKING}, 400, ""),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 5}, 400, "temperature"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2, "n": 3}, 400, "best_of"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "nope"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 9000}, 400, "max_model_len"),
     ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": []}, 400, "message"),

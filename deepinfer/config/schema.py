@@ -290,6 +290,7 @@ class SamplingDefaults:
     presence_penalty: float = setting(0.0, allowed=Interval(-2, 2))
     frequency_penalty: float = setting(0.0, allowed=Interval(-2, 2))
     repetition_penalty: float = setting(1.0, allowed=POSITIVE)
+    logit_bias: Optional[Dict[int, float]] = None  # {token id: bias in [-100, 100]} added to the logits
     n: int = setting(1, allowed=up_to(1, 1024))
     top_logprobs: int = setting(0, allowed=Interval(0, 1000))
     prompt_logprobs: bool = False
@@ -314,6 +315,8 @@ class SamplingDefaults:
         for key in ("stop", "stop_token_ids", "golden_token_ids"):
             if fields[key] is not None:
                 fields[key] = list(fields[key])
+        if fields["logit_bias"] is not None:
+            fields["logit_bias"] = dict(fields["logit_bias"])
         fields.update(changes)
         return SamplingParams(**fields)
 
@@ -329,8 +332,12 @@ class ServeSettings:
     # requests accepted beyond engine.max_num_seqs; one more is answered 429 (the bound keeps memory and latency
     # bounded under overload instead of queueing without limit)
     max_queued_requests: int = setting(1024, allowed=up_to(0, 1 << 20))
-    served_model_name: Optional[str] = None  # the name /v1/models lists and requests use; null: DeepSeek-V4.1-Flash
-    default_thinking: bool = True  # thinking mode of chat requests that do not say ("thinking": {"type": ...})
+    # the name(s) /v1/models lists and requests may use: a name, or a list of aliases (vLLM's --served-model-name);
+    # null: the loaded model's identity (its directory name or hub id; deepinfer-embedded-NAME for an embedded one)
+    served_model_name: Optional[Any] = None
+    # thinking mode of requests that do not say (`thinking`, `reasoning_effort`, `reasoning.effort`); null: what
+    # suits the loaded model (off for an embedded model, on for a DeepSeek checkpoint)
+    default_thinking: Optional[bool] = None
     # seconds uvicorn waits for open streams after SIGTERM/Ctrl-C before closing them
     shutdown_timeout: float = setting(5.0, allowed=MAX_SECONDS)
     log_level: str = setting("warning", allowed=("critical", "error", "warning", "info", "debug"))

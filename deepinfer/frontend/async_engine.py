@@ -32,13 +32,17 @@ IDLE_WAIT_S = 0.05  # an in-process core with no work: wait this long for a subm
 @dataclass
 class StreamOutput:
     """What arrived for one request since its stream last looked: new token ids, their new text (special tokens
-    kept; a final stop token left out) and how many tokens that text accounts for; finish_reason on the last."""
+    kept; a final stop token left out) and how many tokens that text accounts for; finish_reason on the last.
+    logprobs: one (logprob, top_logprobs) entry per new token id (None where the request asked for none);
+    prompt_logprobs: the prompt's TokenLogprob list (entry 0 None), on the first output that has it."""
 
     token_ids: list[int]
     text: str
     num_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -48,6 +52,8 @@ class EngineStream:
     state: RequestState
     arrival: float = field(default_factory=time.perf_counter)
     _news: asyncio.Event = field(default_factory=asyncio.Event)
+    _taken: int = 0  # tokens (and their logprob entries) handed out so far
+    _prompt_lp_sent: bool = False
 
     @property
     def request_id(self) -> int:
@@ -67,7 +73,13 @@ class EngineStream:
         self._news.clear()
         st = self.state
         text, count = st.text_delta()
-        return StreamOutput(st.take_new(), text, count, st.finish_reason, st.error)
+        new = st.take_new()
+        logprobs = st.logprobs[self._taken:self._taken + len(new)] if st.logprobs else None
+        self._taken += len(new)
+        prompt_lp = None
+        if st.prompt_logprobs is not None and not self._prompt_lp_sent:
+            prompt_lp, self._prompt_lp_sent = st.prompt_logprobs, True
+        return StreamOutput(new, text, count, st.finish_reason, st.error, logprobs, prompt_lp)
 
 
 class AsyncEngine:
@@ -99,20 +111,31 @@ class AsyncEngine:
         return len(self.output.states)
 
     def submit(self, prompt_ids: list[int], params) -> EngineStream:
-        """Queues one request; its outputs arrive through the returned stream's next() (the last one has
-        finish_reason set; one the input processor refuses ends at once with "error"). Call it on the event loop."""
+        """Queues one request (params.n == 1); its outputs arrive through the returned stream's next() (the last
+        one has finish_reason set; one the input processor refuses ends at once with "error"). Call it on the
+        event loop."""
+        streams = self.submit_all(prompt_ids, params)
+        if len(streams) != 1:
+            raise ValueError(f"submit takes one sample (n=1); got {len(streams)}: use submit_all")
+        return streams[0]
+
+    def submit_all(self, prompt_ids: list[int], params) -> list[EngineStream]:
+        """Queues the params.n samples of one prompt (the input processor's seed rule: sample i draws with
+        child_seed(seed, i)); one stream per sample, or one that ends at once with "error"."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        (inp,) = self.input.process(0, None, list(prompt_ids), params)
-        st = self.output.new_state(inp, next(self._ids))
-        stream = EngineStream(st)
-        st.inbox = stream  # the loop's news of this request wake the stream
-        if st.finished:  # refused by the input processor
-            stream._news.set()
-            return stream
-        self._adds.append(AddRequest(st.engine_id, inp.prompt_ids, inp.params, inp.seed))
+        streams = []
+        for inp in self.input.process(0, None, list(prompt_ids), params):
+            st = self.output.new_state(inp, next(self._ids))
+            stream = EngineStream(st)
+            st.inbox = stream  # the loop's news of this request wake the stream
+            streams.append(stream)
+            if st.finished:  # refused by the input processor
+                stream._news.set()
+                continue
+            self._adds.append(AddRequest(st.engine_id, inp.prompt_ids, inp.params, inp.seed))
         self._wake_loop()
-        return stream
+        return streams
 
     def abort(self, stream: EngineStream) -> None:
         """Stops a request that is still running (a client that went away); its cache is freed by the core."""

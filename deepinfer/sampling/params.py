@@ -57,6 +57,8 @@ class SamplingParams:
     stop: strings that end the request; the returned text excludes them. stop_token_ids: token ids that do.
     presence_penalty, frequency_penalty: [-2, 2], subtracted from the logits of tokens already generated.
     repetition_penalty: > 0; 1.0 is off; applied to tokens of the prompt and of the output.
+    logit_bias: {token_id: bias in [-100, 100]} added to the token's logit before sampling (OpenAI's and vLLM's
+        logit_bias; reported logprobs stay the model's own); None or {} is off.
     n: independent samples per prompt (see ``deepinfer.sampling.seeds.child_seed``).
     top_logprobs: 0..1000 alternatives reported per generated token (0 = none; the chosen token's logprob is
         always reported). prompt_logprobs: report the logprob of every prompt token (top-N as top_logprobs).
@@ -86,6 +88,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     n: int = 1
     top_logprobs: int = 0
     prompt_logprobs: bool = False
@@ -163,6 +166,11 @@ class SamplingParams:
                 _is_int(t) and t >= 0 for t in self.stop_token_ids
             ):
                 raise _bad("stop_token_ids", self.stop_token_ids, "None or a list of token ids >= 0")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()
+            ):
+                raise _bad("logit_bias", self.logit_bias, "None or {token id >= 0: a bias in [-100, 100]}")
         if self.golden_token_ids is not None:
             if not isinstance(self.golden_token_ids, list) or not all(
                 _is_int(t) and t >= 0 for t in self.golden_token_ids

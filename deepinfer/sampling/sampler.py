@@ -6,7 +6,8 @@ Pipeline, in this order, per row (``Sampler.sample``):
                    (EOS is not blacklisted when ignore_eos, since it then ends nothing)
   2. grammar mask  the structured-output bitmask of the row's GrammarState (built on the CPU; the engine may
                    build it while the model runs and pass it in)
-  3. penalties     repetition (prompt + output tokens, multiplicative), then frequency and presence (output only)
+  3. penalties     repetition (prompt + output tokens, multiplicative), then frequency and presence (output only),
+                   then logit_bias (added to the listed tokens' logits)
   4. greedy        rows with temperature < 1e-5 take the argmax here (ties: lowest id) and skip the rest
   5. temperature   logits / temperature
   6. top-k         the k most likely (stable sort: ties keep the lowest ids)
@@ -239,6 +240,7 @@ class Sampler:
         if bitmask is not None:
             apply_bitmask_(x, bitmask)
         self._penalties_(x, rows)
+        self._logit_bias_(x, rows)
         return logprobs, x
 
     def _blacklist_(self, x: torch.Tensor, rows: list[SampleRow], vocab: int) -> None:
@@ -281,6 +283,15 @@ class Sampler:
             [rows[r].params.presence_penalty for r in idx],
         )
         x[idx] = sub
+
+    @staticmethod
+    def _logit_bias_(x: torch.Tensor, rows: list[SampleRow]) -> None:
+        for r, row in enumerate(rows):
+            bias = row.params.logit_bias
+            if bias:
+                ids = [t for t in bias if t < x.shape[1]]
+                if ids:
+                    x[r, ids] += torch.tensor([float(bias[t]) for t in ids], dtype=x.dtype, device=x.device)
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         params = [row.params for row in rows]

@@ -57,10 +57,21 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "deepinfer", "root": state.served_name,
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.served_name, "object": "model", "created": started,
-                                            "owned_by": "deepinfer", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card(name) for name in state.converter.served_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        try:
+            state.converter.check_model({"model": name})
+        except HTTPError as exc:
+            return JSONResponse(exc.body("models"), status_code=exc.status)
+        return model_card(name)
 
     for path, endpoint in ROUTES.items():
         app.add_api_route(path, _handler(state, endpoint), methods=["POST"])
@@ -69,7 +80,7 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _handler(state: ServerState, endpoint: str):
     async def handle(request: Request):
-        run = None
+        runs: list = []
         try:
             body = await _json_body(request)
             _admit(state)
@@ -77,27 +88,56 @@ def _handler(state: ServerState, endpoint: str):
                 prepared = state.converter.convert_completion(body)
             else:
                 prepared = state.converter.convert(endpoint, body)
-            run = RequestRun(state.engine, prepared, state.metrics)
-            await _until_disconnect(request, run.start())
+            runs = _submit(state, prepared)
+            await _until_disconnect(request, _start_all(runs))
+            headers = {"x-deepinfer-ignored-fields": ",".join(prepared.ignored)} if prepared.ignored else {}
             if prepared.stream:
-                return StreamingResponse(_sse(run, prepared), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            return await _until_disconnect(request, _complete(run, prepared))
+                return StreamingResponse(_sse(state, runs, prepared), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", **headers})
+            return await _until_disconnect(request, _complete(state, runs, prepared, headers))
         except HTTPError as exc:
-            if run is None or run.stream is None or exc.status != 400:
+            if not runs or exc.status != 400:
                 state.metrics.on_rejected(exc.status)
-            if run is not None:
-                run.close()
+            _close(runs)
             return JSONResponse(exc.body(endpoint), status_code=exc.status)
         except ClientGone:
-            run.close()
+            _close(runs)
             return Response(status_code=499)  # nobody reads it: the connection is gone
         except BaseException:
-            if run is not None:
-                run.close()
+            _close(runs)
             raise
 
     return handle
+
+
+def _submit(state: ServerState, prepared) -> list:
+    """(RequestRun, Job) per engine request: every sample of every prompt, prompt-major."""
+    runs = []
+    for job in prepared.jobs:
+        for stream in state.engine.submit_all(job.prompt_ids, job.params):
+            processor = None
+            if prepared.new_sample is not None:
+                processor, response = prepared.new_sample()
+            run = RequestRun(state.engine, stream, len(job.prompt_ids), state.metrics, processor,
+                             prepared.token_logprobs)
+            if prepared.new_sample is not None:
+                run.response = response
+            runs.append((run, job))
+    return runs
+
+
+async def _start_all(runs) -> None:
+    """Every run's start (each waits for its first update); the first refusal is raised once all have answered,
+    so none is left with an exception nobody reads."""
+    results = await asyncio.gather(*(run.start() for run, _ in runs), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+def _close(runs) -> None:
+    for run, _ in runs:
+        run.close()
 
 
 async def _json_body(request: Request) -> dict:
@@ -143,37 +183,108 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _complete(run: RequestRun, prepared):
+async def _merged(gens):
+    """(i, item) from several async generators as the items arrive; an exception in one ends the merge."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i, gen):
+        try:
+            async for item in gen:
+                await queue.put((i, item, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put((i, None, exc))
+            return
+        await queue.put((i, end, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is end:
+                left -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _complete(state: ServerState, runs, prepared, headers: dict):
     if prepared.endpoint == "completions":
-        shaper = CompletionShaper(prepared, lambda: run.num_tokens)
-        async for chunks in run.chunks():
-            for c in chunks:
-                shaper.feed(c)
-        return JSONResponse(shaper.final())
-    async for chunks in run.chunks():
+        shaper = CompletionShaper(prepared, runs, state.converter.tokenizer)
+        async for i, upd in _merged([run.updates() for run, _ in runs]):
+            shaper.choices[i].feed(upd)
+        return JSONResponse(shaper.final(), headers=headers)
+    async for i, chunks in _merged([run.chunks() for run, _ in runs]):
         for c in chunks:
-            prepared.response.accumulate(c)
-    return Response(prepared.response.to_json(), media_type="application/json")
+            runs[i][0].response.accumulate(c)
+    if len(runs) == 1:
+        return Response(runs[0][0].response.to_json(), media_type="application/json", headers=headers)
+    outs = [json.loads(run.response.to_json()) for run, _ in runs]
+    merged = outs[0]
+    merged["choices"] = [{**o["choices"][0], "index": i} for i, o in enumerate(outs)]
+    merged["usage"] = _sum_usage([o.get("usage") for o in outs])
+    return JSONResponse(merged, headers=headers)
 
 
-async def _sse(run: RequestRun, prepared):
+def _sum_usage(usages: list) -> dict | None:
+    """n choices of one prompt: the prompt once, the completions summed (reasoning tokens too)."""
+    usages = [u for u in usages if u]
+    if not usages:
+        return None
+    out = json.loads(json.dumps(usages[0]))
+    done = sum(u.get("completion_tokens", 0) for u in usages)
+    out["completion_tokens"] = done
+    out["total_tokens"] = out.get("prompt_tokens", 0) + done
+    details = out.get("completion_tokens_details")
+    if isinstance(details, dict) and "reasoning_tokens" in details:
+        details["reasoning_tokens"] = sum((u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+                                          for u in usages)
+    return out
+
+
+async def _sse(state: ServerState, runs, prepared):
     """Server-sent events; the last data event carries usage. A client that disconnects cancels this generator:
-    `finally` aborts the request in the engine."""
+    `finally` aborts the requests in the engine."""
     try:
         if prepared.endpoint == "completions":
-            shaper = CompletionShaper(prepared, lambda: run.num_tokens)
-            async for chunks in run.chunks():
-                for c in chunks:
-                    out = shaper.feed(c)
-                    if out is not None:
-                        yield f"data: {json.dumps(out)}\n\n"
+            shaper = CompletionShaper(prepared, runs, state.converter.tokenizer)
+            async for i, upd in _merged([run.updates() for run, _ in runs]):
+                out = shaper.chunk(i, upd)
+                if out is not None:
+                    yield f"data: {json.dumps(out)}\n\n"
             yield "data: [DONE]\n\n"
             return
         cls = prepared.response_cls
-        async for chunks in run.chunks():
-            for c in chunks:
-                name = cls.sse_event_name(c)
-                yield (f"event: {name}\n" if name else "") + f"data: {c.to_json()}\n\n"
+        if len(runs) == 1:
+            async for _, chunks in _merged([runs[0][0].chunks()]):
+                for c in chunks:
+                    name = cls.sse_event_name(c)
+                    yield (f"event: {name}\n" if name else "") + f"data: {c.to_json()}\n\n"
+        else:  # chat with n > 1: each sample's chunks carry its choice index; usage comes once, at the end
+            usages, last = [], None
+            async for i, chunks in _merged([run.chunks() for run, _ in runs]):
+                for c in chunks:
+                    data = json.loads(c.to_json())
+                    for choice in data.get("choices") or []:
+                        choice["index"] = i
+                    if data.get("usage"):
+                        usages.append(data["usage"])
+                    data["usage"] = None
+                    last = data
+                    yield f"data: {json.dumps(data)}\n\n"
+            if usages and last is not None:
+                yield f"data: {json.dumps({**last, 'choices': [], 'usage': _sum_usage(usages)})}\n\n"
         done = cls.sse_done_data()
         if done is not None:
             yield f"data: {done}\n\n"
@@ -181,4 +292,4 @@ async def _sse(run: RequestRun, prepared):
         name = "error" if prepared.endpoint in ("messages", "responses") else None
         yield (f"event: {name}\n" if name else "") + f"data: {json.dumps(exc.body(prepared.endpoint))}\n\n"
     finally:
-        run.close()
+        _close(runs)

@@ -43,9 +43,9 @@ def so_args_for(constraint, thinking: bool, ids: SpecialIds) -> dict | None:
             import xgrammar as xgr
 
             so = {"schema_type": "ebnf", "schema": str(xgr.Grammar.builtin_json_grammar())}
-        return _after_thinking(so, thinking, ids)
+        return after_thinking(so, thinking, ids)
     if kind == "regex":
-        return _after_thinking({"schema_type": "regex", "schema": schema}, thinking, ids)
+        return after_thinking({"schema_type": "regex", "schema": schema}, thinking, ids)
     if kind in ("tool_call", "tool_call_required"):
         so = {"schema_type": "ebnf", "schema": tool_calls_grammar(json.loads(schema))}
         if kind == "tool_call":
@@ -58,7 +58,7 @@ def so_args_for(constraint, thinking: bool, ids: SpecialIds) -> dict | None:
                           "tool_call_required")
 
 
-def _after_thinking(so: dict, thinking: bool, ids: SpecialIds) -> dict:
+def after_thinking(so: dict, thinking: bool, ids: SpecialIds) -> dict:
     if not thinking:
         return so
     if ids.think_end is None:

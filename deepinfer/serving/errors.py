@@ -10,18 +10,24 @@ import json
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(" ".join(str(message).split()))
-        self.status, self.kind, self.param = status, kind, param
+        self.status, self.kind, self.param, self.code = status, kind, param, code or kind
 
     @property
     def message(self) -> str:
         return str(self)
 
     def body(self, endpoint: str) -> dict:
-        if endpoint == "messages":  # Anthropic's shape
-            return {"type": "error", "error": {"type": self.kind, "message": self.message}}
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.kind}}
+        if endpoint == "messages":  # Anthropic's shape and error types
+            kind = ANTHROPIC_TYPES.get(self.status, self.kind)
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+                   503: "overloaded_error", 500: "api_error"}
 
 
 def bad_request(message: str, param: str | None = None) -> HTTPError:

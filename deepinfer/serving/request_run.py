@@ -1,8 +1,8 @@
 """One request on the engine: its stream's outputs (text from the frontend's output processor) -> deepseek_recipe
 chunks.
 
-The HTTP status is decided before the first byte is sent: `start()` waits for the engine's first update, and a
-request the engine refuses at once (prompt too long, more cache than the budget, a schema that does not compile)
+The HTTP status is decided before the first byte is sent: `start()` waits for the engine's first update (of every
+sample of every prompt of the request), and a request the engine refuses at once (prompt too long, more cache than the budget, a schema that does not compile)
 becomes a 400 with the engine's one-line message instead of a stream that starts and then fails.
 """
 
@@ -20,27 +20,31 @@ FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishRea
 
 
 class RequestRun:
-    def __init__(self, engine, prepared, metrics):
-        self.engine, self.prepared, self.metrics = engine, prepared, metrics
-        self.stream = None
+    """One engine request (one sample of one prompt). processor: the deepseek_recipe StreamProcessor its output
+    feeds (chat-like endpoints; None for completions, which read `updates()`); token_logprobs: feed it token ids
+    with their logprobs instead of text (the recipe writes the protocol's logprobs)."""
+
+    def __init__(self, engine, stream, prompt_len: int, metrics, processor=None, token_logprobs: bool = False):
+        self.engine, self.stream, self.metrics = engine, stream, metrics
+        self.prompt_len, self.processor, self.token_logprobs = prompt_len, processor, token_logprobs
         self.num_tokens = 0  # generated tokens taken from the stream so far (a final stop token included): usage
+        self.response = None  # the protocol's response accumulator (non-streaming chat-like requests)
         self._first = None
         self._last_token_time: float | None = None
         self.finish_reason: str | None = None
+        metrics.on_submit(prompt_len)
 
     async def start(self) -> None:
-        """Submits the request and waits for its first update; raises HTTPError if the engine refuses it."""
-        self.stream = self.engine.submit(self.prepared.prompt_ids, self.prepared.params)
-        self.metrics.on_submit(len(self.prepared.prompt_ids))
+        """Waits for the request's first update; raises HTTPError if the engine refused it."""
         self._first = await self.stream.next()
         if self._first.finish_reason == "error" and not self._first.token_ids:
             self.metrics.on_finish("error", started=False)
+            self.finish_reason = "error"
             raise HTTPError(400, self._first.error or "the engine refused the request")
 
-    async def chunks(self):
-        """Yields the protocol's chunks (deepseek_recipe objects) until the request ends."""
-        p = self.prepared.processor
-        yield p.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=len(self.prepared.prompt_ids))))
+    async def updates(self):
+        """Yields the stream's outputs (deepinfer.frontend.StreamOutput) until the request ends; an engine failure
+        after the start raises HTTPError(500)."""
         upd, self._first = self._first, None
         while True:
             if upd.finish_reason == "error":
@@ -49,20 +53,51 @@ class RequestRun:
                 raise HTTPError(500, f"the request failed in the engine: {upd.error}", "server_error")
             self._observe(upd)
             self.num_tokens += len(upd.token_ids)
+            yield upd
+            if upd.finish_reason is not None:
+                self._end(upd.finish_reason)
+                return
+            upd = await self.stream.next()
+
+    def stop_early(self) -> None:
+        """The response ended before the engine did (a stop sequence the processor matched): free the request."""
+        self.engine.abort(self.stream)
+        if self.finish_reason is None:
+            self._end("stop")
+
+    def is_stop_token(self, token_id: int) -> bool:
+        params = self.stream.state.input.params
+        if token_id in (params.stop_token_ids or ()):
+            return True
+        return not params.ignore_eos and token_id == self.engine.info.eos_token_id
+
+    async def chunks(self):
+        """Yields the protocol's chunks (deepseek_recipe objects) until the request ends."""
+        p = self.processor
+        yield p.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=self.prompt_len)))
+        async for upd in self.updates():
             done = upd.finish_reason is not None
-            if upd.text or upd.num_tokens:
+            if self.token_logprobs:
+                ids, lps = list(upd.token_ids), list(upd.logprobs or [None] * len(upd.token_ids))
+                stop_token = done and upd.finish_reason == "stop" and ids and self.is_stop_token(ids[-1])
+                if stop_token:  # not part of the text (nor of OpenAI's logprobs); usage still counts it
+                    ids, lps = ids[:-1], lps[:-1]
+                if ids:
+                    pairs = [(lp[0] if lp and lp[0] is not None else 0.0, list(lp[1] or []) if lp else [])
+                             for lp in lps]
+                    yield p.push(dr.InferenceChunk.tokens(ids, pairs))
+                if stop_token:
+                    yield p.push(dr.InferenceChunk.text("", 1))
+            elif upd.text or upd.num_tokens:
                 yield p.push(dr.InferenceChunk.text(upd.text, upd.num_tokens))
             if p.finished:  # a stop sequence matched in the answer: the processor has ended the response
-                self.engine.abort(self.stream)
-                self._end("stop")
+                self.stop_early()
                 return
             if done:
                 yield p.push(dr.InferenceChunk.finish(FINISH[upd.finish_reason]))
                 if not p.finished:
                     yield p.finish()
-                self._end(upd.finish_reason)
                 return
-            upd = await self.stream.next()
 
     def _observe(self, upd) -> None:
         if not upd.token_ids:
@@ -76,6 +111,8 @@ class RequestRun:
         self.metrics.on_generated(len(upd.token_ids))
 
     def _end(self, reason: str) -> None:
+        if self.finish_reason is not None:
+            return
         self.finish_reason = reason
         self.metrics.on_finish(reason, started=self._last_token_time is not None)
 

@@ -14,11 +14,62 @@ import uvicorn
 
 log = logging.getLogger("deepinfer.serving")
 
-DEFAULT_MODEL_NAME = "DeepSeek-V4.1-Flash"
+EMBEDDED_PREFIX = "embedded:"
+# the DeepSeek API's names, accepted only when the loaded model is that model (its directory or hub id's last part
+# names it, a released suffix such as "-1017" allowed)
+DEEPSEEK_API_NAMES = ("DeepSeek-V4.1-Flash", "DeepSeek-V4-Pro")
+
+
+def model_identity(model_path: str) -> str:
+    """The loaded model's own name: the hub id as given, a local directory's name, or `deepinfer-embedded-NAME`
+    for an embedded model (a 3.5M-parameter model must not pass for the DeepSeek model it imitates)."""
+    import os
+
+    if model_path.startswith(EMBEDDED_PREFIX):
+        return f"deepinfer-embedded-{model_path[len(EMBEDDED_PREFIX):]}"
+    if os.path.isdir(model_path) or model_path.startswith(("/", ".", "~")):
+        return os.path.basename(os.path.normpath(os.path.expanduser(model_path))) or model_path
+    return model_path  # a hub id: vLLM's default served name
+
+
+def deepseek_api_name(identity: str) -> str | None:
+    """The DeepSeek API name of the loaded model (None for any other model)."""
+    last = identity.rsplit("/", 1)[-1].lower()
+    for name in DEEPSEEK_API_NAMES:
+        if last == name.lower() or (last.startswith(name.lower() + "-") and last[len(name) + 1:].isdigit()):
+            return name
+    return None
+
+
+def served_names(settings) -> list[str]:
+    """serve.served_model_name (a name or a list of aliases; vLLM's --served-model-name), else the model's
+    identity; the DeepSeek API's name of the loaded model is accepted too."""
+    configured = settings.serve.served_model_name
+    if isinstance(configured, str):
+        names = [n for n in configured.replace(",", " ").split() if n]
+    else:
+        names = [str(n) for n in (configured or ())]
+    identity = model_identity(settings.model.path)
+    names = names or [identity]
+    api = deepseek_api_name(identity)
+    if api is not None and api not in names:
+        names.append(api)
+    return names
+
+
+def default_thinking(settings) -> bool:
+    """serve.default_thinking, or (null) what suits the loaded model: off for an embedded model (too small to
+    reason: its whole answer would land in reasoning_content), on for a DeepSeek checkpoint."""
+    value = settings.serve.default_thinking
+    if value is not None:
+        return bool(value)
+    return not settings.model.path.startswith(EMBEDDED_PREFIX)
 
 
 def build_state(settings):
     """(ServerState, AsyncEngine) for resolved Settings; the engine core is started (not yet pumping)."""
+    import deepseek_recipe as dr
+
     from deepinfer.engine.make_client import make_client
     from deepinfer.engine.options import EngineOptions
     from deepinfer.pipeline import load_program
@@ -27,6 +78,7 @@ def build_state(settings):
     from deepinfer.serving.convert import Converter
     from deepinfer.serving.metrics import ServerMetrics
 
+    names, thinking = served_names(settings), default_thinking(settings)  # model.path as configured
     # the frontend needs the tokenizer and the model's limits (no weights); the engine core builds the model
     program, settings = load_program(settings, weights=False)
     options = EngineOptions.for_settings(settings)  # decoding too: DSpark and the rollback rows
@@ -35,14 +87,14 @@ def build_state(settings):
     metrics = ServerMetrics()
     engine = AsyncEngine(client, seed=options.seed, on_outputs=metrics.on_engine_outputs, tokenizer=tokenizer)
     serve = settings.serve
-    name = serve.served_model_name or DEFAULT_MODEL_NAME
     info = client.info
+    version = dr.ModelVersion.DeepseekV4Pro if "DeepSeek-V4-Pro" in names else dr.ModelVersion.DeepseekV41Flash
     state = ServerState(
         engine=engine,
-        converter=Converter(tokenizer, tokenizer.to_str(), info.max_model_len, name, serve.default_thinking),
+        converter=Converter(tokenizer, tokenizer.to_str(), info.max_model_len, names, thinking, version),
         metrics=metrics,
         max_in_flight=settings.engine.max_num_seqs + serve.max_queued_requests,
-        served_name=name,
+        served_name=names[0],
         max_model_len=info.max_model_len,
     )
     return state, engine
