@@ -14,3 +14,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """An HTTP server on the embedded model (16 sequences), one per test module that asks for it."""
+    from serving_helpers import ThreadServer
+
+    srv = ThreadServer(["engine.max_num_seqs=16"])
+    yield srv
+    srv.close()

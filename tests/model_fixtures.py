@@ -27,3 +27,18 @@ def cases(name: str) -> list[dict[str, torch.Tensor]]:
         {k.split(".", 1)[1]: v for k, v in raw.items() if k.startswith(f"case{i}.")}
         for i in range(len({k.split(".")[0] for k in raw}))
     ]
+
+
+# a fixture's tokenizer for text-level tests (stop strings, detokenization); its end-of-sequence id
+TOKENIZER = FIXTURES / "tiny-engram-hc4" / "tokenizer.json"
+EOS = 1
+
+
+def tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(TOKENIZER))
+
+
+def text_ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids

@@ -52,3 +52,10 @@ class ThreadServer:
         self.server.should_exit = True
         self.thread.join(timeout=20)
         self.engine.close()
+
+
+def openai_client(server, timeout: float = 60):
+    """The official `openai` client for `server`, no retries (a test sees the first answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=timeout)

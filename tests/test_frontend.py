@@ -3,28 +3,23 @@ processor (DecodeStream text, the stop-string cut, stop tokens, deltas) and the 
 itself: no thread, several open at once)."""
 
 import threading
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.messages import RequestUpdate
 from deepinfer.frontend import InputProcessor, OutputProcessor
 from deepinfer.frontend.input_processor import EngineInput
 from deepinfer.sampling import child_seed, seed_for
-
-TOKENIZER = Path(__file__).parent / "fixtures/deepseek_v41/tiny-engram-hc4/tokenizer.json"
-EOS = 1
+from model_fixtures import EOS, text_ids, tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_file(str(TOKENIZER))
+    return tokenizer()
 
 
-def ids(tok, text):
-    return tok.encode(text, add_special_tokens=False).ids
+ids = text_ids
 
 
 # ---- input processor -------------------------------------------------------------------------------------------

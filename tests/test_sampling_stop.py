@@ -1,24 +1,18 @@
 """StopChecker with the fixture's byte-level BPE tokenizer: stop strings across token and UTF-8 boundaries,
 stop_token_ids, EOS, ignore_eos, min_tokens, max_tokens, grammar termination."""
 
-from pathlib import Path
-
 import pytest
-from tokenizers import Tokenizer
 
 from deepinfer.sampling import SamplingParams, StopChecker
-
-TOKENIZER = Path(__file__).parent / "fixtures/deepseek_v41/tiny-engram-hc4/tokenizer.json"
-EOS = 1
+from model_fixtures import EOS, text_ids, tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_file(str(TOKENIZER))
+    return tokenizer()
 
 
-def ids(tok, text):
-    return tok.encode(text, add_special_tokens=False).ids
+ids = text_ids
 
 
 def run(tok, params, token_ids, grammar_done_at=None):

@@ -18,23 +18,16 @@ import time
 import httpx
 import jsonschema
 import pytest
-from serving_helpers import MODEL, ThreadServer
+from serving_helpers import MODEL, ThreadServer, openai_client
 
 openai = pytest.importorskip("openai")
 
 NO_THINKING = {"thinking": {"type": "disabled"}}
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = ThreadServer(["engine.max_num_seqs=16"])
-    yield srv
-    srv.close()
-
-
 @pytest.fixture()
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+def client(server):  # server: tests/conftest.py's, one per module
+    return openai_client(server, timeout=60)
 
 
 def chat(client, **kw):
