@@ -14,7 +14,7 @@ import torch
 
 from deepinfer.kernels.torch.cache_formats import Fp4Codec, Fp8Codec
 
-from .cache import CachePools, Selection, StepMeta
+from .cache import CachePools, PrefillWindow, Selection, StepMeta
 from .weights import Attention as AttentionWeights
 
 
@@ -143,15 +143,18 @@ class Attention:
         if as_stored and meta.host.decode_only:
             return self._attend_decode(q, kv_parts, meta, pools)
         split = meta.host.split if as_stored else None
+        # the prefill rows read the rings before this step's writes, the decode path after them
+        if as_stored and meta.prefill_window is not None and meta.cp is None:
+            prefill = self._attend_strips(q, kv_parts, meta, pools, meta.prefill_window)
+        else:
+            prefill = self._attend_slates(q, kv, meta, pools, None if split is None else split[1])
         if split is None:
-            out = self._attend_slates(q, kv, meta, pools)
             self._write_window(kv_parts, meta, pools)
-            return out
-        # decoding sequences beside prefill chunks: each part on its own path (the decoding rows as in a
-        # decode-only step); the slates read the rings before this step's writes, the decode path after them
+            return prefill
+        # decoding sequences beside prefill chunks: the decoding rows as in a decode-only step
         dec, pre = split
         out = torch.empty_like(q)
-        out.index_copy_(0, pre, self._attend_slates(q, kv, meta, pools, pre))
+        out.index_copy_(0, pre, prefill)
         out.index_copy_(0, dec, self._attend_decode(q, kv_parts, meta, pools, dec))
         return out
 
@@ -190,6 +193,29 @@ class Attention:
         # after the reads: a long chunk's writes may reuse rows it read
         for part, new in zip(pools.window[self.layer], kv_parts):
             part.index_copy_(0, meta.window.write_row, new)
+
+    def _attend_strips(self, q, kv_parts, meta: StepMeta, pools: CachePools, pw: PrefillWindow) -> torch.Tensor:
+        """The prefill rows (pw.rows) over their window strips and selected entries, through the decode op: the
+        same keys in the same order as their slates, so bitwise the slate path's result on the CPU, without a
+        [rows x keys] bf16 slate on the GPU."""
+        L = pools.layout
+        strips = pw.strips(kv_parts)
+        for strip, ring, new in zip(strips, pools.window[self.layer], kv_parts):
+            strip.index_copy_(0, pw.hist_dst, ring[pw.hist_src])
+            strip.index_copy_(0, pw.new_dst, new if pw.rows is None else new[pw.rows])
+        n, width = pw.pos.shape
+        codes, scales = (s[: n * width].view(n, width, -1) for s in strips)
+        pos = meta.positions if pw.rows is None else meta.positions[pw.rows]
+        if self.ratio:
+            sel = self._selected(meta, q.shape[0], q.device)
+            cmp_kv, cmp_scale = pools.compressed[self.source]
+        else:
+            sel = torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
+            cmp_kv, cmp_scale = pools.no_compressed
+        if pw.rows is not None:
+            q, sel = q[pw.rows], sel[pw.rows]
+        return self.ops.sink_attention_decode(q, pw.seq, pos, codes, scales, pw.pos, cmp_kv, cmp_scale, sel,
+                                              self.w.attn_sink, self.scale, L.window)
 
     def _attend_decode(self, q, kv_parts, meta: StepMeta, pools: CachePools,
                        rows: torch.Tensor | None = None) -> torch.Tensor:

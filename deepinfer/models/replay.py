@@ -138,7 +138,7 @@ def _mask_view(meta: StepMeta, rect_lo: torch.Tensor, window: int) -> StepMeta:
     inside = _window_look(meta.positions, window) >= rect_lo[meta.tok_seq][:, None]
     # the prefill (slate) path also for steps of one-token chunks: the decode path reads visibility from the ring
     host = replace(meta.host, decode_only=False, split=None)
-    return replace(meta, host=host, window=replace(wi, valid=wi.valid & inside))
+    return replace(meta, host=host, window=replace(wi, valid=wi.valid & inside), prefill_window=None)
 
 
 def _compact_view(meta: StepMeta, pools: CachePools, rect_lo, clip, total: int, window: int, shared: int):

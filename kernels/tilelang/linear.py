@@ -10,6 +10,12 @@ Other inputs: the torch op (cuBLAS on CUDA), which dequantises an Fp8BlockWeight
 shapes; counted by the registry's per-call fallbacks). Dense bf16 weights stay on cuBLAS: it picks its kernel by
 M, so those projections are not batch invariant on the GPU; the FP8 ones are (see linear_kernel.py).
 
+Prefill sizes: from PREFILL_ROWS rows (and PREFILL_MIN_N output columns) (outside the batch-invariant mode) the weight is dequantised to bf16 for
+the call (exact: e4m3 times a power of two) and multiplied by cuBLAS, whose large tiles run near the bf16 rate;
+the weight-only kernel re-reads and re-dequantises the weight for every 32-row tile. The dequantisation costs
+~3 bytes per weight against the GEMM's 2 x rows FLOPs per weight. The kernel stays the path of decode steps
+and of the batch-invariant mode (cuBLAS picks its kernel by the row count).
+
 Tile policy, fixed by (N, K) alone so a row's result never depends on the batch: 32 tokens x 64 weight rows per
 block, 128-K steps, and K split over `split_count(N, K)` blocks when N alone gives too few blocks to keep HBM
 busy at decode (each split's fp32 partial is reduced in split order by a second small kernel).
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.fp8_weight import Fp8BlockWeight
-from deepinfer.kernels.registry import fall_back
+from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import linear as torch_linear
 
 from ._build import jit
@@ -30,6 +36,10 @@ BLOCK_N = 64
 TARGET_BLOCKS = 264  # per token tile: two resident blocks on each of the H200's 132 SMs
 MAX_SPLITS = 16  # each split costs M * N * 8 bytes of fp32 partials (written, then read) at large M
 MAX_SCALE_BYTE = 134  # dequant.py's e4m3 bit placement holds scales up to 2^7
+# rows (and output width) from which a call dequantises the weight and takes cuBLAS, outside the invariant mode:
+# the crossover at V4.1-Flash's projection shapes on an H200 (benchmarks/prefill_kernels_gpu.py); narrower
+# projections (wkv, 512 rows) gain less than the dequantisation costs until several thousand rows
+PREFILL_ROWS, PREFILL_MIN_N = 1024, 1024
 
 
 def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
@@ -67,6 +77,8 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
         return torch_linear.linear(x, weight)
     reason = why_not(x, weight)
     if reason is None:
+        if x.numel() // x.shape[-1] >= PREFILL_ROWS and weight.shape[0] >= PREFILL_MIN_N and not batch_invariant():
+            return torch.nn.functional.linear(x, dense_bf16(weight))
         return fp8_linear(x, weight)
     return fall_back("linear", reason, torch_linear.linear, x, weight)
 
@@ -91,6 +103,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None) 
         jit(build_fp8_linear, n, k, splits)(x2, w.weight, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
+
+
+def dense_bf16(w: Fp8BlockWeight) -> torch.Tensor:
+    """w dequantised to bf16 in two element-wise passes: e4m3 -> bf16 is exact, and so is the product with a
+    power-of-two block scale (bf16 has fp32's exponent range), so this equals w.dense(torch.bfloat16)."""
+    n, k = w.shape
+    codes = w.weight.view(torch.float8_e4m3fn).to(torch.bfloat16).view(n // 32, 32, k // 32, 32)
+    scale = torch.exp2(w.scale[: n // 32, : k // 32].float() - 127.0).to(torch.bfloat16)
+    return (codes * scale[:, None, :, None]).view(n, k)
 
 
 def _scales_in_range(w: Fp8BlockWeight) -> bool:

@@ -21,6 +21,7 @@ from deepinfer.kernels.packed_experts import BLOCK_N, PackedExperts, pack_expert
 from deepinfer.kernels.torch import moe as torch_moe
 
 from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
+from . import moe_prefill
 from ._fallback import reason
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
 from .moe_prep_kernel import build_moe_prep
@@ -166,6 +167,8 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed pass."""
     if registry.batch_invariant():
         return _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit)
+    if moe_prefill.wanted(x.shape[0]):
+        return moe_prefill.moe_experts_grouped(x, weights, idx, routed, shared, swiglu_limit)
     assert x.dtype == torch.bfloat16
     x = x.contiguous()
     T_, k = idx.shape

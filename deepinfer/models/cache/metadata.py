@@ -39,6 +39,9 @@ class HostStep:
     # a step that mixes decoding sequences with prefill chunks: (rows of the decoding sequences, the other rows),
     # on the device; the decoding rows take the decode attention path as they would in a decode-only step
     split: tuple[torch.Tensor, torch.Tensor] | None = None
+    # sequences whose rows take the prefill attention path (pack_step sets it; None: no such path planned, e.g.
+    # a captured graph's step): their window keys are gathered once per step into a PrefillWindow
+    prefill_seqs: list[int] | None = None
 
 
 def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all_logits: bool = False,
@@ -83,7 +86,13 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all
         for st, n, d in zip(starts, lengths, decoding):
             rows[0 if d else 1].extend(range(st, st + n))
         split = (to_device(rows[0], device), to_device(rows[1], device))
-    return HostStep(lengths, all(decoding), max_entries, base, split)
+    # the rows _attend sends to the prefill path: none in a decode-only step, the other rows of a split step,
+    # else every row
+    if all(decoding):
+        prefill = []
+    else:
+        prefill = [i for i, d in enumerate(decoding) if not d] if split is not None else list(range(len(lengths)))
+    return HostStep(lengths, all(decoding), max_entries, base, split, prefill)
 
 
 @dataclass
@@ -124,6 +133,33 @@ class Selection:
 
 
 @dataclass
+class PrefillWindow:
+    """The window keys of a step's prefill rows as per-sequence strips instead of per-query slates: strip i holds
+    prefill sequence i's last `window` ring rows from before the step and its new rows, position p at strip row
+    p % width (width >= window + its longest chunk, so no two positions collide), and `pos` the position each
+    strip row holds (-1: none). Each layer fills the strips (one gather of packed FP8 rows per sequence and token,
+    not `window` bf16 keys per query), then its queries read them as the decode path reads a ring."""
+
+    rows: torch.Tensor | None  # [Tp] the step rows on the prefill path (None: every row)
+    seq: torch.Tensor  # [Tp] int32 strip of each such row
+    width: int
+    hist_src: torch.Tensor  # [Bp * window] ring rows of the history (any valid row where the position is < 0)
+    hist_dst: torch.Tensor  # [Bp * window] their strip rows (the trash row Bp * width where the position is < 0)
+    new_dst: torch.Tensor  # [Tp] strip row of each prefill row's own key
+    pos: torch.Tensor  # [Bp, width] int32
+    buffers: dict = field(default_factory=dict)  # the strips' packed rows, allocated once per step
+
+    def strips(self, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Zeroed [Bp * width + 1, ...] buffers shaped like the ring parts `like` (codes, scales); every layer
+        overwrites the same rows, the others stay zero (masked keys that decode to finite values)."""
+        key = tuple((t.shape[1:], t.dtype) for t in like)
+        if key not in self.buffers:
+            n = self.pos.numel() + 1
+            self.buffers[key] = tuple(torch.zeros(n, *t.shape[1:], dtype=t.dtype, device=t.device) for t in like)
+        return self.buffers[key]
+
+
+@dataclass
 class StepMeta:
     host: HostStep
     ids: torch.Tensor
@@ -147,6 +183,8 @@ class StepMeta:
     # context-parallel prefill (deepinfer.distributed.context_parallel.CPStep): this view's rows are the rank's own
     # queries; cp.full is the whole step's metadata, which the cache writes use, and cp.gather brings other ranks' rows
     cp: Any = None
+    # the prefill rows' window strips (None: slates; views that change the rows or the window set it to None)
+    prefill_window: PrefillWindow | None = None
 
 
 def derive(host: HostStep, pools: CachePools) -> StepMeta:
@@ -200,7 +238,34 @@ def derive(host: HostStep, pools: CachePools) -> StepMeta:
         n = layout.cfg.engram_max_ngram_size
         look = pos[:, None] - torch.arange(n, device=dev)[None, :]  # look-back 0..n-1
         meta.ngram = (ring_index(look, layout.ngram_rows), write_rows(layout.ngram_rows, S * layout.ngram_rows))
+    if host.prefill_seqs:
+        meta.prefill_window = _prefill_window(host, pos, tok_seq, slots, layout)
     return meta
+
+
+def _prefill_window(host: HostStep, pos, tok_seq, slots, layout: CacheLayout) -> PrefillWindow:
+    dev = pos.device
+    W, R = layout.window, layout.ring
+    seqs = host.prefill_seqs
+    n = len(seqs)
+    # a power of two: few distinct shapes (the decode kernel compiles one per strip width)
+    width = max(64, 1 << (W + max(host.lengths[i] for i in seqs) - 1).bit_length())
+    ps = to_device(seqs, dev)
+    strip_of = torch.full((len(host.lengths),), -1, dtype=torch.int64, device=dev)
+    strip_of[ps] = torch.arange(n, device=dev)
+    rows = host.split[1] if host.split is not None else None
+    r_pos = pos if rows is None else pos[rows]
+    r_strip = strip_of[tok_seq if rows is None else tok_seq[rows]]
+    hist = host.base["past"][ps][:, None] - W + torch.arange(W, device=dev)[None, :]  # [n, W]
+    starts = torch.arange(n, device=dev)[:, None] * width
+    hist_dst = torch.where(hist >= 0, starts + torch.remainder(hist, width), n * width).reshape(-1)
+    hist_src = (slots[ps][:, None] * R + torch.remainder(hist, R)).reshape(-1)
+    new_dst = r_strip * width + torch.remainder(r_pos, width)
+    spos = torch.full((n * width + 1,), -1, dtype=torch.int32, device=dev)
+    spos.index_copy_(0, hist_dst, hist.reshape(-1).to(torch.int32))
+    spos.index_copy_(0, new_dst, r_pos.to(torch.int32))
+    spos[n * width] = -1
+    return PrefillWindow(rows, r_strip.to(torch.int32), width, hist_src, hist_dst, new_dst, spos[: n * width].view(n, width))
 
 
 def query_view(meta: StepMeta, rows: torch.Tensor, cp: Any) -> StepMeta:
@@ -213,4 +278,4 @@ def query_view(meta: StepMeta, rows: torch.Tensor, cp: Any) -> StepMeta:
     entries = {r: EntryIndex(e.rows, e.visible[rows], e.width) for r, e in meta.entries.items()}
     return replace(meta, ids=meta.ids[rows], positions=meta.positions[rows], tok_seq=meta.tok_seq[rows],
                    tok_slot=meta.tok_slot[rows], window=window, groups={}, entry_rows={}, entries=entries, ngram=None,
-                   selected=None, candidates=None, cp=cp)
+                   selected=None, candidates=None, cp=cp, prefill_window=None)

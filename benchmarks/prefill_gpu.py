@@ -1,0 +1,253 @@
+"""Prefill on the GPU through the engine (issue 20 item 8): prompts of several lengths, one and several at once,
+on the Flash-width synthetic models (`flash`: 6 layers; `flash40`: the released 40-layer pattern with weights
+shared between layers of one kind, so a step moves the released model's bytes and does its FLOPs).
+
+Per cell: tokens/s over the device time of the prefill steps, the mean time to first token (host clock, from the
+request metrics), % of the compute roofline (../shared/tools/roofline.py's FLOPs over the bf16 GEMM rate measured
+in this run; the FP8 GEMM rate measured here is reported beside it). One 8K prefill runs under the profiler and
+its kernel time is split into attention, indexer, top-k, projections, MoE, compressor, Engram, mHC and other, so
+the next bottleneck is visible; the attention and MoE rates against their targets come from that table. The
+torch backend prefills the shortest prompt in the same run. A TileLang run that fell back to a torch op in a
+timed step, a request that failed, or a missing cell makes the script exit 1.
+
+  python benchmarks/prefill_gpu.py --model flash40 --out benchmarks/results/prefill_gpu_flash40_h200.json \
+      --plot benchmarks/results/prefill_gpu_flash40_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from decode_gpu import (STRICT_KINDS, _fallback_delta, build, ceilings, load_roofline, make_engine,  # noqa: E402
+                        portable_json, roofline_config, step_roofline)
+
+CATEGORIES = [  # (category, substrings of kernel names), first match wins
+    ("attention", ("sink_attention", "attention_combine")),
+    ("indexer", ("indexer",)),
+    ("top-k", ("topk", "top_k", "sort", "radix")),
+    ("MoE", ("grouped_gemm", "moe_", "fp4_rows_dequant", "grouped_mm", "groupproblem", "grouped")),
+    ("projections", ("fp8_linear", "split_reduce", "gemm", "gemv", "cutlass", "sm90_xmma", "nvjet")),
+    ("mHC", ("mhc",)),
+    ("norm/rope/quant", ("rms", "rope", "quant")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def fp8_rate() -> float:
+    """FP8 x FP8 GEMM FLOP/s (torch._scaled_mm, 8192^3, per-tensor scales): the rate an FP8 prefill could reach."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    for _ in range(3):
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / sorted(times)[len(times) // 2]
+
+
+def run_cell(model, tokens: int, n: int, chunk: int, seed: int = 1):
+    """n requests of `tokens` random tokens at once, max_tokens 1; (steps, outputs, fallbacks)."""
+    from deepinfer import SamplingParams
+    from deepinfer.kernels.registry import kernel_stats
+
+    engine, tap, _ = make_engine(model, fill=False, max_seqs=n, context=tokens, max_tokens=1, graphs=False,
+                                 interval=8, batched_tokens=chunk)
+    try:
+        g = torch.Generator().manual_seed(seed + tokens + n)
+        hi = min(500, model.config.vocab_size)
+        prompts = [torch.randint(3, hi, (tokens,), generator=g).tolist() for _ in range(n)]
+        before = kernel_stats()["fallbacks"]
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                               use_tqdm=False)
+        fallbacks = _fallback_delta(before, kernel_stats()["fallbacks"])
+        steps = [s for s in tap.take() if s.num_prefill_tokens]
+    finally:
+        engine.close()
+    return steps, outs, fallbacks
+
+
+def profile_prefill(model, tokens: int, chunk: int) -> dict:
+    """Kernel time of one prefill of `tokens` tokens by category (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_cell(model, tokens, 1, chunk, seed=7)
+    per, kernels = {}, {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
+        if t > 0 and ev.count:
+            cat = category(ev.key)
+            ms, cnt = per.get(cat, (0.0, 0))
+            per[cat] = (ms + t / 1e3, cnt + ev.count)
+            kernels[ev.key] = (t / 1e3, ev.count)
+    top = sorted(((k, ms, c) for k, (ms, c) in kernels.items()), key=lambda r: -r[1])[:30]
+    return dict(tokens=tokens, total_ms=sum(ms for ms, _ in per.values()),
+                categories={k: dict(ms=ms, calls=c) for k, (ms, c) in sorted(per.items(), key=lambda kv: -kv[1][0])},
+                top=top)
+
+
+def attention_flops(cfg, tokens: int) -> float:
+    """QK and PV of every layer: each query over its window plus (compressed layers) index_topk entries."""
+    total = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        keys = cfg.sliding_window + (cfg.index_topk if cfg.compress_ratios[layer] else 0)
+        total += 4.0 * tokens * cfg.num_attention_heads * cfg.head_dim * keys
+    return total
+
+
+def moe_flops(cfg, tokens: int) -> float:
+    """Routed top-k plus the shared expert: three [hidden x inter] GEMMs each, every layer."""
+    per_token = (cfg.num_experts_per_tok + 1) * 3 * 2 * cfg.hidden_size * cfg.moe_intermediate_size
+    return per_token * tokens * cfg.num_hidden_layers
+
+
+def targets(rows, prof, cfg, peak, model_name) -> list[dict]:
+    out = []
+    for want in (8192, 32768):
+        r = next((r for r in rows if r["tokens"] == want and r["n"] == 1 and r["backend"] == "tilelang"), None)
+        got = None if r is None else r.get("pct_compute_roofline")
+        out.append(dict(name=f"prefill of {want} tokens on {model_name}, % of the compute roofline", measured=got,
+                        target=40.0, unit="%", met=got is not None and got >= 40.0))
+    cats = prof["categories"] if prof else {}
+    att = cats.get("attention", {}).get("ms")
+    rate = attention_flops(cfg, prof["tokens"]) / (att / 1e3) / 1e12 if att else None
+    out.append(dict(name="sparse prefill attention at 8K, TFLOP/s", measured=rate, target=350.0, unit="TFLOP/s",
+                    met=rate is not None and rate >= 350.0))
+    moe = cats.get("MoE", {}).get("ms")
+    frac = moe_flops(cfg, prof["tokens"]) / (moe / 1e3) / peak * 100 if moe else None
+    out.append(dict(name="prefill MoE, % of the bf16 GEMM rate measured in the run", measured=frac, target=55.0,
+                    unit="%", met=frac is not None and frac >= 55.0))
+    out.append(dict(name="yoco=compact vs off at 32K prefill (x)", measured=None, target=1.8, unit="x", met=False,
+                    note="not measured by this script"))
+    fb = sum(1 for r in rows if r["backend"] == "tilelang" and any(k in STRICT_KINDS for k in r["fallbacks"]))
+    out.append(dict(name="torch fallbacks in a Flash prefill step", measured=fb, target=0, unit="cells", met=fb == 0))
+    return out
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for tokens in sorted({r["tokens"] for r in rows}):
+        pts = sorted((r["ttft_s"], r["tok_s"], r["n"]) for r in rows
+                     if r["tokens"] == tokens and r["backend"] == "tilelang" and "tok_s" in r)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{tokens} tokens")
+            for t, s, n in pts:
+                ax.annotate(f"x{n}", (t, s), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean time to first token (s)")
+    ax.set_ylabel("prefill tokens/s")
+    ax.set_title("Prefill Pareto (H200): prompts at once = xN")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("flash", "flash40"), default="flash")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--at-once", type=int, nargs="+", default=[1, 4], help="prompts submitted together")
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--max-cell-tokens", type=int, default=65536, help="skip cells of more tokens in all")
+    ap.add_argument("--profile-tokens", type=int, default=8192)
+    ap.add_argument("--torch-tokens", type=int, default=1024, help="the torch backend's prompt (0: none)")
+    ap.add_argument("--out", default="benchmarks/results/prefill_gpu.json")
+    ap.add_argument("--plot", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    from deepinfer.kernels.registry import OpSet, kernel_stats
+
+    t_start = time.time()
+    roofline = load_roofline(None)
+    bw, peak = ceilings("cuda", roofline)
+    f8 = fp8_rate()
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {peak / 1e12:.0f} TFLOP/s, fp8 GEMM {f8 / 1e12:.0f} "
+          "TFLOP/s", flush=True)
+    model = build(a.model, "cuda", {"default": ["tilelang-sm90", "torch"]})
+    fast_ops = model.ops
+    c = roofline_config(roofline, model.config)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, bf16_flops=peak,
+                fp8_flops=f8, model=a.model, cmd=" ".join(sys.argv), ops=fast_ops.summary(),
+                time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                note="flash40: the released 40-layer pattern, layers of one kind share weights (released bytes "
+                     "and FLOPs per step)" if a.model == "flash40" else "flash: 6 layers, every layer role once")
+    rows, failures = [], []
+    run_cell(model, min(a.chunk, min(a.tokens)), 1, a.chunk)  # untimed: compiles every kernel variant
+    cells = [(t, n, "tilelang") for t in a.tokens for n in a.at_once if t * n <= a.max_cell_tokens]
+    if a.torch_tokens:
+        cells.append((a.torch_tokens, 1, "torch"))
+    for tokens, n, backend in cells:
+        ref = OpSet.build("cuda", ["torch"]) if backend == "torch" else fast_ops
+        model.use_ops(ref)
+        steps, outs, fallbacks = run_cell(model, tokens, n, a.chunk)
+        model.use_ops(fast_ops)
+        dev = sum(s.device_end - s.device_start for s in steps)
+        one = step_roofline(roofline, c, bw, peak, 1, tokens, prefill_tokens=tokens)  # n independent prompts
+        roof = {k: v * n if k.endswith("_ms") else v for k, v in one.items()}
+        errors = [o.error for o in outs if o.error]
+        ttft = [o.metrics.time_to_first_token for o in outs if o.metrics and o.metrics.time_to_first_token]
+        row = dict(tokens=tokens, n=n, backend=backend, chunk=a.chunk, steps=len(steps), device_s=dev,
+                   fallbacks=fallbacks, errors=errors, floor=roof)
+        if dev > 0:
+            row.update(tok_s=tokens * n / dev, pct_compute_roofline=roof["compute_ms"] / (dev * 1e3) * 100,
+                       pct_fp8_rate=roof["compute_ms"] * peak / f8 / (dev * 1e3) * 100,
+                       ttft_s=sum(ttft) / len(ttft) if ttft else None)
+        rows.append(row)
+        if errors or not steps:
+            failures.append(f"{tokens}x{n} {backend}: {errors or 'no prefill step recorded'}")
+        strict = {k: v for k, v in fallbacks.items() if k in STRICT_KINDS}
+        if backend == "tilelang" and strict:
+            failures.append(f"{tokens}x{n}: fell back to torch in a TileLang run: {strict}")
+        print(f"{backend:8s} {tokens:6d} x{n}: {dev * 1e3:9.1f} ms device, {row.get('tok_s', 0):8.0f} tok/s, "
+              f"TTFT {row.get('ttft_s') or 0:6.2f} s, {row.get('pct_compute_roofline', 0):5.1f}% of the compute "
+              f"roofline", flush=True)
+    prof = profile_prefill(model, a.profile_tokens, a.chunk) if a.profile_tokens else None
+    if prof:
+        print(f"profile of one {a.profile_tokens}-token prefill: {prof['total_ms']:.1f} ms of kernel time")
+        for cat, v in prof["categories"].items():
+            print(f"  {cat:16s} {v['ms']:9.1f} ms  {v['ms'] / prof['total_ms'] * 100:5.1f}%  {v['calls']:6d} calls")
+    tg = targets(rows, prof, model.config, peak, a.model)
+    for t in tg:
+        print(f"target: {t['name']}: {t['measured']} (target {t['target']} {t['unit']}) met={t['met']}")
+    meta["kernels"] = kernel_stats()
+    meta["wall_s"] = time.time() - t_start
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, profile=prof, failures=failures)))
+    if a.plot:
+        plot(rows, a.plot)
+    for msg in failures:
+        print("FAILED:", msg)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

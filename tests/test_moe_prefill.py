@@ -1,0 +1,60 @@
+"""The prefill MoE path (kernels/tilelang/moe_prefill.py: experts dequantised a chunk at a time, tokens grouped by
+expert, torch's grouped GEMM) computes the torch reference's function. On the CPU the dequantisation is torch's;
+the GPU tests hold the FP4 dequant kernel to it bitwise (tests/gpu/test_prefill_paths.py)."""
+
+import pytest
+import torch
+
+from deepinfer.kernels.packed_experts import PackedExperts
+from deepinfer.kernels.tilelang import moe_prefill
+from deepinfer.kernels.torch import moe as torch_moe
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+
+
+def _packed(E, D, I, g, fmt="fp4"):
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+
+    def scales(*shape):
+        return torch.randint(118, 124, shape, generator=g, dtype=torch.uint8)
+
+    return PackedExperts(fmt, codes(E, 2 * I, D // 2), scales(E, 2 * I, D // 32), codes(E, D, I // 2),
+                         scales(E, D, I // 32))
+
+
+def _shared(D, I, g):
+    def codes(*shape):  # e4m3 bytes without NaN codes (0x7f / 0xff)
+        return torch.randint(0, 0x7e, shape, generator=g, dtype=torch.uint8) | (
+            torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7)
+
+    s = lambda *shape: torch.randint(118, 122, shape, generator=g, dtype=torch.uint8)  # noqa: E731
+    return PackedExperts("fp8", codes(1, 2 * I, D), s(1, 2 * I // 32, D // 32), codes(1, D, I), s(1, D // 32, I // 32))
+
+
+@pytest.mark.parametrize("tokens,skew", [(40, False), (300, False), (64, True)])
+def test_grouped_path_matches_the_reference(tokens, skew, monkeypatch):
+    monkeypatch.setattr(moe_prefill, "EXPERTS_PER_CHUNK", 5)  # several chunks, some empty
+    g = torch.Generator().manual_seed(tokens)
+    E, D, I, k = 16, 256, 128, 4
+    routed, shared = _packed(E, D, I, g), _shared(D, I, g)
+    x = torch.randn(tokens, D, generator=g).bfloat16()
+    scores = torch.randn(tokens, E, generator=g)
+    if skew:  # every token on experts 0..k-1: one group holds all tokens, the other chunks are empty
+        scores[:, :k] += 100
+    idx = scores.topk(k, -1).indices
+    weights = torch.rand(tokens, k, generator=g)
+    got = moe_prefill.moe_experts_grouped(x, weights, idx, routed, shared, 7.0)
+    ref = torch_moe.moe_experts(x, weights, idx, routed, shared, 7.0)
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 1e-3, err  # same rounding points and summation order; bitwise on the CPUs tried
+
+
+def test_the_path_is_for_large_calls_outside_the_batch_invariant_mode(monkeypatch):
+    from deepinfer.kernels import registry
+
+    assert moe_prefill.wanted(moe_prefill.PREFILL_TOKENS)
+    assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS - 1)
+    monkeypatch.setattr(registry, "batch_invariant", lambda: True)
+    assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS)
