@@ -1,7 +1,7 @@
 """The runner-owned cache pools in the released formats, and the per-step metadata every layer reads."""
 
-from .metadata import EntryIndex, HostStep, Selection, StepMeta, WindowIndex, derive, pack_step, query_view
+from .metadata import EntryIndex, HostStep, ImageRows, Selection, StepMeta, WindowIndex, derive, pack_step, query_view
 from .pools import CacheLayout, CachePools, SequenceCache, StandaloneAllocator
 
-__all__ = ["CacheLayout", "CachePools", "EntryIndex", "HostStep", "Selection", "SequenceCache", "StandaloneAllocator",
+__all__ = ["CacheLayout", "CachePools", "EntryIndex", "HostStep", "ImageRows", "Selection", "SequenceCache", "StandaloneAllocator",
            "StepMeta", "WindowIndex", "derive", "pack_step", "query_view"]
