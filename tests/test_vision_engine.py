@@ -150,3 +150,22 @@ def test_an_image_request_runs_in_the_engine_core_process():
 def _inproc_tokens(prompt, mm):
     with LLM(MODEL, process="inproc", runtime={"num_threads": 1}) as one:
         return generate(one, [prompt], [mm])[0].token_ids
+
+
+def test_yoco_compact_and_dspark_keep_image_requests_exact(llm):
+    """Past yoco.keep_tokens (140) the decoder layers replay only the last rows: compact gives mask's tokens; DSpark
+    drafts after an image and greedy verification keeps the plain tokens."""
+    prompt = PROMPT + list(range(30, 130)) * 2
+    mm = [images(0), images(2)]
+    expected = {"plain": [o.token_ids for o in generate(llm, [prompt, prompt], mm)]}
+    for name, kw, same_as in (("mask", {"yoco": "mask"}, None), ("compact", {"yoco": "compact"}, "mask"),
+                              ("dspark", {"decoding": "dspark"}, "plain")):
+        with LLM(MODEL, process="inproc", runtime={"num_threads": 1}, **kw) as other:
+            outs = generate(other, [prompt, prompt], mm)
+            expected[name] = [o.token_ids for o in outs]
+            if same_as is not None:
+                assert expected[name] == expected[same_as], name
+            if name == "dspark":
+                assert all(o.num_draft_tokens > 0 for o in outs)
+            if name == "compact":
+                assert other.last_metrics["replay_rows_saved"] > 0
