@@ -121,7 +121,8 @@ class LLM:
 
         # the frontend needs the tokenizer and the model's limits (no weights); the engine core builds the model
         self.program, self.settings = load_program(settings, weights=False)
-        self._engine = LLMEngine.for_settings(self.settings, self.program.tokenize.tokenizer)
+        self._engine = LLMEngine.for_settings(self.settings, self.program.tokenize.tokenizer,
+                                              getattr(self.program.model, "vision", None))
         # one caller at a time: the engine client's sockets and the frontend's loop are not thread-safe, so calls
         # from several threads are served one after the other (reentrant: one thread may interleave iterators)
         self._lock = threading.RLock()
@@ -145,25 +146,35 @@ class LLM:
         *,
         prompt_token_ids: Sequence[list[int]] | None = None,
         on_update: Callable[[int, list[int]], None] | None = None,
+        multi_modal_data: dict | Sequence[dict | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. prompts: text, a list of texts, lists of token ids or
         {"prompt": ...} / {"prompt_token_ids": [...]} dicts; or prompt_token_ids=[[...], ...]. sampling_params:
         one for all, or one per prompt (default: the config's `sampling` section). on_update(index, new_token_ids)
         is called from this thread as tokens arrive (index: the prompt's; with n > 1, sample 0's tokens only);
-        raising from it aborts the unfinished requests and propagates. See `generate_iter` for an iterator."""
+        raising from it aborts the unfinished requests and propagates. See `generate_iter` for an iterator.
+
+        multi_modal_data (a model with a vision tower, docs/vision.md): DeepInfer's form, a dict for one prompt or
+        a list with one dict (or None) per prompt: {"image_bytes": [png, ...], "image_sizes": [[w, h], ...]}
+        (sizes optional, checked against the decoded images). The prompt holds one image placeholder
+        (`image_token_id`) per image, in order; each becomes the image's span, and RequestOutput.prompt_token_ids
+        shows the expanded ids (vocab_size + 2, then vocab_size + 1 for the rest of each span)."""
         # the frontend's loop (LLMEngine.stream), drained here: its final updates carry the outputs
         with self._lock:
             return list(map(_OUTPUT, self._live().stream(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
                                                          use_tqdm=use_tqdm, tokens=False, on_update=on_update,
-                                                         default_params=self.default_sampling_params)))
+                                                         default_params=self.default_sampling_params,
+                                                         multi_modal_data=multi_modal_data)))
 
-    def generate_iter(self, prompts=None, sampling_params=None, *, prompt_token_ids=None) -> Iterator[StreamUpdate]:
+    def generate_iter(self, prompts=None, sampling_params=None, *, prompt_token_ids=None,
+                      multi_modal_data=None) -> Iterator[StreamUpdate]:
         """generate() as an iterator: StreamUpdate(index, token_ids) as tokens arrive, then one StreamUpdate per
         prompt with `output` set (its RequestOutput), in input order. It is the frontend's loop itself (no thread):
         leaving it early (close(), break, an exception) aborts the unfinished requests. From its first item until
         it ends or is closed it holds the LLM: other threads' calls wait for it."""
         return self._holding(self._live().stream(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
-                                                 default_params=self.default_sampling_params))
+                                                 default_params=self.default_sampling_params,
+                                                 multi_modal_data=multi_modal_data))
 
     def _holding(self, updates: Iterator[StreamUpdate]) -> Iterator[StreamUpdate]:
         with self._lock:

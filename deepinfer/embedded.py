@@ -19,6 +19,9 @@ generator, no other randomness) on first use into `$DEEPINFER_CACHE_DIR/tiny-ran
 The tensor list comes from the loader's own table (deepinfer.models.loading.expected_tensors), so the two cannot
 disagree. The hash covers the config, the tokenizer, the seed and BUILD_VERSION: change any and a new directory
 is built next to the old one.
+
+`embedded:tiny-random-vision` is tiny-random plus a small random image path (deepinfer.models.vision.tiny), built
+the same way: the test model for image input.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from deepinfer.config.hardware import cpu_threads
 
 BUILD_VERSION = 1
 SEED = 41
-NAMES = ("tiny", "tiny-random")
+NAMES = ("tiny", "tiny-random", "tiny-random-vision")
 TRAINED = "tiny-v41"  # deepinfer/assets/<this>: the shipped trained default
 
 # Layer schedule (8 layers) covering every V4.1 layer role:
@@ -161,7 +164,7 @@ def config_json() -> dict:
     }
 
 
-def _tokenizer_bytes() -> bytes:
+def tokenizer_bytes() -> bytes:
     return (resources.files("deepinfer.assets") / "tokenizer.json").read_bytes()
 
 
@@ -169,10 +172,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("DEEPINFER_CACHE_DIR") or Path.home() / ".cache" / "deepinfer").expanduser()
 
 
+def _builder(name: str):
+    """(config.json, writer) of a built embedded model."""
+    if name == "tiny-random-vision":
+        from deepinfer.models.vision import tiny
+
+        cfg = tiny.with_vision(config_json())
+
+        def write(out: Path) -> None:
+            write_release(out, cfg, tokenizer_bytes(), random_weights(cfg))
+            tiny.add_vision_weights(out, cfg)
+
+        return cfg, write
+    return config_json(), write_checkpoint
+
+
 def checkpoint_dir(name: str = "tiny-random") -> Path:
     digest = hashlib.sha256()
-    digest.update(json.dumps(config_json(), sort_keys=True).encode())
-    digest.update(_tokenizer_bytes())
+    digest.update(json.dumps(_builder(name)[0], sort_keys=True).encode())
+    digest.update(tokenizer_bytes())
     digest.update(f"seed={SEED};version={BUILD_VERSION}".encode())
     return cache_root() / f"{name}-v41-{digest.hexdigest()[:12]}"
 
@@ -195,7 +213,7 @@ def materialize(name: str = "tiny") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         with cpu_threads(1):  # a few hundred tiny tensors: extra threads only add sync cost (10x on busy hosts)
-            write_checkpoint(tmp)
+            _builder(name)[1](tmp)
         try:
             os.replace(tmp, final)
         except OSError:  # another process finished first: its directory is identical
@@ -208,7 +226,7 @@ def materialize(name: str = "tiny") -> Path:
 
 def write_checkpoint(out: Path) -> None:
     cfg = config_json()
-    write_release(out, cfg, _tokenizer_bytes(), random_weights(cfg))
+    write_release(out, cfg, tokenizer_bytes(), random_weights(cfg))
 
 
 def write_release(out: Path, cfg: dict, tokenizer_json: bytes, weights: dict[str, torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ from typing import Callable
 from deepinfer.engine.backend import EngineBackend
 from deepinfer.engine.cache_manager import CacheManager
 from deepinfer.engine.grammars import GrammarCompilations
+from deepinfer.engine.images import prepare_images
 from deepinfer.engine.messages import AddRequest, CoreInfo, CoreOutputs, RequestUpdate, StepStats, request_error
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.options import EngineOptions
@@ -138,6 +139,16 @@ class EngineCore:
             return RequestUpdate(msg.request_id, finish_reason="error", error=error)
         params = msg.params
         request = Request(msg.request_id, list(msg.prompt_ids), params, msg.seed)
+        if msg.images:
+            error = self._images_error(msg)
+            if error is None:
+                try:
+                    request.images = prepare_images(msg.images, request.prompt_ids, self._vision(),
+                                                     self.backend.vocab_size)
+                except ValueError as exc:
+                    error = str(exc)
+            if error is not None:
+                return RequestUpdate(msg.request_id, finish_reason="error", error=error)
         try:
             update = self.scheduler.add(request)
         except Exception as exc:  # a check the rooms below forgot: still this request's error only
@@ -154,6 +165,16 @@ class EngineCore:
             elif self._sync_grammars:
                 self.grammars.wait(msg.request_id)  # settled by the next step(), on every rank alike
         return update
+
+    def _vision(self):
+        return getattr(self.backend.model, "vision", None)
+
+    def _images_error(self, msg: AddRequest) -> str | None:
+        """Why this engine cannot take the request's images (layouts that do not run image spans), or None."""
+        if self.runner.cp is not None:
+            return ("image input with context parallel prefill is not supported yet (each rank would need the image "
+                    "rows of its own share); allowed: context_parallel_size=1")
+        return None
 
     def abort(self, request_id: int) -> RequestUpdate | None:
         update = self.scheduler.abort(request_id)

@@ -21,11 +21,23 @@ from deepinfer.sampling.logprobs import SampleOutput
 from deepinfer.sampling.params import SamplingParams
 
 
+class ImageInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One image of a request as it travels to the engine core: its encoded bytes (PNG, JPEG or WebP; the core
+    decodes and resizes them off the step loop, the ViT runs at prefill) and the span of the expanded prompt its
+    rows fill: positions [start, start + length) (VISION_SPEC.md §6.1)."""
+
+    data: bytes
+    start: int
+    length: int
+
+
 class AddRequest(msgspec.Struct, frozen=True):
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # resolved by the frontend: seq_seed, or derived from runtime.seed and the caller's request id
+    # the prompt's images, in prompt order; prompt_ids hold each one's span (vocab+2, then vocab+1s)
+    images: list[ImageInput] = msgspec.field(default_factory=list)
 
 
 def request_error(msg) -> str | None:
@@ -38,6 +50,9 @@ def request_error(msg) -> str | None:
         return "prompt token ids must be a list of integers"
     if type(getattr(msg, "seed", None)) is not int:
         return "the request's seed must be an integer"
+    images = getattr(msg, "images", [])
+    if not isinstance(images, (list, tuple)) or not all(isinstance(im, ImageInput) for im in images):
+        return "the request's images must be a list of ImageInput"
     return params_error(getattr(msg, "params", None))
 
 
@@ -122,6 +137,7 @@ class WireRequest(msgspec.Struct, frozen=True):
     prompt_ids: Any
     params: Any
     seed: Any
+    images: Any = msgspec.field(default_factory=list)
 
 
 class Add(_Control, tag="add"):
@@ -179,7 +195,7 @@ HEARTBEAT = Heartbeat
 
 def to_wire(requests: list[AddRequest]) -> Add:
     """The frame for these requests; params go as their field dict (SamplingParams is a plain dataclass)."""
-    return Add([WireRequest(r.request_id, r.prompt_ids, _params_dict(r.params), r.seed) for r in requests])
+    return Add([WireRequest(r.request_id, r.prompt_ids, _params_dict(r.params), r.seed, r.images) for r in requests])
 
 
 def _params_dict(params) -> Any:
@@ -202,7 +218,12 @@ def from_wire(req: WireRequest) -> AddRequest | RequestUpdate:
     if not isinstance(req.params, dict):
         error = f"sampling params must be a SamplingParams; got {type(req.params).__name__}"
         return RequestUpdate(req.request_id, finish_reason="error", error=error)
+    try:
+        images = msgspec.convert(req.images, list[ImageInput])
+    except msgspec.ValidationError as exc:
+        error = f"the request's images must be a list of {{data: bytes, start: int, length: int}} ({exc})"
+        return RequestUpdate(req.request_id, finish_reason="error", error=error)
     params, error = params_from_dict(req.params)
     if error is not None:
         return RequestUpdate(req.request_id, finish_reason="error", error=error)
-    return AddRequest(req.request_id, ids, params, seed)
+    return AddRequest(req.request_id, ids, params, seed, images)

@@ -21,6 +21,7 @@ import torch
 
 from deepinfer.engine.backend import EngineBackend
 from deepinfer.engine.grammars import sync_grammar
+from deepinfer.engine.images import SpanRowCache, compute_rows
 from deepinfer.engine.masks import MaskBuilder
 from deepinfer.engine.plan import SampledToken, StepPlan, StepResult
 
@@ -38,6 +39,7 @@ class _Sequence:
     # distributions of a sampled request, and the confidence head's cumulative acceptance estimates
     drafts: list[int] = field(default_factory=list)
     draft_weights: list | None = None
+    images: SpanRowCache | None = None  # the prompt's image spans while its prefill crosses them
 
 
 class ModelRunner:
@@ -157,6 +159,7 @@ class ModelRunner:
                 seq = _Sequence(state, list(new.token_ids), new.num_prompt_tokens, new.params, new.seed)
                 seq.penalized = _has_penalties(new.params)
                 seq.prompt_rows = [] if new.prompt_logprobs else None
+                seq.images = SpanRowCache(new.images) if new.images else None
                 self._seqs[row.request_id] = seq
             elif row.request_id not in self._seqs:
                 # Its state was dropped by a failed earlier step (the request has already ended with that error);
@@ -184,15 +187,34 @@ class ModelRunner:
         by_seq: dict[int, SampledToken] = {}
         prepare_s = time.perf_counter() - t0
         if rows:
+            images = self._span_rows(rows, token_lists)
             prepare_s = self._forward_and_sample(plan, rows, token_lists, states, sampled, grammars, by_seq, t0,
-                                                 drafts_of)
+                                                 drafts_of, images)
         elif self.lockstep:
             self.dummy_step()  # every row was skipped: the step's collectives still need this rank
         lost = SampledToken(0, error="the request's state was lost in a failed step")
         samples = [by_seq.get(id(self._seqs.get(row.request_id)), lost) for row in plan.rows if row.sample]
         return samples, prepare_s
 
-    def _forward_and_sample(self, plan, rows, token_lists, states, sampled, grammars, by_seq, t0, drafts_of) -> float:
+    def _span_rows(self, rows, token_lists) -> list | None:
+        """Per row, the image-span rows among its new tokens (models.SpanRows), or None for a step without any. The
+        ViT and aligner run here, once over every image that this step reaches first (engine/images.py)."""
+        caches = [self._seqs[row.request_id].images for row in rows]
+        if not any(caches):
+            return None
+        from deepinfer.models import SpanRows
+
+        ranges = [(row.start, row.start + len(ids)) for row, ids in zip(rows, token_lists)]
+        compute_rows(self.backend.model.vision,
+                     [(c, c.missing(*r)) for c, r in zip(caches, ranges) if c is not None])
+        out = []
+        for c, r in zip(caches, ranges):
+            got = c.take(*r) if c is not None else None
+            out.append(SpanRows(*got) if got is not None else None)
+        return out if any(x is not None for x in out) else None
+
+    def _forward_and_sample(self, plan, rows, token_lists, states, sampled, grammars, by_seq, t0, drafts_of,
+                            images=None) -> float:
         # Prompt logprobs need the logits of every prompt row, so such a step asks the model for all rows; a
         # verifying row needs the logits of its anchor and of each draft.
         all_logits = any(self._seqs[row.request_id].prompt_rows is not None for row in rows)
@@ -206,13 +228,14 @@ class ModelRunner:
         replay, data_lens = self._replay(rows, token_lists, states)
         decode_only = decode_only and replay is None  # a one-token prompt chunk under replay is prefilled
         # the decode stage: every row one token, or an anchor + its drafts (a verification)
-        decoding = replay is None and all(
+        decoding = replay is None and images is None and all(
             row.new is None and len(ids) == 1 + drafts_of.get(id(self._seqs[row.request_id]), 0)
             for row, ids in zip(rows, token_lists))
         stage = self.backend.decode if decoding else self.backend.prefill
         batch = self._ForwardBatch(token_ids=token_lists, states=states, all_logits=all_logits, replay=replay,
                                    data_lens=data_lens,
-                                   decode_rows=generated if replay is None and self.cp is None else None)
+                                   decode_rows=generated if replay is None and self.cp is None else None,
+                                   images=images)
         if num_logits is not None:
             batch.num_logits = num_logits
         # Sampler rows and grammar masks depend only on tokens sampled by earlier steps: build them before the
@@ -233,7 +256,8 @@ class ModelRunner:
             logits = None
             # decode steps, and verification steps whose sequences all bring the same number of drafts
             same = all(generated) and len({len(t) for t in token_lists}) == 1
-            if self.graphs is not None and same and not all_logits and (decode_only or num_logits is not None):
+            if self.graphs is not None and same and not all_logits and images is None and (
+                    decode_only or num_logits is not None):
                 logits = self.graphs.run(token_lists, states)
                 self._graph_step = logits is not None
             if logits is None:

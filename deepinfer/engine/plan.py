@@ -20,6 +20,7 @@ class NewSequence:
     params: Any
     seed: int
     prompt_logprobs: bool = False  # collect logits over the prompt (not again after a preemption delivered them)
+    images: tuple = ()  # the prompt's images (engine/images.py PromptImage): the ViT runs when a step reaches them
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ class Request:
     prev_rates: list = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # the prompt's images, decoded on arrival (engine/images.py PromptImage), kept for a recompute after preemption
+    images: list = field(default_factory=list)
 
     @property
     def may_sample(self) -> bool:

@@ -69,12 +69,16 @@ class Scheduler:
         self.planner = planner  # deepinfer.engine.spec_schedule.VarlenPlanner, or None: verify every draft
 
     # ---- arrivals ------------------------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: Any) -> str | None:
-        """Why this request can never run, or None. Checked on arrival, before it takes any resource."""
+    def validate(self, prompt_ids: list[int], params: Any, images=()) -> str | None:
+        """Why this request can never run, or None. Checked on arrival, before it takes any resource. `images`:
+        the request's PromptImages, whose span positions hold ids past the vocabulary (engine/images.py)."""
         n = len(prompt_ids)
         if n == 0:
             return "the prompt is empty"
-        bad = next((t for t in prompt_ids if not (0 <= t < self.vocab_size)), None)
+        text = prompt_ids
+        if images:  # the span ids were checked with the images; every other id is text
+            text = [t for i, t in enumerate(prompt_ids) if not any(im.start <= i < im.end for im in images)]
+        bad = next((t for t in text if not (0 <= t < self.vocab_size)), None)
         if bad is not None:
             return f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
         if n >= self.max_model_len:
@@ -94,7 +98,7 @@ class Scheduler:
 
     def add(self, request: Request) -> RequestUpdate | None:
         """Queues a request; returns its final (error) update at once when it can never run."""
-        error = self.validate(request.prompt_ids, request.params)
+        error = self.validate(request.prompt_ids, request.params, request.images)
         if error is None:
             try:
                 self._stoppers[request.request_id] = self._make_stopper(request.params)
@@ -189,7 +193,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             want_lp = bool(getattr(req.params, "prompt_logprobs", False)) and not req.prompt_logprobs_sent
-            new = NewSequence(tuple(req.all_ids()), len(req.prompt_ids), req.params, req.seed, want_lp)
+            new = NewSequence(tuple(req.all_ids()), len(req.prompt_ids), req.params, req.seed, want_lp,
+                              tuple(req.images))
             n = min(need, budget, need if req.may_sample else need - 1)
             plan.rows.append(self._row(req, n, new))
             plan.num_prefill_tokens += n

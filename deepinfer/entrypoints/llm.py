@@ -62,16 +62,14 @@ def _parallel_overrides(ep, dp, cp, ours: dict) -> list[str]:
 
 
 def _images_refused(model_dir: str) -> str:
-    """Why generate(multi_modal_data=...) is refused. A text-only checkpoint has no vision tower; for one with a
-    vision_config the image path exists (deepinfer.models.vision: processor, tower, aligner, span) but the text model
-    and the engine do not take image spans yet (docs/vision.md)."""
+    """Why generate(multi_modal_data=...) is refused by a model without an image path."""
     try:
-        has_tower = isinstance(json.loads((Path(model_dir) / "config.json").read_text()).get("vision_config"), dict)
+        has_config = isinstance(json.loads((Path(model_dir) / "config.json").read_text()).get("vision_config"), dict)
     except (OSError, ValueError):
-        has_tower = False
-    why = ("image input is not wired into the engine yet (docs/vision.md)" if has_tower
-           else "this model has no vision tower (no vision_config in its config.json)")
-    return f"generate(multi_modal_data=...): {why}; allowed: None"
+        has_config = False
+    why = ("its checkpoint holds no vision.* / aligner.* / image_* tensors" if has_config
+           else "no vision_config in its config.json")
+    return f"generate(multi_modal_data=...): this model has no vision tower ({why}); allowed: None"
 
 
 class LLM:
@@ -146,9 +144,15 @@ class LLM:
         """DeepInfer's generate: strings (the decoded output tokens, special tokens included, as DeepInfer's
         tokenizer.decode gives them) with decode_sequence=True, else deepinfer.RequestOutputs. sampling_params
         None: DeepInfer's SamplingParams() (not the config's sampling section). A request that could not run
-        raises here (DeepInfer has no per-request error in a string)."""
-        if multi_modal_data is not None:
-            raise ConfigError(_images_refused(self._llm.settings.model.path))
+        raises here (DeepInfer has no per-request error in a string).
+
+        multi_modal_data (a model with a vision tower): DeepInfer's {"image_bytes": [...], "image_sizes":
+        [[w, h], ...]}, one dict for one prompt or one per prompt; one image placeholder per image in each prompt.
+        Stricter than DeepInfer: declared sizes that differ from the decoded image, or a placeholder count that
+        differs from the image count, end the request with a one-line error instead of a warning."""
+        if multi_modal_data is not None and getattr(self._llm.program.model, "vision", None) is None:
+            model_dir = getattr(self._llm.program.model, "model_dir", self._llm.settings.model.path)
+            raise ConfigError(_images_refused(model_dir))
         if prompts is None and prompt_token_ids is None:
             raise ValueError("Either prompts or prompt_token_ids must be provided.")
         if sampling_params is None:
@@ -161,9 +165,11 @@ class LLM:
                 prompts = [prompts] if isinstance(prompts, str) else prompts
                 if len(prompts) != len(ids):
                     raise ValueError("The lengths of prompts and prompt_token_ids must be the same.")
-            outputs = self._llm.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+            outputs = self._llm.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm,
+                                         multi_modal_data=multi_modal_data)
         else:
-            outputs = self._llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            outputs = self._llm.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                                         multi_modal_data=multi_modal_data)
         if not self.decode_sequence:
             return outputs
         failed = [o for o in outputs if o.finish_reason == "error"]

@@ -20,6 +20,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from deepinfer.frontend.images import ImagePrompts, parse_multi_modal_data
 from deepinfer.sampling.params import SamplingParams, params_error
 from deepinfer.sampling.seeds import child_seed, seed_for
 
@@ -36,22 +37,29 @@ class EngineInput:
     params: Any
     seed: int | None = None
     error: str | None = None
+    images: list = dataclasses.field(default_factory=list)  # messages.ImageInput per image, spans in prompt_ids
 
 
 class InputProcessor:
-    """encode: text -> token ids (None: token ids only). base_seed: runtime.seed (None: random per request)."""
+    """encode: text -> token ids (None: token ids only). base_seed: runtime.seed (None: random per request).
+    images: the model's frontend/images.py ImagePrompts (None: images are refused as for a text-only model)."""
 
-    def __init__(self, encode: Callable[[str], list[int]] | None = None, base_seed: int | None = None):
+    def __init__(self, encode: Callable[[str], list[int]] | None = None, base_seed: int | None = None,
+                 images: ImagePrompts | None = None):
         self.encode = encode
         self.base_seed = base_seed
+        self.images = images if images is not None else ImagePrompts(None)
         self._ids = itertools.count()
 
     def next_id(self) -> int:
         return next(self._ids)
 
-    def process(self, index: int, prompt: str | None, prompt_ids, params, request_id: int | None = None
-                ) -> list[EngineInput]:
-        """The engine requests for one prompt: n of them, or one with `error` set."""
+    def process(self, index: int, prompt: str | None, prompt_ids, params, request_id: int | None = None,
+                multi_modal_data=None, spans: list | None = None) -> list[EngineInput]:
+        """The engine requests for one prompt: n of them, or one with `error` set. multi_modal_data: DeepInfer's
+        dict ({"image_bytes": [...], "image_sizes": [...]}), which expands the prompt's placeholders into image
+        spans; spans: the ImageInputs of a prompt already expanded (the servers expand while converting, so a bad
+        image is a 400 naming its content part)."""
         rid = self.next_id() if request_id is None else request_id
         error, ids = self._prompt_error(prompt, prompt_ids), []
         if error is None:
@@ -60,26 +68,36 @@ class InputProcessor:
                 error = "prompt token ids must be integers"
             else:
                 error = params_error(params)
+        spans = list(spans or [])
+        if error is None and multi_modal_data is not None:
+            try:
+                ids, spans = self.images.expand(ids, *parse_multi_modal_data(multi_modal_data))
+            except ValueError as exc:
+                error = str(exc)
         if error is not None:
             return [EngineInput(index, 0, rid, prompt, ids, params, error=error)]
         seed = seed_for(params.seq_seed, self.base_seed, rid)
         if params.n == 1:
-            return [EngineInput(index, 0, rid, prompt, ids, params, seed)]
+            return [EngineInput(index, 0, rid, prompt, ids, params, seed, images=spans)]
         out = []
         for i in range(params.n):
             s = child_seed(seed, i)
             out.append(EngineInput(index, i, rid if i == 0 else self.next_id(), prompt, ids,
-                                   dataclasses.replace(params, n=1, seq_seed=s), s))
+                                   dataclasses.replace(params, n=1, seq_seed=s), s, images=spans))
         return out
 
-    def process_all(self, items, params: Sequence, request_ids: Sequence[int] | None = None) -> list[EngineInput]:
-        """items: (text, token ids) pairs (see `normalize_prompts`); params: one per item."""
+    def process_all(self, items, params: Sequence, request_ids: Sequence[int] | None = None,
+                    multi_modal_data: Sequence | None = None) -> list[EngineInput]:
+        """items: (text, token ids) pairs (see `normalize_prompts`); params: one per item; multi_modal_data: one
+        dict (or None) per item."""
         ids = request_ids if request_ids is not None else [None] * len(items)
-        if not len(items) == len(params) == len(ids):
-            raise ValueError(f"{len(items)} prompts but {len(params)} sampling params, {len(ids)} ids")
+        mm = multi_modal_data if multi_modal_data is not None else [None] * len(items)
+        if not len(items) == len(params) == len(ids) == len(mm):
+            raise ValueError(f"{len(items)} prompts but {len(params)} sampling params, {len(ids)} ids, "
+                             f"{len(mm)} multi_modal_data")
         out: list[EngineInput] = []
-        for i, ((text, tok), sp, rid) in enumerate(zip(items, params, ids)):
-            out += self.process(i, text, tok, sp, rid)
+        for i, ((text, tok), sp, rid, data) in enumerate(zip(items, params, ids, mm)):
+            out += self.process(i, text, tok, sp, rid, data)
         return out
 
     def _prompt_error(self, prompt, prompt_ids) -> str | None:
@@ -116,6 +134,22 @@ def normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, Any]]
         else:
             items.append((p, None))
     return items
+
+
+def per_prompt_images(multi_modal_data, n: int) -> list | None:
+    """One multi_modal_data dict (or None) per prompt, in DeepInfer's form: a dict for a single prompt, a list of
+    dicts (one per prompt, in order) for several."""
+    if multi_modal_data is None:
+        return None
+    if isinstance(multi_modal_data, dict):
+        if n != 1:
+            raise ValueError(f"generate: one multi_modal_data dict for {n} prompts; allowed: a list of {n} dicts "
+                             "(one per prompt, None for a prompt without images)")
+        return [multi_modal_data]
+    if not isinstance(multi_modal_data, (list, tuple)) or len(multi_modal_data) != n:
+        raise ValueError(f"generate: multi_modal_data must be a dict (one prompt) or a list of {n} dicts (one per "
+                         "prompt)")
+    return list(multi_modal_data)
 
 
 def per_prompt(sampling_params, n: int, default: Callable[[], SamplingParams] | None = None) -> list:

@@ -24,7 +24,9 @@ from deepinfer.engine.make_client import client_for, make_client
 from deepinfer.engine.messages import AddRequest
 from deepinfer.engine.metrics import RunMetrics
 from deepinfer.engine.options import EngineOptions
-from deepinfer.frontend.input_processor import EngineInput, InputProcessor, normalize_prompts, per_prompt
+from deepinfer.frontend.images import ImagePrompts
+from deepinfer.frontend.input_processor import (EngineInput, InputProcessor, normalize_prompts, per_prompt,
+                                                per_prompt_images)
 from deepinfer.frontend.output_processor import OutputProcessor, RequestState, request_outputs
 from deepinfer.outputs import RequestOutput, StreamUpdate
 
@@ -42,9 +44,10 @@ class LLMEngine:
     one wrapping a model built in memory). tokenizer: a tokenizers.Tokenizer, for text prompts and output text
     (None: token ids only, text is "")."""
 
-    def __init__(self, backend_factory, options: EngineOptions, tokenizer=None, client=None):
+    def __init__(self, backend_factory, options: EngineOptions, tokenizer=None, client=None, vision=None):
         """client: a started client (deepinfer.engine.make_client, as for_settings passes); default: one for
-        `backend_factory` by options.process. options: EngineOptions.for_settings(settings)."""
+        `backend_factory` by options.process. options: EngineOptions.for_settings(settings). vision: the model's
+        VisionConfig (ModelCard.vision) for prompts with images; None: images are refused in one line."""
         self.options = options
         self.tokenizer = tokenizer
         self.client = client if client is not None else client_for(backend_factory, self.options)
@@ -54,17 +57,18 @@ class LLMEngine:
                  self.info.max_model_len, self.info.cache_description)
         self._ids = itertools.count()  # engine-internal ids: unique for the engine's lifetime
         encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).ids)
-        self.input = InputProcessor(encode, self.options.seed)
+        self.input = InputProcessor(encode, self.options.seed, ImagePrompts(vision))
         self.output = OutputProcessor(tokenizer, self.info.eos_token_id)
         self.last_metrics: dict | None = None
 
     @classmethod
-    def for_settings(cls, settings, tokenizer=None, **overrides) -> "LLMEngine":
+    def for_settings(cls, settings, tokenizer=None, vision=None, **overrides) -> "LLMEngine":
         """The engine LLM uses: from resolved Settings (deepinfer.config.schema.Settings), options overridden by
         field name. The engine core builds the model from the settings (in this process or its own); the frontend
-        holds only `tokenizer`, for text prompts and output text (None: token ids only)."""
+        holds only `tokenizer`, for text prompts and output text (None: token ids only), and `vision`, the
+        model's VisionConfig for prompts with images (None: refused)."""
         options = EngineOptions.for_settings(settings, **overrides)
-        return cls(None, options, tokenizer, make_client(settings, options))
+        return cls(None, options, tokenizer, make_client(settings, options), vision)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def add_request(self, inp: EngineInput, run: RunMetrics | None = None, inbox: list | None = None) -> RequestState:
@@ -75,7 +79,7 @@ class LLMEngine:
                      inbox: list | None = None) -> list[RequestState]:
         """add_request for many, sent to the core in one message."""
         states = [self.output.new_state(inp, next(self._ids), run, inbox) for inp in inputs]
-        submit = [AddRequest(st.engine_id, st.input.prompt_ids, st.input.params, st.input.seed)
+        submit = [AddRequest(st.engine_id, st.input.prompt_ids, st.input.params, st.input.seed, st.input.images)
                   for st in states if not st.finished]
         if submit:
             self.client.add(submit)
@@ -106,18 +110,21 @@ class LLMEngine:
 
     def stream(self, prompts=None, sampling_params=None, *, prompt_token_ids=None, use_tqdm: bool = False,
                tokens: bool = True, on_update: Callable[[int, list[int]], None] | None = None,
-               request_ids: Sequence[int] | None = None, default_params=None) -> Iterator[StreamUpdate]:
+               request_ids: Sequence[int] | None = None, default_params=None,
+               multi_modal_data=None) -> Iterator[StreamUpdate]:
         """The loop. Yields StreamUpdate(index, new token ids) as tokens arrive (tokens=True; sample 0 of each
         prompt), then one StreamUpdate per prompt with `output` set, in input order. on_update(index, new ids) is
         called for the same tokens, from this loop. prompts / prompt_token_ids: see input_processor.normalize_prompts;
         sampling_params: one for all or one per prompt (None: default_params()). request_ids: the caller's ids
-        (default: the frontend's running count). Leaving the generator early (close, an exception here or in
+        (default: the frontend's running count). multi_modal_data: DeepInfer's images, a dict for one prompt or
+        one dict (or None) per prompt (input_processor.per_prompt_images). Leaving the generator early (close, an exception here or in
         on_update) aborts the unfinished requests; the exception carries `finished_outputs` (what had finished)
         and, for EngineDeadError, `outputs` (every prompt, unfinished ones as errors)."""
         items = normalize_prompts(prompts, prompt_token_ids)
         params = per_prompt(sampling_params, len(items), default_params)
+        images = per_prompt_images(multi_modal_data, len(items))
         run, inbox = RunMetrics(), []
-        states = self.add_requests(self.input.process_all(items, params, request_ids), run, inbox)
+        states = self.add_requests(self.input.process_all(items, params, request_ids, images), run, inbox)
         live = {st.engine_id for st in states if not st.finished}
         bar = _progress(len(states), use_tqdm)
         bar.update(len(states) - len(live))

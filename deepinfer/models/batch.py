@@ -5,7 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .cache import SequenceCache
+
+
+@dataclass
+class SpanRows:
+    """One sequence's image-span rows among its new tokens in a step: `rows[j]` is the embedding of its new token
+    `offsets[j]` (counted from the step's first new token of that sequence). Every new token whose id is >=
+    vocab_size (a span position, VISION_SPEC.md §6.1) needs one, and no other token may have one."""
+
+    offsets: list[int]
+    rows: torch.Tensor  # [len(offsets), hidden]
 
 
 @dataclass
@@ -22,7 +34,10 @@ class ForwardBatch:
     `decode_rows`: per sequence, whether its new tokens are tokens the model generated (a decode token, or a
     verification's anchor and drafts) rather than prompt tokens: only those take the decode attention path, in a
     decode-only step and beside prefill chunks alike, so a row's attention does not depend on what it is batched
-    with or how its prompt was chunked. None (a standalone forward): every one-token sequence counts as decoding."""
+    with or how its prompt was chunked. None (a standalone forward): every one-token sequence counts as decoding.
+
+    `images`: per sequence, the image-span rows among its new tokens (SpanRows), or None for a sequence without
+    any; None for a step without image spans."""
 
     token_ids: list[list[int]]
     states: list[SequenceCache]
@@ -31,3 +46,4 @@ class ForwardBatch:
     replay: Any = None
     data_lens: list[int] | None = None
     decode_rows: list[bool] | None = None
+    images: list[SpanRows | None] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -23,6 +24,7 @@ class ModelCard:
     ops: OpSet
     device: torch.device
     model_dir: Path
+    vision: Any = None  # the checkpoint's VisionConfig when it has an image path (models/vision), else None
 
     def forward(self, batch):
         raise RuntimeError("this process holds no weights: the engine-core process runs the model")

@@ -20,8 +20,12 @@ from .batch import ForwardBatch
 from .cache import CacheLayout, CachePools, SequenceCache, StandaloneAllocator, StepMeta
 from .config import ModelConfig
 from .engram import EngramTables
+from .vision.span import SPAN_ID_COUNT
 from .step import ModelStep
 from .weights import Engram, HyperConnection, Layer, MoE, arrange, arrange_drafts, held_bytes
+
+# Compressed Engram id of an image-span position: no table lookup, and look-back stops there (VISION_SPEC.md §6.4)
+DEAD = -1
 
 # Without an engine (tests, scripts), `new_state()` takes slots and blocks from pools of this size per rollback.
 STANDALONE_SLOTS = 64
@@ -71,11 +75,18 @@ class DeepseekV41Model:
             # token id -> compressed id on the device: the hash gathers it per step without a host round trip. Ids
             # past the tokenizer (a head wider than its vocabulary) hash as the pad token instead of reading past
             # the table.
+            # The image-span sentinels (ids vocab_size .. vocab_size + 4) map to DEAD: Engram skips them and n-gram
+            # look-back stops at them (VISION_SPEC.md §6.4).
             known = torch.tensor(self.engram.token_map, dtype=torch.int64)
-            token_map = torch.full((max(cfg.vocab_size, len(known)),), self.engram.pad_id, dtype=torch.int64)
+            width = max(cfg.vocab_size, len(known))
+            token_map = torch.full((width + SPAN_ID_COUNT,), self.engram.pad_id, dtype=torch.int64)
             token_map[: len(known)] = known
+            token_map[cfg.vocab_size:cfg.vocab_size + SPAN_ID_COUNT] = DEAD
             self.engram_token_map = token_map.to(self.device)
         self._standalone: dict[tuple[int, bool], StandaloneAllocator] = {}
+        # the image path (deepinfer.models.vision.VisionModel), attached by the loader when the checkpoint has one;
+        # None: the model serves text and refuses images
+        self.vision = None
         drafts = arrange_drafts(cfg, weights, dtype)
         if drafts is not None and ep is not None:
             raise ValueError("expert parallel does not support the DSpark draft layers (mtp.*) yet; load them off")
@@ -143,7 +154,7 @@ class DeepseekV41Model:
         `replay`: a prefill step's YOCO bounded replay (models/replay.py ReplayStep): at its boundary layer it
         switches the rows and metadata the decoder layers run on."""
         cfg, ops = self.config, self.ops
-        x = self.embed[meta.ids].to(self.dtype)
+        x = self._embed(meta)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         # the first attention site collapses stream 0 (the embedding): a one-hot "previous pre-mix"
         pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=self.device)
@@ -155,6 +166,7 @@ class DeepseekV41Model:
             hash_ids = hash_ids[cp.own]
         pools.win_pos.index_copy_(0, full.window.write_row, full.positions.to(torch.int32))
 
+        image = self._image_mask(meta)  # None on a step without image spans
         hook = self.layer_hook
         drafter = self.drafter if pools.draft_window else None
         features = []
@@ -164,10 +176,11 @@ class DeepseekV41Model:
             if drafter is not None and i in drafter.targets:  # DSpark context: the trunk entering the layer
                 features.append(streams.float().mean(1).to(self.dtype))
             if lw.engram is not None:
-                streams = self._engram(streams, lw.engram, hash_ids[:, cfg.engram_layer_ids.index(i)])
+                streams = self._engram(streams, lw.engram, hash_ids[:, cfg.engram_layer_ids.index(i)], image)
             if replay is not None and i == replay.boundary:
                 streams, pre, meta, hash_ids = replay.enter(self, streams, pre, meta, pools, hash_ids)
-            streams, pre = self._block(streams, pre, lw, attn, meta, pools, i)
+                image = self._image_mask(meta)
+            streams, pre = self._block(streams, pre, lw, attn, meta, pools, i, image)
         if hook is not None:
             hook(len(self.layers))
         if drafter is not None:
@@ -187,8 +200,24 @@ class DeepseekV41Model:
         y = ops.rms_norm(ops.mhc_collapse(streams, pre), self.final_norm, cfg.rms_norm_eps)
         return ops.linear(y, self.head).float()
 
+    def _embed(self, meta: StepMeta) -> torch.Tensor:
+        """The token embeddings; on a step with image spans, each span position's row replaced by its image row
+        (START, aligner rows and NEWLINEs, END: VISION_SPEC.md §6.2). Span ids (>= vocab_size) have no table row:
+        they look up row 0, which is overwritten."""
+        img = meta.images
+        if img is None:
+            return self.embed[meta.ids].to(self.dtype)
+        ids = torch.where(meta.ids < self.config.vocab_size, meta.ids, 0)
+        x = self.embed[ids].to(self.dtype)
+        return x.index_copy(0, img.index, img.rows.to(self.dtype))
+
+    def _image_mask(self, meta: StepMeta) -> torch.Tensor | None:
+        """[T] bool: the rows of `meta` at image-span positions (ids >= vocab_size), or None on a step without
+        any: routed with bias_vl, passed through Engram."""
+        return None if meta.images is None else meta.ids >= self.config.vocab_size
+
     def _block(self, streams, prev_pre, lw: Layer, attn: Attention, meta: StepMeta, pools: CachePools,
-               layer: int | None = None):
+               layer: int | None = None, image: torch.Tensor | None = None):
         cfg, ops = self.config, self.ops
         mix = (cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
         a_pre, a_post, a_comb = ops.mhc_mixes(streams, *_hc(lw.hc_attn), *mix)
@@ -196,19 +225,24 @@ class DeepseekV41Model:
         streams = ops.mhc_expand(attn(h, meta, pools), streams, a_post, a_comb)
         f_pre, f_post, f_comb = ops.mhc_mixes(streams, *_hc(lw.hc_ffn), *mix)
         g = ops.rms_norm(ops.mhc_collapse(streams, a_pre), lw.ffn_norm, cfg.rms_norm_eps)
-        streams = ops.mhc_expand(self._moe(g, lw.ffn, layer), streams, f_post, f_comb)
+        streams = ops.mhc_expand(self._moe(g, lw.ffn, layer, image), streams, f_post, f_comb)
         return streams, f_pre
 
     def attn_input(self, streams, prev_pre, lw: Layer) -> torch.Tensor:
         """A layer's attention-norm output: the streams collapsed with the previous site's pre-mix, normed."""
         return self.ops.rms_norm(self.ops.mhc_collapse(streams, prev_pre), lw.attn_norm, self.config.rms_norm_eps)
 
-    def _moe(self, g: torch.Tensor, moe: MoE, layer: int | None = None) -> torch.Tensor:
+    def _moe(self, g: torch.Tensor, moe: MoE, layer: int | None = None, image: torch.Tensor | None = None
+             ) -> torch.Tensor:
         """`layer`: the backbone layer index (expert parallel with EPLB keeps a placement, dispatch table and
-        token counts per layer); None for the draft layers."""
+        token counts per layer); None for the draft layers. `image` [T] bool: rows that select their experts with
+        `bias_vl` instead of `bias` (image-span positions, VISION_SPEC.md §6.3; the weights stay the scores)."""
         cfg, ops = self.config, self.ops
+        bias = moe.gate.bias
+        if image is not None:
+            bias = torch.where(image[:, None], moe.gate.bias_vl, bias)  # [T, n_experts]
         weights, idx = ops.moe_router(
-            g, moe.gate.weight, moe.gate.bias, moe.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
+            g, moe.gate.weight, bias, moe.top_k or cfg.num_experts_per_tok, cfg.scoring_func, cfg.gate_temp,
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         ep = self.expert_parallel
@@ -226,17 +260,22 @@ class DeepseekV41Model:
         new = self.engram_token_map[meta.ids]
         (valid, is_new, ring_row, new_row), write_row = meta.ngram
         look = torch.where(is_new, new[new_row], pools.ngram[ring_row])
-        look = torch.where(valid, look, tabs.pad_id)
+        # look-back stops at an image span: a DEAD slot and every longer shift read the pad id (text: none is DEAD)
+        dead = torch.cummax((look == DEAD) & valid, dim=1).values
+        look = torch.where(valid & ~dead, look, tabs.pad_id)
         pools.ngram.index_copy_(0, write_row, new)  # after the read: a long chunk may reuse rows it read
         return self.ops.engram_hash(look, tabs.multipliers, tabs.primes, tabs.offsets)
 
-    def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor) -> torch.Tensor:
+    def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor, image: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`image` [T] bool: image-span rows, which pass through unchanged (VISION_SPEC.md §6.4)."""
         cfg, ops = self.config, self.ops
         rows = engram.embed[ids].flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
         kv = ops.linear(rows, engram.wkv)
         key, value = kv.split([cfg.hc_mult * cfg.hidden_size, cfg.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (cfg.hc_mult, cfg.hidden_size))
-        return ops.engram_gate(streams, key, value, engram.weight, cfg.rms_norm_eps)
+        out = ops.engram_gate(streams, key, value, engram.weight, cfg.rms_norm_eps)
+        return out if image is None else torch.where(image[:, None, None], streams, out)
 
 
 def _hc(site: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

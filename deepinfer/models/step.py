@@ -18,7 +18,7 @@ import torch
 from deepinfer.distributed.context_parallel import ContextParallel, align_of
 
 from .batch import ForwardBatch
-from .cache import CachePools, StepMeta, derive, pack_step, query_view
+from .cache import CachePools, ImageRows, StepMeta, derive, pack_step, query_view
 
 if TYPE_CHECKING:
     from .replay import ReplayStep
@@ -41,11 +41,12 @@ class PreparedStep:
             st.num_tokens += n
 
 
-def prepare_step(batch: ForwardBatch, device: torch.device, compress_ratios, cp: ContextParallel | None = None
-                 ) -> PreparedStep:
+def prepare_step(batch: ForwardBatch, device: torch.device, compress_ratios, cp: ContextParallel | None = None,
+                 vocab_size: int | None = None) -> PreparedStep:
     """`compress_ratios`: the model's per-layer ratios (context parallel aligns its chunks to the compression
     groups). `cp`: this rank's balanced context-parallel share of a prefill step (its mirror blocks of every
-    chunk); every rank of cp.group prepares the same batch."""
+    chunk); every rank of cp.group prepares the same batch. `vocab_size`: where the image-span ids start (needed
+    for a batch with `images`)."""
     if len(batch.token_ids) != len(batch.states):
         raise ValueError("ForwardBatch: token_ids and states must have the same length")
     if any(len(t) == 0 for t in batch.token_ids):
@@ -59,6 +60,11 @@ def prepare_step(batch: ForwardBatch, device: torch.device, compress_ratios, cp:
     host = pack_step(batch.token_ids, batch.states, pools.layout, device, all_logits=batch.all_logits,
                      num_logits=batch.num_logits, decode_rows=batch.decode_rows)
     meta = derive(host, pools)
+    if batch.images is not None:
+        if cp is not None:
+            raise ValueError("context parallel prefill does not take image spans yet (each rank would need the "
+                             "image rows of its own mirror blocks); serve images with context_parallel_size=1")
+        meta.images = _image_rows(batch, vocab_size, device)
     if cp is not None:
         if batch.replay is not None:
             raise ValueError("context parallel prefill does not support YOCO replay (yoco=mask|compact) yet")
@@ -67,6 +73,31 @@ def prepare_step(batch: ForwardBatch, device: torch.device, compress_ratios, cp:
         meta = query_view(meta, step.own, step)
     replay = batch.replay.plan(meta, pools, pasts, batch.data_lens) if batch.replay is not None else None
     return PreparedStep(meta, pools, replay, list(batch.states), host.lengths)
+
+
+def _image_rows(batch: ForwardBatch, vocab_size: int | None, device) -> ImageRows | None:
+    """The step's image-span rows, checked: a new token with an id >= vocab_size has a row, and only such a token
+    (a span without rows would embed past the table; a row over a text token would overwrite it)."""
+    if vocab_size is None:
+        raise ValueError("ForwardBatch.images needs the model's vocab_size (where the span ids start)")
+    if len(batch.images) != len(batch.token_ids):
+        raise ValueError("ForwardBatch: images must have one entry (SpanRows or None) per sequence")
+    index, rows, start = [], [], 0
+    for ids, span in zip(batch.token_ids, batch.images):
+        spans = [j for j, t in enumerate(ids) if t >= vocab_size]
+        given = [] if span is None else list(span.offsets)
+        if given != spans:
+            raise ValueError(f"ForwardBatch: image-span tokens at new-token offsets {spans[:8]} but rows for "
+                             f"{given[:8]}; every id >= vocab_size ({vocab_size}) needs exactly one row")
+        if span is not None and len(given):
+            if span.rows.shape[0] != len(given):
+                raise ValueError(f"ForwardBatch: {len(given)} span offsets but {span.rows.shape[0]} rows")
+            index += [start + j for j in given]
+            rows.append(span.rows)
+        start += len(ids)
+    if not index:
+        return None
+    return ImageRows(torch.tensor(index, dtype=torch.int64).to(device), torch.cat(rows).to(device))
 
 
 class ModelStep:
@@ -80,7 +111,7 @@ class ModelStep:
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch, cp: ContextParallel | None = None) -> torch.Tensor:
         model = self.model
-        step = prepare_step(batch, model.device, model.config.compress_ratios, cp)
+        step = prepare_step(batch, model.device, model.config.compress_ratios, cp, model.config.vocab_size)
         logits = model.run(step.meta, step.pools, step.replay)
         step.advance()
         return logits

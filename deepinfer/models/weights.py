@@ -76,10 +76,12 @@ class Attention:
 
 @dataclass
 class Gate:
-    """`ffn.gate.*`: the router (the bias only selects, it does not weight)."""
+    """`ffn.gate.*`: the router (the biases only select, they do not weight): `bias` for text tokens, `bias_vl`
+    for image-span tokens (VISION_SPEC.md §6.3)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
+    bias_vl: torch.Tensor | None = None
 
 
 @dataclass

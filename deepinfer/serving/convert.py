@@ -22,9 +22,11 @@ from typing import Any, Callable
 
 import deepseek_recipe as dr
 
+from deepinfer.frontend.images import ImagePrompts
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.serving.constraints import ConstraintError, SpecialIds, after_thinking, so_args_for
 from deepinfer.serving.errors import HTTPError, bad_request, from_conversion
+from deepinfer.serving.images import expand_images
 
 log = logging.getLogger("deepinfer.serving")
 
@@ -68,6 +70,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
+    images: list = field(default_factory=list)  # messages.ImageInput per image span in prompt_ids
 
 
 @dataclass
@@ -109,8 +112,11 @@ class Converter:
     not say; model_version: the deepseek_recipe version whose prompt format the loaded model reads."""
 
     def __init__(self, tokenizer, tokenizer_json: str, max_model_len: int, served_names, default_thinking: bool,
-                 model_version=dr.ModelVersion.DeepseekV41Flash):
+                 model_version=dr.ModelVersion.DeepseekV41Flash, vision=None):
+        """vision: the served model's VisionConfig (ModelCard.vision): image content parts become image spans;
+        None: they are refused with a 400."""
         self.tokenizer = tokenizer
+        self.images = ImagePrompts(vision)
         self.max_model_len = max_model_len
         self.served_names = [served_names] if isinstance(served_names, str) else list(served_names)
         self.served_name = self.served_names[0]
@@ -244,13 +250,12 @@ class Converter:
         for key in VLLM_FIELDS:
             body.pop(key, None)  # read above; the recipe never sees them (it ignores what it does not define)
         conv, relaxed_tools = self._recipe_convert(req_cls, body)
-        if any(m.image_sources for m in conv.conversation.messages):
-            raise bad_request("image inputs are not supported by this server (the text model has no vision tower)")
         io = conv.inference_options
         try:
             prompt_ids = list(self.encoding.encode(conv.conversation))
         except RuntimeError as exc:
             raise bad_request(f"the prompt could not be encoded: {_first_line(exc)}") from None
+        prompt_ids, images = expand_images(self.images, prompt_ids, conv.conversation, body)
         try:
             max_tokens = conv.resolve_max_tokens(len(prompt_ids), self.max_model_len)
         except dr.ConversionError as exc:
@@ -282,7 +287,8 @@ class Converter:
                                            tokenizer)
             return processor, resp_cls(rid, model, created, len(prompt_ids), 0)
 
-        return Prepared(endpoint, rid, model, created, [Job(prompt_ids, params)], bool(conv.stream), new_sample,
+        return Prepared(endpoint, rid, model, created, [Job(prompt_ids, params, images=images)], bool(conv.stream),
+                        new_sample,
                         resp_cls, token_logprobs=token_logprobs, n=n, ignored=ignored)
 
     def _recipe_convert(self, req_cls, body: dict):

@@ -91,7 +91,8 @@ def build_state(settings):
     version = dr.ModelVersion.DeepseekV4Pro if "DeepSeek-V4-Pro" in names else dr.ModelVersion.DeepseekV41Flash
     state = ServerState(
         engine=engine,
-        converter=Converter(tokenizer, tokenizer.to_str(), info.max_model_len, names, thinking, version),
+        converter=Converter(tokenizer, tokenizer.to_str(), info.max_model_len, names, thinking, version,
+                            vision=getattr(program.model, "vision", None)),
         metrics=metrics,
         max_in_flight=settings.engine.max_num_seqs + serve.max_queued_requests,
         served_name=names[0],

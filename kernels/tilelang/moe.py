@@ -41,9 +41,11 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
     sqrtsoftplus or sigmoid scoring, experts a multiple of 64, hidden a multiple of 256; else the torch op."""
     E, D = gate_weight.shape
     fast = (x.is_cuda and x.dtype == torch.bfloat16 and gate_weight.dtype == torch.bfloat16 and scoring_func in SCORES
-            and E % 64 == 0 and D % 256 == 0 and E <= 1024 and x.shape[0] > 0)
+            and E % 64 == 0 and D % 256 == 0 and E <= 1024 and x.shape[0] > 0 and (bias is None or bias.dim() == 1))
     if not fast:
-        why = reason(x, f"scoring {scoring_func}" if scoring_func not in SCORES else "experts or hidden not covered")
+        why = reason(x, f"scoring {scoring_func}" if scoring_func not in SCORES else
+                     "a per-token bias (image spans)" if bias is not None and bias.dim() == 2 else
+                     "experts or hidden not covered")
         return registry.fall_back("moe_router", why, torch_moe.moe_router, x, gate_weight, bias, top_k,
                                   scoring_func, gate_temp, norm_topk_prob, routed_scaling_factor)
     x = x.contiguous()

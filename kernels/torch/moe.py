@@ -25,7 +25,8 @@ def moe_router(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (weights [T, k] fp32, expert ids [T, k]). The bias steers selection only."""
+    """x [T, D] -> (weights [T, k] fp32, expert ids [T, k]). The bias ([E], or [T, E] per token: image-span rows
+    select with bias_vl) steers selection only."""
     scores = _SCORE[scoring_func](linear(x.float(), gate_weight.float()) / gate_temp)
     chooser = scores if bias is None else scores + bias.float()
     idx = chooser.topk(top_k, dim=-1)[1]

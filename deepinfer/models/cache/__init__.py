@@ -1,7 +1,9 @@
 """The runner-owned cache pools in the released formats, and the per-step metadata every layer reads."""
 
-from .metadata import EntryIndex, HostStep, PrefillWindow, Selection, StepMeta, WindowIndex, derive, pack_step, query_view
+from .metadata import (EntryIndex, HostStep, ImageRows, PrefillWindow, Selection, StepMeta, WindowIndex, derive,
+                       pack_step, query_view)
 from .pools import CacheLayout, CachePools, SequenceCache, StandaloneAllocator
 
-__all__ = ["CacheLayout", "CachePools", "EntryIndex", "HostStep", "PrefillWindow", "Selection", "SequenceCache", "StandaloneAllocator",
+__all__ = ["CacheLayout", "CachePools", "EntryIndex", "HostStep", "ImageRows", "PrefillWindow", "Selection",
+           "SequenceCache", "StandaloneAllocator",
            "StepMeta", "WindowIndex", "derive", "pack_step", "query_view"]

@@ -8,7 +8,8 @@ them on the device with fixed shapes, so the same derivation can run inside a ca
   - compression (per ratio > 1): every token at the end of a group closes it: the group's member rows (open-group
     ring or new rows) and the pool row of the new entry; other tokens write to the trash row;
   - entries (per ratio): the pool rows of every entry of each sequence, and how many each query may see;
-  - Engram: the compressed token ids each new token looks back over.
+  - Engram: the compressed token ids each new token looks back over;
+  - images (a prefill step over image spans only): the embedding rows that replace the span positions' rows.
 """
 
 from __future__ import annotations
@@ -160,6 +161,17 @@ class PrefillWindow:
 
 
 @dataclass
+class ImageRows:
+    """The image-span rows of a prefill step (VISION_SPEC.md §6.2): row j of `rows` replaces the embedding of step
+    row `index[j]`. Span positions carry ids >= vocab_size, which is how the layers find them (bias_vl routing,
+    Engram dead tokens) without another per-row tensor: the ids follow every view of the step (YOCO, context
+    parallel)."""
+
+    index: torch.Tensor  # [k] int64 step rows
+    rows: torch.Tensor  # [k, hidden]
+
+
+@dataclass
 class StepMeta:
     host: HostStep
     ids: torch.Tensor
@@ -185,6 +197,9 @@ class StepMeta:
     cp: Any = None
     # the prefill rows' window strips (None: slates; views that change the rows or the window set it to None)
     prefill_window: PrefillWindow | None = None
+    # a prefill step whose new tokens include image-span positions; None for every other step (text-only steps run
+    # exactly as before: no mask, no merge)
+    images: ImageRows | None = None
 
 
 def derive(host: HostStep, pools: CachePools) -> StepMeta:

@@ -18,7 +18,7 @@ from deepinfer.models.config import ModelConfig, ModelConfigError
 
 from .errors import CheckpointError
 from .materialize import materialize
-from .names import canonical_name, is_set_aside, keeps_float32, set_aside_group
+from .names import canonical_name, is_image_path, is_set_aside, keeps_float32, set_aside_group
 from .plan import natural_key, plan_load
 from .safetensors_reader import SafetensorsFiles, StoredTensor
 from .tensors import FP4_ROWS, FP8_BLOCK, expected_tensors
@@ -115,10 +115,12 @@ def load_checkpoint(
 
     if weights and "head.weight" not in loaded:  # only reachable for tie_word_embeddings=true (see expected_tensors)
         loaded["head.weight"] = loaded["embed.weight"]
-    if skipped:
-        groups = Counter(set_aside_group(n) for n in skipped)
+    # the image path (vision.*, aligner.*, image_*) is loaded by models/vision when config.json has a vision_config
+    aside = [n for n in skipped if not (isinstance(cfg.raw.get("vision_config"), dict) and is_image_path(n))]
+    if aside:
+        groups = Counter(set_aside_group(n) for n in aside)
         summary = ", ".join(f"{g} ({c})" for g, c in sorted(groups.items()))
-        log.info("set aside %d checkpoint tensors the text model does not use: %s", len(skipped), summary)
+        log.info("set aside %d checkpoint tensors the text model does not use: %s", len(aside), summary)
     log.debug("loaded %d tensors from %s", len(loaded), model_dir)
     return Checkpoint(cfg, loaded, tokenizer_path, skipped, model_dir)
 

@@ -15,7 +15,9 @@ from deepinfer.kernels.registry import OpSet
 
 from ..card import ModelCard
 from ..deepseek_v41 import DeepseekV41Model
+from ..vision.loading import checkpoint_vision, load_vision_model
 from .checkpoint import read_config, load_checkpoint
+from .errors import CheckpointError
 from .hub import resolve_model_dir
 
 if TYPE_CHECKING:
@@ -90,8 +92,9 @@ def load_model(
                            tokenizer=tokenizer, routed_experts=local)
     ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends, batch_invariant=batch_invariant)
     tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
+    vision = checkpoint_vision(model_dir, ckpt.skipped, ckpt.config)
     if not weights:
-        return ModelCard(ckpt.config, tok, ops, torch.device(device), Path(model_dir))
+        return ModelCard(ckpt.config, tok, ops, torch.device(device), Path(model_dir), vision)
     if dummy:
         from ..random_weights import random_weights
 
@@ -103,15 +106,30 @@ def load_model(
             "file was read, outputs are meaningless (benchmarking only)", seed, len(ckpt.weights), model_dir,
             ", with draft layers" if drafts else "")
     if expert_placement is None:
-        return DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype)
+        return _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype), vision, model_dir)
     ep = ExpertParallel(expert_placement, ep_rank, ep_group)
     model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
+    _with_vision(model, vision, model_dir)
     del ckpt
     log.info(
         "expert parallel rank %d of %d: %d of %d physical expert slots per layer (%d distinct experts of %d), "
         "weights on this rank %.3f GB (routed experts %.3f GB)", ep_rank, expert_placement.num_ranks,
         expert_placement.per_rank, expert_placement.num_physical, len(set(local)), expert_placement.num_logical,
         model.weight_bytes() / 1e9, model.routed_expert_bytes() / 1e9)
+    return model
+
+
+def _with_vision(model: DeepseekV41Model, vision, model_dir) -> DeepseekV41Model:
+    """The model with its image path (vision.*, aligner.*, image_*) loaded when the checkpoint has one."""
+    if vision is None:
+        return model
+    lacking = [i for i, lw in enumerate(model.layers) if lw.ffn.gate.bias_vl is None]
+    if lacking:
+        raise CheckpointError(f"{model_dir}: a checkpoint with a vision tower needs layers.N.ffn.gate.bias_vl (image "
+                              f"tokens route with it); layers {lacking[:8]} have none")
+    model.vision = load_vision_model(model_dir, model.dtype).to(model.device)
+    log.info("image path loaded: ViT %d layers of width %d, aligner to %d, at most %d tokens per image",
+             vision.num_hidden_layers, vision.hidden_size, vision.text_hidden_size, vision.max_image_tokens)
     return model
 
 

@@ -8,9 +8,11 @@ import re
 _PREFIX = "model."
 _HEAD_ALIASES = {"lm_head.weight": "head.weight"}
 
-# Tensors that belong to the checkpoint but not to the text model served here: DSpark draft layers (mtp.*),
-# the vision tower and its aligner, and the image span embeddings. Recognised so they are skipped, not errors.
-_SET_ASIDE_ROOTS = ("mtp", "vision", "aligner", "image_start", "image_end", "image_newline")
+# Tensors that belong to the checkpoint but not to the text model's weight tree: DSpark draft layers (mtp.*,
+# loaded by the text loader when asked), the vision tower and its aligner, and the image span embeddings (the image
+# path: loaded by models/vision/loading.py when config.json has a vision_config). Recognised, never errors.
+_IMAGE_PATH_ROOTS = ("vision", "aligner", "image_start", "image_end", "image_newline")
+_SET_ASIDE_ROOTS = ("mtp", *_IMAGE_PATH_ROOTS)
 
 # Parameters the model computes with in float32 whatever the load dtype: the mHC mixing matrices/biases/scales,
 # the attention sinks and the router's selection biases (bf16 would perturb Sinkhorn and top-k choices).
@@ -24,6 +26,11 @@ def canonical_name(stored: str) -> str:
 
 def is_set_aside(name: str) -> bool:
     return name.split(".", 1)[0] in _SET_ASIDE_ROOTS
+
+
+def is_image_path(name: str) -> bool:
+    """A canonical name of the image path: vision.*, aligner.*, image_start/end/newline."""
+    return name.split(".", 1)[0] in _IMAGE_PATH_ROOTS
 
 
 def set_aside_group(name: str) -> str:

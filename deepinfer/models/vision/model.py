@@ -38,8 +38,9 @@ class VisionModel(nn.Module):
         """Each image's span rows [num_tokens, text width], the ViT run once over all images (varlen)."""
         if not images:
             return []
-        features = self.vision(torch.cat([im.pixel_values for im in images]),
-                               torch.cat([im.positions for im in images]),
+        device = self.image_start.device  # the processor's patches are on the CPU
+        features = self.vision(torch.cat([im.pixel_values for im in images]).to(device),
+                               torch.cat([im.positions for im in images]).to(device),
                                [im.layout.num_patches for im in images])
         return [span_rows(e, im.layout, self.image_start, self.image_newline, self.image_end)
                 for e, im in zip(self.image_embeds(features, images), images)]

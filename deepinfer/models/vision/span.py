@@ -30,6 +30,7 @@ class TokenType(IntEnum):
 # with a real token, and Engram maps them to dead without a lookup. Only IMAGE and PAD appear in prompts.
 IMAGE_ID_OFFSET = 2  # the span's first position ("the first token must be IMAGE for chunked prefill")
 PAD_ID_OFFSET = 1  # every other span position
+SPAN_ID_COUNT = 5  # vocab+0 .. vocab+4 (START, PAD, IMAGE, NEW_LINE, END): the ids a prompt may hold past the vocab
 
 
 def span_types(layout: ImageLayout) -> list[TokenType]:
