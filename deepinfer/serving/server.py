@@ -69,19 +69,30 @@ def default_thinking(settings) -> bool:
     return not settings.model.path.startswith(EMBEDDED_PREFIX)
 
 
-def build_state(settings):
-    """(ServerState, AsyncEngine) for resolved Settings; the engine core is started (not yet pumping)."""
+def converter_for(settings, tokenizer, max_model_len: int):
+    """The request converter (deepseek_recipe rendering) for resolved Settings, as the server builds it: its served
+    names, default thinking mode and the prompt format of the loaded model. LLM.chat renders through it too.
+    settings: as configured (model.path before the loader resolves it)."""
     import deepseek_recipe as dr
 
+    from deepinfer.serving.convert import Converter
+
+    names, thinking = served_names(settings), default_thinking(settings)
+    version = dr.ModelVersion.DeepseekV4Pro if "DeepSeek-V4-Pro" in names else dr.ModelVersion.DeepseekV41Flash
+    return Converter(tokenizer, tokenizer.to_str(), max_model_len, names, thinking, version)
+
+
+def build_state(settings):
+    """(ServerState, AsyncEngine) for resolved Settings; the engine core is started (not yet pumping)."""
     from deepinfer.engine.make_client import make_client
     from deepinfer.engine.options import EngineOptions
     from deepinfer.pipeline import load_program
     from deepinfer.serving.app import ServerState
     from deepinfer.frontend.async_engine import AsyncEngine
-    from deepinfer.serving.convert import Converter
     from deepinfer.serving.metrics import ServerMetrics
 
-    names, thinking = served_names(settings), default_thinking(settings)  # model.path as configured
+    names = served_names(settings)  # model.path as configured
+    configured = settings
     # the frontend needs the tokenizer and the model's limits (no weights); the engine core builds the model
     program, settings = load_program(settings, weights=False)
     options = EngineOptions.for_settings(settings)  # decoding too: DSpark and the rollback rows
@@ -91,10 +102,9 @@ def build_state(settings):
     engine = AsyncEngine(client, seed=options.seed, on_outputs=metrics.on_engine_outputs, tokenizer=tokenizer)
     serve = settings.serve
     info = client.info
-    version = dr.ModelVersion.DeepseekV4Pro if "DeepSeek-V4-Pro" in names else dr.ModelVersion.DeepseekV41Flash
     state = ServerState(
         engine=engine,
-        converter=Converter(tokenizer, tokenizer.to_str(), info.max_model_len, names, thinking, version),
+        converter=converter_for(configured, tokenizer, info.max_model_len),
         metrics=metrics,
         max_in_flight=settings.engine.max_num_seqs + serve.max_queued_requests,
         served_name=names[0],
