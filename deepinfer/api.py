@@ -120,6 +120,8 @@ class LLM:
         from deepinfer.pipeline import load_program
 
         # the frontend needs the tokenizer and the model's limits (no weights); the engine core builds the model
+        self._configured = settings  # model.path as given: what LLM.chat's model naming reads, as the server's
+        self._chat = None  # the deepseek_recipe converter, built on the first chat()
         self.program, self.settings = load_program(settings, weights=False)
         self._engine = LLMEngine.for_settings(self.settings, self.program.tokenize.tokenizer,
                                               getattr(self.program.model, "vision", None))
@@ -165,6 +167,46 @@ class LLM:
                                                          use_tqdm=use_tqdm, tokens=False, on_update=on_update,
                                                          default_params=self.default_sampling_params,
                                                          multi_modal_data=multi_modal_data)))
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        tools: Sequence[dict] | None = None,
+        thinking: bool | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's offline chat: one conversation (a list of {"role", "content"} messages, OpenAI's Chat Completions
+        form) or a list of them, rendered into DeepSeek-V4.1 prompts by deepseek_recipe exactly as the server's
+        /v1/chat/completions renders them, then generated as generate() does (one RequestOutput per conversation;
+        its text is the raw completion: reasoning, `</think>` and DSML tool-call markup are not parsed here).
+        tools: OpenAI function tools, put into the system prompt. thinking: None is serve.default_thinking's rule
+        (off for an embedded model, on for a DeepSeek checkpoint). A conversation the recipe refuses raises
+        ValueError with its one-line reason."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        ids = [self._chat_prompt(conv, tools, thinking, i) for i, conv in enumerate(conversations)]
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompt(self, messages, tools, thinking, index: int) -> list[int]:
+        from deepinfer.serving.errors import HTTPError
+        from deepinfer.serving.server import converter_for
+
+        if self._chat is None:
+            self._chat = converter_for(self._configured, self.program.tokenize.tokenizer,
+                                       self._live().info.max_model_len, getattr(self.program.model, "vision", None))
+        body: dict = {"messages": list(messages) if isinstance(messages, (list, tuple)) else messages}
+        if tools is not None:
+            body["tools"] = list(tools)
+        if thinking is not None:
+            if not isinstance(thinking, bool):
+                raise ValueError(f"chat(thinking={thinking!r}) is invalid; allowed: None, True or False")
+            body["thinking"] = {"type": "enabled" if thinking else "disabled"}
+        try:
+            return self._chat.prompt_ids("chat", body)
+        except HTTPError as exc:
+            raise ValueError(f"chat: conversation {index}: {exc.message}") from None
 
     def generate_iter(self, prompts=None, sampling_params=None, *, prompt_token_ids=None,
                       multi_modal_data=None) -> Iterator[StreamUpdate]:

@@ -7,6 +7,7 @@ Differences kept on purpose, each where DeepInfer's own engine does something el
   eos_id        DeepInfer declares 0 and its engine overwrites it with the tokenizer's EOS; the default None here
                 is that model EOS. An explicit id is honoured.
   seq_seed      None: a fresh random seed per request, drawn where the engine admits it (DeepInfer draws it here).
+                An integer is masked to 64 bits, as DeepInfer does (a negative `hash(...)` is a valid seed there).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from deepinfer.sampling.params import SamplingParams as _Params
 
 __all__ = ["SamplingParams"]
+
+SEED_MASK = (1 << 64) - 1
 
 
 class SamplingParams(_Params):
@@ -34,6 +37,8 @@ class SamplingParams(_Params):
         seq_seed: int | None = None,
         **ours,  # deepinfer.SamplingParams' other fields (stop, min_p, penalties, n, ...), by keyword
     ) -> None:
+        if type(seq_seed) is int:
+            seq_seed &= SEED_MASK
         super().__init__(temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
                          max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                          top_logprobs=top_logprobs, first_n_token_no_eos=first_n_token_no_eos, eos_id=eos_id,

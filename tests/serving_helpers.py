@@ -33,6 +33,15 @@ class ThreadServer:
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
 
+    def call(self, fn, *args, timeout: float = 30.0):
+        """Runs fn(*args) on the server's event loop and returns its result (for lifecycle tests)."""
+        import asyncio
+
+        async def run():
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.state.loop).result(timeout)
+
     @property
     def cache(self):
         return self.engine.client.core.cache

@@ -41,22 +41,27 @@ def dropin():
         yield llm
 
 
-def test_strings_are_the_decoded_tokens_and_decode_sequence_false_gives_request_outputs(dropin):
-    from deepinfer.entrypoints.llm import LLM
+def test_strings_are_the_decoded_tokens_and_decode_sequence_false_gives_per_token_outputs(dropin):
     from deepinfer.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=5)
     [text] = dropin.generate("def f(", sp, use_tqdm=False)
     dropin.decode_sequence = False
     try:
-        [out] = dropin.generate(["def f("], sp, use_tqdm=False)
+        [tokens] = dropin.generate(["def f("], sp, use_tqdm=False)
     finally:
         dropin.decode_sequence = True
-    assert text == dropin.get_tokenizer().decode(out.token_ids, skip_special_tokens=False)
-    assert out.logprobs is None  # DeepInfer's logprobs=False default: none reported
-    [again] = dropin.generate(prompt_token_ids=[out.prompt_token_ids], sampling_params=sp, use_tqdm=False)
-    assert again == text
-    assert isinstance(LLM, type)
+    assert len(tokens) == 5 and [t.num_output_tokens for t in tokens] == [1, 2, 3, 4, 5]
+    assert [t.finished for t in tokens] == [False] * 4 + [True] and tokens[-1].finish_reason == "length"
+    assert text == dropin.get_tokenizer().decode([t.token_id for t in tokens])  # DeepInfer's own decode
+    assert all(t.token_logprobs is None for t in tokens)  # DeepInfer's logprobs=False default: none reported
+    prompt = dropin.get_tokenizer().encode("def f(")
+    [again] = dropin.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)
+    assert again == text and tokens[0].prompt_len == len(prompt)
+
+
+def test_a_checkpoint_without_draft_layers_decodes_plainly(dropin):
+    assert dropin._llm.settings.decoding.name == "plain"
 
 
 def test_deepinfer_sampling_params_keep_its_order_defaults_and_max_tokens_zero():

@@ -182,7 +182,7 @@ def test_attention_data_parallel_without_expert_parallel_returns_the_tokens_of_s
     from deepinfer.entrypoints.llm import LLM as DeepInferLLM
 
     llm = DeepInferLLM("embedded:tiny-random", data_parallel_size=2, seed=SEED, max_num_seqs=8, chunked_prefill=True,
-                       decode_sequence=False)
+                       decode_sequence=False, overrides=["decoding=plain"])  # single's decoding (DSpark: default)
     try:
         assert llm._llm.settings.parallel.expert_parallel_size == 1
         got = [o.token_ids for o in generate_requests(llm._llm, requests)]

@@ -8,12 +8,6 @@ that parse and satisfy their schema), one-line 4xx errors, aborts that free the 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import jsonschema
@@ -75,9 +69,11 @@ def test_chat_thinking_puts_text_in_reasoning_content(client):
 def test_completions_streaming_and_non_streaming(client):
     full = client.completions.create(model=MODEL, prompt="def f(", max_tokens=10, temperature=0)
     assert full.object == "text_completion" and full.usage.completion_tokens == 10
-    chunks = list(client.completions.create(model=MODEL, prompt="def f(", max_tokens=10, temperature=0, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    chunks = list(client.completions.create(model=MODEL, prompt="def f(", max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
 
 
 @pytest.mark.timeout(120)
@@ -244,42 +240,6 @@ def test_full_admission_queue_answers_429(server, client):
     assert chat(client, max_tokens=2, extra_body=NO_THINKING).choices[0].finish_reason == "length"
 
 
-# ---- the command ---------------------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-@pytest.mark.timeout(180)
-def test_cli_serves_until_sigterm_then_exits_cleanly(tmp_path):
-    cmd = [sys.executable, "-m", "deepinfer", "serve=openai", "serve.port=0", "engine.max_num_seqs=4",
-           "cache.memory_budget=67108864", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ})
-    try:
-        port = None
-        for line in proc.stderr:
-            if "serving" in line:
-                port = int(line.rsplit(":", 1)[1])
-                break
-        assert port, "the server did not announce its address"
-        engine_pids = _children(proc.pid)
-        assert engine_pids, "no engine-core process"
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        assert "server stopped" in proc.stderr.read()
-        for pid in engine_pids:
-            assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
-        with pytest.raises(OSError):
-            socket.create_connection(("127.0.0.1", port), timeout=2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def test_the_server_engine_honours_the_decoding_settings():
     """decoding=dspark reaches the server's engine (its options once lacked the decoding section)."""
     srv = ThreadServer(["decoding=dspark"])
@@ -288,5 +248,9 @@ def test_the_server_engine_honours_the_decoding_settings():
         r = httpx.post(srv.url + "/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        metrics = {ln.split("{")[0]: float(ln.split()[-1]) for ln in httpx.get(srv.url + "/metrics").text.splitlines()
+                   if ln.startswith("deepinfer_spec_decode_num_")}  # DSpark's counters, vLLM's spec_decode names
+        drafts = metrics["deepinfer_spec_decode_num_draft_tokens_total"]
+        assert drafts > 0 and 0 <= metrics["deepinfer_spec_decode_num_accepted_tokens_total"] <= drafts
     finally:
         srv.close()

@@ -114,7 +114,7 @@ def test_generate_until_batch_with_stop_matches_single_requests(client):
 def test_completions_streaming_logprobs_equal_non_streaming(client):
     full = client.completions.create(model=MODEL, prompt="def f(", max_tokens=8, temperature=0, logprobs=3)
     chunks = list(client.completions.create(model=MODEL, prompt="def f(", max_tokens=8, temperature=0, logprobs=3,
-                                            stream=True))
+                                            stream=True, stream_options={"include_usage": True}))
     tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     lps = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert tokens == full.choices[0].logprobs.tokens and lps == full.choices[0].logprobs.token_logprobs
@@ -125,7 +125,8 @@ def test_completions_streaming_logprobs_equal_non_streaming(client):
 
 @pytest.mark.timeout(180)
 def test_streaming_prompt_list_with_n(client):
-    chunks = list(client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=4, seed=1, stream=True))
+    chunks = list(client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=4, seed=1, stream=True,
+                                            stream_options={"include_usage": True}))
     texts = {}
     for c in chunks:
         for ch in c.choices:

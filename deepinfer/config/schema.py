@@ -338,8 +338,12 @@ class ServeSettings:
     # thinking mode of requests that do not say (`thinking`, `reasoning_effort`, `reasoning.effort`); null: what
     # suits the loaded model (off for an embedded model, on for a DeepSeek checkpoint)
     default_thinking: Optional[bool] = None
-    # seconds uvicorn waits for open streams after SIGTERM/Ctrl-C before closing them
+    # SIGTERM/Ctrl-C drains: new requests get 503, open requests get this many seconds to finish, then streams end
+    # with an error event and [DONE] (a second signal stops at once)
     shutdown_timeout: float = setting(5.0, allowed=MAX_SECONDS)
+    # requests to /v1/* and /tokenize, /detokenize must carry it (Authorization: Bearer KEY or x-api-key: KEY);
+    # null: no key (a warning at start when serve.host is not loopback). DEEPINFER_API_KEY sets it (conf/serve)
+    api_key: Optional[str] = None
     log_level: str = setting("warning", allowed=("critical", "error", "warning", "info", "debug"))
 
 

@@ -72,6 +72,8 @@ class RequestUpdate(msgspec.Struct):
     # speculative decoding (DSpark): drafts verified in this update's step and how many of them were accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # seconds from the request's arrival in the core to its first admission, on its first update with tokens
+    queued_s: Optional[float] = None
 
 
 def _kernel_stats() -> dict:

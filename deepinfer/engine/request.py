@@ -10,6 +10,7 @@ Pure Python. The counters are what the scheduler plans with:
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,11 @@ class Request:
     num_accepted_tokens: int = 0
     # the prompt's images, decoded on arrival (engine/images.py PromptImage), kept for a recompute after preemption
     images: list = field(default_factory=list)
+    # queue time: from arrival in the core to the first admission (perf_counter); reported once, with the first
+    # update (RequestUpdate.queued_s)
+    arrival: float = field(default_factory=time.perf_counter)
+    queued_s: float | None = None
+    queue_time_sent: bool = False
 
     @property
     def may_sample(self) -> bool:

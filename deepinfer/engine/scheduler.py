@@ -27,6 +27,7 @@ the sampled token and count as computed (their cache entries were written by the
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -191,6 +192,8 @@ class Scheduler:
             self.cache.reserve(req.request_id, need)
             del self.waiting[i]
             req.status = RequestStatus.RUNNING
+            if req.queued_s is None:
+                req.queued_s = time.perf_counter() - req.arrival
             self.running.append(req)
             want_lp = bool(getattr(req.params, "prompt_logprobs", False)) and not req.prompt_logprobs_sent
             new = NewSequence(tuple(req.all_ids()), len(req.prompt_ids), req.params, req.seed, want_lp,
@@ -276,6 +279,8 @@ class Scheduler:
                 req.prev_rates, req.rates = req.rates, list(s.rates)
             upd = RequestUpdate(req.request_id, num_draft_tokens=s.num_draft_tokens,
                                 num_accepted_tokens=len(accepted))
+            if not req.queue_time_sent:
+                upd.queued_s, req.queue_time_sent = req.queued_s, True
             req.num_draft_tokens += s.num_draft_tokens
             req.num_accepted_tokens += len(accepted)
             reason = None

@@ -1,20 +1,25 @@
 """DeepInfer's `deepinfer.entrypoints.llm.LLM`, as a drop-in over deepinfer.LLM: DeepInfer's argument names and
-defaults, mapped onto this engine's config, and its return value (strings with decode_sequence=True).
+defaults, mapped onto this engine's config, and its return values (strings with decode_sequence=True, per-token
+outputs with False; a failed request is an empty string and one logged line, the others return).
 
     from deepinfer.entrypoints.llm import LLM
     from deepinfer.sampling_params import SamplingParams
     llm = LLM(model="path/or/hub-id", expert_parallel_size=1, gpu_memory_utilization=0.9)
     texts = llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=64))   # list[str]
 
-Each argument either changes the config (the table in docs/python-api.md, "DeepInfer's Python API") or is refused with a
-one-line ConfigError naming what is allowed: nothing is accepted and ignored. Keyword arguments of deepinfer.LLM
-(hardware=, process=, engine={...}, overrides=[...]) pass through.
+Each argument either changes the config (the table in docs/python-api.md, "DeepInfer's Python API"), is one of
+DeepInfer's EngineArgs that has nothing to act on here (INERT: accepted with a one-line warning saying what it does
+there), or is refused with a one-line ConfigError naming what is allowed. Keyword arguments of deepinfer.LLM
+(hardware=, process=, engine={...}, overrides=[...]) pass through. As DeepInfer, DSpark runs by default when the
+checkpoint has draft layers (DEEPINFER_USE_NEXTN_DECODE drafts, 5 unless set; 0 turns drafting off;
+DEEPINFER_ENABLE_MTP_VARLEN its confidence scheduling).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +27,63 @@ from deepinfer.api import LLM as _LLM
 from deepinfer.api import _value, load_settings, overrides_for
 from deepinfer.config.errors import ConfigError
 from deepinfer.config.schema import LOAD_FORMATS
-from deepinfer.outputs import RequestOutput
+from deepinfer.entrypoints.token_outputs import TokenOutput, per_token
 
 __all__ = ["LLM"]
 
+log = logging.getLogger("deepinfer")
 
-def _max_position_embeddings(path: str, weights: bool = True) -> int:
-    """The model's context limit, read from its config.json before anything loads (weights=False, load_format
-    dummy: a hub id downloads only its config and tokenizer)."""
+# DeepInfer's EngineArgs with nothing to act on in this engine: what each does in DeepInfer
+INERT = {
+    "disable_log_stats": "turns off its engine's periodic stats log (this engine logs none)",
+    "served_model_name": "names the model in its API server's responses (an offline LLM has none; the server's "
+                         "is serve.served_model_name)",
+    "tokens_per_block": "asserts the KV block size it derives from the model (the block layout here is its own)",
+    "lookahead_tokens": "reserves extra cache tokens per sequence (this engine sizes DSpark's itself)",
+    "stop_preempted_request": "ends a preempted request instead of recomputing it (this engine recomputes, as "
+                              "DeepInfer's LLM does by default)",
+    "engine_type": "picks a prompt-only or completion-only engine for disaggregated serving (one engine here)",
+    "engine_rank": "numbers this engine in a multi-engine deployment",
+    "engine_group_rank": "numbers this engine's group in a multi-engine deployment",
+    "engram_parallel_size": "shards the Engram tables over ranks (they are replicated here)",
+    "ignore_len": "bounds the prompt length it accepts (engine.max_model_len bounds it here)",
+    "offline_inference": "marks its engine as offline (the LLM is)",
+}
+
+
+def _model_config(path: str, weights: bool = True):
+    """The model's config.json, read before anything loads (weights=False, load_format dummy: a hub id downloads
+    only its config and tokenizer)."""
     from deepinfer.models.loading import resolve_model_dir
     from deepinfer.pipeline.build import model_location
 
     from deepinfer.models.config import ModelConfig
 
     model_dir = resolve_model_dir(model_location(path), weights=weights)
-    return ModelConfig.from_file(Path(model_dir) / "config.json").max_position_embeddings
+    return ModelConfig.from_file(Path(model_dir) / "config.json")
+
+
+def _warn_inert(args: dict) -> None:
+    for name, value in args.items():
+        log.warning("LLM(%s=%r) has no effect here: in DeepInfer it %s", name, value, INERT[name])
+
+
+def _has_draft_layers(overrides: list[str]) -> bool:
+    """Whether the model these overrides name has DSpark draft layers (read from its config.json after composing
+    only: no resolve step, so no warning about DSpark's variables is given before decoding is chosen). Any error
+    here is left to load_settings and the loader, which report it."""
+    from deepinfer.config.compose import compose
+
+    try:
+        cfg = compose(overrides)
+        return bool(_model_config(str(cfg.model.path), weights=cfg.model.load_format == "auto")
+                    .num_nextn_predict_layers)
+    except Exception:
+        return False
+
+
+def _decoding_chosen(overrides, ours: dict) -> bool:
+    return "decoding" in ours or any(str(o).split("=", 1)[0].lstrip("+~") == "decoding" for o in overrides)
 
 
 def _parallel_overrides(ep, dp, cp, ours: dict) -> list[str]:
@@ -94,6 +141,7 @@ class LLM:
         load_format: str = "auto",
         **ours: Any,
     ) -> None:
+        _warn_inert({k: ours.pop(k) for k in list(ours) if k in INERT})
         if trust_remote_code:
             raise ConfigError("LLM(trust_remote_code=True): this engine runs no code from a checkpoint (the "
                               "DeepSeek-V4.1 model is built in); allowed: False")
@@ -120,13 +168,17 @@ class LLM:
         cache = dict(ours.pop("cache", None) or {})
         cache.setdefault("memory_fraction", gpu_memory_utilization)
         self.decode_sequence = decode_sequence
-        overrides = overrides_for(model, [*model_keys, *layout, *ours.pop("overrides", ())], seed=seed,
-                                  engine=engine, cache=cache, **ours)
+        extra = [*model_keys, *layout, *ours.pop("overrides", ())]
+        pick_decoding = not _decoding_chosen(extra, ours)
+        overrides = overrides_for(model, extra, seed=seed, engine=engine, cache=cache, **ours)
+        if pick_decoding and _has_draft_layers(overrides):
+            # DeepInfer's default: DSpark with the checkpoint's draft layers (its variables: conf/decoding/dspark)
+            overrides.append("decoding=dspark")
         settings = load_settings(overrides)
+        config = _model_config(settings.model.path, weights=settings.model.load_format == "auto")
         if not chunked_prefill and max_num_batched_tokens is None:
             # DeepInfer's default step budget without chunking: the longest sequence, so every prompt fits one step
-            limit = settings.engine.max_model_len or _max_position_embeddings(
-                settings.model.path, weights=settings.model.load_format == "auto")
+            limit = settings.engine.max_model_len or config.max_position_embeddings
             budget = max(limit, settings.engine.max_num_batched_tokens)
             settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine,
                                                                                 max_num_batched_tokens=budget))
@@ -137,14 +189,20 @@ class LLM:
         return self._llm._engine
 
     def get_tokenizer(self):
-        return self._llm.program.tokenize.tokenizer
+        """A transformers PreTrainedTokenizerFast over the served tokenizer (DeepInfer's return type)."""
+        if getattr(self, "_hf_tokenizer", None) is None:
+            from deepinfer.entrypoints.hf_tokenizer import hf_tokenizer
+
+            self._hf_tokenizer = hf_tokenizer(self._llm.program.tokenize.tokenizer, self._llm._engine.info.eos_token_id)
+        return self._hf_tokenizer
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True,
-                 multi_modal_data=None) -> list[str] | list[RequestOutput]:
+                 multi_modal_data=None) -> list[str] | list[list[TokenOutput]]:
         """DeepInfer's generate: strings (the decoded output tokens, special tokens included, as DeepInfer's
-        tokenizer.decode gives them) with decode_sequence=True, else deepinfer.RequestOutputs. sampling_params
-        None: DeepInfer's SamplingParams() (not the config's sampling section). A request that could not run
-        raises here (DeepInfer has no per-request error in a string).
+        tokenizer.decode gives them) with decode_sequence=True, else per request its per-token outputs
+        (entrypoints/token_outputs.py). sampling_params None: DeepInfer's SamplingParams() (not the config's
+        sampling section). A request that fails (a schema that does not compile, ...) fails alone, as DeepInfer's
+        FINISHED_SO_FAILED: its string is "" (its list empty or cut short) and one line is logged.
 
         multi_modal_data (a model with a vision tower): DeepInfer's {"image_bytes": [...], "image_sizes":
         [[w, h], ...]}, one dict for one prompt or one per prompt; one image placeholder per image in each prompt.
@@ -170,13 +228,14 @@ class LLM:
         else:
             outputs = self._llm.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                                          multi_modal_data=multi_modal_data)
+        for i, o in enumerate(outputs):
+            if o.finish_reason == "error":
+                log.error("request %d failed: %s", i, o.error)
         if not self.decode_sequence:
-            return outputs
-        failed = [o for o in outputs if o.finish_reason == "error"]
-        if failed:
-            raise ValueError(f"request {failed[0].request_id} could not run: {failed[0].error}")
+            return [per_token(i, o) for i, o in enumerate(outputs)]
         decode = self._llm.program.tokenize.tokenizer.decode
-        return [decode(o.token_ids, skip_special_tokens=False) for o in outputs]
+        return ["" if o.finish_reason == "error" else decode(o.token_ids, skip_special_tokens=False)
+                for o in outputs]
 
     def close(self) -> None:
         self._llm.close()

@@ -99,6 +99,7 @@ class AsyncEngine:
         self._aborts: list[int] = []
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-engine-client")
         self._wake: asyncio.Event | None = None
+        self._changed = asyncio.Event()  # set whenever outputs were folded in (wait_for_change)
         self._task: asyncio.Task | None = None
 
     # ---- event-loop side -----------------------------------------------------------------------------------
@@ -144,6 +145,19 @@ class AsyncEngine:
             self._aborts.append(stream.request_id)
             self._wake_loop()
 
+    def abort_all(self) -> None:
+        """Stops every request in flight (the server's drain at shutdown)."""
+        self._aborts.extend(self.output.states)
+        self._wake_loop()
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Returns when the loop next folds in outputs (or the engine stops), or after `timeout` seconds."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            pass
+
     def _wake_loop(self) -> None:
         if self._wake is not None:
             self._wake.set()
@@ -167,6 +181,7 @@ class AsyncEngine:
                 if self.on_outputs is not None:
                     self.on_outputs(out.updates, out.stats, now)
                 self.output.process(out.updates, now)
+                self._changed.set()
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
@@ -187,6 +202,7 @@ class AsyncEngine:
         self.dead = message
         log.error("engine stopped: %s", message)
         self.output.fail_all(message)
+        self._changed.set()
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from deepinfer.serving import auth
 from deepinfer.serving.completions_shape import CompletionShaper
-from deepinfer.serving.errors import HTTPError, bad_request
+from deepinfer.serving.errors import HTTPError, json_body
+from deepinfer.serving.lifecycle import SHUTTING_DOWN, Drain
 from deepinfer.serving.metrics import CONTENT_TYPE_LATEST
 from deepinfer.serving.request_run import RequestRun
+from deepinfer.serving.token_routes import add_token_routes
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages",
           "/v1/completions": "completions"}
@@ -32,6 +35,10 @@ class ServerState:
     max_in_flight: int  # engine.max_num_seqs + serve.max_queued_requests
     served_name: str
     max_model_len: int
+    api_key: str | None = None  # serve.api_key: required on the guarded routes (serving/auth.py) when set
+    shutdown_timeout: float = 5.0  # serve.shutdown_timeout: the drain's bound (serving/lifecycle.py)
+    drain: Drain | None = None  # made by build_app
+    loop: asyncio.AbstractEventLoop | None = None  # the serving event loop, once started
 
 
 class ClientGone(Exception):
@@ -39,9 +46,13 @@ class ClientGone(Exception):
 
 
 def build_app(state: ServerState) -> FastAPI:
+    """The routes over `state`; with state.api_key set, wrapped in the API-key check (an ASGI app either way)."""
+    state.drain = Drain(state.engine, state.shutdown_timeout)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state.engine.start(asyncio.get_running_loop())  # the pump delivers to this loop
+        state.loop = asyncio.get_running_loop()
+        state.engine.start(state.loop)  # the pump delivers to this loop
         yield
 
     app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
@@ -75,14 +86,39 @@ def build_app(state: ServerState) -> FastAPI:
 
     for path, endpoint in ROUTES.items():
         app.add_api_route(path, _handler(state, endpoint), methods=["POST"])
+    add_token_routes(app, state)
+    if state.api_key:
+        return _RequireKey(app, state.api_key)
     return app
+
+
+class _RequireKey:
+    """ASGI wrapper: a guarded route without the API key is answered 401 in its protocol's shape (plain ASGI, not
+    Starlette's BaseHTTPMiddleware, so streaming and disconnect detection pass through untouched)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+        self.router = app.router  # what tests and uvicorn may look at stays reachable
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and auth.guarded(scope["path"]):
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+            try:
+                auth.check(self.key, headers)
+            except HTTPError as exc:
+                endpoint = "messages" if scope["path"].startswith("/v1/messages") else "chat"
+                response = JSONResponse(exc.body(endpoint), status_code=exc.status,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _handler(state: ServerState, endpoint: str):
     async def handle(request: Request):
         runs: list = []
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             _admit(state)
             if endpoint == "completions":
                 prepared = state.converter.convert_completion(body)
@@ -119,7 +155,7 @@ def _submit(state: ServerState, prepared) -> list:
             if prepared.new_sample is not None:
                 processor, response = prepared.new_sample()
             run = RequestRun(state.engine, stream, len(job.prompt_ids), state.metrics, processor,
-                             prepared.token_logprobs)
+                             prepared.token_logprobs, state.drain)
             if prepared.new_sample is not None:
                 run.response = response
             runs.append((run, job))
@@ -140,18 +176,9 @@ def _close(runs) -> None:
         run.close()
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise bad_request(f"the request body is not JSON ({getattr(exc, 'msg', type(exc).__name__)})") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body is a JSON {type(body).__name__}; allowed: a JSON object")
-    return body
-
-
 def _admit(state: ServerState) -> None:
+    if state.drain is not None and state.drain.draining:
+        raise HTTPError(503, f"{SHUTTING_DOWN}; retry on another server", "service_unavailable")
     if state.engine.dead is not None:
         raise HTTPError(503, f"the engine is not serving: {state.engine.dead}", "service_unavailable")
     if state.engine.num_in_flight >= state.max_in_flight:
@@ -263,15 +290,17 @@ async def _sse(state: ServerState, runs, prepared):
                 out = shaper.chunk(i, upd)
                 if out is not None:
                     yield f"data: {json.dumps(out)}\n\n"
+            if prepared.include_usage:
+                yield f"data: {json.dumps(shaper.usage_chunk())}\n\n"
             yield "data: [DONE]\n\n"
             return
         cls = prepared.response_cls
-        if len(runs) == 1:
+        if prepared.endpoint != "chat":
             async for _, chunks in _merged([runs[0][0].chunks()]):
                 for c in chunks:
                     name = cls.sse_event_name(c)
                     yield (f"event: {name}\n" if name else "") + f"data: {c.to_json()}\n\n"
-        else:  # chat with n > 1: each sample's chunks carry its choice index; usage comes once, at the end
+        else:  # each sample's chunks carry its choice index; usage only as OpenAI's include_usage defines it
             usages, last = [], None
             async for i, chunks in _merged([run.chunks() for run, _ in runs]):
                 for c in chunks:
@@ -280,10 +309,13 @@ async def _sse(state: ServerState, runs, prepared):
                         choice["index"] = i
                     if data.get("usage"):
                         usages.append(data["usage"])
-                    data["usage"] = None
+                    if prepared.include_usage:
+                        data["usage"] = None
+                    else:
+                        data.pop("usage", None)
                     last = data
                     yield f"data: {json.dumps(data)}\n\n"
-            if usages and last is not None:
+            if prepared.include_usage and usages and last is not None:
                 yield f"data: {json.dumps({**last, 'choices': [], 'usage': _sum_usage(usages)})}\n\n"
         done = cls.sse_done_data()
         if done is not None:
@@ -291,5 +323,7 @@ async def _sse(state: ServerState, runs, prepared):
     except HTTPError as exc:  # the engine failed the request after the stream began: say so in the stream
         name = "error" if prepared.endpoint in ("messages", "responses") else None
         yield (f"event: {name}\n" if name else "") + f"data: {json.dumps(exc.body(prepared.endpoint))}\n\n"
+        if prepared.endpoint in ("chat", "completions"):  # the stream's end marker all the same
+            yield "data: [DONE]\n\n"
     finally:
         _close(runs)

@@ -133,14 +133,20 @@ class CompletionShaper:
                 "choices": choices, "usage": None}
 
     def chunk(self, i: int, upd) -> dict | None:
-        """A streamed `text_completion` chunk for choice i's stream output (None when it carries nothing); the
-        chunk that ends the last choice carries usage when asked."""
+        """A streamed `text_completion` chunk for choice i's stream output (None when it carries nothing). OpenAI's
+        include_usage: every chunk has `"usage": null` and usage_chunk() follows the last; without it, no usage."""
         choice = self.choices[i].feed(upd)
         if choice is None:
             return None
         out = self.envelope([choice])
-        if self.p.include_usage and all(c.finish_reason is not None for c in self.choices):
-            out["usage"] = self.usage()
+        if not self.p.include_usage:
+            del out["usage"]
+        return out
+
+    def usage_chunk(self) -> dict:
+        """The chunk after the last (stream_options.include_usage): empty choices, the request's usage."""
+        out = self.envelope([])
+        out["usage"] = self.usage()
         return out
 
     def final(self) -> dict:

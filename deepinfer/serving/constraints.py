@@ -26,6 +26,8 @@ class SpecialIds:
         self.dsml = tokenizer.token_to_id(DSML)
         # what follows the DSML token when the model opens a call block (plain text, encoded without specials)
         self.calls_tail = tokenizer.encode(" calls>\n", add_special_tokens=False).ids
+        # how the prompt opens the block for a required tool call (deepseek_recipe's rendering of it)
+        self.calls_opener = tokenizer.encode(f"\n\n<{DSML} calls>\n", add_special_tokens=False).ids
 
 
 class ConstraintError(ValueError):

@@ -88,7 +88,7 @@ class Prepared:
     new_sample: Callable | None = None  # () -> (StreamProcessor, response accumulator) per sample (not completions)
     response_cls: Any = None
     token_logprobs: bool = False  # feed the processor token ids with logprobs (the recipe writes OpenAI's shapes)
-    include_usage: bool = True  # completions only: usage in the last streamed chunk
+    include_usage: bool = False  # chat, completions: stream_options.include_usage (usage in a chunk of its own)
     n: int = 1  # choices returned per prompt
     best_of: int = 1  # samples run per prompt (completions; the n of highest mean logprob are returned)
     echo: bool = False  # completions: the prompt is part of each choice's text (and logprobs)
@@ -143,10 +143,35 @@ class Converter:
         return model
 
     def _ignored(self, endpoint: str, body: dict) -> list[str]:
-        unknown = sorted(k for k in body if k not in KNOWN_FIELDS[endpoint])
+        return self.ignored_fields(endpoint, body, KNOWN_FIELDS[endpoint])
+
+    @staticmethod
+    def ignored_fields(endpoint: str, body: dict, known) -> list[str]:
+        """The one rule for fields an endpoint does not define: ignored, with a logged warning naming them."""
+        unknown = sorted(k for k in body if k not in known)
         if unknown:
             log.warning("%s: ignoring field(s) this server does not define: %s", endpoint, ", ".join(unknown))
         return unknown
+
+    def prompt_ids(self, endpoint: str, body: dict) -> list[int]:
+        """The prompt a chat-like request renders to (the conversion and encoding `convert` uses; no sampling
+        settings, no context check): /tokenize and /v1/messages/count_tokens."""
+        body = {**body, "model": self.check_model(body)}
+        self._ignored(endpoint, body)
+        if endpoint == "messages":
+            body.setdefault("max_tokens", 1)  # count_tokens takes no max_tokens; the conversion wants one
+        for key in VLLM_FIELDS:
+            body.pop(key, None)
+        conv, _ = self._recipe_convert(PROTOCOLS[endpoint][0], body)
+        return self._encode(conv, body)[0]
+
+    def _encode(self, conv, body: dict) -> tuple[list[int], list]:
+        """The prompt's token ids with every image placeholder expanded into its span, and the images."""
+        try:
+            prompt_ids = list(self.encoding.encode(conv.conversation))
+        except RuntimeError as exc:
+            raise bad_request(f"the prompt could not be encoded: {_first_line(exc)}") from None
+        return expand_images(self.images, prompt_ids, conv.conversation, body)
 
     def _vllm_sampling(self, body: dict) -> dict:
         """vLLM's extra sampling fields -> SamplingParams fields (range-checked there)."""
@@ -245,27 +270,29 @@ class Converter:
             guided = self._guided(body)
             if guided is not None and body.get("response_format") not in (None, {"type": "text"}):
                 raise bad_request(f"{guided[0]} and response_format cannot both be given", guided[0])
-        elif endpoint == "messages" and body.get("top_k") is not None:  # Anthropic's own field
-            extras = {"top_k": body["top_k"]}
+        elif endpoint == "messages":
+            if body.get("max_tokens") is None:  # required by Anthropic's API (it never runs to the context)
+                raise bad_request("max_tokens is required on /v1/messages; allowed: an integer >= 1", "max_tokens")
+            if body.get("top_k") is not None:  # Anthropic's own field
+                extras = {"top_k": body["top_k"]}
         for key in VLLM_FIELDS:
             body.pop(key, None)  # read above; the recipe never sees them (it ignores what it does not define)
         conv, relaxed_tools = self._recipe_convert(req_cls, body)
         io = conv.inference_options
-        try:
-            prompt_ids = list(self.encoding.encode(conv.conversation))
-        except RuntimeError as exc:
-            raise bad_request(f"the prompt could not be encoded: {_first_line(exc)}") from None
-        prompt_ids, images = expand_images(self.images, prompt_ids, conv.conversation, body)
+        prompt_ids, images = self._encode(conv, body)
+        thinking = conv.conversation.thinking_mode
+        constraint = io.output_constraint
+        parsing = conv.parsing_options  # a copy: changing it changes this request's parser only
+        if relaxed_tools and constraint is None and body.get("tool_choice") != "none":
+            # strict tools the recipe's strict check refused: their grammar, as the recipe would have asked for it
+            kind = "tool_call_required" if parsing.starts_in_tool_calls else "tool_call"
+            constraint = _Constraint(kind, json.dumps(relaxed_tools))
+        if endpoint == "messages" and _tool_choice_any(body) and constraint is not None:
+            constraint = self._force_tool_call(constraint, thinking, prompt_ids, parsing)
         try:
             max_tokens = conv.resolve_max_tokens(len(prompt_ids), self.max_model_len)
         except dr.ConversionError as exc:
             raise from_conversion(exc) from None
-        thinking = conv.conversation.thinking_mode
-        constraint = io.output_constraint
-        if relaxed_tools and constraint is None and body.get("tool_choice") != "none":
-            # strict tools the recipe's strict check refused: their grammar, as the recipe would have asked for it
-            kind = "tool_call_required" if conv.parsing_options.starts_in_tool_calls else "tool_call"
-            constraint = _Constraint(kind, json.dumps(relaxed_tools))
         try:
             so_args = so_args_for(constraint, thinking, self.ids)
             if guided is not None:
@@ -283,13 +310,24 @@ class Converter:
 
         def new_sample():
             tokenizer = self.dr_tokenizer if token_logprobs else None
-            processor = dr.StreamProcessor(req_cls.chunk_generator(conv, rid, model), conv.parsing_options,
+            processor = dr.StreamProcessor(req_cls.chunk_generator(conv, rid, model), parsing,
                                            tokenizer)
             return processor, resp_cls(rid, model, created, len(prompt_ids), 0)
 
         return Prepared(endpoint, rid, model, created, [Job(prompt_ids, params, images=images)], bool(conv.stream),
-                        new_sample,
-                        resp_cls, token_logprobs=token_logprobs, n=n, ignored=ignored)
+                        new_sample, resp_cls, token_logprobs=token_logprobs, include_usage=_include_usage(body), n=n,
+                        ignored=ignored)
+
+    def _force_tool_call(self, constraint, thinking: bool, prompt_ids: list[int], parsing):
+        """Anthropic's tool_choice {"type": "any"}: one of the tools must be called. deepseek_recipe renders it as
+        `auto`; here it becomes what its {"type": "tool"} is for one tool, over all of them: the prompt opens the
+        tool-call block (appended to prompt_ids), the grammar starts at once, the parser starts inside the block."""
+        if thinking:  # Anthropic's own rule: with extended thinking only auto and none
+            raise bad_request("tool_choice {'type': 'any'} cannot be used with thinking enabled; allowed: thinking "
+                              "disabled, or tool_choice auto or none", "tool_choice")
+        prompt_ids += self.ids.calls_opener
+        parsing.starts_in_tool_calls = True
+        return _Constraint("tool_call_required", constraint.schema)
 
     def _recipe_convert(self, req_cls, body: dict):
         """(the recipe's conversion, the function tools when strict tools were relaxed, else None). A strict
@@ -364,9 +402,8 @@ class Converter:
                 raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is past the "
                                   f"context (max_model_len={self.max_model_len})", "max_tokens")
             jobs.append(Job(ids, _params(**fields), text))
-        stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
         return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), jobs, stream,
-                        include_usage=bool(stream_options.get("include_usage", True)), n=n, best_of=best_of,
+                        include_usage=_include_usage(body), n=n, best_of=best_of,
                         echo=echo, logprobs=logprobs, zero_tokens=zero, ignored=ignored)
 
     def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
@@ -392,6 +429,17 @@ class Converter:
 class _Constraint:  # the shape of deepseek_recipe's OutputConstraint
     kind: str
     schema: str
+
+
+def _tool_choice_any(body: dict) -> bool:
+    choice = body.get("tool_choice")
+    return isinstance(choice, dict) and choice.get("type") == "any"
+
+
+def _include_usage(body: dict) -> bool:
+    """OpenAI's stream_options.include_usage (a stream_options that is not an object is ignored)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def _count(value, name: str) -> int:

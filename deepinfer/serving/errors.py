@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+from starlette.requests import Request
+
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -26,7 +28,8 @@ class HTTPError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                   429: "rate_limit_error",
                    503: "overloaded_error", 500: "api_error"}
 
 
@@ -44,3 +47,15 @@ def from_conversion(exc) -> HTTPError:
     except Exception:
         kind = "invalid_request_error"
     return HTTPError(int(status), message, kind)
+
+
+async def json_body(request: Request) -> dict:
+    """The request's body as a JSON object, or a 400 saying what it is instead."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise bad_request(f"the request body is not JSON ({getattr(exc, 'msg', type(exc).__name__)})") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body is a JSON {type(body).__name__}; allowed: a JSON object")
+    return body

@@ -1,7 +1,10 @@
 """The server's Prometheus metrics (GET /metrics, text format), in a registry of its own per server.
 
-Request-side values are updated by the request handlers (event loop); engine-side values (cache use, preemptions,
-tokens/s) by the frontend's engine loop (deepinfer.frontend.AsyncEngine, on the event loop) from each step's StepStats. prometheus_client's metrics are thread-safe.
+Request-side values (TTFT, inter-token latency, end-to-end latency, per-request token histograms) are updated by
+the request handlers (event loop); engine-side values (queue time, cache use, preemptions, DSpark drafts and accepted
+tokens, tokens/s) by the frontend's engine loop (deepinfer.frontend.AsyncEngine, on the event loop) from each
+batch's RequestUpdates and StepStats. Every metric carries the served model's name as its `model_name` label, as
+vLLM's do. prometheus_client's metrics are thread-safe.
 """
 
 from __future__ import annotations
@@ -18,27 +21,66 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 
 
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def token_buckets(max_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's request-token buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
 class ServerMetrics:
-    def __init__(self):
+    """model_name: the served name, the `model_name` label of every metric (vLLM's); max_model_len: the top of the
+    request-token histograms."""
+
+    def __init__(self, model_name: str = "", max_model_len: int = 1 << 20):
         r = self.registry = CollectorRegistry()
-        self.waiting = Gauge("deepinfer_requests_waiting", "Requests accepted, no token generated yet (queue depth)",
-                             registry=r)
-        self.running = Gauge("deepinfer_requests_running", "Requests generating tokens", registry=r)
-        self.requests = Counter("deepinfer_requests", "Finished requests by outcome", ["finish_reason"], registry=r)
-        self.rejected = Counter("deepinfer_requests_rejected", "Requests refused before the engine (HTTP status)",
-                                ["status"], registry=r)
-        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of submitted requests", registry=r)
-        self.generated_tokens = Counter("deepinfer_generation_tokens", "Generated tokens", registry=r)
-        self.tokens_per_s = Gauge("deepinfer_generation_tokens_per_second",
-                                  f"Generated tokens per second over the last {RATE_WINDOW_S:g} s", registry=r)
-        self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "Arrival to first generated token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("deepinfer_inter_token_latency_seconds", "Time between generated tokens",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.cache_use = Gauge("deepinfer_cache_utilization", "Share of the cache blocks in use (last step)",
-                               registry=r)
-        self.preemptions = Counter("deepinfer_preemptions", "Requests preempted (recomputed later)", registry=r)
-        self.steps = Counter("deepinfer_engine_steps", "Engine steps", registry=r)
+        label = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, label, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, label, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        self.model_name = model_name
+        self.waiting = gauge("deepinfer_requests_waiting", "Requests accepted, no token generated yet (queue depth)")
+        self.running = gauge("deepinfer_requests_running", "Requests generating tokens")
+        self._requests = Counter("deepinfer_requests", "Finished requests by outcome", ["model_name", "finish_reason"],
+                                 registry=r)
+        self._rejected = Counter("deepinfer_requests_rejected", "Requests refused before the engine (HTTP status)",
+                                 ["model_name", "status"], registry=r)
+        self.prompt_tokens = counter("deepinfer_prompt_tokens", "Prompt tokens of submitted requests")
+        self.generated_tokens = counter("deepinfer_generation_tokens", "Generated tokens")
+        self.tokens_per_s = gauge("deepinfer_generation_tokens_per_second",
+                                  f"Generated tokens per second over the last {RATE_WINDOW_S:g} s")
+        self.ttft = histogram("deepinfer_time_to_first_token_seconds", "Arrival to first generated token",
+                              TTFT_BUCKETS)
+        self.itl = histogram("deepinfer_inter_token_latency_seconds", "Time between generated tokens", ITL_BUCKETS)
+        self.e2e = histogram("deepinfer_e2e_request_latency_seconds", "Arrival to the request's end",
+                             LATENCY_BUCKETS)
+        self.queue_time = histogram("deepinfer_request_queue_time_seconds",
+                                    "Arrival in the engine core to the first admission by its scheduler",
+                                    QUEUE_BUCKETS)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("deepinfer_request_prompt_tokens", "Prompt tokens per request", tokens)
+        self.request_generation_tokens = histogram("deepinfer_request_generation_tokens",
+                                                   "Generated tokens per request", tokens)
+        self.draft_tokens = counter("deepinfer_spec_decode_num_draft_tokens", "DSpark draft tokens verified")
+        self.accepted_tokens = counter("deepinfer_spec_decode_num_accepted_tokens", "DSpark draft tokens accepted")
+        self.cache_use = gauge("deepinfer_cache_utilization", "Share of the cache blocks in use (last step)")
+        self.preemptions = counter("deepinfer_preemptions", "Requests preempted (recomputed later)")
+        self.steps = counter("deepinfer_engine_steps", "Engine steps")
         self._window: collections.deque = collections.deque()  # (time, tokens) of recent engine outputs
         self._lock = threading.Lock()
 
@@ -61,18 +103,31 @@ class ServerMetrics:
 
     def on_finish(self, reason: str, started: bool) -> None:
         (self.running if started else self.waiting).dec()
-        self.requests.labels(reason).inc()
+        self._requests.labels(self.model_name, reason).inc()
+
+    def on_request_end(self, e2e_s: float, prompt_tokens: int, generated_tokens: int) -> None:
+        """A request the engine ran (finished, stopped early or aborted): its latency and token counts."""
+        self.e2e.observe(e2e_s)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated_tokens)
 
     def on_rejected(self, status: int) -> None:
-        self.rejected.labels(str(status)).inc()
+        self._rejected.labels(self.model_name, str(status)).inc()
 
     # ---- the engine loop (deepinfer.frontend.AsyncEngine) ------------------------------------------------
     def on_engine_outputs(self, updates, stats, now: float) -> None:
-        tokens = sum(len(u.token_ids) for u in updates)
+        tokens = 0
+        for u in updates:
+            tokens += len(u.token_ids)
+            if u.queued_s is not None:
+                self.queue_time.observe(u.queued_s)
         for s in stats:
             self.steps.inc()
             self.preemptions.inc(s.num_preempted)
             self.cache_use.set(s.cache_utilization)
+            if s.num_draft_tokens:
+                self.draft_tokens.inc(s.num_draft_tokens)
+                self.accepted_tokens.inc(s.num_accepted_tokens)
         with self._lock:
             self._window.append((now, tokens))
             self._rate(now)

@@ -13,6 +13,7 @@ import time
 import deepseek_recipe as dr
 
 from deepinfer.serving.errors import HTTPError
+from deepinfer.serving.lifecycle import SHUTTING_DOWN
 
 FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length,
           # aborted by the engine itself (e.g. shutting down): the text so far is the answer
@@ -22,10 +23,12 @@ FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishRea
 class RequestRun:
     """One engine request (one sample of one prompt). processor: the deepseek_recipe StreamProcessor its output
     feeds (chat-like endpoints; None for completions, which read `updates()`); token_logprobs: feed it token ids
-    with their logprobs instead of text (the recipe writes the protocol's logprobs)."""
+    with their logprobs instead of text (the recipe writes the protocol's logprobs); drain: the server's
+    lifecycle.Drain (a request it aborts at shutdown ends in a 503 error, not in a truncated answer)."""
 
-    def __init__(self, engine, stream, prompt_len: int, metrics, processor=None, token_logprobs: bool = False):
-        self.engine, self.stream, self.metrics = engine, stream, metrics
+    def __init__(self, engine, stream, prompt_len: int, metrics, processor=None, token_logprobs: bool = False,
+                 drain=None):
+        self.engine, self.stream, self.metrics, self.drain = engine, stream, metrics, drain
         self.prompt_len, self.processor, self.token_logprobs = prompt_len, processor, token_logprobs
         self.num_tokens = 0  # generated tokens taken from the stream so far (a final stop token included): usage
         self.response = None  # the protocol's response accumulator (non-streaming chat-like requests)
@@ -51,12 +54,19 @@ class RequestRun:
                 self.finish_reason = "error"
                 self.metrics.on_finish("error", started=self._last_token_time is not None)
                 raise HTTPError(500, f"the request failed in the engine: {upd.error}", "server_error")
+            if upd.finish_reason == "abort" and self.drain is not None and self.drain.expired:
+                self._observe(upd)
+                self.num_tokens += len(upd.token_ids)
+                self._end("abort")
+                raise HTTPError(503, f"{SHUTTING_DOWN}: the request was stopped after {self.num_tokens} generated "
+                                     "tokens", "service_unavailable")
             self._observe(upd)
             self.num_tokens += len(upd.token_ids)
-            yield upd
-            if upd.finish_reason is not None:
+            if upd.finish_reason is not None:  # ended before the last yield: a consumer may not resume after it
                 self._end(upd.finish_reason)
+                yield upd
                 return
+            yield upd
             upd = await self.stream.next()
 
     def stop_early(self) -> None:
@@ -115,6 +125,7 @@ class RequestRun:
             return
         self.finish_reason = reason
         self.metrics.on_finish(reason, started=self._last_token_time is not None)
+        self.metrics.on_request_end(time.perf_counter() - self.stream.arrival, self.prompt_len, self.num_tokens)
 
     def close(self) -> None:
         """The client went away (or the response ended early): a request still running is aborted, so the engine
@@ -122,5 +133,4 @@ class RequestRun:
         if self.stream is not None and not self.stream.finished:
             self.engine.abort(self.stream)
             if self.finish_reason is None:
-                self.finish_reason = "abort"
-                self.metrics.on_finish("abort", started=self._last_token_time is not None)
+                self._end("abort")

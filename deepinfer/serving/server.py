@@ -1,12 +1,15 @@
-"""`python -m deepinfer serve=openai`: load the model's tokenizer and limits, start the engine core, serve HTTP
-until SIGTERM / Ctrl-C, then stop the engine (its process is reaped) and close the socket.
+"""`python -m deepinfer serve=openai`: bind the port, load the model's tokenizer and limits, start the engine core,
+serve HTTP until SIGTERM / Ctrl-C, drain, then stop the engine (its process is reaped) and close the socket.
 
-The engine is built before the socket opens, so a model or config error ends the command with one line and exit
-code 2 (the CLI's handling) instead of a server that answers 503 forever.
+The port is bound first (a port in use costs one line and exit code 2 before the model loads), then the engine is
+built before anything is served, so a model or config error also ends the command with one line and exit code 2
+(the CLI's handling) instead of a server that answers 503 forever. The first SIGTERM / Ctrl-C drains
+(serving/lifecycle.py: new requests 503, open ones get serve.shutdown_timeout seconds); a second one stops at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -66,37 +69,49 @@ def default_thinking(settings) -> bool:
     return not settings.model.path.startswith(EMBEDDED_PREFIX)
 
 
-def build_state(settings):
-    """(ServerState, AsyncEngine) for resolved Settings; the engine core is started (not yet pumping)."""
+def converter_for(settings, tokenizer, max_model_len: int, vision=None):
+    """The request converter (deepseek_recipe rendering) for resolved Settings, as the server builds it: its served
+    names, default thinking mode and the prompt format of the loaded model. LLM.chat renders through it too.
+    settings: as configured (model.path before the loader resolves it). vision: the model's vision path (image
+    parts become spans), None for a text model."""
     import deepseek_recipe as dr
 
+    from deepinfer.serving.convert import Converter
+
+    names, thinking = served_names(settings), default_thinking(settings)
+    version = dr.ModelVersion.DeepseekV4Pro if "DeepSeek-V4-Pro" in names else dr.ModelVersion.DeepseekV41Flash
+    return Converter(tokenizer, tokenizer.to_str(), max_model_len, names, thinking, version, vision=vision)
+
+
+def build_state(settings):
+    """(ServerState, AsyncEngine) for resolved Settings; the engine core is started (not yet pumping)."""
     from deepinfer.engine.make_client import make_client
     from deepinfer.engine.options import EngineOptions
     from deepinfer.pipeline import load_program
     from deepinfer.serving.app import ServerState
     from deepinfer.frontend.async_engine import AsyncEngine
-    from deepinfer.serving.convert import Converter
     from deepinfer.serving.metrics import ServerMetrics
 
-    names, thinking = served_names(settings), default_thinking(settings)  # model.path as configured
+    names = served_names(settings)  # model.path as configured
+    configured = settings
     # the frontend needs the tokenizer and the model's limits (no weights); the engine core builds the model
     program, settings = load_program(settings, weights=False)
     options = EngineOptions.for_settings(settings)  # decoding too: DSpark and the rollback rows
     client = make_client(settings, options)
     tokenizer = program.tokenize.tokenizer
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(names[0], client.info.max_model_len)
     engine = AsyncEngine(client, seed=options.seed, on_outputs=metrics.on_engine_outputs, tokenizer=tokenizer)
     serve = settings.serve
     info = client.info
-    version = dr.ModelVersion.DeepseekV4Pro if "DeepSeek-V4-Pro" in names else dr.ModelVersion.DeepseekV41Flash
     state = ServerState(
         engine=engine,
-        converter=Converter(tokenizer, tokenizer.to_str(), info.max_model_len, names, thinking, version,
-                            vision=getattr(program.model, "vision", None)),
+        converter=converter_for(configured, tokenizer, info.max_model_len, getattr(program.model, "vision", None)),
         metrics=metrics,
         max_in_flight=settings.engine.max_num_seqs + serve.max_queued_requests,
         served_name=names[0],
         max_model_len=info.max_model_len,
+        api_key=serve.api_key or None,
+        shutdown_timeout=serve.shutdown_timeout,
     )
     return state, engine
 
@@ -104,28 +119,55 @@ def build_state(settings):
 def serve(settings) -> None:
     """Serves until SIGTERM / SIGINT. The engine core is closed on every way out."""
     from deepinfer.serving.app import build_app
+    from deepinfer.serving.auth import exposure_warning
+    from deepinfer.serving.lifecycle import FINAL_WRITE_S, bind
 
-    state, engine = build_state(settings)
+    cfg = settings.serve
+    sock = bind(cfg.host, cfg.port)  # before the model loads: a port in use is one line, exit 2
     try:
-        app = build_app(state)
-        cfg = settings.serve
-        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                                timeout_graceful_shutdown=cfg.shutdown_timeout, lifespan="on")
-        server = _Server(config)
-        _announce_when_bound(server, cfg.host, state.served_name)
-        server.run()  # installs SIGINT/SIGTERM handlers; returns after a graceful shutdown
+        warning = exposure_warning(cfg.host, cfg.api_key)
+        if warning:
+            print(f"deepinfer: warning: {warning}", file=sys.stderr, flush=True)
+        state, engine = build_state(settings)
+        try:
+            app = build_app(state)
+            config = uvicorn.Config(app, log_level=cfg.log_level, access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=FINAL_WRITE_S)  # the drain has run by then
+            server = _Server(config, state.drain)
+            _announce_when_bound(server, cfg.host, state.served_name)
+            server.run(sockets=[sock])  # installs SIGINT/SIGTERM handlers; returns after the drain
+        finally:
+            engine.close()
     finally:
-        engine.close()
+        sock.close()
     print("deepinfer: server stopped", file=sys.stderr, flush=True)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's Server without re-raising the captured SIGTERM / SIGINT after its graceful shutdown (that would kill
-    the process before the engine core is closed): serve() returns, closes the engine, and the command exits 0."""
+    """uvicorn's Server whose first SIGTERM / SIGINT drains (lifecycle.Drain) before uvicorn's own shutdown, and
+    which does not re-raise the captured signal afterwards (that would kill the process before the engine core is
+    closed): serve() returns, closes the engine, and the command exits 0. A second signal stops at once."""
+
+    def __init__(self, config, drain):
+        super().__init__(config)
+        self.drain = drain
+        self._loop = None
+
+    async def startup(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
 
     def handle_exit(self, sig, frame):
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
+        if self.drain.draining or self._loop is None or not self.started:
+            self.should_exit = True
+            self.force_exit = self.drain.draining
+        else:  # a signal handler runs between two bytecodes of the loop's thread: hand the drain to the loop
+            self._loop.call_soon_threadsafe(self.drain.begin, self._drained)
+            print("deepinfer: draining (new requests get 503; Ctrl-C again to stop at once)", file=sys.stderr,
+                  flush=True)
+
+    def _drained(self):
+        self.should_exit = True
 
 
 def _announce_when_bound(server, host: str, name: str) -> None:
