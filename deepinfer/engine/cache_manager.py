@@ -56,9 +56,8 @@ class CacheManager:
                     max_model_len: int, prefix_caching: bool = False,
                     checkpoint_fraction: float = 0.0) -> "CacheManager":
         """Slots for max_num_seqs sequences (fewer if the budget is small), with prefix caching checkpoint slots
-        for `checkpoint_fraction` of the budget (at least one), the rest of the budget in blocks. Without prefix
-        caching never more blocks than all slots could fill at max_model_len (with it, spare blocks keep
-        prefixes)."""
+        for `checkpoint_fraction` of the budget (at least one, at most one per block), the rest of the budget in
+        blocks, never more blocks than all slots could fill at max_model_len (a huge budget costs nothing)."""
         if memory_budget <= 0:
             raise ValueError(f"cache.memory_budget must be > 0 bytes, got {memory_budget}")
         per_seq_min = slot_bytes + block_bytes
@@ -72,10 +71,10 @@ class CacheManager:
             checkpoints = min(checkpoints, max(0, (memory_budget - per_seq_min) // max(slot_bytes, 1)))
         budget = memory_budget - checkpoints * slot_bytes
         slots = max(1, min(max_num_seqs, budget // per_seq_min))
-        blocks = (budget - slots * slot_bytes) // max(block_bytes, 1)
-        if not prefix_caching:
-            blocks = min(blocks, slots * math.ceil(max_model_len / block_size))
-        return cls(slots, int(max(1, blocks)), block_size, block_bytes, slot_bytes, prefix_caching, int(checkpoints))
+        blocks = max(1, min((budget - slots * slot_bytes) // max(block_bytes, 1),
+                            slots * math.ceil(max_model_len / block_size)))
+        checkpoints = min(checkpoints, blocks)  # a checkpoint is of no use without a cached block before it
+        return cls(slots, int(blocks), block_size, block_bytes, slot_bytes, prefix_caching, int(checkpoints))
 
     # ---- sizing -------------------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
