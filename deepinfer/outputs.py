@@ -49,6 +49,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed for this request)
     metrics: RequestMetrics | None = None
     # SamplingParams.n > 1: all n independent samples (this output's own fields are those of sample 0)
     samples: list["RequestOutput"] | None = None
@@ -71,6 +72,7 @@ class RequestOutput:
             "logprobs": None if self.logprobs is None else [[t.token_id, t.logprob] for t in self.logprobs],
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
             "time_to_first_token": None if m is None else m.time_to_first_token,
             "e2e_latency": None if m is None else m.e2e_latency,
             **({"samples": [o.to_json() for o in self.samples]} if self.samples else {}),

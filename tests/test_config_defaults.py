@@ -107,6 +107,8 @@ def test_config_yaml_restates_no_schema_default_and_its_env_fallbacks_are_the_sc
             got = getattr(section, name)
             if name == "memory_limit":  # null is resolved from memory_fraction in the resolve step
                 assert value is None and got is not None
+            elif name == "prefix_caching":  # null is resolved to on where it is exact (the default run: it is)
+                assert value is None and got is True
             elif name != "zero_overhead_scheduling":  # read from the environment
                 assert got == value, (cls.__name__, name)
 

@@ -17,6 +17,7 @@ VOCAB = 528
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPT = [11, 12, IMAGE, 13, 14, 15]
 TWO = [11, IMAGE, 12, IMAGE, 13, 14]
+LONG = [11, 12, IMAGE] + list(range(20, 45))
 
 
 def images(*cases, sizes=False):
@@ -79,7 +80,8 @@ def test_preemption_and_recompute_keep_the_image(llm):
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     mm = [images(0), images(2), images(1)]
     roomy = [o.token_ids for o in generate(llm, [PROMPT] * 3, mm, params)]
-    with LLM(MODEL, process="inproc", runtime={"num_threads": 1}, cache={"memory_budget": 40000, "block_size": 16},
+    with LLM(MODEL, process="inproc", runtime={"num_threads": 1},
+             cache={"memory_budget": 40000, "block_size": 16, "prefix_caching": False},
              engine={"max_num_seqs": 3}) as tight:
         outs = generate(tight, [PROMPT] * 3, mm, params)
         assert tight._engine.client.core.scheduler.num_preemptions > 0
@@ -169,3 +171,24 @@ def test_yoco_compact_and_dspark_keep_image_requests_exact(llm):
                 assert all(o.num_draft_tokens > 0 for o in outs)
             if name == "compact":
                 assert other.last_metrics["replay_rows_saved"] > 0
+
+
+def test_the_prefix_cache_tells_images_apart_by_their_pixels():
+    """Every image span holds the same placeholder ids, so the prefix cache keys a prompt with images by the spans'
+    places and pixels (engine/prefix_cache.py image_root): the same image again hits, another image never does."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    buf = io.BytesIO()
+    ImageOps.invert(Image.open(io.BytesIO(png(0))).convert("RGB")).save(buf, format="PNG")
+    inverted = {"image_bytes": [buf.getvalue()]}  # the same size (the same span ids), other pixels
+    with LLM(MODEL, process="inproc", runtime={"num_threads": 1}, cache={"block_size": 16}) as cached:
+        first, again, other = (generate(cached, [LONG], [mm])[0] for mm in (images(0), images(0), inverted))
+    with LLM(MODEL, process="inproc", runtime={"num_threads": 1},
+             cache={"block_size": 16, "prefix_caching": False}) as plain:
+        fresh = generate(plain, [LONG], [inverted])[0]
+    assert len(first.prompt_token_ids) > 32  # whole blocks to share
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0 and again.token_ids == first.token_ids
+    assert other.prompt_token_ids == first.prompt_token_ids
+    assert other.num_cached_tokens == 0 and other.token_ids == fresh.token_ids

@@ -46,7 +46,7 @@ def _layout(p) -> str:
 
 
 def print_summary(s: dict) -> None:
-    from deepinfer.engine.metrics import kernel_lines, speculative_line
+    from deepinfer.engine.metrics import kernel_lines, prefix_line, speculative_line
 
     by_backend: dict[str, list[str]] = {}
     for kind, backend in s["ops"].items():
@@ -68,6 +68,7 @@ def print_summary(s: dict) -> None:
         drafted = f", drafting replayed one in {s['draft_graph_steps']}" if s.get("speculative") else ""
         lines.append(("graphs", f"{s.get('graph_steps') or 0} of {s['steps']} steps replayed a CUDA graph{drafted}"))
     lines += speculative_line(s.get("speculative"))
+    lines += prefix_line(s.get("prefix_cache"))
     if "replay" in s["stages"]:  # YOCO bounded replay: what compact skipped (mask computes every row)
         lines.append(("replay", f"{s['stages']['replay']}: {s.get('replay_rows_saved') or 0} decoder-layer rows not "
                                 "computed (rows x decoder layers)"))

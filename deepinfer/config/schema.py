@@ -255,6 +255,17 @@ class CacheSettings:
     # resolved once in the resolve step (so every process of a run sees the same number). At most the device's memory.
     memory_limit: Optional[int] = setting(None, allowed=up_to(1 << 12, 1 << 50))
     block_size: int = setting(64, allowed=up_to(8, MAX_BLOCK_SIZE))  # below 8 the per-block bookkeeping dominates
+    # Prefix caching (docs/prefix-cache.md): full blocks of compressed KV and indexer keys are reused by their
+    # token-prefix hash, and the window rings are checkpointed at block boundaries, so a request starts prefill at
+    # the longest cached boundary of its prompt. null: on where it is exact (yoco=off, one rank), resolved once in
+    # the resolve step; true where it is not exact (YOCO truncates the cached state) is an error.
+    prefix_caching: Optional[bool] = None
+    # the share of the cache budget held by window checkpoints (each one slot's fixed state: rings, open groups,
+    # Engram history); at least one checkpoint whenever prefix caching is on
+    prefix_checkpoint_fraction: float = setting(0.1, allowed=Interval(0, 1, hi_open=True))
+    # besides the end of each prompt (rounded down to a block): a checkpoint every this many blocks of a long
+    # prompt (0: prompt ends only)
+    prefix_checkpoint_interval: int = setting(16, allowed=up_to(0, 1 << 20))
 
 
 @dataclass(frozen=True)

@@ -64,10 +64,12 @@ class EngineCore:
             extra["drafts"] = True
         layout = backend.cache_layout(options.block_size, **extra)
         self.cache = CacheManager.from_budget(budget, layout.slot_bytes(), layout.block_bytes(), options.block_size,
-                                              options.max_num_seqs, max_len)
+                                              options.max_num_seqs, max_len, options.prefix_caching,
+                                              options.prefix_checkpoint_fraction)
         # the runner owns the memory: every pool is allocated here, once, on the thread that runs the model
         alloc = (self.runner.allocate, self.cache.num_slots, self.cache.num_blocks, options.block_size, max_len,
-                 not options.enforce_eager, options.cudagraph_batch_size_interval, options.max_rollback)
+                 not options.enforce_eager, options.cudagraph_batch_size_interval, options.max_rollback,
+                 self.cache.checkpoint_slots)
         try:
             self._worker.call(*alloc) if self._worker else alloc[0](*alloc[1:])
         except BaseException:
@@ -83,6 +85,7 @@ class EngineCore:
             stopper=stopper_factory(backend.eos_token_id, backend.tokenizer),
             num_draft_tokens=self.runner.num_draft,
             planner=self._varlen_planner(options) if speculative and options.spec_varlen else None,
+            checkpoint_interval=options.prefix_checkpoint_interval,
         )
         self._inflight: tuple[StepPlan, Future, float] | None = None
         self.grammars = GrammarCompilations(backend, options)
@@ -307,6 +310,9 @@ class EngineCore:
             num_draft_tokens=result.num_draft_tokens,
             num_accepted_tokens=result.num_accepted_tokens,
             accepted_lengths=[len(s.accepted) for s in result.samples if s.num_draft_tokens],
+            prefix_query_tokens=plan.prefix_query_tokens,
+            prefix_hit_tokens=plan.prefix_hit_tokens,
+            prefix_cache=self.cache.prefix_stats(),
         )
         planner = self.scheduler.planner
         if planner is not None and result.error is None and not plan.num_prefill_tokens:

@@ -74,6 +74,8 @@ class RequestUpdate(msgspec.Struct):
     num_accepted_tokens: int = 0
     # seconds from the request's arrival in the core to its first admission, on its first update with tokens
     queued_s: Optional[float] = None
+    # prefix caching: prompt tokens found cached when the request was first admitted (sent with its first tokens)
+    num_cached_tokens: int = 0
 
 
 def _kernel_stats() -> dict:
@@ -102,6 +104,11 @@ class StepStats(msgspec.Struct):
     num_accepted_tokens: int = 0  # of which accepted
     accepted_lengths: list[int] = msgspec.field(default_factory=list)  # per verifying request: drafts accepted
     replay_rows_saved: int = 0  # YOCO compact: decoder-layer rows not computed in this step's prefill
+    # prefix caching: tokens the step's admissions looked up and found cached; the cache's counters so far
+    # (CacheManager.prefix_stats: evictions, checkpoints, bytes they hold), None when prefix caching is off
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_cache: Optional[dict[str, int]] = None
     # the engine process's kernel counters so far (per-call torch fallbacks, JIT compiles / cache hits / seconds),
     # read where the step is recorded: deepinfer.kernels.registry.kernel_stats
     kernels: dict[str, Any] = msgspec.field(default_factory=_kernel_stats)

@@ -10,6 +10,8 @@ Definitions (all times in seconds):
 - speculative (DSpark): drafts verified and accepted, the acceptance rate, the mean accepted length (tokens a
   verifying request gains per step: accepted drafts + the target's own token, DeepInfer's figure) and the
   histogram of accepted drafts per verification (index m: m drafts accepted).
+- prefix_cache (prefix caching on): prompt tokens looked up when requests were admitted and found cached, the hit
+  rate, and the cache's counters after the last step (blocks evicted, checkpoints taken/evicted/held and bytes).
 - step_gap: device idle time between the end of one step and the start of the next (engine-process clock).
 - scheduling_share: Python bookkeeping (planning steps, folding in their samples, and the runner building batch
   inputs and sampler rows) over that plus the model and sampler time: the share of a synchronous step spent on
@@ -114,11 +116,34 @@ class RunMetrics:
             "scheduling_share": (cpu + prep) / (cpu + device) if cpu + device > 0 else 0.0,
             "kernels": steps[-1].kernels if steps else {"fallbacks": {}, "jit": None},
             "speculative": speculative_summary(steps),
+            "prefix_cache": prefix_summary(steps),
             "cache_utilization": {
                 "mean": sum(s.cache_utilization for s in steps) / len(steps) if steps else 0.0,
                 "peak": max((s.cache_utilization for s in steps), default=0.0),
             },
         }
+
+
+def prefix_summary(steps: list[StepStats]) -> dict | None:
+    """Prefix caching over the run: tokens looked up at admission (queries) and found cached (hits), their
+    ratio, and the cache's state after the last step (evictions and checkpoints since the engine started)."""
+    last = next((s.prefix_cache for s in reversed(steps) if s.prefix_cache is not None), None)
+    if last is None:
+        return None
+    queries = sum(s.prefix_query_tokens for s in steps)
+    hits = sum(s.prefix_hit_tokens for s in steps)
+    return {"query_tokens": queries, "hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
+            "evicted_blocks": last["evicted_blocks"], "checkpoints_taken": last["checkpoints_taken"],
+            "evicted_checkpoints": last["evicted_checkpoints"], "cached_blocks": last["cached_blocks"],
+            "checkpoints": last["checkpoints"], "checkpoint_bytes": last["checkpoint_bytes"]}
+
+
+def prefix_line(prefix: dict | None) -> list[tuple[str, str]]:
+    if not prefix:
+        return []
+    return [("prefix cache", f"{prefix['hit_tokens']}/{prefix['query_tokens']} prompt tokens cached "
+                             f"({prefix['hit_rate']:.1%}), {prefix['checkpoints']} window checkpoints "
+                             f"({prefix['checkpoint_bytes']} B), {prefix['evicted_blocks']} blocks evicted")]
 
 
 def speculative_summary(steps: list[StepStats]) -> dict | None:

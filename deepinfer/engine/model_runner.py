@@ -77,16 +77,18 @@ class ModelRunner:
         self.cp = None
 
     def allocate(self, num_slots: int, num_blocks: int, block_size: int, max_model_len: int = 0,
-                 graphs: bool = False, graph_interval: int = 8, max_rollback: int = 0) -> None:
-        """The cache pools for the whole run, sized by the CacheManager from the budget; with `graphs` (CUDA, a
-        model that can run from step metadata), decode steps of up to num_slots sequences replay CUDA graphs."""
+                 graphs: bool = False, graph_interval: int = 8, max_rollback: int = 0,
+                 checkpoint_slots: int = 0) -> None:
+        """The cache pools for the whole run, sized by the CacheManager from the budget (`checkpoint_slots`:
+        prefix caching's window checkpoints, slots after the sequences'); with `graphs` (CUDA, a model that can run
+        from step metadata), decode steps of up to num_slots sequences replay CUDA graphs."""
         from deepinfer.models.cache import SequenceCache
 
         self._SequenceCache = SequenceCache
         extra = {"max_rollback": max_rollback} if max_rollback else {}
         if self.drafter is not None:
             extra["drafts"] = True
-        self.pools = self.backend.allocate_cache(num_slots, num_blocks, block_size, **extra)
+        self.pools = self.backend.allocate_cache(num_slots + checkpoint_slots, num_blocks, block_size, **extra)
         model = self.backend.model
         if graphs and self.pools.device.type == "cuda" and hasattr(model, "run"):
             from deepinfer.engine.cuda_graphs import DecodeGraphs
@@ -156,6 +158,9 @@ class ModelRunner:
             if row.new is not None:
                 new = row.new
                 state = self._SequenceCache(self.pools, row.slot, row.new_blocks)
+                if new.restore_slot >= 0:  # a prefix-cache hit: the window at the cached boundary
+                    self.pools.copy_slot(new.restore_slot, row.slot)
+                state.num_tokens = new.num_cached
                 seq = _Sequence(state, list(new.token_ids), new.num_prompt_tokens, new.params, new.seed)
                 seq.penalized = _has_penalties(new.params)
                 seq.prompt_rows = [] if new.prompt_logprobs else None
@@ -262,6 +267,8 @@ class ModelRunner:
                 self._graph_step = logits is not None
             if logits is None:
                 logits = stage(batch) if self.cp is None or decoding else stage(batch, cp=self.cp)
+            for src, dst in plan.snapshots:  # prefix caching: windows at a checkpoint boundary, before drafting
+                self.pools.copy_slot(src, dst)
         finally:
             mask = mask_job.result() if mask_job is not None else None  # never leave a fill running on a state
         prompt_lps = {}

@@ -36,6 +36,11 @@ class EngineOptions:
     memory_budget: int | None
     memory_limit: int | None
     block_size: int
+    # cache.prefix_*: reuse a shared prefix's cache (the resolve step turned null into a bool; unresolved settings,
+    # the schema's defaults, leave it off), the budget share of window checkpoints, blocks between checkpoints
+    prefix_caching: bool
+    prefix_checkpoint_fraction: float
+    prefix_checkpoint_interval: int
     # runtime.*
     seed: int | None  # requests without seq_seed: child_seed(seed, request id); None: a random seed each
     num_threads: int | None  # torch intra-op threads in the engine process (None: torch's default)
@@ -84,6 +89,9 @@ class EngineOptions:
             memory_budget=c.memory_budget,
             memory_limit=c.memory_limit,
             block_size=c.block_size,
+            prefix_caching=bool(c.prefix_caching),
+            prefix_checkpoint_fraction=c.prefix_checkpoint_fraction,
+            prefix_checkpoint_interval=c.prefix_checkpoint_interval,
             seed=r.seed,
             num_threads=r.num_threads,
             enforce_eager=r.enforce_eager,

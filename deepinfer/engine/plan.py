@@ -20,6 +20,11 @@ class NewSequence:
     params: Any
     seed: int
     prompt_logprobs: bool = False  # collect logits over the prompt (not again after a preemption delivered them)
+    # prefix caching: the sequence starts with num_cached tokens (its first row's `start`), held by the shared
+    # blocks at the head of the row's new_blocks and by the window checkpoint in slot `restore_slot`, which the
+    # runner copies into the sequence's slot before the step (-1: nothing cached)
+    num_cached: int = 0
+    restore_slot: int = -1
     images: tuple = ()  # the prompt's images (engine/images.py PromptImage): the ViT runs when a step reaches them
 
 
@@ -56,6 +61,14 @@ class StepPlan:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_preempted: int = 0
+    # prefix caching: (sequence slot, checkpoint slot) copies the runner makes right after this step's forward
+    # (each sequence then holds exactly a checkpoint boundary's tokens); the block and checkpoint hashes this step
+    # fills, matched only once its result is in; the tokens its admissions looked up and found cached
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    named_blocks: list[tuple[int, bytes]] = field(default_factory=list)  # (request id, block hash)
+    named_checkpoints: list[tuple[int, bytes]] = field(default_factory=list)  # (request id, boundary hash)
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,12 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     queued_s: float | None = None
     queue_time_sent: bool = False
+    # Prefix caching: the chain hash of each full block of known tokens computed so far (engine/prefix_cache.py),
+    # the root they chain from (the cache salt), the prompt tokens the first admission found cached (reported)
+    block_hashes: list = field(default_factory=list)
+    hash_root: bytes = b""
+    num_cached_tokens: int = 0
+    branch_point: int = 0  # where its prompt leaves the cached blocks found at admission: checkpointed too
 
     @property
     def may_sample(self) -> bool:

@@ -15,6 +15,11 @@ A request whose grammar is still compiling (structured outputs) is never sampled
 including, its last known token, which waits (as a one-token row) until the grammar is ready; a one-token prompt
 is admitted only then, and later requests are admitted past it.
 
+Prefix caching (engine/prefix_cache.py): a request admitted with cached prefix blocks and a window checkpoint at
+boundary b starts at b (its first row restores the checkpoint into its slot). Prefill chunks end at the request's
+checkpoint boundaries (its prompt's end rounded down to a block, and every `checkpoint_interval` blocks) that have
+no checkpoint yet, and the runner copies the slot right after such a step. Chunk splits never change outputs.
+
 Async scheduling plans step N+1 before step N's tokens are back: a request that step N samples for counts one
 placeholder token (`num_pending`), which the next decode row feeds without knowing its id.
 
@@ -34,6 +39,7 @@ from typing import Any, Callable
 from deepinfer.engine.cache_manager import CacheManager
 from deepinfer.engine.messages import RequestUpdate
 from deepinfer.engine.plan import NewSequence, ScheduledRow, StepPlan, StepResult
+from deepinfer.engine.prefix_cache import NO_HIT, extend_hashes, image_root, root_key
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.stopping import Stopper, TokenStop
 
@@ -50,6 +56,7 @@ class Scheduler:
         eos_token_id: int | None = None,
         num_draft_tokens: int = 0,
         planner=None,
+        checkpoint_interval: int = 0,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 2:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2")
@@ -68,6 +75,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = num_draft_tokens
         self.planner = planner  # deepinfer.engine.spec_schedule.VarlenPlanner, or None: verify every draft
+        self.checkpoint_interval = checkpoint_interval  # blocks between a long prompt's window checkpoints (0: none)
+        self._root = root_key()
+        self._lost: set[int] = set()  # requests whose state a failed step dropped (their later rows were skipped)
 
     # ---- arrivals ------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: Any, images=()) -> str | None:
@@ -111,6 +121,9 @@ class Scheduler:
             return RequestUpdate(request.request_id, finish_reason="error", error=error)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.cache.prefix is not None:
+            request.hash_root = image_root(self._root, request.images) if request.images else self._root
+            extend_hashes(request.block_hashes, request.hash_root, request.prompt_ids, self.cache.block_size)
         return None
 
     def abort(self, request_id: int) -> RequestUpdate | None:
@@ -169,16 +182,18 @@ class Scheduler:
             plan.rows.append(self._row(req, 1, num_drafts=k))
             plan.num_decode_tokens += 1 + k
             budget -= 1 + k
+            self._name_prefix(req, plan)
 
         for req in self.running:  # 2. prefill chunks of admitted requests (their cache is reserved already)
             if budget == 0:
                 break
             remaining = req.num_tokens - req.num_computed
             if remaining > 1:
-                n = min(remaining, budget, remaining if req.may_sample else remaining - 1)
+                n = self._cut(req, min(remaining, budget, remaining if req.may_sample else remaining - 1))
                 plan.rows.append(self._row(req, n))
                 plan.num_prefill_tokens += n
                 budget -= n
+                self._name_prefix(req, plan)
 
         i = 0
         while i < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -187,24 +202,91 @@ class Scheduler:
             if need == 1 and not req.may_sample:
                 i += 1  # nothing to prefill before its grammar is ready: do not hold up the requests behind it
                 continue
-            if not self.cache.can_hold(req.request_id, need):
+            want_lp = bool(getattr(req.params, "prompt_logprobs", False)) and not req.prompt_logprobs_sent
+            # a cached prefix, never the whole known sequence (the last token computes the logits) nor, before
+            # its grammar is ready, the last two (the row before the sampling one needs a token); prompt logprobs
+            # need every prompt row's logits
+            hit = NO_HIT if want_lp else self.cache.match(req.block_hashes, need - (1 if req.may_sample else 2))
+            if not self.cache.can_hold(req.request_id, need, hit):
                 break
-            self.cache.reserve(req.request_id, need)
+            self.cache.reserve(req.request_id, need, hit)
+            cached = hit.num_blocks * self.cache.block_size
+            req.branch_point = hit.matched * self.cache.block_size if hit.matched > hit.num_blocks else 0
+            self.cache.count_lookup(need, hit)
+            plan.prefix_query_tokens += need if self.cache.prefix is not None else 0
+            plan.prefix_hit_tokens += cached
+            if req.epoch == 0:
+                req.num_cached_tokens = cached
+            req.num_computed = cached
             del self.waiting[i]
             req.status = RequestStatus.RUNNING
             if req.queued_s is None:
                 req.queued_s = time.perf_counter() - req.arrival
             self.running.append(req)
-            want_lp = bool(getattr(req.params, "prompt_logprobs", False)) and not req.prompt_logprobs_sent
-            new = NewSequence(tuple(req.all_ids()), len(req.prompt_ids), req.params, req.seed, want_lp,
-                              tuple(req.images))
-            n = min(need, budget, need if req.may_sample else need - 1)
+            new = NewSequence(tuple(req.all_ids()), len(req.prompt_ids), req.params, req.seed, want_lp, cached,
+                              hit.checkpoint, tuple(req.images))
+            left = need - cached
+            n = self._cut(req, min(left, budget, left if req.may_sample else left - 1))
             plan.rows.append(self._row(req, n, new))
             plan.num_prefill_tokens += n
             budget -= n
+            self._name_prefix(req, plan)
 
         plan.release = self.take_release()
         return plan
+
+    # ---- prefix caching -----------------------------------------------------------------------------------
+    def _boundaries(self, req: Request) -> list[int]:
+        """Where the request's window is checkpointed, in order: every checkpoint_interval blocks of its prompt,
+        where its prompt leaves the cached blocks it found (a shared system prompt, found cached by the second
+        request that sends it), and its prompt's end rounded down to a block (the next turn of a chat)."""
+        bs = self.cache.block_size
+        end = len(req.prompt_ids) // bs * bs
+        step = self.checkpoint_interval * bs
+        out = set(range(step, end, step)) if step else set()
+        out.update(b for b in (req.branch_point, end) if b)
+        return sorted(out)
+
+    def _is_boundary(self, req: Request, b: int) -> bool:
+        bs, end = self.cache.block_size, len(req.prompt_ids) // self.cache.block_size * self.cache.block_size
+        step = self.checkpoint_interval * bs
+        return 0 < b <= end and (b == end or b == req.branch_point or (step > 0 and b % step == 0))
+
+    def _cut(self, req: Request, n: int) -> int:
+        """A prefill chunk of n tokens, shortened to end at the first checkpoint boundary inside it that has no
+        checkpoint yet (the runner copies the window right after the step)."""
+        if self.cache.prefix is None or not self.cache.checkpoint_slots:
+            return n
+        start = req.num_computed
+        for b in self._boundaries(req):
+            if start < b < start + n and not self.cache.has_checkpoint(req.block_hashes[b // self.cache.block_size - 1]):
+                return b - start
+        return n
+
+    def _name_prefix(self, req: Request, plan: StepPlan) -> None:
+        """After a row is planned: its blocks that are now full of known tokens join the prefix index, and a
+        sequence that now holds exactly a checkpoint boundary has its window copied after the step."""
+        if self.cache.prefix is None:
+            return
+        bs, done = self.cache.block_size, min(req.num_computed, req.num_known)
+        if done // bs > len(req.block_hashes):
+            extend_hashes(req.block_hashes, req.hash_root, req.all_ids()[:done], bs)
+        rid = req.request_id
+        plan.named_blocks += [(rid, h) for h in self.cache.name_blocks(rid, req.block_hashes, done)]
+        if done == req.num_computed and self._is_boundary(req, done):
+            h = req.block_hashes[done // bs - 1]
+            slot = self.cache.take_checkpoint(h)
+            if slot >= 0:
+                plan.snapshots.append((self.cache.slot_of(rid), slot))
+                plan.named_checkpoints.append((rid, h))
+
+    def _settle_prefix(self, plan: StepPlan) -> None:
+        """What the step's rows named may be matched now, except what rows of requests whose state a failed step
+        lost named: their rows were skipped (a plan made before the failure was known), nothing was written."""
+        lost = self._lost
+        for ok in (True, False):
+            self.cache.settle([h for rid, h in plan.named_blocks if (rid not in lost) == ok],
+                              [h for rid, h in plan.named_checkpoints if (rid not in lost) == ok], ok=ok)
 
     def _plan_drafts(self) -> dict[int, int]:
         """request id -> drafts its next decode row verifies: all of them, or the planner's share (confidences
@@ -253,6 +335,9 @@ class Scheduler:
         """Folds a finished step's samples into the requests; returns one update per request that changed."""
         updates: list[RequestUpdate] = []
         if result.error is not None:
+            self._lost.update(row.request_id for row in plan.rows)
+        self._settle_prefix(plan)
+        if result.error is not None:
             for row in plan.rows:
                 req = self.requests.get(row.request_id)
                 if req is not None and req.epoch == row.epoch:
@@ -278,7 +363,8 @@ class Scheduler:
             if s.rates:
                 req.prev_rates, req.rates = req.rates, list(s.rates)
             upd = RequestUpdate(req.request_id, num_draft_tokens=s.num_draft_tokens,
-                                num_accepted_tokens=len(accepted))
+                                num_accepted_tokens=len(accepted),
+                                num_cached_tokens=0 if req.output_ids else req.num_cached_tokens)
             if not req.queue_time_sent:
                 upd.queued_s, req.queue_time_sent = req.queued_s, True
             req.num_draft_tokens += s.num_draft_tokens

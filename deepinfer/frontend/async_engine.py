@@ -34,7 +34,8 @@ class StreamOutput:
     """What arrived for one request since its stream last looked: new token ids, their new text (special tokens
     kept; a final stop token left out) and how many tokens that text accounts for; finish_reason on the last.
     logprobs: one (logprob, top_logprobs) entry per new token id (None where the request asked for none);
-    prompt_logprobs: the prompt's TokenLogprob list (entry 0 None), on the first output that has it."""
+    prompt_logprobs: the prompt's TokenLogprob list (entry 0 None), on the first output that has it.
+    num_cached_tokens: prompt tokens found in the prefix cache (known from the request's first tokens on)."""
 
     token_ids: list[int]
     text: str
@@ -43,6 +44,7 @@ class StreamOutput:
     error: str | None = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -79,7 +81,7 @@ class EngineStream:
         prompt_lp = None
         if st.prompt_logprobs is not None and not self._prompt_lp_sent:
             prompt_lp, self._prompt_lp_sent = st.prompt_logprobs, True
-        return StreamOutput(new, text, count, st.finish_reason, st.error, logprobs, prompt_lp)
+        return StreamOutput(new, text, count, st.finish_reason, st.error, logprobs, prompt_lp, st.num_cached_tokens)
 
 
 class AsyncEngine:

@@ -34,7 +34,7 @@ class RequestState:
         self.prompt_logprobs = None
         self.finish_reason: str | None = "error" if inp.error is not None else None
         self.error = inp.error
-        self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_cached_tokens = 0
         now = time.perf_counter()
         self.metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(inp.prompt_ids))
         if inp.error is not None:
@@ -57,6 +57,7 @@ class RequestState:
                                     for s in upd.prompt_logprobs]
         self.num_draft_tokens += upd.num_draft_tokens
         self.num_accepted_tokens += upd.num_accepted_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, upd.num_cached_tokens)
         if upd.token_ids:
             self.token_ids += upd.token_ids
             self.logprobs += upd.logprobs
@@ -121,6 +122,7 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )
 

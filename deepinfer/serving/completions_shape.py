@@ -126,7 +126,11 @@ class CompletionShaper:
     def usage(self) -> dict:
         n = sum(len(j.prompt_ids) for j in self.p.jobs)
         k = 0 if self.p.zero_tokens else sum(c.run.num_tokens for c in self.choices)
-        return {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
+        cached = {}  # per prompt: its n samples each looked it up; report one lookup (the best)
+        for c in self.choices:
+            cached[id(c.job)] = max(cached.get(id(c.job), 0), c.run.num_cached_tokens)
+        return {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def envelope(self, choices: list[dict]) -> dict:
         return {"id": self.p.id, "object": "text_completion", "created": self.p.created, "model": self.p.model,

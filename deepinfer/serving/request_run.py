@@ -31,6 +31,7 @@ class RequestRun:
         self.engine, self.stream, self.metrics, self.drain = engine, stream, metrics, drain
         self.prompt_len, self.processor, self.token_logprobs = prompt_len, processor, token_logprobs
         self.num_tokens = 0  # generated tokens taken from the stream so far (a final stop token included): usage
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache held: usage
         self.response = None  # the protocol's response accumulator (non-streaming chat-like requests)
         self._first = None
         self._last_token_time: float | None = None
@@ -62,6 +63,7 @@ class RequestRun:
                                      "tokens", "service_unavailable")
             self._observe(upd)
             self.num_tokens += len(upd.token_ids)
+            self.num_cached_tokens = max(self.num_cached_tokens, upd.num_cached_tokens)
             if upd.finish_reason is not None:  # ended before the last yield: a consumer may not resume after it
                 self._end(upd.finish_reason)
                 yield upd
@@ -84,7 +86,9 @@ class RequestRun:
     async def chunks(self):
         """Yields the protocol's chunks (deepseek_recipe objects) until the request ends."""
         p = self.processor
-        yield p.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=self.prompt_len)))
+        cached = self._first.num_cached_tokens if self._first is not None else 0  # prefix cache hits (usage)
+        usage = dr.PromptUsage(prompt_tokens=self.prompt_len, prompt_cache_hit_tokens=cached)
+        yield p.push(dr.InferenceChunk.ready(prompt_usage=usage))
         async for upd in self.updates():
             done = upd.finish_reason is not None
             if self.token_logprobs:

@@ -112,6 +112,20 @@ class CachePools:
         # a one-row compressed pool for layers that have none (the decode kernel takes one anyway)
         self.no_compressed = alloc(0, L.cmp_codec, L.head_dim)
 
+    def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every per-slot tensor with its rows per slot: window rings (+ DSpark's), the positions they hold, open
+        compression groups, Engram history."""
+        L = self.layout
+        out = [(t, L.ring) for parts in self.window + self.draft_window for t in parts] + [(self.win_pos, L.ring)]
+        out += [(t, self.layout.sources[s].open_rows) for s, t in self.open_groups.items()]
+        return out + [(self.ngram, max(L.ngram_rows, 1))]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot dst's fixed state becomes slot src's (a prefix-cache window checkpoint, taken or restored): rows
+        are addressed by position within a slot, so the copy holds the same positions. Device-side copies only."""
+        for t, rows in self.slot_tensors():
+            t[dst * rows:(dst + 1) * rows].copy_(t[src * rows:(src + 1) * rows])
+
     def nbytes(self) -> int:
         tensors = [t for parts in self.window + self.draft_window for t in parts] + [self.win_pos, self.ngram]
         tensors += [t for d in (self.compressed, self.index_keys) for parts in d.values() for t in parts]
