@@ -144,7 +144,7 @@ def targets(rows, prof, cfg, peak, model_name) -> list[dict]:
     return out
 
 
-def plot(rows, path: str) -> None:
+def plot(rows, path: str, title: str = "H200") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,7 +161,8 @@ def plot(rows, path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("mean time to first token (s)")
     ax.set_ylabel("prefill tokens/s")
-    ax.set_title("Prefill Pareto (H200): prompts at once = xN")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Prefill: throughput vs time to first token ({title}; xN = prompts at once)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
     with open(a.out, "w") as f:
         f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, profile=prof, failures=failures)))
     if a.plot:
-        plot(rows, a.plot)
+        plot(rows, a.plot, f"{a.model}, {meta['gpu']}")
     for msg in failures:
         print("FAILED:", msg)
     return 1 if failures else 0

@@ -1,11 +1,15 @@
 """V4.1 attention for one layer over a packed batch: low-rank Q, one shared K = V latent over a sliding window,
 and on compressed layers the shared compressed KV chosen by the lightning indexer (MODEL_V41_SPEC.md §4.4–4.7).
 
-Every query attends to a fixed-width key slate: `window` slots (positions p-W+1 .. p, oldest first) followed by
-`index_topk` slots for the selected compressed entries (ascending entry order), unused slots masked. The slate
+Every query attends to a fixed-width key list: `window` slots (positions p-W+1 .. p, oldest first) followed by
+`index_topk` slots for the selected compressed entries (ascending entry order), unused slots masked. The list
 depends only on the query's own position, so a row's result does not depend on what it is batched with or how
-its prompt was chunked. Where the keys live (which ring row, which pool row) is the step metadata's business
-(models/cache); this file only says what is computed.
+its prompt was chunked. With the caches in the released formats every query goes through the decode attention op,
+which reads the keys as stored: decoding rows from the ring, prefill rows from their sequence's window strip
+(StepMeta.prefill_window: the ring's history plus the step's new rows, gathered once per layer). Other layouts, the
+YOCO views and context parallel build per-query bf16 slates of the same keys in the same order. Where the keys
+live (which ring row, which pool row) is the step metadata's business (models/cache); this file only says what is
+computed.
 """
 
 from __future__ import annotations
