@@ -170,6 +170,13 @@ class Attention:
         # without an index source for this source in this step, nothing is selectable
         return torch.full((T, self.cfg.index_topk), -1, dtype=torch.int64, device=device)
 
+    def _pool_keys(self, meta: StepMeta, pools: CachePools, T: int, device):
+        """(the [T, index_topk] selected pool rows, the compressed pool's codes and scales) the decode op reads; no
+        selection and an empty pool on an uncompressed layer."""
+        if self.ratio:
+            return (self._selected(meta, T, device), *pools.compressed[self.source])
+        return (torch.empty(T, 0, dtype=torch.int64, device=device), *pools.no_compressed)
+
     def _attend_slates(self, q, kv, meta: StepMeta, pools: CachePools, rows: torch.Tensor | None = None):
         """Every query (or the queries `rows`) over its key slate, gathered from the rings before this step writes
         them and from this step's new rows."""
@@ -210,12 +217,7 @@ class Attention:
         n, width = pw.pos.shape
         codes, scales = (s[: n * width].view(n, width, -1) for s in strips)
         pos = meta.positions if pw.rows is None else meta.positions[pw.rows]
-        if self.ratio:
-            sel = self._selected(meta, q.shape[0], q.device)
-            cmp_kv, cmp_scale = pools.compressed[self.source]
-        else:
-            sel = torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
-            cmp_kv, cmp_scale = pools.no_compressed
+        sel, cmp_kv, cmp_scale = self._pool_keys(meta, pools, q.shape[0], q.device)
         if pw.rows is not None:
             q, sel = q[pw.rows], sel[pw.rows]
         return self.ops.sink_attention_decode(q, pw.seq, pos, codes, scales, pw.pos, cmp_kv, cmp_scale, sel,
@@ -231,12 +233,7 @@ class Attention:
         self._write_window(kv_parts, meta, pools)
         codes, scales = (p[: S * R].view(S, R, -1) for p in ring)
         slot, pos = meta.tok_slot, meta.positions
-        if self.ratio:
-            sel = self._selected(meta, q.shape[0], q.device)
-            cmp_kv, cmp_scale = pools.compressed[self.source]
-        else:
-            sel = torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
-            cmp_kv, cmp_scale = pools.no_compressed
+        sel, cmp_kv, cmp_scale = self._pool_keys(meta, pools, q.shape[0], q.device)
         if rows is not None:
             q, slot, pos, sel = q[rows], slot[rows], pos[rows], sel[rows]
         return self.ops.sink_attention_decode(q, slot, pos, codes, scales, pools.win_pos[: S * R].view(S, R), cmp_kv,

@@ -132,3 +132,25 @@ def test_seeded_sampling_on_cuda_draws_the_cpu_tokens_for_the_same_logits():
     cpu = [o.token_id for o in Sampler(4096, None, batch_invariant=True).sample(logits, rows)]
     gpu = [o.token_id for o in Sampler(4096, None, batch_invariant=True).sample(logits.cuda(), rows)]
     assert gpu == cpu
+
+
+def test_a_prefix_cache_hit_is_bitwise_a_cold_run(backend):
+    """Issue 26 on the GPU: a second conversation turn that starts from the cached blocks and window checkpoint of
+    the first gives bitwise the tokens and logprobs it gives with the cache off (the batch-invariant mode makes a
+    row's result independent of how its prompt was cut, which a hit changes)."""
+    from deepinfer.config.schema import Settings
+    from deepinfer.engine import EngineOptions
+    from deepinfer.frontend import LLMEngine
+
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(3, VOCAB_HI, (340,), generator=g).tolist()
+    turns = [first, first + torch.randint(3, VOCAB_HI, (40,), generator=g).tolist()]  # turn 2 extends turn 1
+    params = _params("greedy")
+    cold = _result(_run(backend, [turns[1]], params)[0][0])
+    opts = EngineOptions.for_settings(Settings(), max_num_seqs=8, max_num_batched_tokens=8192,
+                                      memory_budget=24 << 30, process="inproc", seed=0, prefix_caching=True)
+    with LLMEngine(lambda: backend, opts) as engine:
+        engine.generate([turns[0]], params, use_tqdm=False)
+        warm = engine.generate([turns[1]], params, use_tqdm=False)[0]
+    assert warm.num_cached_tokens >= 256, warm.num_cached_tokens  # the checkpoint at turn 1's end (block-aligned)
+    _assert_same(cold, _result(warm), "served from the prefix cache")
