@@ -10,9 +10,10 @@ Other inputs: the torch op (cuBLAS on CUDA), which dequantises an Fp8BlockWeight
 shapes; counted by the registry's per-call fallbacks). Dense bf16 weights stay on cuBLAS: it picks its kernel by
 M, so those projections are not batch invariant on the GPU; the FP8 ones are (see linear_kernel.py).
 
-Prefill sizes: from PREFILL_ROWS rows (and PREFILL_MIN_N output columns) (outside the batch-invariant mode) the weight is dequantised to bf16 for
-the call (exact: e4m3 times a power of two) and multiplied by cuBLAS, whose large tiles run near the bf16 rate;
-the weight-only kernel re-reads and re-dequantises the weight for every 32-row tile. The dequantisation costs
+Prefill sizes: from PREFILL_ROWS rows and PREFILL_MIN_N output columns, outside the batch-invariant mode, the
+weight is dequantised to bf16 for the call (exact: e4m3 times a power of two) and multiplied by cuBLAS, whose
+large tiles run near the bf16 rate; the weight-only kernel re-reads and re-dequantises the weight for every
+32-row tile. The dequantisation costs
 ~3 bytes per weight against the GEMM's 2 x rows FLOPs per weight. The kernel stays the path of decode steps
 and of the batch-invariant mode (cuBLAS picks its kernel by the row count).
 

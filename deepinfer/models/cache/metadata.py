@@ -280,7 +280,8 @@ def _prefill_window(host: HostStep, pos, tok_seq, slots, layout: CacheLayout) ->
     spos.index_copy_(0, hist_dst, hist.reshape(-1).to(torch.int32))
     spos.index_copy_(0, new_dst, r_pos.to(torch.int32))
     spos[n * width] = -1
-    return PrefillWindow(rows, r_strip.to(torch.int32), width, hist_src, hist_dst, new_dst, spos[: n * width].view(n, width))
+    return PrefillWindow(rows, r_strip.to(torch.int32), width, hist_src, hist_dst, new_dst,
+                         spos[: n * width].view(n, width))
 
 
 def query_view(meta: StepMeta, rows: torch.Tensor, cp: Any) -> StepMeta:
