@@ -58,11 +58,20 @@ class Fp8BlockWeight:
         last = self.row_offset + stop
         return Fp8BlockWeight(self.weight[start:stop], self.scale[first // BLOCK:-(-last // BLOCK)], first % BLOCK)
 
-    def row_groups(self, groups: int) -> list["Fp8BlockWeight"]:
+    def row_groups(self, groups: int) -> "RowGroups":
         """`groups` equal row slices: the attention output projection wo_a [groups * rank, in] is applied per
         group g to rows [g * rank, (g + 1) * rank)."""
         rank = self.shape[0] // groups
-        return [self.rows(g * rank, (g + 1) * rank) for g in range(groups)]
+        return RowGroups([self.rows(g * rank, (g + 1) * rank) for g in range(groups)], self)
+
+
+class RowGroups(list):
+    """The row groups of one Fp8BlockWeight (a list of views, as the torch op indexes them) and the `whole` they
+    slice, so a kernel can run every group in one launch."""
+
+    def __init__(self, groups: list[Fp8BlockWeight], whole: Fp8BlockWeight):
+        super().__init__(groups)
+        self.whole = whole
 
 
 def from_stored(weight: torch.Tensor, scale: torch.Tensor) -> Fp8BlockWeight:

@@ -26,6 +26,7 @@ log = logging.getLogger("deepinfer.kernels")
 # Every op kind the model calls; the torch backend implements all of them.
 OP_KINDS = (
     "linear",
+    "grouped_linear",
     "rms_norm",
     "rope",
     "fake_quant_fp8",

@@ -57,6 +57,21 @@ def test_torch_linear_on_the_stored_weight_equals_the_dense_path_bitwise(m):
     assert torch.equal(linear(xb, q), linear(xb, q.dense(torch.bfloat16)))
 
 
+def test_the_grouped_projection_is_each_group_on_its_own_slice_of_the_input():
+    """grouped_linear (wo_a): group g's rows times x[:, g], concatenated; row groups keep the whole weight."""
+    from deepinfer.kernels.torch.linear import grouped_linear
+
+    q = _fp8(96, 64, seed=7)
+    parts = q.row_groups(3)
+    assert parts.whole is q and isinstance(parts, list)
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(7))
+    full = q.dense(torch.float32)
+    ref = torch.cat([x[:, g] @ full[32 * g:32 * (g + 1)].T for g in range(3)], dim=-1)
+    assert torch.equal(grouped_linear(x, parts), torch.cat([linear(x[:, g], parts[g]) for g in range(3)], -1))
+    assert torch.allclose(grouped_linear(x, parts), ref, atol=1e-5)
+    assert torch.equal(grouped_linear(x, full.view(3, 32, 64)), grouped_linear(x, parts))
+
+
 def test_linear_bytes_counts_fp8_as_held_and_as_bf16():
     q = _fp8(64, 96)
     dense = torch.zeros(10, 10, dtype=torch.bfloat16)

@@ -35,6 +35,19 @@ def test_fp8_linear_lowers_to_cuda(name, arch):
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src  # the non-Hopper fallback
 
 
+def test_the_grouped_output_projection_lowers_as_one_kernel_reading_its_groups_columns():
+    """wo_a's 8 groups in one launch: a block of weight tile bn reads x's columns of group bn // 16."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.linear import split_count
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear
+
+    n, k = FLASH["wo_a_group"]
+    src = lower_source(build_fp8_linear(8 * n, k, split_count(8 * n, k), BLOCK_T, BLOCK_K, STAGES, 0, 8), "sm_90a")
+    load = next(line for line in src.splitlines() if "(&(x[" in line)
+    assert "* (int64_t)32768)" in load  # x rows of 8 x 4096
+    assert "(((int64_t)((int)blockIdx.y)) >> (int64_t)4) * (int64_t)4096)" in load  # group = tile // 16
+
+
 def test_split_reduce_lowers_and_sums_in_split_order():
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.linear_kernel import build_split_reduce

@@ -63,7 +63,7 @@ class Attention:
         out = ops.rope(out, meta.positions, self.freqs, inverse=True)
         # grouped low-rank output projection: group g holds heads [g*H/G, (g+1)*H/G)
         grouped = out.reshape(T, cfg.o_groups, -1)
-        y = torch.cat([ops.linear(grouped[:, g], w.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+        y = ops.grouped_linear(grouped, w.wo_a)
         return ops.linear(y, w.wo_b)
 
     # ---------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class DraftAttention:
         out = ops.sink_attention(q, keys, bias, w.attn_sink, self.scale)
         out = ops.rope(out, step.positions, self.freqs, inverse=True)
         grouped = out.reshape(T, cfg.o_groups, -1)
-        y = torch.cat([ops.linear(grouped[:, g], w.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+        y = ops.grouped_linear(grouped, w.wo_a)
         return ops.linear(y, w.wo_b)
 
 

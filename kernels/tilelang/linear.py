@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.fp8_weight import Fp8BlockWeight
+from deepinfer.kernels.fp8_weight import Fp8BlockWeight, RowGroups
 from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import linear as torch_linear
 
 from ._build import jit
-from .linear_kernel import BLOCK_K, build_fp8_linear, build_split_reduce
+from .linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear, build_split_reduce
 
 BLOCK_N = 64
 TARGET_BLOCKS = 264  # per token tile: two resident blocks on each of the H200's 132 SMs
@@ -84,12 +84,13 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     return fall_back("linear", reason, torch_linear.linear, x, weight)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, groups: int = 1) -> torch.Tensor:
     """x [..., K] bf16 @ dequant(w)[N, K].T -> [..., N] bf16 through the kernel (inputs as `why_not` accepts).
-    `k_splits` overrides the shape's split count (benchmarks only: results then differ in the last bits)."""
+    `k_splits` overrides the shape's split count (benchmarks only: results then differ in the last bits).
+    groups > 1: x [..., groups * K], row group g of w times x's g-th K columns (build_fp8_linear)."""
     n, k = w.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, k * groups)
     if not x2.is_contiguous() or x2.data_ptr() % 16:  # cp.async reads 16-byte chunks of each row
         x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
     m = x2.shape[0]
@@ -97,11 +98,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None) 
     if m == 0:
         return out.view(*lead, n)
     splits = k_splits or split_count(n, k)
+    spec = (build_fp8_linear, n, k, splits) + (() if groups == 1 else (BLOCK_T, BLOCK_K, STAGES, 0, groups))
     if splits == 1:
-        jit(build_fp8_linear, n, k, 1)(x2, w.weight, w.scale, out)
+        jit(*spec)(x2, w.weight, w.scale, out)
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        jit(build_fp8_linear, n, k, splits)(x2, w.weight, w.scale, part)
+        jit(*spec)(x2, w.weight, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
 
@@ -113,6 +115,26 @@ def dense_bf16(w: Fp8BlockWeight) -> torch.Tensor:
     codes = w.weight.view(torch.float8_e4m3fn).to(torch.bfloat16).view(n // 32, 32, k // 32, 32)
     scale = torch.exp2(w.scale[: n // 32, : k // 32].float() - 127.0).to(torch.bfloat16)
     return (codes * scale[:, None, :, None]).view(n, k)
+
+
+def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """Same contract as deepinfer.kernels.torch.linear.grouped_linear (x [T, G, K]). The row groups of one FP8
+    weight (Fp8BlockWeight.row_groups) run as one launch of the kernel over the whole weight (decode) or one
+    batched cuBLAS GEMM over its dequantised groups (prefill sizes); other weights through the torch op."""
+    if not isinstance(weight, RowGroups):
+        return torch_linear.grouped_linear(x, weight)
+    T_, G, K = x.shape
+    whole = weight.whole
+    reason = why_not(x.reshape(T_, G * K)[:, :K], whole) if len(weight) == G else "groups differ from x's"
+    if reason is None and (whole.shape[1] != K or (whole.shape[0] // G) % 32):
+        reason = "group rows not whole 32-row scale blocks"
+    if reason is not None:
+        return fall_back("grouped_linear", reason, torch_linear.grouped_linear, x, weight)
+    R = whole.shape[0] // G
+    if T_ >= PREFILL_ROWS and not batch_invariant():
+        w = dense_bf16(whole).view(G, R, K)
+        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(T_, G * R)
+    return fp8_linear(x.reshape(T_, G * K), whole, groups=G)
 
 
 def _scales_in_range(w: Fp8BlockWeight) -> bool:

@@ -32,11 +32,16 @@ STAGES = 4  # the MoE kernel's loop is ordered for 4 (the permute's proxy fence 
 
 
 def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = BLOCK_T, block_k: int = BLOCK_K,
-                     num_stages: int = STAGES, min_blocks: int = 0):
+                     num_stages: int = STAGES, min_blocks: int = 0, groups: int = 1):
     """x [m, K] bf16, w [N, K] uint8 (e4m3), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or
-    part [k_splits, m, N] fp32. m is symbolic: one compiled kernel serves every batch size."""
+    part [k_splits, m, N] fp32. m is symbolic: one compiled kernel serves every batch size.
+
+    groups > 1 (the grouped output projection in one launch): x [m, groups * K], and row group g of W (rows
+    [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K): a block's group follows
+    from its weight tile, so only the activation columns it loads move."""
     assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
-    assert n_rows % BLOCK_N == 0 and k_dim % (block_k * k_splits) == 0
+    assert n_rows % (BLOCK_N * groups) == 0 and k_dim % (block_k * k_splits) == 0
+    tiles_per_group = n_rows // groups // BLOCK_N
     N, K, BT, BK, S = n_rows, k_dim, block_t, block_k, num_stages
     NG = BK // 64                      # 64-K groups per step
     NK = K // BK // k_splits           # steps per block
@@ -68,13 +73,14 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
         if tx < 2:
             T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
                           T.address_of(ws[bn * 2 + tx, kk * SCB]), 1)
-        load_x(smem, xr, x, tx, kk, base)  # tokens past M (xr < 0) are zero-filled
+        # tokens past M (xr < 0) are zero-filled; a grouped weight tile reads its group's K columns of x
+        load_x(smem, xr, x, tx, kk if groups == 1 else kk + (bn // tiles_per_group) * (K // BK), base)
 
     k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group)
 
     @T.prim_func
     def fp8_linear(
-        x: T.Tensor((m, K), "bfloat16"),
+        x: T.Tensor((m, groups * K), "bfloat16"),
         w: T.Tensor((N, K), "uint8"),
         ws: T.Tensor((N // 32, K // 32), "uint8"),
         out: T.Tensor(out_shape, out_dtype),

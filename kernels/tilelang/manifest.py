@@ -11,6 +11,7 @@ from deepinfer.kernels.registry import register
 BACKEND = "tilelang-sm90"
 _WHERE = {
     "linear": "linear",
+    "grouped_linear": "linear",
     "moe_router": "moe",
     "moe_experts": "moe",
     "sink_attention": "attention",

@@ -29,6 +29,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8BlockWeight) -> torch.Tens
     return torch.nn.functional.linear(x2, weight)[:m].reshape(*lead, weight.shape[0])
 
 
+def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """The grouped output projection: x [T, G, K], weight[g] group g's [R, K] projection (a [G, R, K] tensor or a
+    sequence of G weights, e.g. Fp8BlockWeight.row_groups) -> [T, G * R], group g in columns [g * R, (g + 1) * R)."""
+    return torch.cat([linear(x[:, g], weight[g]) for g in range(x.shape[1])], dim=-1)
+
+
 def _fixed_rows(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, rows = x2.shape[0], CUDA_INVARIANT_ROWS
     pad = -m % rows

@@ -5,6 +5,7 @@ from deepinfer.kernels.registry import register
 _DEVICES = ("cpu", "cuda", "npu")
 _WHERE = {
     "linear": "linear",
+    "grouped_linear": "linear",
     "rms_norm": "norm",
     "rope": "rope",
     "fake_quant_fp8": "quant",

@@ -113,6 +113,30 @@ def test_row_groups_run_the_kernel_on_views_and_match_the_whole():
         assert rel_err(got, full[:, g * 1024:(g + 1) * 1024]) < 6e-3
 
 
+@pytest.mark.parametrize("m", [1, 5, 64, 1100])  # 1100: the prefill path (one batched cuBLAS GEMM)
+def test_the_grouped_projection_runs_every_group_in_one_launch_and_matches_the_groups(m):
+    """wo_a through the registered `grouped_linear`: one kernel over [8 * 1024, 4096] with x [m, 8, 4096] (each
+    weight tile reads its group's columns) equals the per-group reference; rows are bitwise the same at every
+    batch size (the decode sizes); nothing falls back."""
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.registry import OpSet
+    from deepinfer.kernels.torch.linear import grouped_linear as reference
+
+    ops = OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]})
+    codes, scale, _ = fp8_blocks(8 * 1024, 4096, torch.Generator(device="cuda").manual_seed(m))
+    groups = Fp8BlockWeight(codes, scale).row_groups(8)
+    x = _x(m * 8, 4096, seed=m).view(m, 8, 4096)
+    before = registry.fallback_counts().get("grouped_linear", {})
+    poison_allocator()
+    got = ops.grouped_linear(x, groups)
+    assert registry.fallback_counts().get("grouped_linear", {}) == before
+    assert got.shape == (m, 8 * 1024) and torch.isfinite(got).all()
+    assert rel_err(got, reference(x, groups)) < 6e-3
+    if m <= 64:
+        for i in {0, m // 2, m - 1}:
+            assert torch.equal(ops.grouped_linear(x[i:i + 1].clone(), groups)[0], got[i])
+
+
 def test_registered_op_takes_the_kernel_for_fp8_and_counts_what_it_cannot_take(monkeypatch):
     from deepinfer.kernels import registry
     from deepinfer.kernels.registry import OpSet
