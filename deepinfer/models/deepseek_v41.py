@@ -155,6 +155,8 @@ class DeepseekV41Model:
         switches the rows and metadata the decoder layers run on."""
         cfg, ops = self.config, self.ops
         x = self._embed(meta)
+        if self.expert_parallel is not None:  # the ranks agree on this forward's dispatch path (static or variable)
+            self.expert_parallel.begin_forward(x.shape[0])
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         # the first attention site collapses stream 0 (the embedding): a one-hot "previous pre-mix"
         pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=self.device)
@@ -249,7 +251,8 @@ class DeepseekV41Model:
         if ep is not None:  # moe.experts: this rank's physical slots; a collective over ep.group
             placement, replicas, load = ep.for_layer(layer)
             return ep_moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit, placement,
-                                  ep.group, load=load, replicas=replicas)
+                                  ep.group, load=load, replicas=replicas, experts_op=ops.moe_experts,
+                                  buffers=ep.buffers if ep.static else None)
         return ops.moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit)
 
     # ---- engram ----------------------------------------------------------------------------

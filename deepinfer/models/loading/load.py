@@ -45,6 +45,8 @@ def load_model(
     expert_placement: ExpertPlacement | None = None,
     ep_rank: int = 0,
     ep_group: ProcessGroup | None = None,
+    ep_max_tokens: int = 0,
+    ep_agree_group: ProcessGroup | None = None,
 ) -> DeepseekV41Model | ModelCard:
     """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
     ModelCard, for a frontend whose engine process holds the weights).
@@ -75,7 +77,10 @@ def load_model(
     Only the routed experts of the rank's physical slots are read from the checkpoint (a replicated expert once);
     shared experts, attention, router, embeddings and Engram tables load in full on every rank. The model runs in
     expert-parallel mode (`model.expert_parallel`, deepinfer.distributed.expert_parallel.ExpertParallel): every rank
-    must call `forward` the same number of times. One log line gives this rank's weight bytes. The draft layers
+    must call `forward` the same number of times. One log line gives this rank's weight bytes. `ep_max_tokens` > 0
+    allocates the static-capacity dispatch buffers (deepinfer.distributed.ep_dispatch) for forwards of at most
+    that many tokens per rank; every forward then starts with the ranks' agreement on the path, on
+    `ep_agree_group` (a gloo group of the same ranks; None: ep_group, which must then be gloo). The draft layers
     are not supported with it yet: pass `draft_layers=False` for a checkpoint that has them. With
     `load_format="dummy"` every expert is drawn (the draws depend on all of them) and the other ranks' are dropped."""
     dummy = load_format == "dummy"
@@ -109,13 +114,17 @@ def load_model(
         return _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype), vision, model_dir)
     ep = ExpertParallel(expert_placement, ep_rank, ep_group)
     model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
+    if ep_max_tokens:
+        top_k = max(lw.ffn.top_k or ckpt.config.num_experts_per_tok for lw in model.layers)
+        ep.plan_static(ep_max_tokens, top_k, ckpt.config.hidden_size, dtype, device, ep_agree_group)
     _with_vision(model, vision, model_dir)
     del ckpt
     log.info(
         "expert parallel rank %d of %d: %d of %d physical expert slots per layer (%d distinct experts of %d), "
-        "weights on this rank %.3f GB (routed experts %.3f GB)", ep_rank, expert_placement.num_ranks,
-        expert_placement.per_rank, expert_placement.num_physical, len(set(local)), expert_placement.num_logical,
-        model.weight_bytes() / 1e9, model.routed_expert_bytes() / 1e9)
+        "weights on this rank %.3f GB (routed experts %.3f GB); static dispatch buffers %.3f GB", ep_rank,
+        expert_placement.num_ranks, expert_placement.per_rank, expert_placement.num_physical, len(set(local)),
+        expert_placement.num_logical, model.weight_bytes() / 1e9, model.routed_expert_bytes() / 1e9,
+        ep.buffers.nbytes / 1e9 if ep.buffers is not None else 0.0)
     return model
 
 
