@@ -157,11 +157,18 @@ def test_rank_reads_only_its_experts(monkeypatch, caplog):
         caplog.clear()
 
 
+def test_draft_layers_load_whole_on_every_expert_parallel_rank():
+    """DSpark under expert parallelism: the backbone's experts are sharded, the draft layers' are replicated."""
+    model_dir = embedded.materialize("tiny-random")
+    model = load_model(model_dir, expert_placement=ExpertPlacement.initial(N_EXP, 2), ep_rank=1)
+    assert all(len(lw.ffn.experts) == 4 for lw in model.layers)
+    assert model.drafter is not None
+    assert all(len(lw.ffn.experts) == model.config.dspark_n_routed_experts for lw in model.drafter.w.layers)
+
+
 def test_expert_parallel_load_refusals():
     model_dir = embedded.materialize("tiny-random")
     plain = ExpertPlacement.initial(N_EXP, 2)
-    with pytest.raises(ValueError, match=r"draft layers \(mtp\.\*\).*draft_layers=False"):
-        load_model(model_dir, expert_placement=plain, ep_rank=0)
     with pytest.raises(ValueError, match="16 logical experts; the model has n_routed_experts=8"):
         load_model(model_dir, expert_placement=ExpertPlacement.initial(16, 2), draft_layers=False)
     with pytest.raises(ValueError, match=r"ep_rank=2 is out of range; allowed: 0\.\.1"):

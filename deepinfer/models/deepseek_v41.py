@@ -87,9 +87,11 @@ class DeepseekV41Model:
         # the image path (deepinfer.models.vision.VisionModel), attached by the loader when the checkpoint has one;
         # None: the model serves text and refuses images
         self.vision = None
+        # the DSpark draft layers hold every one of their routed experts on every rank, also under expert
+        # parallelism (their MoE runs locally, `_moe` with layer None): drafting needs no collective, so a rank
+        # drafts whenever it has sequences to draft for, and only the verification step, a backbone forward,
+        # joins the other ranks
         drafts = arrange_drafts(cfg, weights, dtype)
-        if drafts is not None and ep is not None:
-            raise ValueError("expert parallel does not support the DSpark draft layers (mtp.*) yet; load them off")
         self.drafter = None
         if drafts is not None:
             from .dspark import DSpark
@@ -237,7 +239,7 @@ class DeepseekV41Model:
     def _moe(self, g: torch.Tensor, moe: MoE, layer: int | None = None, image: torch.Tensor | None = None
              ) -> torch.Tensor:
         """`layer`: the backbone layer index (expert parallel with EPLB keeps a placement, dispatch table and
-        token counts per layer); None for the draft layers. `image` [T] bool: rows that select their experts with
+        token counts per layer); None for the draft layers, whose experts every rank holds (never a collective). `image` [T] bool: rows that select their experts with
         `bias_vl` instead of `bias` (image-span positions, VISION_SPEC.md §6.3; the weights stay the scores)."""
         cfg, ops = self.config, self.ops
         bias = moe.gate.bias
@@ -248,7 +250,7 @@ class DeepseekV41Model:
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         ep = self.expert_parallel
-        if ep is not None:  # moe.experts: this rank's physical slots; a collective over ep.group
+        if ep is not None and layer is not None:  # moe.experts: this rank's physical slots; a collective
             placement, replicas, load = ep.for_layer(layer)
             return ep_moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit, placement,
                                   ep.group, load=load, replicas=replicas, experts_op=ops.moe_experts,
