@@ -170,6 +170,14 @@ def test_dep2_with_dspark_returns_the_tokens_of_single_with_dspark(requests, sin
     assert got[:32] == single[:32]
 
 
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
+@pytest.mark.timeout(300)
+def test_dep2_with_engram_tables_in_host_memory_returns_the_tokens_of_single(requests, single):
+    with LLM("tiny_random", parallel="dep2", seed=SEED, engine=ENGINE, overrides=["model.engram_storage=host"]) as llm:
+        got = [o.token_ids for o in generate_requests(llm, requests)]
+    assert got == single
+
+
 # ---- the other launches ------------------------------------------------------------------------------------------
 def _tokens_of(run_dir) -> list[list[int]]:
     return [json.loads(l)["token_ids"] for l in (run_dir / "outputs.jsonl").read_text().splitlines()]

@@ -67,6 +67,7 @@ class DeepseekV41Model:
             Attention(cfg, i, lw.attn, ops, self.main_freqs, self.compress_freqs) for i, lw in enumerate(self.layers)
         ]
         self.layer_hook = None  # optional callable(i) at each layer boundary (0..n_layers): benchmarks time layers
+        self.engram_host = None  # Engram tables in host memory (keep_engram_on_host), else on the device
         self.engram = None
         if cfg.engram_layer_ids:
             if tokenizer is None:
@@ -105,6 +106,19 @@ class DeepseekV41Model:
             attn.ops = ops
         if self.drafter is not None:
             self.drafter.use_ops(ops)
+
+    def keep_engram_on_host(self, max_tokens: int) -> None:
+        """Move the Engram tables to host memory (pinned on CUDA; models/engram_host.py): each step copies the rows
+        it picks to the device, for steps of at most `max_tokens` tokens. The outputs are unchanged."""
+        from .engram_host import HostEngram
+
+        held = [lw.engram for lw in self.layers if lw.engram is not None]
+        if not held or self.engram_host is not None:
+            return
+        cols = self.engram.offsets.shape[-1]  # bucket ids per token and Engram layer: (N - 1) x heads
+        self.engram_host = HostEngram([e.embed for e in held], cols, max_tokens, self.device)
+        for e in held:
+            e.embed = None  # the device copy goes
 
     # ---- memory ----------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -168,6 +182,8 @@ class DeepseekV41Model:
         hash_ids = self._engram_hash(full, pools) if self.engram is not None else None
         if cp is not None and hash_ids is not None:
             hash_ids = hash_ids[cp.own]
+        if self.engram_host is not None:
+            self.engram_host.fetch(hash_ids)
         pools.win_pos.index_copy_(0, full.window.write_row, full.positions.to(torch.int32))
 
         image = self._image_mask(meta)  # None on a step without image spans
@@ -180,10 +196,13 @@ class DeepseekV41Model:
             if drafter is not None and i in drafter.targets:  # DSpark context: the trunk entering the layer
                 features.append(streams.float().mean(1).to(self.dtype))
             if lw.engram is not None:
-                streams = self._engram(streams, lw.engram, hash_ids[:, cfg.engram_layer_ids.index(i)], image)
+                j = cfg.engram_layer_ids.index(i)
+                streams = self._engram(streams, lw.engram, hash_ids[:, j], image, j)
             if replay is not None and i == replay.boundary:
                 streams, pre, meta, hash_ids = replay.enter(self, streams, pre, meta, pools, hash_ids)
                 image = self._image_mask(meta)
+                if self.engram_host is not None:  # the replayed rows' Engram rows
+                    self.engram_host.fetch(hash_ids)
             streams, pre = self._block(streams, pre, lw, attn, meta, pools, i, image)
         if hook is not None:
             hook(len(self.layers))
@@ -271,11 +290,13 @@ class DeepseekV41Model:
         pools.ngram.index_copy_(0, write_row, new)  # after the read: a long chunk may reuse rows it read
         return self.ops.engram_hash(look, tabs.multipliers, tabs.primes, tabs.offsets)
 
-    def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor, image: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """`image` [T] bool: image-span rows, which pass through unchanged (VISION_SPEC.md §6.4)."""
+    def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor, image: torch.Tensor | None = None,
+                j: int = 0) -> torch.Tensor:
+        """`image` [T] bool: image-span rows, which pass through unchanged (VISION_SPEC.md §6.4). `j`: the Engram
+        layer's index (its rows come from the host tables' step copy when they are in host memory)."""
         cfg, ops = self.config, self.ops
-        rows = engram.embed[ids].flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
+        table_rows = self.engram_host.rows(j) if self.engram_host is not None else engram.embed[ids]
+        rows = table_rows.flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
         kv = ops.linear(rows, engram.wkv)
         key, value = kv.split([cfg.hc_mult * cfg.hidden_size, cfg.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (cfg.hc_mult, cfg.hidden_size))

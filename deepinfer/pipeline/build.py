@@ -87,6 +87,10 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
         # expert parallel (parallel.expert_parallel_size > 1): only this rank's routed experts are read
         **expert_parallel_kwargs(settings, model_dir, weights),
     )
+    if settings.model.engram_storage == "host" and weights:
+        d, e = settings.decoding, settings.engine  # the largest step: a prefill budget or a verification step
+        model.keep_engram_on_host(max(e.max_num_batched_tokens,
+                                      e.max_num_seqs * (1 + (d.num_draft_tokens if d.name == "dspark" else 0))))
     settings = with_model_limits(settings, model.config.max_position_embeddings)
     check_replay_fits(settings, model.config.sliding_window)
     vocab = min(model.config.vocab_size, model.tokenizer.get_vocab_size())
