@@ -1,10 +1,13 @@
 """Expert-parallel MoE (deepinfer/distributed/expert_parallel.py) against the single-process op, bitwise, on the CPU
 with gloo: 2 and 4 processes spawned with torch.multiprocessing, each owning some tokens (one rank none) and its
-experts' weights, with experts no token picks and with redundant (replicated, shuffled) physical experts."""
+experts' weights, with experts no token picks and with redundant (replicated, shuffled) physical experts; both the
+variable-size dispatch and the static-capacity one (deepinfer/distributed/ep_dispatch.py), where every rank's rows
+may all go to one peer (the worst case the buffers are sized for)."""
 
 from __future__ import annotations
 
 import math
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from deepinfer.kernels.packed_experts import pack_quantized
 from deepinfer.kernels.torch.moe import moe_experts
 from deepinfer.distributed import groups
 from deepinfer.distributed.eplb import rebalance
+from deepinfer.distributed.ep_dispatch import StaticBuffers, agree_static, capacity_rows, send_rows
 from deepinfer.distributed.expert_parallel import _pack, _unpack, choose_copies, ep_moe_experts, local_experts
 from deepinfer.distributed.placement import ExpertPlacement
 from deepinfer.models.random_weights import _fp4_rows
@@ -50,14 +54,20 @@ def packed_problem(seed: int, tokens: int):
 
 
 def run_case(rank: int, world: int, split: list[int], placement: ExpertPlacement, dtype, seed: int,
-             packed: bool = False) -> None:
+             packed: bool = False, static: bool = False) -> None:
     total = sum(split)
     x, w, idx, experts, shared = packed_problem(seed, total) if packed else problem(seed, total, dtype)
+    if static:  # every token of one rank picks the experts of one peer: the per-peer worst case
+        idx = torch.tensor([[0, 1, 3]] * total) if world == 2 else idx
     want = moe_experts(x, w, idx, experts, shared, LIMIT)  # the single-process op over every token
     lo, hi = sum(split[:rank]), sum(split[:rank + 1])
     load = torch.zeros(placement.per_rank, dtype=torch.int64)
+    buffers = None
+    if static:
+        buffers = StaticBuffers.allocate(max(split), TOP_K, placement.per_rank, world, D, x.dtype, "cpu")
+        assert agree_static(buffers, hi - lo, None)  # the largest rank's step fits
     got = ep_moe_experts(x[lo:hi], w[lo:hi], idx[lo:hi], local_experts(experts, placement, rank), shared, LIMIT,
-                         placement, load=load)
+                         placement, load=load, buffers=buffers)
     assert got.dtype == want.dtype and got.shape == (hi - lo, D)
     assert torch.equal(got, want[lo:hi]), (
         f"rank {rank}: max |diff| {(got.float() - want[lo:hi].float()).abs().max().item()}")
@@ -90,6 +100,26 @@ def test_ep_two_ranks_equals_single_process(tmp_path):
         ([0, 13], plain, torch.float32, 0),  # rank 0 has no tokens
         ([7, 6], plain, torch.bfloat16, 1),
         ([9, 0], plain, torch.float32, 2, True),  # FP4 experts as stored
+    ])
+
+
+@pytest.mark.timeout(120)
+def test_static_capacity_dispatch_two_ranks_equals_single_process(tmp_path):
+    """The fast-tier case: fixed-size buffers, a rank with no tokens, the per-peer worst case, FP4 as stored."""
+    spawn(2, tmp_path, [
+        ([0, 13], ExpertPlacement.initial(N_EXP, 2), torch.float32, 0, False, True),
+        ([7, 6], ExpertPlacement.initial(N_EXP, 2, min_extra=2), torch.bfloat16, 1, False, True),
+        ([9, 2], ExpertPlacement.initial(N_EXP, 2), torch.float32, 2, True, True),
+    ])
+
+
+@pytest.mark.slow  # spawned ranks: the fast tier keeps the dep2 and cp2 engine runs
+@pytest.mark.timeout(120)
+def test_static_capacity_dispatch_four_ranks_with_redundant_copies(tmp_path):
+    shuffled = ExpertPlacement.from_ranks([[7, 1, 3], [0, 7, 4], [2, 6, 7], [3, 5, 0]], N_EXP)
+    spawn(4, tmp_path, [
+        ([5, 0, 9, 3], ExpertPlacement.initial(N_EXP, 4), torch.float32, 3, False, True),
+        ([6, 3, 0, 8], shuffled, torch.bfloat16, 5, False, True),
     ])
 
 
@@ -159,3 +189,32 @@ def test_placement_rejects_bad_maps():
         ExpertPlacement(tuple(range(5)), 5, 2)
     assert ExpertPlacement.initial(384, 8, 0).per_rank == 48
     assert ExpertPlacement.initial(384, 8, 1).num_physical == 392  # rounded up to a multiple of 8 (DeepInfer)
+
+
+def test_static_buffers_hold_the_worst_case_per_peer_and_place_rows_in_order():
+    # a token sends at most min(top_k, slots per rank) rows to one peer
+    assert capacity_rows(max_tokens=256, top_k=6, per_rank=48) == 1536
+    assert capacity_rows(max_tokens=4, top_k=6, per_rank=2) == 8
+    b = StaticBuffers.allocate(4, 3, 4, 2, D, torch.bfloat16, "cpu")
+    assert b.capacity == 12 and b.recv_x.shape == (24, D) and b.send_x.shape == (25, D)
+    assert b.fits(4) and not b.fits(5)
+    dest = torch.tensor([1, 0, 1, 1, 0])
+    assert send_rows(dest, 2, 12).tolist() == [12, 0, 13, 14, 1]  # each peer's rows at the front of its segment
+
+
+def test_static_path_refuses_a_step_larger_than_its_buffers():
+    """An overflow is never dropped: a step that does not fit must have been sent down the variable path."""
+    x, w, idx, experts, shared = problem(0, 5, torch.float32)
+    pl = ExpertPlacement.initial(N_EXP, 1)
+    b = StaticBuffers.allocate(4, TOP_K, pl.per_rank, 1, D, x.dtype, "cpu")
+    groups.init_group(0, 1, f"file://{tempfile.mkdtemp()}/rendezvous", "cpu", timeout_s=30)
+    try:
+        assert not agree_static(b, 5, None)
+        with pytest.raises(ValueError, match="5 tokens on the static path"):
+            ep_moe_experts(x, w, idx, experts, shared, LIMIT, pl, buffers=b)
+        # one rank owning every expert: both paths equal the op
+        want = moe_experts(x, w, idx, experts, shared, LIMIT)
+        assert torch.equal(ep_moe_experts(x, w, idx, experts, shared, LIMIT, pl), want)
+        assert torch.equal(ep_moe_experts(x[:4], w[:4], idx[:4], experts, shared, LIMIT, pl, buffers=b), want[:4])
+    finally:
+        groups.destroy()

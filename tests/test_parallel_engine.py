@@ -150,6 +150,34 @@ def test_dep2_with_eplb_replacing_experts_during_the_run_returns_the_tokens_of_s
     assert len(lines) >= 3 and "imbalance (max/mean rank load)" in lines[0], err[-2000:]
 
 
+DSPARK = ["decoding=dspark", "decoding.num_draft_tokens=3"]
+
+
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
+@pytest.mark.timeout(300)
+def test_dep2_with_dspark_returns_the_tokens_of_single_with_dspark(requests, single):
+    """The draft layers' experts on every rank (drafting has no collective), the verification steps expert
+    parallel (static dispatch sized for 8 sequences x 4 tokens): the same tokens as single with DSpark, greedy and
+    seeded sampled alike, and greedy equal to plain decoding (lossless)."""
+    with LLM("tiny_random", process="inproc", seed=SEED, engine=ENGINE, runtime={"num_threads": 1},
+             overrides=DSPARK) as llm:
+        want = [o.token_ids for o in generate_requests(llm, requests)]
+    with LLM("tiny_random", parallel="dep2", seed=SEED, engine=ENGINE, overrides=DSPARK) as llm:
+        got = [o.token_ids for o in generate_requests(llm, requests)]
+        spec = llm.last_metrics["speculative"]
+    assert spec["draft_tokens"] > 0 and spec["verifications"] > 0  # the ranks drafted and verified
+    assert got == want
+    assert got[:32] == single[:32]
+
+
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
+@pytest.mark.timeout(300)
+def test_dep2_with_engram_tables_in_host_memory_returns_the_tokens_of_single(requests, single):
+    with LLM("tiny_random", parallel="dep2", seed=SEED, engine=ENGINE, overrides=["model.engram_storage=host"]) as llm:
+        got = [o.token_ids for o in generate_requests(llm, requests)]
+    assert got == single
+
+
 # ---- the other launches ------------------------------------------------------------------------------------------
 def _tokens_of(run_dir) -> list[list[int]]:
     return [json.loads(l)["token_ids"] for l in (run_dir / "outputs.jsonl").read_text().splitlines()]

@@ -43,8 +43,8 @@ def test_stored_bytes_by_hand(flash):
 def test_expert_parallel_split(flash):
     cfg, groups = flash
     r = pm.per_rank(cfg, groups, 8, 32)
-    assert (r["slots"], r["d_slots"]) == (52, 20)  # (384 + 32) / 8, (128 + 32) / 8
-    assert r["experts"] == pytest.approx(groups["experts"] * 52 / 384 + groups["dspark_experts"] * 20 / 128)
+    assert (r["slots"], r["d_slots"]) == (52, 128)  # (384 + 32) / 8; the draft layers' experts on every rank
+    assert r["experts"] == pytest.approx(groups["experts"] * 52 / 384 + groups["dspark_experts"])
     assert pm.per_rank(cfg, groups, 1, 32)["slots"] == 384  # no redundant experts on one rank
     assert pm.per_rank(cfg, groups, 8, 1)["slots"] == 49  # 1 redundant rounded up to 8
 

@@ -9,10 +9,11 @@ per row and 32 columns, FP8 projections (and the shared experts) e4m3 + ue8m0 pe
 e4m3 + ue8m0 per row and 32 channels, the rest BF16 or F32 (loading/names.keeps_float32).
 Layouts (DEP, FEATURES.md "Parallelism"): attention data parallel, so every rank holds every non-routed-expert
 weight and the caches of its own sequences; expert parallel over the same ranks, so each rank holds
-(routed + redundant) / ranks physical experts per MoE layer (DSpark's MoE too, as DeepInfer pads both).
-Engram tables (~203 GB) fit no GPU whole: shown sharded by rows over the ranks on the GPUs (DeepInfer's engram
-parallel group, world-sized by default) and in host memory (DeepInfer's default on NVIDIA,
-DEEPINFER_ENGRAM_FORCE_GPU_STORAGE unset). Caches: deepinfer/models/cache/pools.py CacheLayout (bf16 model,
+(routed + redundant) / ranks physical experts per MoE layer. DSpark's draft layers hold all of their routed experts
+on every rank, as this engine runs them (their MoE is rank-local, so drafting has no collective; DeepInfer shards
+them like the backbone's). Engram tables (~203 GB) fit no GPU whole: shown sharded by rows over the ranks on the
+GPUs (DeepInfer's engram parallel group, world-sized by default; not built here) and in host memory
+(`model.engram_storage=host` here, deepinfer/models/engram_host.py; DeepInfer's default on NVIDIA). Caches: deepinfer/models/cache/pools.py CacheLayout (bf16 model,
 64-token blocks, DSpark rings, rollback 6 = 5 drafts + 1), a sequence costing its slot plus whole blocks.
 What is left after weights and a fixed reserve (activations, CUDA graphs, communication buffers: an assumption,
 --reserve-gb) goes to caches. GB = 1e9 bytes.
@@ -101,8 +102,7 @@ def weight_groups(cfg: ModelConfig) -> dict[str, int]:
 def per_rank(cfg: ModelConfig, groups: dict[str, int], ranks: int, min_redundant: int) -> dict[str, float]:
     extra = resolve_num_extra_experts(cfg.n_routed_experts, min_redundant if ranks > 1 else 0, ranks)
     slots = (cfg.n_routed_experts + extra) // ranks
-    d_extra = resolve_num_extra_experts(cfg.dspark_n_routed_experts, min_redundant if ranks > 1 else 0, ranks)
-    d_slots = (cfg.dspark_n_routed_experts + d_extra) // ranks
+    d_extra, d_slots = 0, cfg.dspark_n_routed_experts  # replicated on every rank (see the docstring)
     experts = groups["experts"] * slots / cfg.n_routed_experts
     experts += groups["dspark_experts"] * d_slots / cfg.dspark_n_routed_experts
     return {"extra": extra, "d_extra": d_extra, "slots": slots, "d_slots": d_slots, "experts": experts,

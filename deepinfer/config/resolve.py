@@ -89,10 +89,6 @@ def _resolve_parallel(s: Settings) -> Settings:
         if s.hardware.device not in ("cpu", "cuda"):
             raise ConfigError(f"parallel={p.name} ({world} ranks) on device {s.hardware.device!r}: no process-group "
                               "backend for it; allowed devices: cpu (gloo), cuda (NCCL)")
-        if ep > 1 and s.decoding.name == "dspark" and s.decoding.num_draft_tokens:
-            raise ConfigError(f"decoding=dspark with parallel.expert_parallel_size={ep}: expert parallelism does not "
-                              "run the DSpark draft layers yet; allowed: decoding=plain (or "
-                              "DEEPINFER_USE_NEXTN_DECODE=0)")
     return dataclasses.replace(s, parallel=p)
 
 

@@ -85,6 +85,7 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 STAGES = ("tokenize", "prefill", "replay", "decode", "sample")
 YOCO_MODES = ("off", "mask", "compact")
 LOAD_FORMATS = ("auto", "dummy")
+ENGRAM_STORAGE = ("device", "host")
 
 
 # ---- sections ------------------------------------------------------------------------------------------------
@@ -198,6 +199,9 @@ class ModelSettings:
     # null: the checkpoint's tokenizer.json. Otherwise a tokenizer.json file, or a directory holding one, used for
     # prompts, stop strings and the Engram hash tables; its vocabulary must fit the model's config.json.
     tokenizer: Optional[str] = None
+    # where the Engram n-gram tables live: device, or host (RAM, pinned on CUDA; each step copies the rows it picks
+    # to the device, deepinfer/models/engram_host.py): ~203 GB at V4.1-Flash size, which dep4 cannot hold on GPUs
+    engram_storage: str = setting("device", allowed=ENGRAM_STORAGE)
 
 
 @dataclass(frozen=True)

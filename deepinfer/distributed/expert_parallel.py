@@ -2,30 +2,31 @@
 routed experts of its physical slots (ExpertPlacement); a token's hidden state travels to the ranks that own the
 experts it chose, is computed there, and comes back to be summed on its own rank.
 
-Collective: `torch.distributed.all_to_all_single`, four calls per MoE layer: the row counts, the hidden rows, their
-(local slot, routing weight) packed in one int64 per row, and the combine. Why all-to-all: every rank sends a different,
-data-dependent number of rows to every other rank and receives rows from all of them in one step; the variable-split
-`all_to_all_single` is exactly that exchange (NCCL: grouped send/recv; gloo: alltoallv), one call for all peers,
-where an all-gather would ship every token to every rank. Its splits must be known on both sides, and a receiver
-cannot know how many rows are coming, so the per-peer row counts are exchanged first (a [world] all-to-all). Every
-rank calls every collective, also with zero tokens (zero counts): the collectives need all ranks, so an idle rank
-still takes part (DeepInfer's idle ranks run dummy steps for the same reason).
+Two dispatch paths, one expert computation:
+  * static (deepinfer.distributed.ep_dispatch: fixed-size per-peer buffers allocated once, equal-split
+    all-to-alls, the counts carried on the device as unused-row markers). Taken when the ranks agreed, once per
+    forward (`ExpertParallel.begin_forward`), that every rank's step fits the buffers: decode steps. Nothing is read
+    back to the host, so such a step could be captured as a CUDA graph.
+  * variable: `all_to_all_single` with data-dependent splits; the per-peer row counts are exchanged first (a
+    [world] all-to-all) and read on the host (one device sync per layer). Prefill steps, and every step of a model
+    without static buffers. Why all-to-all: every rank sends a different number of rows to every other rank and
+    receives rows from all of them in one step; an all-gather would ship every token to every rank.
+  Either way the received rows go through the registered `moe_experts` op (`experts_op`: the TileLang grouped GEMM
+  over PackedExperts on CUDA, the torch op elsewhere) with one expert per row, the rank's local slot (incl.
+  redundant EPLB copies): no per-call dequantisation loop here. Every rank calls every collective, also with zero
+  tokens (the collectives need all ranks; DeepInfer's idle ranks run dummy steps for the same reason).
 
 Exactness: the sum over a token's experts runs on the token's own rank in ascending logical expert id, starting
 from fp32 zeros, then the shared expert, then the cast: the accumulation order of the single-process op
-(deepinfer.kernels.torch.moe.moe_experts, CPU path: `for e in torch.unique(idx)`). Each expert's output goes
-through the same `swiglu_expert`, which is row-invariant on the CPU (kernels/torch/linear.py pads rows to a fixed
-tile; elementwise.py keeps every element on the SIMD path), so a row's output does not depend on which other rows
-share the call: the result is bitwise equal to the single-process op. On CUDA the GEMMs are not row-invariant and
-only agreement within bf16 noise holds (issue 13 item 6).
+(deepinfer.kernels.torch.moe.moe_experts, CPU path: `for e in torch.unique(idx)`). Each row's expert output is the
+op's bf16/fp32 result of `swiglu_expert`, which is row-invariant on the CPU (kernels/torch/linear.py pads rows to a
+fixed tile; elementwise.py keeps every element on the SIMD path), so a row's output does not depend on which other
+rows share the call: both paths are bitwise equal to the single-process op on the CPU. On CUDA the GEMMs' tiles
+follow the row count, so only the batch-invariant mode gives bitwise agreement.
 
 Replica choice: a (token, expert) pair with c copies goes to copy `(token index + source rank) % c`, a fixed rule
 that spreads a hot expert's tokens over its copies. DeepInfer picks the copy inside its compiled gate kernel
 (`to_physical_map` / `logical_count` arguments, not in the sdist's Python), so its exact rule is not followed.
-
-Not the fast path: the host reads the counts (one device sync per layer) and the experts run as a loop; DeepInfer
-dispatches and combines through DeepEP's EPBuffer (parallel_utils/userbuffer.py, optionally FP8 dispatch) into
-grouped GEMMs. This is the reference a fast path must equal.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.kernels.packed_experts import PackedExperts
-from deepinfer.kernels.torch.moe import swiglu_expert
+from deepinfer.kernels.torch.moe import moe_experts as torch_moe_experts
 
+from .ep_dispatch import StaticBuffers, agree_static, combine_static, dispatch_static, send_rows
 from .placement import ExpertPlacement
 
 Experts = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | PackedExperts
@@ -68,6 +70,25 @@ class ExpertParallel:
     replicas: torch.Tensor | None = None  # [L, E, C] int64: physical slots of each logical expert (choose_copies)
     copies: torch.Tensor | None = None  # [L, E] int64: how many of those are real
     load: torch.Tensor | None = None  # [L, per_rank] int64: rows each local slot computed in the current step
+    # static-capacity dispatch (plan_static): the buffers, the CPU (gloo) group of these ranks the per-forward
+    # agreement runs on (None: `group`, which is then gloo), and this forward's agreed path
+    buffers: StaticBuffers | None = None
+    agree_group: dist.ProcessGroup | None = None
+    static: bool = False
+
+    def plan_static(self, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype, device,
+                    agree_group: dist.ProcessGroup | None = None) -> None:
+        """Allocate the static path's buffers once, for steps of at most `max_tokens` tokens per rank."""
+        self.buffers = StaticBuffers.allocate(max_tokens, top_k, self.placement.per_rank, self.placement.num_ranks,
+                                              hidden, dtype, device)
+        self.agree_group = agree_group
+
+    def begin_forward(self, tokens: int) -> bool:
+        """Every rank, once per model forward (backbone step or draft pass), before its first MoE layer, with its
+        own token count: the ranks agree whether this forward's MoE layers take the static path."""
+        self.static = agree_static(self.buffers, tokens, self.agree_group if self.agree_group is not None
+                                   else self.group)
+        return self.static
 
     def for_layer(self, layer: int | None):
         """(placement, (replicas, copies) or None, load row or None) for MoE layer `layer`."""
@@ -117,14 +138,18 @@ def ep_moe_experts(
     group: dist.ProcessGroup | None = None,
     load: torch.Tensor | None = None,
     replicas: tuple[torch.Tensor, torch.Tensor] | None = None,
+    experts_op=None,
+    buffers: StaticBuffers | None = None,
 ) -> torch.Tensor:
     """The expert-parallel twin of `moe_experts`: x [T, D] this rank's tokens, weights [T, k] fp32 and idx [T, k]
     logical expert ids from the router, `experts` this rank's physical slots (`local_experts`), `shared` the
     shared expert (every rank holds it). Returns [T, D] in x's dtype, bitwise equal on the CPU to `moe_experts`
     over the same tokens with all logical experts. Every rank of `group` must call it at each MoE layer, with
-    T = 0 when it has no tokens. `load` ([per_rank] int64, optional) gets += the rows each local slot computed:
-    the per-physical-expert counts EPLB measures (added on the device: no host read). `replicas`: the placement's
-    `replica_table` on x's device (EPLB's prebuilt table), else built per call."""
+    T = 0 when it has no tokens, and every rank with `buffers` or every rank without. `load` ([per_rank] int64,
+    optional) gets += the rows each local slot computed: the per-physical-expert counts EPLB measures (added on
+    the device: no host read). `replicas`: the placement's `replica_table` on x's device (EPLB's prebuilt table),
+    else built per call. `experts_op`: the registered moe_experts op (default: the torch reference). `buffers`:
+    the static path (ep_dispatch.StaticBuffers; T must fit them), else the variable-size path."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if placement.num_ranks != world:
         raise ValueError(f"placement is for {placement.num_ranks} ranks; the group has {world}")
@@ -132,58 +157,77 @@ def ep_moe_experts(
     if n_local != placement.per_rank:
         raise ValueError(f"rank {me} holds {n_local} experts; the placement gives it {placement.per_rank}")
     tokens, k = idx.shape
-    if tokens and k > 1 and (idx.sort(dim=1).values.diff(dim=1) == 0).any():
+    if buffers is not None and not buffers.fits(tokens):
+        raise ValueError(f"{tokens} tokens on the static path, whose buffers hold {buffers.max_tokens} per rank: "
+                         "the ranks must agree on the path first (ExpertParallel.begin_forward)")
+    if tokens and k > 1 and not x.is_cuda and (idx.sort(dim=1).values.diff(dim=1) == 0).any():
         raise ValueError("a token chose the same expert twice")
-    dev, hidden = x.device, x.shape[-1]
+    op = experts_op or torch_moe_experts
+    hidden = x.shape[-1]
 
-    # route every (token, choice) to a physical slot; send in order of destination rank (stable: token, choice)
+    # every (token, choice) routed to a physical slot, in (token, choice) order
     phys = choose_copies(idx, placement, me, replicas).reshape(-1)
     dest = phys // placement.per_rank
-    order = torch.argsort(dest, stable=True)
-    send_counts = torch.bincount(dest, minlength=world)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
-
-    # dispatch: hidden rows, and (local slot, routing weight) packed in one int64 per row
-    recv_x = x.new_empty(sum(recv_sizes), hidden)
-    dist.all_to_all_single(recv_x, x[order // k].contiguous(), recv_sizes, send_sizes, group=group)
-    meta = _pack(phys[order] % placement.per_rank, weights.reshape(-1)[order])
-    recv_meta = torch.empty(sum(recv_sizes), dtype=torch.int64, device=dev)
-    dist.all_to_all_single(recv_meta, meta, recv_sizes, send_sizes, group=group)
-    slot, w = _unpack(recv_meta)
-
-    # this rank's experts, each over the rows sent to it (from every source rank)
-    out = x.new_empty(recv_x.shape)
-    for j in torch.unique(slot).tolist():
-        rows = torch.where(slot == j)[0]
-        w1, w2, w3 = _dense(experts, j, x.dtype)
-        out[rows] = swiglu_expert(recv_x[rows], w1, w2, w3, swiglu_limit, w[rows, None])
-    if load is not None:
-        # index_add_ rather than bincount: bincount sizes its output from the ids' max, a host read on CUDA
-        load.index_add_(0, slot, load.new_ones(()).expand(slot.numel()))
-
-    # combine: the outputs return to their token's rank in the order they were sent
-    back = x.new_empty(len(order), hidden)
-    dist.all_to_all_single(back, out, send_sizes, recv_sizes, group=group)
-    contrib = torch.empty_like(back)
-    contrib[order] = back
+    meta = _pack(phys % placement.per_rank, weights.reshape(-1))
+    token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+    if buffers is not None:
+        row = send_rows(dest, world, buffers.capacity)
+        recv_x, recv_meta = dispatch_static(buffers, x, token, meta, row, group)
+        out = _compute(op, recv_x, recv_meta, experts, swiglu_limit, load)
+        contrib = combine_static(buffers, out, row, group)
+    else:
+        contrib = _variable(op, x, token, meta, dest, world, experts, swiglu_limit, load, group)
     contrib = contrib.view(tokens, k, hidden)
 
     # sum each token's experts in ascending logical id (the single-process op's order), then the shared expert
     by_id = idx.argsort(dim=1)
-    y = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j in range(k):
         pick = by_id[:, j, None, None].expand(-1, 1, hidden)
         y += contrib.gather(1, pick).squeeze(1).float()
-    if shared is not None:
-        w1, w2, w3 = shared.dense(0, x.dtype) if isinstance(shared, PackedExperts) else shared
-        y += swiglu_expert(x, w1, w2, w3, swiglu_limit).float()
+    if shared is not None and tokens:
+        one = shared if isinstance(shared, PackedExperts) else [shared]
+        y += op(x, torch.ones(tokens, 1, device=x.device), torch.zeros(tokens, 1, dtype=torch.int64,
+                                                                          device=x.device), one, None,
+                swiglu_limit).float()
     return y.to(x.dtype)
 
 
-def _dense(experts, e: int, dtype: torch.dtype):
-    return experts.dense(e, dtype) if isinstance(experts, PackedExperts) else experts[e]
+def _compute(op, rows: torch.Tensor, meta: torch.Tensor, experts: Experts, limit: float,
+             load: torch.Tensor | None) -> torch.Tensor:
+    """The received rows through this rank's experts: one expert per row (its local slot; -1: an unused row of
+    the static buffers, which the op skips), each scaled by its routing weight. Returns [R, D] in rows' dtype."""
+    slot, w = _unpack(meta)
+    unused = meta < 0
+    slot = torch.where(unused, -1, slot)
+    w = torch.where(unused, 0.0, w)
+    if load is not None:
+        # index_add_ rather than bincount: bincount sizes its output from the ids' max, a host read on CUDA
+        load.index_add_(0, slot.clamp(min=0), (~unused).to(load.dtype))
+    if rows.shape[0] == 0:
+        return rows.new_empty(rows.shape)
+    return op(rows, w[:, None], slot[:, None], experts, None, limit)
+
+
+def _variable(op, x, token, meta, dest, world, experts, limit, load, group) -> torch.Tensor:
+    """The variable-size path: rows sent in order of destination rank (stable: token, choice) after the counts
+    are exchanged and read on the host. Returns each row's output in (token, choice) order."""
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.zeros(world, dtype=torch.int64, device=x.device)
+    send_counts.index_add_(0, dest, torch.ones_like(dest))
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
+    recv_x = x.new_empty(sum(recv_sizes), x.shape[-1])
+    dist.all_to_all_single(recv_x, x[token[order]].contiguous(), recv_sizes, send_sizes, group=group)
+    recv_meta = torch.empty(sum(recv_sizes), dtype=torch.int64, device=x.device)
+    dist.all_to_all_single(recv_meta, meta[order].contiguous(), recv_sizes, send_sizes, group=group)
+    out = _compute(op, recv_x, recv_meta, experts, limit, load)
+    back = x.new_empty(len(order), x.shape[-1])
+    dist.all_to_all_single(back, out.contiguous(), send_sizes, recv_sizes, group=group)
+    contrib = torch.empty_like(back)
+    contrib[order] = back
+    return contrib
 
 
 def _pack(slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

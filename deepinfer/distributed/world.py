@@ -79,6 +79,9 @@ class World:
     ep_group: dist.ProcessGroup | None  # None: expert_parallel_size 1 (every rank holds every expert)
     ep_rank: int
     cp_group: dist.ProcessGroup | None = None  # the context-parallel group (the world: one replica), None: cp 1
+    # a gloo group of the same ranks as ep_group, for the host-side agreement each forward starts with
+    # (ExpertParallel.begin_forward); None: ep_group itself is gloo (the CPU) or there is none
+    ep_agree_group: dist.ProcessGroup | None = None
 
     @property
     def cp_size(self) -> int:
@@ -121,7 +124,7 @@ def join(parallel: ParallelSettings, device: str) -> World:
     timeout = timedelta(seconds=parallel.timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
     ep = parallel.expert_parallel_size
-    ep_group = None
+    ep_group = ep_agree = None
     if ep > 1:
         ranks = expert_groups(size, ep)
         if len(ranks) == 1:
@@ -129,9 +132,12 @@ def join(parallel: ParallelSettings, device: str) -> World:
         else:
             made = [dist.new_group(r, timeout=timeout) for r in ranks]  # every rank creates every group, in order
             ep_group = made[rank // ep]
+        if device == "cuda":  # the agreement is a host collective: never a device sync
+            agree = [dist.new_group(r, timeout=timeout, backend="gloo") for r in ranks]
+            ep_agree = agree[rank // ep]
     # context parallel: one replica (config.layout.context_parallel_refusal), so the group is the world
     cp_group = dist.group.WORLD if parallel.context_parallel_size > 1 else None
-    _current = World(rank, size, local, device, parallel, control, ep_group, rank % ep, cp_group)
+    _current = World(rank, size, local, device, parallel, control, ep_group, rank % ep, cp_group, ep_agree)
     return _current
 
 

@@ -129,7 +129,8 @@ def rank_core(build, options, world: World, settings) -> tuple[EngineCore, objec
 
     p = settings.parallel
     if p.expert_parallel_size > 1 and world.device == "cuda" and not options.enforce_eager:
-        # the all-to-all reads its row counts on the host: a decode step cannot be captured as a CUDA graph
+        # the static dispatch (distributed/ep_dispatch.py) reads nothing back, but a graph capture runs forwards
+        # (warm-up, capture) whose collectives the other ranks must join: the runner does not capture in lockstep yet
         print(f"deepinfer: rank {world.rank}: expert parallel decode steps run eagerly (no CUDA graphs)",
               file=sys.stderr, flush=True)
         options = dataclasses.replace(options, enforce_eager=True)

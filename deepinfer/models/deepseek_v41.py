@@ -67,6 +67,7 @@ class DeepseekV41Model:
             Attention(cfg, i, lw.attn, ops, self.main_freqs, self.compress_freqs) for i, lw in enumerate(self.layers)
         ]
         self.layer_hook = None  # optional callable(i) at each layer boundary (0..n_layers): benchmarks time layers
+        self.engram_host = None  # Engram tables in host memory (keep_engram_on_host), else on the device
         self.engram = None
         if cfg.engram_layer_ids:
             if tokenizer is None:
@@ -87,9 +88,11 @@ class DeepseekV41Model:
         # the image path (deepinfer.models.vision.VisionModel), attached by the loader when the checkpoint has one;
         # None: the model serves text and refuses images
         self.vision = None
+        # the DSpark draft layers hold every one of their routed experts on every rank, also under expert
+        # parallelism (their MoE runs locally, `_moe` with layer None): drafting needs no collective, so a rank
+        # drafts whenever it has sequences to draft for, and only the verification step, a backbone forward,
+        # joins the other ranks
         drafts = arrange_drafts(cfg, weights, dtype)
-        if drafts is not None and ep is not None:
-            raise ValueError("expert parallel does not support the DSpark draft layers (mtp.*) yet; load them off")
         self.drafter = None
         if drafts is not None:
             from .dspark import DSpark
@@ -103,6 +106,19 @@ class DeepseekV41Model:
             attn.ops = ops
         if self.drafter is not None:
             self.drafter.use_ops(ops)
+
+    def keep_engram_on_host(self, max_tokens: int) -> None:
+        """Move the Engram tables to host memory (pinned on CUDA; models/engram_host.py): each step copies the rows
+        it picks to the device, for steps of at most `max_tokens` tokens. The outputs are unchanged."""
+        from .engram_host import HostEngram
+
+        held = [lw.engram for lw in self.layers if lw.engram is not None]
+        if not held or self.engram_host is not None:
+            return
+        cols = self.engram.offsets.shape[-1]  # bucket ids per token and Engram layer: (N - 1) x heads
+        self.engram_host = HostEngram([e.embed for e in held], cols, max_tokens, self.device)
+        for e in held:
+            e.embed = None  # the device copy goes
 
     # ---- memory ----------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -155,6 +171,8 @@ class DeepseekV41Model:
         switches the rows and metadata the decoder layers run on."""
         cfg, ops = self.config, self.ops
         x = self._embed(meta)
+        if self.expert_parallel is not None:  # the ranks agree on this forward's dispatch path (static or variable)
+            self.expert_parallel.begin_forward(x.shape[0])
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         # the first attention site collapses stream 0 (the embedding): a one-hot "previous pre-mix"
         pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=self.device)
@@ -164,6 +182,8 @@ class DeepseekV41Model:
         hash_ids = self._engram_hash(full, pools) if self.engram is not None else None
         if cp is not None and hash_ids is not None:
             hash_ids = hash_ids[cp.own]
+        if self.engram_host is not None:
+            self.engram_host.fetch(hash_ids)
         pools.win_pos.index_copy_(0, full.window.write_row, full.positions.to(torch.int32))
 
         image = self._image_mask(meta)  # None on a step without image spans
@@ -176,10 +196,13 @@ class DeepseekV41Model:
             if drafter is not None and i in drafter.targets:  # DSpark context: the trunk entering the layer
                 features.append(streams.float().mean(1).to(self.dtype))
             if lw.engram is not None:
-                streams = self._engram(streams, lw.engram, hash_ids[:, cfg.engram_layer_ids.index(i)], image)
+                j = cfg.engram_layer_ids.index(i)
+                streams = self._engram(streams, lw.engram, hash_ids[:, j], image, j)
             if replay is not None and i == replay.boundary:
                 streams, pre, meta, hash_ids = replay.enter(self, streams, pre, meta, pools, hash_ids)
                 image = self._image_mask(meta)
+                if self.engram_host is not None:  # the replayed rows' Engram rows
+                    self.engram_host.fetch(hash_ids)
             streams, pre = self._block(streams, pre, lw, attn, meta, pools, i, image)
         if hook is not None:
             hook(len(self.layers))
@@ -235,7 +258,7 @@ class DeepseekV41Model:
     def _moe(self, g: torch.Tensor, moe: MoE, layer: int | None = None, image: torch.Tensor | None = None
              ) -> torch.Tensor:
         """`layer`: the backbone layer index (expert parallel with EPLB keeps a placement, dispatch table and
-        token counts per layer); None for the draft layers. `image` [T] bool: rows that select their experts with
+        token counts per layer); None for the draft layers, whose experts every rank holds (never a collective). `image` [T] bool: rows that select their experts with
         `bias_vl` instead of `bias` (image-span positions, VISION_SPEC.md §6.3; the weights stay the scores)."""
         cfg, ops = self.config, self.ops
         bias = moe.gate.bias
@@ -246,10 +269,11 @@ class DeepseekV41Model:
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         ep = self.expert_parallel
-        if ep is not None:  # moe.experts: this rank's physical slots; a collective over ep.group
+        if ep is not None and layer is not None:  # moe.experts: this rank's physical slots; a collective
             placement, replicas, load = ep.for_layer(layer)
             return ep_moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit, placement,
-                                  ep.group, load=load, replicas=replicas)
+                                  ep.group, load=load, replicas=replicas, experts_op=ops.moe_experts,
+                                  buffers=ep.buffers if ep.static else None)
         return ops.moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit)
 
     # ---- engram ----------------------------------------------------------------------------
@@ -266,11 +290,13 @@ class DeepseekV41Model:
         pools.ngram.index_copy_(0, write_row, new)  # after the read: a long chunk may reuse rows it read
         return self.ops.engram_hash(look, tabs.multipliers, tabs.primes, tabs.offsets)
 
-    def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor, image: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """`image` [T] bool: image-span rows, which pass through unchanged (VISION_SPEC.md §6.4)."""
+    def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor, image: torch.Tensor | None = None,
+                j: int = 0) -> torch.Tensor:
+        """`image` [T] bool: image-span rows, which pass through unchanged (VISION_SPEC.md §6.4). `j`: the Engram
+        layer's index (its rows come from the host tables' step copy when they are in host memory)."""
         cfg, ops = self.config, self.ops
-        rows = engram.embed[ids].flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
+        table_rows = self.engram_host.rows(j) if self.engram_host is not None else engram.embed[ids]
+        rows = table_rows.flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
         kv = ops.linear(rows, engram.wkv)
         key, value = kv.split([cfg.hc_mult * cfg.hidden_size, cfg.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (cfg.hc_mult, cfg.hidden_size))

@@ -87,6 +87,10 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
         # expert parallel (parallel.expert_parallel_size > 1): only this rank's routed experts are read
         **expert_parallel_kwargs(settings, model_dir, weights),
     )
+    if settings.model.engram_storage == "host" and weights:
+        d, e = settings.decoding, settings.engine  # the largest step: a prefill budget or a verification step
+        model.keep_engram_on_host(max(e.max_num_batched_tokens,
+                                      e.max_num_seqs * (1 + (d.num_draft_tokens if d.name == "dspark" else 0))))
     settings = with_model_limits(settings, model.config.max_position_embeddings)
     check_replay_fits(settings, model.config.sliding_window)
     vocab = min(model.config.vocab_size, model.tokenizer.get_vocab_size())
@@ -99,7 +103,8 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
 def expert_parallel_kwargs(settings: Settings, model_dir, weights: bool = True) -> dict:
     """load_model's expert-parallel arguments for this rank under `settings` ({} with one rank per expert set or
     without weights): DeepInfer's initial placement of the routed experts plus at least eplb.redundant_experts
-    copies (rounded up to divide over the EP ranks), this rank's place in its EP group. It reads the world this
+    copies (rounded up to divide over the EP ranks), this rank's place in its EP group, the static dispatch's
+    token bound and the gloo group its per-forward agreement runs on. It reads the world this
     process joined (deepinfer.distributed.world), so it belongs to the builder, which sits above both the model and
     the distributed floor."""
     p = settings.parallel
@@ -116,7 +121,12 @@ def expert_parallel_kwargs(settings: Settings, model_dir, weights: bool = True) 
                            "(deepinfer.engine.dp_core.rank_core), after deepinfer.distributed.world.join")
     cfg = ModelConfig.from_file(Path(resolve_model_dir(model_dir, weights=False)) / "config.json")
     placement = ExpertPlacement.initial(cfg.n_routed_experts, p.expert_parallel_size, p.eplb.redundant_experts)
-    return {"expert_placement": placement, "ep_rank": w.ep_rank, "ep_group": w.ep_group}
+    # the static-capacity dispatch (distributed/ep_dispatch.py) holds a decode step of every sequence: one token
+    # each, plus the draft tokens a DSpark verification step adds; larger steps (prefill) take the variable path
+    d = settings.decoding
+    per_seq = 1 + (d.num_draft_tokens if d.name == "dspark" else 0)
+    return {"expert_placement": placement, "ep_rank": w.ep_rank, "ep_group": w.ep_group,
+            "ep_max_tokens": settings.engine.max_num_seqs * per_seq, "ep_agree_group": w.ep_agree_group}
 
 
 def model_location(path: str):

@@ -168,9 +168,12 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     on an H200 (benchmarks/results/moe_v3_gpu_h200.json). The shared expert (one expert, a few dozen blocks: it
     cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed pass."""
     if registry.batch_invariant():
-        return _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit)
-    if moe_prefill.wanted(x.shape[0]):
-        return moe_prefill.moe_experts_grouped(x, weights, idx, routed, shared, swiglu_limit)
+        return _moe_experts_invariant(x, *no_expert_as_zero_weight(weights, idx), routed, shared, swiglu_limit)
+    if moe_prefill.wanted(x.shape[0]) and not torch.cuda.is_current_stream_capturing():
+        # (a graph capture, e.g. of an expert-parallel decode step over its fixed-size receive buffer, keeps the
+        # streaming kernel: the grouped path reads its row counts on the host)
+        return moe_prefill.moe_experts_grouped(x, *no_expert_as_zero_weight(weights, idx), routed, shared,
+                                               swiglu_limit)
     assert x.dtype == torch.bfloat16
     x = x.contiguous()
     T_, k = idx.shape
@@ -188,6 +191,14 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     if shared is not None:
         main.wait_stream(side)
     return y.to(x.dtype)
+
+
+def no_expert_as_zero_weight(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx entries of -1 (no expert: torch moe_experts' contract) as expert 0 with routing weight 0, for the paths
+    that need every assignment placed (the streaming kernel's moe_prep skips -1 itself). A zero-weight row adds
+    zeros: the receive buffers of expert parallelism hold zero or finite rows."""
+    none = idx < 0
+    return torch.where(none, 0.0, weights.float()), torch.where(none, 0, idx)
 
 
 def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):

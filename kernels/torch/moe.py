@@ -62,7 +62,8 @@ def moe_experts(
     swiglu_limit: float,
 ) -> torch.Tensor:
     """Routed experts (w1, w2, w3 per expert, or PackedExperts: each touched expert is dequantised for the call)
-    plus the shared expert, accumulated in fp32 in expert order; returns [T, D] in x's dtype.
+    plus the shared expert, accumulated in fp32 in expert order; returns [T, D] in x's dtype. An id of -1 in
+    `idx` is no expert: it adds nothing (expert parallelism's fixed-size receive buffers mark their unused rows so).
 
     The experts a batch touches are found on the host, which a captured CUDA graph cannot do: on CUDA, a model
     with few experts runs every expert over every token instead, masked by its routing weight (0 for tokens that
@@ -77,6 +78,8 @@ def moe_experts(
             y += swiglu_expert(x, w1, w2, w3, swiglu_limit, weight).float()
     else:
         for e in torch.unique(idx).tolist():
+            if e < 0:
+                continue
             rows, slot = torch.where(idx == e)
             w1, w2, w3 = _expert(experts, e, x.dtype)
             y[rows] += swiglu_expert(x[rows], w1, w2, w3, swiglu_limit, weights[rows, slot, None]).float()

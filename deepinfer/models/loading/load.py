@@ -45,6 +45,8 @@ def load_model(
     expert_placement: ExpertPlacement | None = None,
     ep_rank: int = 0,
     ep_group: ProcessGroup | None = None,
+    ep_max_tokens: int = 0,
+    ep_agree_group: ProcessGroup | None = None,
 ) -> DeepseekV41Model | ModelCard:
     """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
     ModelCard, for a frontend whose engine process holds the weights).
@@ -75,14 +77,18 @@ def load_model(
     Only the routed experts of the rank's physical slots are read from the checkpoint (a replicated expert once);
     shared experts, attention, router, embeddings and Engram tables load in full on every rank. The model runs in
     expert-parallel mode (`model.expert_parallel`, deepinfer.distributed.expert_parallel.ExpertParallel): every rank
-    must call `forward` the same number of times. One log line gives this rank's weight bytes. The draft layers
-    are not supported with it yet: pass `draft_layers=False` for a checkpoint that has them. With
+    must call `forward` the same number of times. The DSpark draft layers (`draft_layers`) load whole on every
+    rank: their routed experts are replicated, so drafting has no collective. One log line gives this rank's
+    weight bytes. `ep_max_tokens` > 0 allocates the static-capacity dispatch buffers
+    (deepinfer.distributed.ep_dispatch) for forwards of at most that many tokens per rank; every forward then
+    starts with the ranks' agreement on the path, on `ep_agree_group` (a gloo group of the same ranks; None:
+    ep_group, which must then be gloo). With
     `load_format="dummy"` every expert is drawn (the draws depend on all of them) and the other ranks' are dropped."""
     dummy = load_format == "dummy"
     model_dir = resolve_model_dir(model, weights=not dummy)
     local = None
     if expert_placement is not None:
-        local = _check_expert_parallel(model_dir, expert_placement, ep_rank, ep_group, draft_layers)
+        local = _check_expert_parallel(model_dir, expert_placement, ep_rank, ep_group)
     if packed_experts is None:
         packed_experts = torch.device(device).type == "cuda"
     if fp8_linears is None:
@@ -109,13 +115,17 @@ def load_model(
         return _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype), vision, model_dir)
     ep = ExpertParallel(expert_placement, ep_rank, ep_group)
     model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
+    if ep_max_tokens:
+        top_k = max(lw.ffn.top_k or ckpt.config.num_experts_per_tok for lw in model.layers)
+        ep.plan_static(ep_max_tokens, top_k, ckpt.config.hidden_size, dtype, device, ep_agree_group)
     _with_vision(model, vision, model_dir)
     del ckpt
     log.info(
         "expert parallel rank %d of %d: %d of %d physical expert slots per layer (%d distinct experts of %d), "
-        "weights on this rank %.3f GB (routed experts %.3f GB)", ep_rank, expert_placement.num_ranks,
-        expert_placement.per_rank, expert_placement.num_physical, len(set(local)), expert_placement.num_logical,
-        model.weight_bytes() / 1e9, model.routed_expert_bytes() / 1e9)
+        "weights on this rank %.3f GB (routed experts %.3f GB); static dispatch buffers %.3f GB", ep_rank,
+        expert_placement.num_ranks, expert_placement.per_rank, expert_placement.num_physical, len(set(local)),
+        expert_placement.num_logical, model.weight_bytes() / 1e9, model.routed_expert_bytes() / 1e9,
+        ep.buffers.nbytes / 1e9 if ep.buffers is not None else 0.0)
     return model
 
 
@@ -133,7 +143,7 @@ def _with_vision(model: DeepseekV41Model, vision, model_dir) -> DeepseekV41Model
     return model
 
 
-def _check_expert_parallel(model_dir, placement, rank: int, group, draft_layers: bool) -> tuple[int, ...]:
+def _check_expert_parallel(model_dir, placement, rank: int, group) -> tuple[int, ...]:
     """One-line errors for an expert-parallel load that cannot work; returns the rank's logical experts."""
     import torch.distributed as dist
 
@@ -143,9 +153,6 @@ def _check_expert_parallel(model_dir, placement, rank: int, group, draft_layers:
                          f"n_routed_experts={cfg.n_routed_experts}")
     if not 0 <= rank < placement.num_ranks:
         raise ValueError(f"ep_rank={rank} is out of range; allowed: 0..{placement.num_ranks - 1}")
-    if draft_layers and cfg.num_nextn_predict_layers > 0:
-        raise ValueError("expert parallel does not support the DSpark draft layers (mtp.*) yet; pass "
-                         "draft_layers=False")
     if dist.is_initialized():
         world, me = dist.get_world_size(group), dist.get_rank(group)
         if world != placement.num_ranks or me != rank:
