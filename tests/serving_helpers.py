@@ -3,6 +3,7 @@ the engine core in-process so tests can look at its cache manager."""
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 
@@ -10,7 +11,7 @@ import uvicorn
 
 from deepinfer.api import load_settings
 from deepinfer.serving.app import build_app
-from deepinfer.serving.server import build_state
+from deepinfer.serving.server import build_state, http_config
 
 MODEL = "deepinfer-embedded-tiny"  # the embedded model's served name (serving.server.model_identity)
 
@@ -20,8 +21,10 @@ class ThreadServer:
         settings = load_settings(["serve=openai", "serve.port=0", "engine.process=inproc", "runtime.seed=0",
                                   "cache.memory_budget=134217728", *overrides])
         self.state, self.engine = build_state(settings)
-        config = uvicorn.Config(build_app(self.state), host="127.0.0.1", port=0, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=2)
+        # the server's own uvicorn settings (connection cap, head timeout), no signal handlers (a thread)
+        file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        config = http_config(build_app(self.state), settings.serve, self.state.metrics.connections, file_limit,
+                             host="127.0.0.1", port=0)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -360,6 +360,28 @@ class ServeSettings:
     # null: no key (a warning at start when serve.host is not loopback). DEEPINFER_API_KEY sets it (conf/serve)
     api_key: Optional[str] = None
     log_level: str = setting("warning", allowed=("critical", "error", "warning", "info", "debug"))
+    # ---- what one client may cost (serving/guard.py, serving/connections.py) ----
+    # a request body larger than this is answered 413 before it is read in full (Content-Length, or counted as it
+    # streams in), and before it is parsed
+    max_body_bytes: int = setting(4 << 20, allowed=up_to(1024, 1 << 30))
+    # seconds a connection may take to send a request's head (request line and headers), counted from its opening
+    # or from the end of its previous response; then it is closed (a slow or silent sender)
+    header_timeout: float = setting(10.0, allowed=MAX_SECONDS)
+    # seconds a request's whole body may take to arrive once its head has; then 408 and the connection is closed
+    body_timeout: float = setting(30.0, allowed=MAX_SECONDS)
+    keep_alive_timeout: float = setting(5.0, allowed=MAX_SECONDS)  # seconds an idle keep-alive connection is kept
+    # open connections beyond this are answered 503 and closed at once; null: 3/4 of the open-file limit (whose
+    # soft value is raised to the hard one at start), at most 16384. Must stay below the open-file limit
+    max_connections: Optional[int] = setting(None, allowed=up_to(1, 1 << 20))
+    # Host header names accepted (a DNS-rebinding guard); "*": any. null: loopback names only when serve.host is
+    # loopback, any otherwise (a warning at start then)
+    allowed_hosts: Optional[List[str]] = None
+    # browser origins (scheme://host[:port]) whose cross-origin requests are served, with CORS headers; "*": any.
+    # A request with an Origin header not listed is answered 403. Empty: none
+    allowed_origins: List[str] = setting(factory=list)
+    # the server exits (code 1, one line) when its engine core dies or hangs, so a supervisor restarts it (vLLM's
+    # behaviour); false: it stays up and answers 503
+    exit_on_engine_death: bool = True
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,12 @@ class ProcessClient:
                     raise EngineDeadError(f"the engine core did not start within {timeout:.0f} s")
                 return None
 
+    def heartbeat_age(self) -> float | None:
+        """Seconds since the core's newest heartbeat was sent, as of the frontend's last look (it looks every
+        liveness_poll_s while it waits); None before the core is ready. Any thread may read it."""
+        beat = self._last_beat
+        return None if beat is None else time.monotonic() - beat
+
     def _pending_input(self) -> bool:
         return bool(self._sock.poll(0))
 

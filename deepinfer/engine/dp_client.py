@@ -11,8 +11,10 @@ Under torchrun (RANK and WORLD_SIZE already set) the ranks exist already: rank 0
 engine core, which inherits the environment and so joins as rank 0; the other torchrun processes run
 deepinfer.engine.core_process.run_rank themselves.
 
-A rank that exits ends the run: between its waits the frontend polls the ranks it started, and an exit (or rank 0's
-report that a collective failed) becomes one EngineDeadError naming the rank; close() stops them all, bounded.
+A rank that exits ends the run: between its waits the frontend polls the ranks it started, rank 0 included, and an
+exit (or rank 0's report that a collective failed) becomes one EngineDeadError naming the rank that died (one killed
+by a signal before one that exited because its peer was gone) and the ranks stopped because of it; close() stops
+them all, bounded.
 """
 
 from __future__ import annotations
@@ -38,6 +40,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def death_message(exited: list[tuple[int, object, int]], world_size: int) -> str:
+    """One line for ranks that exited, as (rank, process, exit code): the cause first (a rank killed by a signal
+    before one that exited on its own, which is what a rank does when a peer is gone; then the lowest rank), the
+    others named as stopped because of it."""
+    ordered = sorted(exited, key=lambda e: (e[2] >= 0, e[0]))
+    rank, proc, code = ordered[0]
+    line = f"data-parallel rank {rank} of {world_size} (pid {proc.pid}) {_how(code)}"
+    if len(ordered) > 1:
+        line += "; stopped because of it: " + ", ".join(f"rank {r} {_how(c)}" for r, _, c in ordered[1:])
+    return line + "; the other ranks cannot run without it, so every unfinished request ended"
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class DataParallelClient(ProcessClient):
@@ -73,22 +96,22 @@ class DataParallelClient(ProcessClient):
             self._stop_followers()
             raise
 
-    # ---- liveness: rank 0 through ProcessClient, the others here -----------------------------------------------
+    # ---- liveness: rank 0 through ProcessClient, every rank's exit here ------------------------------------------
     def _check_health(self, what: str) -> None:
-        dead = self._dead_follower()
+        dead = self._dead_rank()
         if dead is not None:
             self._mark_dead(f"{dead} while the frontend waited for the engine's {what}")
         super()._check_health(what)
 
-    def _dead_follower(self, wait_s: float = 0.0) -> str | None:
+    def _dead_rank(self, wait_s: float = 0.0) -> str | None:
+        """The rank that died, named (None while every rank runs): rank 0 is polled with the others, so a killed
+        rank 0 is not reported as the follower that exited because its peer was gone."""
         deadline = time.monotonic() + wait_s
         while True:
-            for r, proc in self.followers:
-                code = proc.poll()
-                if code is not None:
-                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                    return (f"data-parallel rank {r} of {self.parallel.world_size} (pid {proc.pid}) {how}; the "
-                            "other ranks cannot run without it, so every unfinished request ended")
+            ranks = [(0, self.process), *self.followers]
+            exited = [(r, proc, proc.poll()) for r, proc in ranks if proc.poll() is not None]
+            if exited:
+                return death_message(exited, self.parallel.world_size)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -96,7 +119,7 @@ class DataParallelClient(ProcessClient):
     def _mark_dead(self, message: str, details: str | None = None) -> None:
         # rank 0 often notices first (its collective fails): name the rank that caused it when one exited
         if not self._closed and not message.startswith("data-parallel rank"):
-            dead = self._dead_follower(DEATH_WAIT_S) or self._stopped_follower()
+            dead = self._dead_rank(DEATH_WAIT_S) or self._stopped_follower()
             if dead is not None:
                 message, details = dead, f"rank 0: {message}\n{details or ''}"
         super()._mark_dead(message, details)

@@ -27,6 +27,7 @@ log = logging.getLogger("deepinfer.serving")
 
 POLL_S = 0.005  # how long one get() waits: bounds the delay a new request or abort sees before it is sent
 IDLE_WAIT_S = 0.05  # an in-process core with no work: wait this long for a submission before stepping again
+LATE_BEATS, LATE_MIN_S = 4, 1.0  # health(): a heartbeat older than 4 intervals (and 1 s) is late
 
 
 @dataclass
@@ -108,6 +109,21 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._run(), name="deepinfer-engine-loop")
+
+    def health(self) -> str | None:
+        """None while the engine serves; otherwise why not: it is dead, or its core's heartbeat is late (more than
+        LATE_BEATS heartbeat intervals old, at least LATE_MIN_S: a stopped or hung core, reported long before the
+        client's engine.heartbeat_timeout declares it dead)."""
+        if self.dead is not None:
+            return self.dead
+        age_of = getattr(self.client, "heartbeat_age", None)
+        age = age_of() if age_of is not None else None
+        if age is not None:
+            late = max(LATE_MIN_S, LATE_BEATS * self.client.options.heartbeat_interval_s)
+            if age > late:
+                return (f"the engine core's heartbeat is {age:.1f} s old (late after {late:g} s): it is stopped or "
+                        "hung")
+        return None
 
     @property
     def num_in_flight(self) -> int:

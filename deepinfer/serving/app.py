@@ -16,8 +16,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer.serving import auth
+from deepinfer.serving.body import json_body
 from deepinfer.serving.completions_shape import CompletionShaper
-from deepinfer.serving.errors import HTTPError, json_body
+from deepinfer.serving.connections import install_loop_guard
+from deepinfer.serving.errors import HTTPError, log_refusal, unconvertible
+from deepinfer.serving.guard import Guard, GuardSettings
 from deepinfer.serving.lifecycle import SHUTTING_DOWN, Drain
 from deepinfer.serving.metrics import CONTENT_TYPE_LATEST
 from deepinfer.serving.request_run import RequestRun
@@ -37,6 +40,7 @@ class ServerState:
     max_model_len: int
     api_key: str | None = None  # serve.api_key: required on the guarded routes (serving/auth.py) when set
     shutdown_timeout: float = 5.0  # serve.shutdown_timeout: the drain's bound (serving/lifecycle.py)
+    guard: GuardSettings | None = None  # host, origin, content type, body limits (serving/guard.py); None: off
     drain: Drain | None = None  # made by build_app
     loop: asyncio.AbstractEventLoop | None = None  # the serving event loop, once started
 
@@ -46,12 +50,14 @@ class ClientGone(Exception):
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The routes over `state`; with state.api_key set, wrapped in the API-key check (an ASGI app either way)."""
+    """The routes over `state`; with state.api_key set, wrapped in the API-key check; with state.guard set, in the
+    host, origin, content-type and body checks of serving/guard.py (an ASGI app either way)."""
     state.drain = Drain(state.engine, state.shutdown_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.loop = asyncio.get_running_loop()
+        install_loop_guard(state.loop, state.metrics.connections)  # accept() out of descriptors never kills it
         state.engine.start(state.loop)  # the pump delivers to this loop
         yield
 
@@ -60,8 +66,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.engine.dead is not None:
-            return JSONResponse({"status": "error", "error": state.engine.dead}, status_code=503)
+        problem = state.engine.health()
+        if problem is not None:
+            return JSONResponse({"status": "error", "error": problem}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -87,9 +94,10 @@ def build_app(state: ServerState) -> FastAPI:
     for path, endpoint in ROUTES.items():
         app.add_api_route(path, _handler(state, endpoint), methods=["POST"])
     add_token_routes(app, state)
-    if state.api_key:
-        return _RequireKey(app, state.api_key)
-    return app
+    guarded = _RequireKey(app, state.api_key) if state.api_key else app
+    if state.guard is not None:
+        guarded = Guard(guarded, state.guard, state.metrics.connections)
+    return guarded
 
 
 class _RequireKey:
@@ -120,10 +128,15 @@ def _handler(state: ServerState, endpoint: str):
         try:
             body = await json_body(request)
             _admit(state)
-            if endpoint == "completions":
-                prepared = state.converter.convert_completion(body)
-            else:
-                prepared = state.converter.convert(endpoint, body)
+            try:
+                if endpoint == "completions":
+                    prepared = state.converter.convert_completion(body)
+                else:
+                    prepared = state.converter.convert(endpoint, body)
+            except (HTTPError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # the client's bytes, whatever the converter raised: never a 500
+                raise unconvertible(exc, endpoint) from None
             runs = _submit(state, prepared)
             await _until_disconnect(request, _start_all(runs))
             headers = {"x-deepinfer-ignored-fields": ",".join(prepared.ignored)} if prepared.ignored else {}
@@ -132,6 +145,7 @@ def _handler(state: ServerState, endpoint: str):
                                          headers={"Cache-Control": "no-cache", **headers})
             return await _until_disconnect(request, _complete(state, runs, prepared, headers))
         except HTTPError as exc:
+            log_refusal(request.method, request.url.path, exc)
             if not runs or exc.status != 400:
                 state.metrics.on_rejected(exc.status)
             _close(runs)

@@ -58,3 +58,11 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
         return None
     return (f"serving on {host} without an API key: anyone who can reach this port can use the model; set "
             "DEEPINFER_API_KEY (or serve.api_key) to require one")
+
+
+def host_warning(host: str, allowed_hosts) -> str | None:
+    """The warning printed at start when the server listens beyond loopback and accepts any Host header."""
+    if allowed_hosts is not None or is_loopback(host):
+        return None
+    return (f"serving on {host} with any Host header accepted: set serve.allowed_hosts to the names clients use, "
+            "to refuse requests routed here by a DNS-rebinding page")

@@ -24,6 +24,7 @@ import deepseek_recipe as dr
 
 from deepinfer.frontend.images import ImagePrompts
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.serving.body import check_prompt_chars
 from deepinfer.serving.constraints import ConstraintError, SpecialIds, after_thinking, so_args_for
 from deepinfer.serving.errors import HTTPError, bad_request, from_conversion
 from deepinfer.serving.images import expand_images
@@ -129,8 +130,14 @@ class Converter:
         encoding = dr.DeepseekV4Encoding() if model_version == dr.ModelVersion.DeepseekV4Pro else dr.DeepseekV41Encoding()
         self.encoding = encoding.with_tokenizer(self.dr_tokenizer)
         self.ids = SpecialIds(tokenizer)
+        # the longest token in characters: with max_model_len, the most characters a prompt that fits can have
+        self.longest_token = max(len(t) for t in tokenizer.get_vocab(with_added_tokens=True))
 
     # ---- shared -------------------------------------------------------------------------------------------
+    def check_prompt_size(self, body: dict) -> None:
+        """A 400 before tokenizing when the prompt has more characters than a prompt that fits can have."""
+        check_prompt_chars(body, self.max_model_len, self.longest_token)
+
     def check_model(self, body: dict) -> str:
         """The request's model (the served name when it names none); 404 model_not_found for any other name."""
         model = body.get("model")
@@ -157,6 +164,7 @@ class Converter:
         """The prompt a chat-like request renders to (the conversion and encoding `convert` uses; no sampling
         settings, no context check): /tokenize and /v1/messages/count_tokens."""
         body = {**body, "model": self.check_model(body)}
+        self.check_prompt_size(body)
         self._ignored(endpoint, body)
         if endpoint == "messages":
             body.setdefault("max_tokens", 1)  # count_tokens takes no max_tokens; the conversion wants one
@@ -259,6 +267,7 @@ class Converter:
         body = dict(body)
         model = self.check_model(body)
         body["model"] = model
+        self.check_prompt_size(body)
         ignored = self._ignored(endpoint, body)
         n, extras, guided = 1, {}, None
         if endpoint == "chat":
@@ -342,15 +351,17 @@ class Converter:
                 raise from_conversion(exc) from None
             try:
                 return req_cls(relaxed[0]).convert(self.options), relaxed[1]
-            except (dr.ConversionError, ValueError, TypeError, OverflowError):
+            except (dr.ConversionError, ValueError, TypeError, OverflowError, RecursionError):
                 raise from_conversion(exc) from None
-        except (ValueError, TypeError, OverflowError) as exc:  # the body does not deserialize into the request
-            # (OverflowError: an integer past the JSON number range, in any field)
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # the body does not deserialize
+            # into the request (OverflowError: an integer past the JSON number range; RecursionError: nested
+            # beyond the recipe's depth, which serving/body.py refuses first)
             raise bad_request(_first_line(exc)) from None
 
     # ---- legacy Completions ---------------------------------------------------------------------------------
     def convert_completion(self, body: dict) -> Prepared:
         model = self.check_model(body)
+        self.check_prompt_size(body)
         ignored = self._ignored("completions", body)
         n = _count(body.get("n"), "n")
         best_of = _count(body.get("best_of"), "best_of") if body.get("best_of") is not None else n

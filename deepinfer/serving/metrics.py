@@ -15,6 +15,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -34,6 +35,34 @@ def token_buckets(max_len: int) -> tuple[int, ...]:
                 return tuple(out)
             out.append(m * scale)
         scale *= 10
+
+
+class ConnectionCounters:
+    """What the connection layer refused or cut off (serving/connections.py, serving/guard.py); a collector of
+    the server's registry."""
+
+    NAMES = {"connections_refused": "Connections answered 503 at serve.max_connections",
+             "header_timeouts": "Connections closed because a request head did not arrive in serve.header_timeout",
+             "body_timeouts": "Requests answered 408: the body did not arrive in serve.body_timeout",
+             "bodies_too_large": "Requests answered 413: the body was larger than serve.max_body_bytes",
+             "accept_errors": "accept() failures for lack of file descriptors (EMFILE, ...), survived"}
+
+    def __init__(self, model_name: str = ""):
+        self.model_name = model_name
+        self.counts = collections.Counter({n: 0 for n in self.NAMES})
+        self.open_connections = 0
+
+    def add(self, name: str) -> None:
+        self.counts[name] += 1
+
+    def collect(self):
+        gauge = GaugeMetricFamily("deepinfer_connections_open", "Open HTTP connections", labels=["model_name"])
+        gauge.add_metric([self.model_name], self.open_connections)
+        yield gauge
+        for name, doc in self.NAMES.items():
+            family = CounterMetricFamily(f"deepinfer_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], self.counts[name])
+            yield family
 
 
 class ServerMetrics:
@@ -81,6 +110,8 @@ class ServerMetrics:
         self.cache_use = gauge("deepinfer_cache_utilization", "Share of the cache blocks in use (last step)")
         self.preemptions = counter("deepinfer_preemptions", "Requests preempted (recomputed later)")
         self.steps = counter("deepinfer_engine_steps", "Engine steps")
+        self.connections = ConnectionCounters(model_name)
+        r.register(self.connections)
         self._window: collections.deque = collections.deque()  # (time, tokens) of recent engine outputs
         self._lock = threading.Lock()
 

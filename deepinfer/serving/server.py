@@ -1,10 +1,13 @@
 """`python -m deepinfer serve=openai`: bind the port, load the model's tokenizer and limits, start the engine core,
 serve HTTP until SIGTERM / Ctrl-C, drain, then stop the engine (its process is reaped) and close the socket.
 
-The port is bound first (a port in use costs one line and exit code 2 before the model loads), then the engine is
+The open-file limit is raised to its hard value and the port is bound first (a port in use costs one line and exit
+code 2 before the model loads), then the engine is
 built before anything is served, so a model or config error also ends the command with one line and exit code 2
 (the CLI's handling) instead of a server that answers 503 forever. The first SIGTERM / Ctrl-C drains
 (serving/lifecycle.py: new requests 503, open ones get serve.shutdown_timeout seconds); a second one stops at once.
+With serve.exit_on_engine_death (the default) the server also stops when its engine core dies or hangs, and the
+command exits with code 1 after one line, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ EMBEDDED_PREFIX = "embedded:"
 # the DeepSeek API's names, accepted only when the loaded model is that model (its directory or hub id's last part
 # names it, a released suffix such as "-1017" allowed)
 DEEPSEEK_API_NAMES = ("DeepSeek-V4.1-Flash", "DeepSeek-V4-Pro")
+EXIT_ENGINE_DIED = 1  # serve.exit_on_engine_death: the engine core died or hung
+WATCH_S = 1.0  # the engine watcher's wake-up when nothing happens (the engine loop wakes it at once otherwise)
 
 
 def model_identity(model_path: str) -> str:
@@ -88,8 +93,9 @@ def build_state(settings):
     from deepinfer.engine.make_client import make_client
     from deepinfer.engine.options import EngineOptions
     from deepinfer.pipeline import load_program
-    from deepinfer.serving.app import ServerState
     from deepinfer.frontend.async_engine import AsyncEngine
+    from deepinfer.serving.app import ServerState
+    from deepinfer.serving.guard import GuardSettings
     from deepinfer.serving.metrics import ServerMetrics
 
     names = served_names(settings)  # model.path as configured
@@ -112,34 +118,54 @@ def build_state(settings):
         max_model_len=info.max_model_len,
         api_key=serve.api_key or None,
         shutdown_timeout=serve.shutdown_timeout,
+        guard=GuardSettings.from_serve(serve),
     )
     return state, engine
 
 
+def http_config(app, serve, counters, file_limit: int, **extra) -> uvicorn.Config:
+    """uvicorn's configuration for the server's settings: the connection cap and head timeout
+    (serving/connections.py), the idle keep-alive timeout, the log level. extra: more uvicorn.Config keys."""
+    from deepinfer.serving.connections import connection_cap, guarded_protocol
+    from deepinfer.serving.lifecycle import FINAL_WRITE_S
+
+    cap = connection_cap(serve.max_connections, file_limit)
+    return uvicorn.Config(app, http=guarded_protocol(cap, serve.header_timeout, counters), log_level=serve.log_level,
+                          access_log=False, lifespan="on", timeout_keep_alive=serve.keep_alive_timeout,
+                          timeout_graceful_shutdown=FINAL_WRITE_S, **extra)  # the drain has run by then
+
+
 def serve(settings) -> None:
-    """Serves until SIGTERM / SIGINT. The engine core is closed on every way out."""
+    """Serves until SIGTERM / SIGINT (exit 0), or until the engine core dies with serve.exit_on_engine_death
+    (one line, exit code EXIT_ENGINE_DIED). The engine core is closed on every way out."""
     from deepinfer.serving.app import build_app
-    from deepinfer.serving.auth import exposure_warning
-    from deepinfer.serving.lifecycle import FINAL_WRITE_S, bind
+    from deepinfer.serving.auth import exposure_warning, host_warning
+    from deepinfer.serving.connections import open_log_files, raise_open_file_limit
+    from deepinfer.serving.lifecycle import bind
 
     cfg = settings.serve
+    file_limit = raise_open_file_limit()
     sock = bind(cfg.host, cfg.port)  # before the model loads: a port in use is one line, exit 2
     try:
-        warning = exposure_warning(cfg.host, cfg.api_key)
-        if warning:
-            print(f"deepinfer: warning: {warning}", file=sys.stderr, flush=True)
+        for warning in (exposure_warning(cfg.host, cfg.api_key), host_warning(cfg.host, cfg.allowed_hosts)):
+            if warning:
+                print(f"deepinfer: warning: {warning}", file=sys.stderr, flush=True)
         state, engine = build_state(settings)
         try:
             app = build_app(state)
-            config = uvicorn.Config(app, log_level=cfg.log_level, access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=FINAL_WRITE_S)  # the drain has run by then
-            server = _Server(config, state.drain)
+            config = http_config(app, cfg, state.metrics.connections, file_limit)
+            server = _Server(config, state.drain, engine if cfg.exit_on_engine_death else None)
             _announce_when_bound(server, cfg.host, state.served_name)
+            open_log_files()  # logging must need no new file descriptor once clients hold them
             server.run(sockets=[sock])  # installs SIGINT/SIGTERM handlers; returns after the drain
         finally:
             engine.close()
     finally:
         sock.close()
+    if server.engine_died is not None:
+        print(f"deepinfer: error: the engine stopped ({server.engine_died}); the server exits "
+              "(serve.exit_on_engine_death=true: a supervisor may restart it)", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_ENGINE_DIED)
     print("deepinfer: server stopped", file=sys.stderr, flush=True)
 
 
@@ -148,14 +174,28 @@ class _Server(uvicorn.Server):
     which does not re-raise the captured signal afterwards (that would kill the process before the engine core is
     closed): serve() returns, closes the engine, and the command exits 0. A second signal stops at once."""
 
-    def __init__(self, config, drain):
+    def __init__(self, config, drain, watched_engine=None):
+        """watched_engine: an AsyncEngine whose death stops the server (serve.exit_on_engine_death), or None."""
         super().__init__(config)
         self.drain = drain
+        self.watched = watched_engine
+        self.engine_died: str | None = None
         self._loop = None
+        self._watcher = None
 
     async def startup(self, sockets=None):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        if self.watched is not None:
+            self._watcher = self._loop.create_task(self._exit_when_engine_dies(), name="deepinfer-engine-watch")
+
+    async def _exit_when_engine_dies(self):
+        """The engine's death (detected by its client within engine.heartbeat_timeout, or at once when its process
+        exits) stops the server; the requests in flight have been ended with a 503 / an error event by then."""
+        while self.watched.dead is None:
+            await self.watched.wait_for_change(WATCH_S)
+        self.engine_died = self.watched.dead
+        self.should_exit = True
 
     def handle_exit(self, sig, frame):
         if self.drain.draining or self._loop is None or not self.started:

@@ -18,7 +18,8 @@ import importlib.metadata
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from deepinfer.serving.errors import HTTPError, bad_request, json_body
+from deepinfer.serving.body import json_body
+from deepinfer.serving.errors import HTTPError, bad_request, log_refusal, unconvertible
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "return_token_strs", "tools", "tool_choice", "thinking", "reasoning_effort"}
@@ -38,8 +39,14 @@ def add_token_routes(app, state) -> None:
     async def answer(request: Request, endpoint: str, work):
         try:
             body = await json_body(request)
-            return JSONResponse(work(body))
+            try:
+                return JSONResponse(work(body))
+            except HTTPError:
+                raise
+            except Exception as exc:  # the client's bytes, whatever the conversion raised: never a 500
+                raise unconvertible(exc, endpoint) from None
         except HTTPError as exc:
+            log_refusal(request.method, request.url.path, exc)
             return JSONResponse(exc.body(endpoint), status_code=exc.status)
 
     def tokenize(body: dict) -> dict:
@@ -52,6 +59,7 @@ def add_token_routes(app, state) -> None:
             prompt = body["prompt"]
             if not isinstance(prompt, str):
                 raise bad_request(f"prompt={str(prompt)[:60]!r} is invalid; allowed: a string", "prompt")
+            converter.check_prompt_size(body)
             ids = converter.tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True)).ids
         else:
             if _flag(body, "add_generation_prompt", True) is False:

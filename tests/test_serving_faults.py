@@ -1,0 +1,120 @@
+"""Faults the server must outlive or report: accept() out of file descriptors (EMFILE) never ends it; /health says
+503 while the engine core is stopped and 200 again once it runs; a dead engine core ends the server with one line and
+exit code 1 (serve.exit_on_engine_death), so a supervisor restarts it. Each runs `python -m deepinfer serve=openai`
+as a user would; waits are for conditions, with generous deadlines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from deepinfer.frontend.async_engine import AsyncEngine
+
+
+def _start(tmp_path, *overrides, shell_prefix: str = ""):
+    args = [sys.executable, "-m", "deepinfer", "serve=openai", "serve.port=0", "cache.memory_budget=67108864",
+            f"hydra.run.dir={tmp_path}", *overrides]
+    cmd = ["bash", "-c", f"{shell_prefix}exec {' '.join(args)}"] if shell_prefix else args
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    for line in proc.stderr:
+        if "serving" in line:
+            return proc, f"http://127.0.0.1:{int(line.rsplit(':', 1)[1])}"
+    raise AssertionError(f"the server did not start: {proc.stderr.read()[-2000:]}")
+
+
+def _engine_pid(proc) -> int:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
+def _wait_for(condition, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(f"deepinfer_{name}{{")))
+
+
+@pytest.mark.timeout(180)
+def test_accept_out_of_file_descriptors_is_survived_and_counted(tmp_path):
+    # a hard limit of 256 descriptors and a cap the descriptors run out before: accept() fails with EMFILE
+    proc, url = _start(tmp_path, "serve.max_connections=250", "serve.header_timeout=3", shell_prefix="ulimit -n 256; ")
+    held = []
+    try:
+        for _ in range(400):
+            held.append(socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30))
+        assert _wait_for(lambda: proc.poll() is not None or len(held) == 400, 30)
+        for s in held:
+            s.close()
+        held.clear()
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert _wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
+        assert _metric(url, "accept_errors_total") >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        for s in held:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(240)
+def test_health_reports_a_stopped_core_and_a_dead_core_ends_the_server_with_one_line(tmp_path):
+    proc, url = _start(tmp_path)
+    try:
+        core = _engine_pid(proc)
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        os.kill(core, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert _wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503)
+        noticed = time.monotonic() - stopped
+        error = httpx.get(f"{url}/health", timeout=10).json()["error"]
+        assert "heartbeat" in error and "stopped or hung" in error, error
+        os.kill(core, signal.SIGCONT)
+        assert _wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
+        os.kill(core, signal.SIGKILL)
+        assert proc.wait(timeout=120) == 1
+        err = proc.stderr.read()
+        assert "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("deepinfer: error: the engine stopped (") and "exit_on_engine_death" in last, err
+        assert f"pid {core}" in last and "-9" in last
+        print(f"/health 503 {noticed:.1f} s after SIGSTOP")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _engine(age: float | None, dead: str | None = None) -> AsyncEngine:
+    engine = AsyncEngine.__new__(AsyncEngine)  # health() reads only these
+    engine.dead = dead
+    engine.client = SimpleNamespace(heartbeat_age=lambda: age, options=SimpleNamespace(heartbeat_interval_s=0.5))
+    return engine
+
+
+def test_health_is_late_after_four_heartbeat_intervals_and_at_least_a_second():
+    assert _engine(0.3).health() is None and _engine(None).health() is None
+    assert _engine(1.9).health() is None
+    assert "heartbeat is 2.5 s old (late after 2 s)" in _engine(2.5).health()
+    assert _engine(0.1, dead="the engine core process exited").health() == "the engine core process exited"

@@ -1,0 +1,34 @@
+"""The soak benchmark's short form (benchmarks/soak.py; its recorded run is benchmarks/results/soak_cpu_short.json):
+mixed traffic through `python -m deepinfer serve=openai` under a supervisor, with every fault of the schedule (idle
+connections at a 1024 open-file limit, oversized bodies, a grammar flood, the engine core stopped, then killed).
+Nothing is lost or hung, the server never crashes (it exits 1 only when its engine dies, and is restarted), invalid
+requests get a 4xx, and /health reports the stopped core."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
+soak = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(soak)
+
+
+@pytest.mark.slow  # a server started three times and 30 s of traffic
+@pytest.mark.timeout(600)
+def test_a_short_soak_loses_nothing_and_never_crashes(tmp_path):
+    out = tmp_path / "soak.json"
+    soak.main(["--duration", "30", "--rate", "3", "--idle-connections", "300", "--request-timeout", "120",
+               "--run-dir", str(tmp_path / "runs"), "--out", str(out)])
+    summary = json.loads(out.read_text())
+    targets = {t["name"].split(" (")[0]: t for t in summary["targets"]}
+    for name in ("crashes", "lost requests", "hung requests", "invalid requests not answered 4xx",
+                 "server up through idle connections at a 1024 open-file limit", "stopped core reported by /health"):
+        assert targets[name]["met"], (name, targets[name], summary["examples_not_completed"])
+    assert sum(summary["outcomes"].values()) == 90 and summary["outcomes"].get("completed", 0) > 0
+    assert summary["server_starts"] >= 2 and all(e["code"] == 1 for e in summary["server_exits"])
+    assert out.with_suffix(".png").exists()
