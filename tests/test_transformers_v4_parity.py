@@ -48,7 +48,7 @@ from deepinfer.kernels.torch import indexer as k_index  # noqa: E402
 from deepinfer.kernels.torch import mhc as k_mhc  # noqa: E402
 from deepinfer.kernels.torch import moe as k_moe  # noqa: E402
 from deepinfer.kernels.torch.cache_formats import RawCodec  # noqa: E402
-from deepinfer.kernels.torch.linear import linear  # noqa: E402
+from deepinfer.kernels.torch.linear import grouped_linear, linear  # noqa: E402
 from deepinfer.kernels.torch.norm import rms_norm  # noqa: E402
 from deepinfer.kernels.torch.rope import default_inv_freq, rope, yarn_inv_freq  # noqa: E402
 from deepinfer.models.attention import Attention  # noqa: E402
@@ -337,7 +337,8 @@ def test_grouped_output_projection(cfg):
         wo_a=wo_a.view(G, r, wo_a.shape[1]), wo_b=attn_mod.o_b_proj.weight.detach(),
     )
     ident = SimpleNamespace(
-        linear=linear, rms_norm=lambda x, wt, eps: x, rope=lambda x, *a, **k: x, fake_quant_fp8=lambda x, *a: x,
+        linear=linear, grouped_linear=grouped_linear, rms_norm=lambda x, wt, eps: x, rope=lambda x, *a, **k: x,
+        fake_quant_fp8=lambda x, *a: x,
     )
     ours_attn = Attention(mcfg, 0, w, ident, rope_freqs=torch.ones(D // 4), compress_freqs=torch.ones(D // 4))
     ours_attn._attend = lambda q, kv, kv_parts, meta, pools: o.reshape(T, H, D)

@@ -113,7 +113,8 @@ def test_span_positions_are_dead_for_engram(model, monkeypatch):
     looks, gates = [], []
     hash_op, engram = model.ops.engram_hash, model._engram
     monkeypatch.setattr(model.ops, "engram_hash", lambda look, *a: looks.append(look) or hash_op(look, *a))
-    monkeypatch.setattr(model, "_engram", lambda s, e, h, img=None: gates.append((s, engram(s, e, h, img))) or gates[-1][1])
+    monkeypatch.setattr(model, "_engram",
+                        lambda s, e, h, img=None, *rest: gates.append((s, engram(s, e, h, img, *rest))) or gates[-1][1])
     for chunks in (None, [end, len(ids) - end]):  # the text after the span in the same step, then in the next
         looks.clear(), gates.clear()
         run(model, ids, spans, rows, chunks)
