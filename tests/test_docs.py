@@ -261,3 +261,15 @@ def test_the_checks_catch_what_they_are_for():
     for needle in ("benchmarks/no_such_bench.py", "conf/model/no_such_model.yaml", "recipes/no_such_recipe.yaml",
                    "tests/test_no_such_file.py"):
         assert needle in joined, (needle, commands)
+
+
+def test_every_row_of_readmes_api_parity_table_names_a_test_that_exists():
+    """README's parity table (issue 24): each row names the test that exercises it with a client."""
+    rows = [line for line in README.read_text().splitlines()
+            if line.startswith("| `") and line.rstrip().endswith("` |") and "::test_" in line]
+    assert len(rows) >= 15, "README.md's API parity table is missing"
+    for row in rows:
+        ref = row.rstrip(" |").rsplit("`", 2)[-2]  # the last cell: `file::test`
+        path, name = ref.split("::")
+        source = (ROOT / "tests" / path).read_text()
+        assert re.search(rf"^(async )?def {name}\(", source, re.M), f"README's parity row names a missing test: {ref}"

@@ -142,7 +142,8 @@ def test_the_config_key_is_checked_and_the_cli_takes_it(bare, tmp_path):
 
     env = {**os.environ, "DEEPINFER_CACHE_DIR": os.environ.get("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))}
     proc = subprocess.run([sys.executable, "-m", "deepinfer", f"model.path={bare}", "model.load_format=dummy",
-                           "runtime.num_threads=1", "sampling.max_tokens=3", f"hydra.run.dir={tmp_path / 'run'}"],
+                           "runtime.num_threads=1", "sampling.max_tokens=3", "sampling.ignore_eos=true",
+                           f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "weights are RANDOM" in proc.stderr + proc.stdout
