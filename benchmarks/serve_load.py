@@ -161,6 +161,12 @@ def main() -> int:
     if proc is not None:
         summary["server"] = {"args": args.server_args, "exit_code_after_sigterm": summary_rc}
     summary["cpus"] = os.cpu_count()
+    # nothing lost (the serving issues' target): every valid request finished, every invalid one a 4xx, every
+    # disconnect aborted
+    summary["targets"] = [dict(name=name, measured=summary[key], target=0, unit="requests", met=summary[key] == 0)
+                          for name, key in (("valid requests lost", "valid_lost"),
+                                            ("invalid requests without a 4xx", "invalid_not_4xx"),
+                                            ("disconnects not aborted", "disconnect_failed"))]
     text = json.dumps(summary, indent=2)
     print(text)
     if args.out:
