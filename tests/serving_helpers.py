@@ -71,3 +71,18 @@ def openai_client(server, timeout: float = 60):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=timeout)
+
+
+def wait_for(condition, timeout: float = 60.0) -> bool:
+    """Polls `condition` until it holds (a refused or reset HTTP call counts as not yet) or `timeout` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from serving_helpers import wait_for
 
 from deepinfer.frontend.async_engine import AsyncEngine
 
@@ -35,17 +36,6 @@ def _engine_pid(proc) -> int:
     return int(out.split()[0])
 
 
-def _wait_for(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return False
-
 
 def _metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -60,12 +50,12 @@ def test_accept_out_of_file_descriptors_is_survived_and_counted(tmp_path):
     try:
         for _ in range(400):
             held.append(socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30))
-        assert _wait_for(lambda: proc.poll() is not None or len(held) == 400, 30)
+        assert wait_for(lambda: proc.poll() is not None or len(held) == 400, 30)
         for s in held:
             s.close()
         held.clear()
         assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert _wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
+        assert wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
         assert _metric(url, "accept_errors_total") >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -86,12 +76,12 @@ def test_health_reports_a_stopped_core_and_a_dead_core_ends_the_server_with_one_
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         os.kill(core, signal.SIGSTOP)
         stopped = time.monotonic()
-        assert _wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503)
+        assert wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503)
         noticed = time.monotonic() - stopped
         error = httpx.get(f"{url}/health", timeout=10).json()["error"]
         assert "heartbeat" in error and "stopped or hung" in error, error
         os.kill(core, signal.SIGCONT)
-        assert _wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
+        assert wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
         os.kill(core, signal.SIGKILL)
         assert proc.wait(timeout=120) == 1
         err = proc.stderr.read()

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from serving_helpers import MODEL, ThreadServer
+from serving_helpers import MODEL, ThreadServer, wait_for
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 LIMIT = 4096
@@ -87,7 +87,7 @@ def test_a_slow_sender_of_headers_is_cut_off(server):
         while time.monotonic() < deadline:  # 5 bytes at a time, a trickle that never completes the head
             sock.sendall(head[sent:sent + 5])
             sent += 5
-            time.sleep(0.2)
+            time.sleep(0.2)  # the sender's own rate (5 B per 0.2 s), not a wait for the server
     except OSError:
         pass  # reset or broken pipe: cut off
     else:
@@ -110,20 +110,9 @@ def test_connections_beyond_the_cap_get_503_and_the_server_serves_again_after(se
     assert reply.startswith("HTTP/1.1 503") and "serve.max_connections" in reply
     for s in held:
         s.close()
-    assert _wait_for(lambda: httpx.get(f"{server.url}/health", timeout=30).status_code == 200)
+    assert wait_for(lambda: httpx.get(f"{server.url}/health", timeout=30).status_code == 200)
     assert _metric(server, "connections_refused_total") >= before + 1
 
-
-def _wait_for(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.timeout(60)

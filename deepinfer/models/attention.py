@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.torch.cache_formats import Fp4Codec, Fp8Codec
+from deepinfer.kernels.torch.cache_formats import Fp4Codec
 
 from .cache import CachePools, PrefillWindow, Selection, StepMeta
 from .weights import Attention as AttentionWeights
@@ -142,13 +142,12 @@ class Attention:
 
     # ---------------------------------------------------------------------------------------
     def _attend(self, q, kv, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:
-        L = pools.layout
-        as_stored = isinstance(L.win_codec, Fp8Codec) and isinstance(L.cmp_codec, Fp4Codec)
+        as_stored = pools.layout.as_stored
         if as_stored and meta.host.decode_only:
             return self._attend_decode(q, kv_parts, meta, pools)
         split = meta.host.split if as_stored else None
         # the prefill rows read the rings before this step's writes, the decode path after them
-        if as_stored and meta.prefill_window is not None and meta.cp is None:
+        if meta.prefill_window is not None and meta.cp is None:  # built only for layouts as stored
             prefill = self._attend_strips(q, kv_parts, meta, pools, meta.prefill_window)
         else:
             prefill = self._attend_slates(q, kv, meta, pools, None if split is None else split[1])

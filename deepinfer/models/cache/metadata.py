@@ -253,7 +253,7 @@ def derive(host: HostStep, pools: CachePools) -> StepMeta:
         n = layout.cfg.engram_max_ngram_size
         look = pos[:, None] - torch.arange(n, device=dev)[None, :]  # look-back 0..n-1
         meta.ngram = (ring_index(look, layout.ngram_rows), write_rows(layout.ngram_rows, S * layout.ngram_rows))
-    if host.prefill_seqs:
+    if host.prefill_seqs and layout.as_stored:  # the decode op reads the strips as it reads a ring
         meta.prefill_window = _prefill_window(host, pos, tok_seq, slots, layout)
     return meta
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels.torch.cache_formats import compressed_codec, index_key_codec, row_bytes, window_codec
+from deepinfer.kernels.torch.cache_formats import (Fp4Codec, Fp8Codec, compressed_codec, index_key_codec, row_bytes,
+                                                   window_codec)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class CacheLayout:
         self.win_codec = window_codec(cfg.head_dim, dtype)
         self.cmp_codec = compressed_codec(cfg.head_dim, dtype)
         self.key_codec = index_key_codec(cfg.index_head_dim, dtype)
+        # the window and compressed KV in the released formats: what the decode attention op reads as stored
+        self.as_stored = isinstance(self.win_codec, Fp8Codec) and isinstance(self.cmp_codec, Fp4Codec)
         self.sources: dict[int, SourceLayout] = {}
         for layer in cfg.kv_source_layer_ids:
             r = cfg.compress_ratios[layer]
