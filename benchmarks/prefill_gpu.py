@@ -179,7 +179,17 @@ def parse(argv=None):
     ap.add_argument("--torch-tokens", type=int, default=1024, help="the torch backend's prompt (0: none)")
     ap.add_argument("--out", default="benchmarks/results/prefill_gpu.json")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--moe-path", choices=("auto", "stream", "grouped"), default="auto",
+                    help="MoE at prefill sizes: the engine's choice (moe_prefill.PREFILL_TOKENS), or always the "
+                         "streaming FP4 kernel, or always the dequantise + grouped GEMM path (to compare them)")
     return ap.parse_args(argv)
+
+
+def force_moe_path(path: str) -> None:
+    from deepinfer.kernels.tilelang import moe_prefill
+
+    if path != "auto":
+        moe_prefill.PREFILL_TOKENS = 1 << 40 if path == "stream" else 1
 
 
 def main(argv=None) -> int:
@@ -192,11 +202,12 @@ def main(argv=None) -> int:
     f8 = fp8_rate()
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {peak / 1e12:.0f} TFLOP/s, fp8 GEMM {f8 / 1e12:.0f} "
           "TFLOP/s", flush=True)
+    force_moe_path(a.moe_path)
     model = build(a.model, "cuda", {"default": ["tilelang-sm90", "torch"]})
     fast_ops = model.ops
     c = roofline_config(roofline, model.config)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, bf16_flops=peak,
-                fp8_flops=f8, model=a.model, cmd=" ".join(sys.argv), ops=fast_ops.summary(),
+                fp8_flops=f8, model=a.model, moe_path=a.moe_path, cmd=" ".join(sys.argv), ops=fast_ops.summary(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 note="flash40: the released 40-layer pattern, layers of one kind share weights (released bytes "
                      "and FLOPs per step)" if a.model == "flash40" else "flash: 6 layers, every layer role once")

@@ -25,9 +25,12 @@ from . import moe_prefill
 from ._fallback import reason
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
 from .moe_prep_kernel import build_moe_prep
+from .moe_table import routing_table_torch
 from .moe_router_kernel import SCORES, build_router_logits, build_router_topk
 
 INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-invariant mode
+PREP_KERNEL_ASSIGNMENTS = 2048  # routing tables of more (token, expert) pairs are built by torch's sorts
+SHARED_DENSE_TOKENS = 1024  # tokens from which the shared expert runs dequantised through cuBLAS (linear.py's PREFILL_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -66,18 +69,19 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
 # ---------------------------------------------------------------------------------------------- tile policy
 def routed_block_t(n_tok: int, top_k: int, n_experts: int) -> int:
     """Token tile for the routed pass: about twice the mean tokens per expert, so few experts need a second
-    chunk (each chunk streams the expert's weights again)."""
+    chunk (each chunk streams the expert's weights again); from 64 tokens per expert (prefill sizes) 128, where
+    each weight tile dequantised in registers feeds twice the MMAs of a 64-token tile."""
     if registry.batch_invariant():
         return INVARIANT_ROUTED_BT
     mean = n_tok * top_k / n_experts
-    return next((b for b in (8, 16, 32) if mean <= b / 2), 64)
+    return next((b for b in (8, 16, 32) if mean <= b / 2), 64 if mean <= 64 else 128)
 
 
 def shared_block_t(n_tok: int) -> int:
     """Token tile for the shared expert (one slot holding every token)."""
     if registry.batch_invariant():
         return INVARIANT_SHARED_BT
-    return next((b for b in (8, 16, 32) if n_tok <= b), 64)
+    return next((b for b in (8, 16, 32, 64) if n_tok <= b), 128)
 
 
 def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
@@ -85,9 +89,10 @@ def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
     never has a cp.async of its own thread in flight (see moe_kernel's K loop). FP4 (routed): 256-K steps, 8.5 KB
     of weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
     expert, 72-80 blocks, the longest chain at decode): the largest step dividing K that keeps 4 stages within
-    ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
+    ~220 KB, so each of its few blocks keeps 16-32 KB in flight. A 128-token tile (prefill sizes) has 32 KB of
+    activations per 128-K step: FP4 then steps 128 K too (4 stages + the epilogue tile, ~184 KB, one block per SM)."""
     if fmt == "fp4":
-        return 256, 4
+        return (256, 4) if block_t <= 64 else (128, 4)
     for bk in (512, 256, 128):
         if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4) <= 220 * 1024:
             return bk, 4
@@ -109,7 +114,7 @@ def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: in
     """Every jit spec moe_experts_packed needs at n_tok tokens (for precompile / warm-up)."""
     specs = [(build_moe_prep, routed.n_experts, top_k)]
     specs += ffn_specs(routed, routed_block_t(n_tok, top_k, routed.n_experts))
-    if shared is not None:
+    if shared is not None and n_tok < SHARED_DENSE_TOKENS:
         specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
     return specs
 
@@ -140,8 +145,11 @@ def _side_stream(device) -> torch.cuda.Stream:
 
 
 def routing_table(idx, weights, n_experts: int):
-    """moe_prep's (rows, aw, slot_expert, slot_start, slot_count) for router output idx/weights [T, k]."""
+    """moe_prep's (rows, aw, slot_expert, slot_start, slot_count) for router output idx/weights [T, k]: the one-block
+    kernel up to PREP_KERNEL_ASSIGNMENTS assignments (decode: one launch), torch's sorts beyond (moe_table.py)."""
     T_, k = idx.shape
+    if T_ * k > PREP_KERNEL_ASSIGNMENTS:
+        return routing_table_torch(idx, weights, n_experts)
     n_slots = min(n_experts, T_ * k)
     dev = idx.device
     rows = torch.empty(T_ * k, dtype=torch.int32, device=dev)
@@ -181,6 +189,12 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     table = routing_table(idx, weights, routed.n_experts)
     y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)  # both passes add into it (fp32 atomics)
     limit = float(swiglu_limit)
+    if shared is not None and T_ >= SHARED_DENSE_TOKENS:
+        # one expert over every token: dequantised once (a few dozen MB) and multiplied by cuBLAS, which fills the
+        # GPU where the streaming kernel's 72-80 blocks would each walk all the token tiles in turn
+        ffn(routed, x, table, y, routed_block_t(T_, k, routed.n_experts), limit)
+        y += torch_moe.swiglu_expert(x, *shared.dense(0, x.dtype), limit).float()
+        return y.to(x.dtype)
     main = torch.cuda.current_stream(dev)
     if shared is not None:
         side = _side_stream(dev)

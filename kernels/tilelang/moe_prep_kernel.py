@@ -49,7 +49,7 @@ def build_moe_prep(n_experts: int, top_k: int, chunk: int = 512):
             # pass 1: count this thread's expert
             for c in T.serial(T.ceildiv(n_assign, chunk)):
                 load_chunk(ids, idx, c, tx, n_assign)
-                for i in T.serial(chunk):
+                for i in T.serial(T.min(chunk, n_assign - c * chunk)):  # only the loaded ids (6 at batch 1)
                     if ids[i] == tx:
                         cnt = cnt + 1
             cnt_s[tx] = cnt
@@ -58,11 +58,13 @@ def build_moe_prep(n_experts: int, top_k: int, chunk: int = 512):
             start = T.alloc_var("int32", init=0)
             slot = T.alloc_var("int32", init=0)
             total_slots = T.alloc_var("int32", init=0)
-            for e in T.serial(threads):
-                if e < tx:
-                    start = start + cnt_s[e]
-                    slot = slot + T.if_then_else(cnt_s[e] > 0, 1, 0)
-                total_slots = total_slots + T.if_then_else(cnt_s[e] > 0, 1, 0)
+            for e4 in T.serial(threads // 4):
+                for j in T.unroll(4):  # four independent broadcast loads in flight per iteration
+                    e = e4 * 4 + j
+                    if e < tx:
+                        start = start + cnt_s[e]
+                        slot = slot + T.if_then_else(cnt_s[e] > 0, 1, 0)
+                    total_slots = total_slots + T.if_then_else(cnt_s[e] > 0, 1, 0)
             for s in T.serial(T.ceildiv(n_slots, threads)):
                 q = s * threads + tx
                 if q < n_slots and q >= total_slots:
@@ -78,7 +80,7 @@ def build_moe_prep(n_experts: int, top_k: int, chunk: int = 512):
             pos = start
             for c in T.serial(T.ceildiv(n_assign, chunk)):
                 load_chunk(ids, idx, c, tx, n_assign)
-                for i in T.serial(chunk):
+                for i in T.serial(T.min(chunk, n_assign - c * chunk)):
                     if ids[i] == tx:
                         a = c * chunk + i
                         rows[pos] = a // K

@@ -44,6 +44,8 @@ def _cases():
                 for tokens in TOKENS:
                     out.append((E, D, I, tokens, fmt, with_shared, False))
     out.append((16, 1024, 512, 40, "fp4", True, True))  # every token on the same experts: the chunk loop
+    # prefill sizes: 128-token tiles over ~400 tokens per expert, the shared expert through cuBLAS
+    out.append((16, 1024, 512, 1100, "fp4", True, False))
     return out
 
 
@@ -131,7 +133,7 @@ def _kernel_specs():
 
     out = []
     for fmt in ("fp4", "fp8"):
-        for bt in (8, 16, 32, 64):
+        for bt in (8, 16, 32, 64, 128):
             bk, st = moe.pass_config(fmt, KD, bt)
             out.append((moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, 64, bt, bk, 128, st, True, 1, 0))
             bk, st = moe.pass_config(fmt, KI, bt)
@@ -141,7 +143,7 @@ def _kernel_specs():
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-@pytest.mark.parametrize("block_t", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_t", [8, 16, 32, 64, 128])
 def test_kernels_each_tile(fmt, block_t):
     """Up (SwiGLU epilogue) and down ("add" epilogue, whole K and split in 3) at one token tile, against torch
     with the same bf16 rounding points; 37 tokens x top-2 over 4 experts: every expert spans several chunks at
@@ -184,3 +186,28 @@ def test_kernels_each_tile(fmt, block_t):
             h, *table, routed.w2, routed.s2, y, LIMIT)
         torch.cuda.synchronize()
         assert torch.isfinite(y).all() and rel_err(y, y_ref) < 5e-3, (splits, rel_err(y, y_ref))
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 85, 341, 342, 1100])
+def test_the_prep_kernel_and_the_torch_table_agree(tokens):
+    """moe_prep_kernel (up to 2048 assignments) and moe_table's sorts (beyond) build the same table, so the switch
+    between them changes no output; -1 (no expert) entries included."""
+    from deepinfer.kernels.tilelang import moe as moe
+    from deepinfer.kernels.tilelang._build import jit
+    from deepinfer.kernels.tilelang.moe_table import routing_table_torch
+
+    E, k = 384, TOP_K
+    g = _gen(tokens)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    idx.view(-1)[torch.randperm(idx.numel(), generator=g)[:tokens // 7]] = -1
+    idx, weights = idx.cuda(), torch.rand(tokens, k, generator=g).cuda()
+    n_slots = min(E, tokens * k)
+    rows = torch.empty(tokens * k, dtype=torch.int32, device="cuda")
+    aw = torch.empty(tokens * k, dtype=torch.float32, device="cuda")
+    slots = [torch.empty(n_slots, dtype=torch.int32, device="cuda") for _ in range(3)]
+    jit(moe.build_moe_prep, E, k)(idx, weights, rows, aw, *slots)
+    t_rows, t_aw, *t_slots = routing_table_torch(idx, weights, E)
+    n = int((idx >= 0).sum())
+    assert torch.equal(rows[:n], t_rows[:n]) and torch.equal(aw[:n], t_aw[:n])
+    for a, b in zip(slots, t_slots):
+        assert torch.equal(a, b)
