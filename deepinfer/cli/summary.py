@@ -34,6 +34,7 @@ def make_summary(llm, outputs, load_s: float, gen_s: float, overrides: list[str]
         "graph_steps": (llm.last_metrics or {}).get("graph_steps"),
         "draft_graph_steps": (llm.last_metrics or {}).get("draft_graph_steps"),
         "speculative": (llm.last_metrics or {}).get("speculative"),
+        "prefix_cache": (llm.last_metrics or {}).get("prefix_cache"),
         "replay_rows_saved": (llm.last_metrics or {}).get("replay_rows_saved"),
     }
 
@@ -85,5 +86,6 @@ def print_summary(s: dict) -> None:
         ("outputs", s["outputs"]),
     ]
     print("---- summary")
+    width = max(10, max(len(k) for k, _ in lines) + 1)
     for k, v in lines:
-        print(f"{k:<10}{v}")
+        print(f"{k:<{width}}{v}")
