@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from deepinfer.config.compose import compose, group_options
@@ -101,7 +102,7 @@ def load_settings(overrides: Sequence[str], found=None) -> Settings:
 _OUTPUT = operator.attrgetter("output")
 
 
-class LLM:
+class LLM(AbstractContextManager):
     """A loaded model and its step program. Use as a context manager or call close() when done."""
 
     def __init__(self, model: str | None = None, *, overrides: Iterable[str] = (), **kwargs):
@@ -232,9 +233,6 @@ class LLM:
             self._engine.close()
         self._engine = None
         self.program = None
-
-    def __enter__(self) -> "LLM":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

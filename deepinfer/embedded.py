@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -44,76 +43,6 @@ SEED = 41
 NAMES = ("tiny", "tiny-random", "tiny-random-vision")
 TRAINED = "tiny-v41"  # deepinfer/assets/<this>: the shipped trained default
 
-# Layer schedule (8 layers) covering every V4.1 layer role:
-#   0 SWA only | 1 SWA + Engram | 2 ratio-2 KV source + index source | 3 ratio-2 reuse
-#   4 ratio-1 KV source + index source + candidate source | 5 ratio-1 reuse + Engram
-#   6 ratio-1 Reindex (own indexer query, keys and candidates from 4) | 7 ratio-1 reuse
-TEXT_CONFIG = {
-    "model_type": "deepseek_v41_text",
-    "vocab_size": 528,  # 512 BPE ids + 16 chat special tokens (tokenizer.json's added_tokens)
-    "hidden_size": 128,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "qk_rope_head_dim": 16,
-    "q_lora_rank": 64,
-    "o_groups": 2,
-    "o_lora_rank": 32,
-    "sliding_window": 16,
-    "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1],
-    "kv_source_layer_ids": [2, 4],
-    "index_source_layer_ids": [2, 4, 6],
-    "candidate_source_layer_id": 4,
-    "candidate_topk_blocks": 8,
-    "candidate_block_size": 8,
-    "index_n_heads": 16,
-    "index_head_dim": 32,
-    "index_topk": 16,
-    "moe_intermediate_size": 64,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-20,
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_scaling": {
-        "rope_type": "yarn",
-        "factor": 16,
-        "original_max_position_embeddings": 512,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "max_position_embeddings": 8192,
-    "engram_layer_ids": [1, 5],
-    "engram_vocab_size": 1000,
-    "engram_max_ngram_size": 3,
-    "engram_n_heads": 4,
-    "engram_head_dim": 32,
-    "engram_pad_id": 2,
-    "engram_compressed_vocab_size": 422,  # what the shipped tokenizer's normalised vocabulary has (spec §4.9)
-    # DSpark draft layers (random, like the rest): drafting and verification run end to end on every machine
-    "num_nextn_predict_layers": 3,
-    "dspark_block_size": 5,
-    "dspark_noise_token_id": 2,
-    "dspark_markov_rank": 16,
-    "dspark_n_routed_experts": 8,
-    "dspark_num_experts_per_tok": 2,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "pad_token_id": 2,
-}
 QUANTIZATION = {
     "quant_method": "fp8",
     "expert_dtype": "fp4",
@@ -124,29 +53,10 @@ QUANTIZATION = {
 }
 
 
-def engram_table_rows(vocab_size: int, n_layers: int, max_ngram: int, heads: int) -> list[int]:
-    """Rows of each Engram layer's table = the sum of its primes (spec §4.9): per layer, per n-gram size, `heads`
-    primes; the search restarts at engram_vocab_size for each size but never reuses a prime."""
-    seen, sums = set(), []
-    for _ in range(n_layers):
-        total = 0
-        for _ in range(max_ngram - 1):
-            cur = vocab_size - 1
-            for _ in range(heads):
-                cur += 1
-                while not _is_prime(cur) or cur in seen:
-                    cur += 1
-                seen.add(cur)
-                total += cur
-        sums.append(total)
-    return sums
-
-
-def _is_prime(n: int) -> bool:
-    return n >= 2 and all(n % p for p in range(2, math.isqrt(n) + 1))
-
-
 def config_json() -> dict:
+    from deepinfer.models.engram import engram_table_rows
+    from deepinfer.models.tiny import TEXT_CONFIG
+
     text = dict(TEXT_CONFIG)
     text["engram_num_embeddings"] = engram_table_rows(
         text["engram_vocab_size"], len(text["engram_layer_ids"]), text["engram_max_ngram_size"], text["engram_n_heads"]
@@ -245,6 +155,7 @@ def random_weights(cfg: dict) -> dict[str, torch.Tensor]:
     generator."""
     from deepinfer.models.config import ModelConfig
     from deepinfer.models.loading import tensors as kinds
+    from deepinfer.models.random_weights import fixture_init
 
     model_cfg = ModelConfig.from_dict(cfg)
     out = {}
@@ -252,7 +163,7 @@ def random_weights(cfg: dict) -> dict[str, torch.Tensor]:
     for seed, specs in ((SEED, kinds.expected_tensors(model_cfg, draft_layers=False)),
                         (SEED + 1, kinds.draft_tensors(model_cfg))):
         gen = torch.Generator().manual_seed(seed)
-        out.update({name: _init(name, spec.shape, model_cfg.hidden_size, gen) for name, spec in sorted(specs.items())})
+        out.update({name: fixture_init(name, spec.shape, model_cfg.hidden_size, gen) for name, spec in sorted(specs.items())})
     return out
 
 
@@ -286,38 +197,6 @@ def release_tensors(cfg: dict, weights: dict[str, torch.Tensor]) -> dict[str, to
         else:
             out[name] = w if keeps_float32(name) else w.to(torch.bfloat16)
     return out
-
-
-def _init(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Generator) -> torch.Tensor:
-    """The golden fixtures' initialisation (tests/fixtures/deepseek_v41/*/README.md): unit-variance activations
-    through every projection, so the tiny model's logits are neither flat nor saturated."""
-
-    def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, device=gen.device) * std
-
-    def uniform(lo: float, hi: float) -> torch.Tensor:
-        return lo + (hi - lo) * torch.rand(shape, generator=gen, device=gen.device)
-
-    leaf = name.rsplit(".", 2)
-    if name in ("embed.weight",) or name.endswith("engram.embed.weight"):
-        return normal(1.0)
-    if name == "head.weight":
-        return normal(1.0 / math.sqrt(hidden))
-    if name.endswith("norm.weight"):
-        return uniform(0.6, 1.4)
-    if name.endswith(("hc_attn_base", "hc_ffn_base")):
-        return normal(0.5)
-    if name.endswith(("hc_attn_scale", "hc_ffn_scale")):
-        return uniform(0.5, 1.5)
-    if name.endswith("attn.attn_sink"):
-        return normal(1.0)
-    if name.endswith("ffn.gate.bias"):
-        return normal(0.2)
-    if name.endswith("ffn.gate.bias_vl"):
-        return normal(1.0)
-    if leaf[-1] in ("q_weight", "k_weight"):
-        return uniform(0.5, 1.5)
-    return normal(1.0 / math.sqrt(shape[-1]))  # projections, router, hc_*_fn: N(0, 1/fan_in)
 
 
 # ---- the released storage formats ---------------------------------------------------------------------------

@@ -47,6 +47,7 @@ def test_runs_the_embedded_model_from_another_directory_and_writes_outputs(tmp_p
     assert "[0] 'def fibonacci(n):' -> " in proc.stdout
     for label in ("model", "hardware", "stages", "backends", "tokens", "speed"):
         assert f"\n{label:<10}" in proc.stdout
+    assert "\nprefix cache " in proc.stdout and "prompt tokens cached" in proc.stdout  # on by default on the CPU
     assert "tokens/s" in proc.stdout and f"torch: all {len(OP_KINDS)} op kinds" in proc.stdout
     lines = (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()
     assert len(lines) == 4 and all(len(json.loads(line)["token_ids"]) == 4 for line in lines)

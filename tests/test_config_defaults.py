@@ -48,6 +48,17 @@ def test_engine_options_have_no_defaults_of_their_own_only_the_schemas():
     assert options.xgrammar_max_schema_bytes == _defaults(SamplingDefaults)["xgrammar_max_schema_bytes"]
 
 
+def test_engine_options_name_their_settings_and_draft_with_dspark_only():
+    # every field names the setting it comes from (for_settings fails on a path Settings lacks)
+    assert all(f.metadata.get("setting") for f in dataclasses.fields(EngineOptions))
+    drafts = ["decoding.num_draft_tokens=4", "decoding.varlen=true", "decoding.confidence_temperature=[0.5,2.0]"]
+    plain = EngineOptions.for_settings(load_settings(["model=tiny_random", "decoding=plain", *drafts]))
+    dspark = EngineOptions.for_settings(load_settings(["model=tiny_random", "decoding=dspark", *drafts]))
+    assert (plain.num_draft_tokens, plain.spec_varlen) == (0, False)
+    assert (dspark.num_draft_tokens, dspark.spec_varlen) == (4, True)
+    assert plain.confidence_temperature == dspark.confidence_temperature == (0.5, 2.0)  # a tuple: hashable, frozen
+
+
 def test_config_yaml_restates_no_sampling_default():
     from importlib import resources
 

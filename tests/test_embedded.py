@@ -11,6 +11,7 @@ from deepinfer import embedded
 from deepinfer.kernels.torch.quant import dequant_fp4_rows, dequant_fp8_blocks, e2m1_values
 from deepinfer.models import ForwardBatch, load_model
 from deepinfer.models.config import ModelConfig
+from deepinfer.models.engram import engram_table_rows
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_config_is_the_released_composite_format_with_every_layer_role(built):
     reindex = [s for s in c.index_source_layer_ids if s not in c.kv_source_layer_ids]
     assert reindex, "a Reindex layer: an index source that is not a KV source"
     assert len(c.engram_layer_ids) == 2 and c.engram_compressed_vocab_size == 422
-    assert list(c.engram_num_embeddings) == embedded.engram_table_rows(
+    assert list(c.engram_num_embeddings) == engram_table_rows(
         c.engram_vocab_size, 2, c.engram_max_ngram_size, c.engram_n_heads
     )
     assert c.hc_mult == 4 and c.index_n_heads == 16 and c.sliding_window == 16 and c.vocab_size == 528
@@ -63,7 +64,7 @@ def test_config_is_the_released_composite_format_with_every_layer_role(built):
 
 def test_engram_table_rows_match_the_fixture_rule():
     # tiny-engram-hc4: vocab 64, n-grams up to 3, 2 heads -> tables of 290 and 370 rows (sum of each layer's primes)
-    assert embedded.engram_table_rows(64, 2, 3, 2) == [290, 370]
+    assert engram_table_rows(64, 2, 3, 2) == [290, 370]
 
 
 def test_weights_use_the_released_storage_dtypes(built):

@@ -34,6 +34,7 @@ def make_summary(llm, outputs, load_s: float, gen_s: float, overrides: list[str]
         "graph_steps": (llm.last_metrics or {}).get("graph_steps"),
         "draft_graph_steps": (llm.last_metrics or {}).get("draft_graph_steps"),
         "speculative": (llm.last_metrics or {}).get("speculative"),
+        "prefix_cache": (llm.last_metrics or {}).get("prefix_cache"),
         "replay_rows_saved": (llm.last_metrics or {}).get("replay_rows_saved"),
     }
 
@@ -46,7 +47,7 @@ def _layout(p) -> str:
 
 
 def print_summary(s: dict) -> None:
-    from deepinfer.engine.metrics import kernel_lines, prefix_line, speculative_line
+    from deepinfer.engine.metrics import kernel_lines
 
     by_backend: dict[str, list[str]] = {}
     for kind, backend in s["ops"].items():
@@ -67,8 +68,14 @@ def print_summary(s: dict) -> None:
     if s.get("device") == "cuda" and s.get("steps"):
         drafted = f", drafting replayed one in {s['draft_graph_steps']}" if s.get("speculative") else ""
         lines.append(("graphs", f"{s.get('graph_steps') or 0} of {s['steps']} steps replayed a CUDA graph{drafted}"))
-    lines += speculative_line(s.get("speculative"))
-    lines += prefix_line(s.get("prefix_cache"))
+    if s.get("speculative"):
+        lines.append(("dspark", "{accepted_tokens}/{draft_tokens} drafts accepted ({acceptance_rate:.1%}), mean "
+                                "accepted length {mean_accepted_length:.2f} tokens/step, accepted per step "
+                                "{histogram}".format(**s["speculative"])))
+    if s.get("prefix_cache"):
+        lines.append(("prefix cache", "{hit_tokens}/{query_tokens} prompt tokens cached ({hit_rate:.1%}), "
+                                      "{checkpoints} window checkpoints ({checkpoint_bytes} B), {evicted_blocks} "
+                                      "blocks evicted".format(**s["prefix_cache"])))
     if "replay" in s["stages"]:  # YOCO bounded replay: what compact skipped (mask computes every row)
         lines.append(("replay", f"{s['stages']['replay']}: {s.get('replay_rows_saved') or 0} decoder-layer rows not "
                                 "computed (rows x decoder layers)"))
@@ -79,5 +86,6 @@ def print_summary(s: dict) -> None:
         ("outputs", s["outputs"]),
     ]
     print("---- summary")
+    width = max(10, max(len(k) for k, _ in lines) + 1)
     for k, v in lines:
-        print(f"{k:<10}{v}")
+        print(f"{k:<{width}}{v}")

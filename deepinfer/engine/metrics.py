@@ -138,14 +138,6 @@ def prefix_summary(steps: list[StepStats]) -> dict | None:
             "checkpoints": last["checkpoints"], "checkpoint_bytes": last["checkpoint_bytes"]}
 
 
-def prefix_line(prefix: dict | None) -> list[tuple[str, str]]:
-    if not prefix:
-        return []
-    return [("prefix cache", f"{prefix['hit_tokens']}/{prefix['query_tokens']} prompt tokens cached "
-                             f"({prefix['hit_rate']:.1%}), {prefix['checkpoints']} window checkpoints "
-                             f"({prefix['checkpoint_bytes']} B), {prefix['evicted_blocks']} blocks evicted")]
-
-
 def speculative_summary(steps: list[StepStats]) -> dict | None:
     lengths = [m for s in steps for m in getattr(s, "accepted_lengths", ())]
     if not lengths:
@@ -157,14 +149,6 @@ def speculative_summary(steps: list[StepStats]) -> dict | None:
         hist[m] += 1
     return {"draft_tokens": drafts, "accepted_tokens": accepted, "acceptance_rate": accepted / drafts if drafts else 0.0,
             "verifications": len(lengths), "mean_accepted_length": 1 + accepted / len(lengths), "histogram": hist}
-
-
-def speculative_line(spec: dict | None) -> list[tuple[str, str]]:
-    if not spec:
-        return []
-    return [("dspark", f"{spec['accepted_tokens']}/{spec['draft_tokens']} drafts accepted "
-                       f"({spec['acceptance_rate']:.1%}), mean accepted length {spec['mean_accepted_length']:.2f} "
-                       f"tokens/step, accepted per step {spec['histogram']}")]
 
 
 def kernel_lines(kernels: dict | None) -> list[tuple[str, str]]:

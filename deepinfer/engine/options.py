@@ -8,58 +8,71 @@ constructor. Tests and benchmarks that need options without a config build them 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import operator
+from dataclasses import dataclass, field, fields
+
+
+def _setting(path: str, convert=None):
+    """A field whose value is the setting at `path` (section.key), passed through `convert` if given."""
+    return field(metadata={"setting": path, "convert": convert})
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     # engine.*
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int | None  # None: the model's max_position_embeddings
-    zero_overhead_scheduling: bool
-    process: str  # "subprocess" | "inproc"
-    startup_timeout_s: float  # engine.startup_timeout: model loading in the engine process
-    liveness_poll_s: float  # engine.liveness_poll: how often a waiting frontend checks the engine process is alive
-    # engine.heartbeat_timeout: the core is declared dead (EngineDeadError) when its heartbeat is older than this
-    # (killed, SIGSTOPped, frozen with the GIL held).
-    heartbeat_timeout_s: float
-    # engine.step_timeout: a step loop that has not turned for this long while heartbeats still come (a deadlock in
-    # a step) is reported as hung. Longer than the heartbeat's: a first step on a GPU may JIT-compile kernels.
-    step_timeout_s: float
-    heartbeat_interval_s: float  # engine.heartbeat_interval
-    send_timeout_s: float  # engine.send_timeout: a message the core's socket does not take: the core is gone
-    close_grace_s: float  # engine.close_grace: how long the core gets after the shutdown message, then SIGTERM
+    max_num_seqs: int = _setting("engine.max_num_seqs")
+    max_num_batched_tokens: int = _setting("engine.max_num_batched_tokens")
+    max_model_len: int | None = _setting("engine.max_model_len")  # None: the model's max_position_embeddings
+    zero_overhead_scheduling: bool = _setting("engine.zero_overhead_scheduling")
+    process: str = _setting("engine.process")  # "subprocess" | "inproc"
+    startup_timeout_s: float = _setting("engine.startup_timeout")  # model loading in the engine process
+    # how often a waiting frontend checks the engine process is alive
+    liveness_poll_s: float = _setting("engine.liveness_poll")
+    # the core is declared dead (EngineDeadError) when its heartbeat is older than this (killed, SIGSTOPped,
+    # frozen with the GIL held)
+    heartbeat_timeout_s: float = _setting("engine.heartbeat_timeout")
+    # a step loop that has not turned for this long while heartbeats still come (a deadlock in a step) is reported
+    # as hung. Longer than the heartbeat's: a first step on a GPU may JIT-compile kernels.
+    step_timeout_s: float = _setting("engine.step_timeout")
+    heartbeat_interval_s: float = _setting("engine.heartbeat_interval")
+    # a message the core's socket does not take within this: the core is gone
+    send_timeout_s: float = _setting("engine.send_timeout")
+    # how long the core gets after the shutdown message, then SIGTERM
+    close_grace_s: float = _setting("engine.close_grace")
     # cache.*: bytes for the caches (an explicit cache.memory_budget), else the bytes the engine may use on its
     # device, weights included (cache.memory_limit, resolved from memory_fraction): the caches get what the model
     # left of them (engine/core.py)
-    memory_budget: int | None
-    memory_limit: int | None
-    block_size: int
+    memory_budget: int | None = _setting("cache.memory_budget")
+    memory_limit: int | None = _setting("cache.memory_limit")
+    block_size: int = _setting("cache.block_size")
     # cache.prefix_*: reuse a shared prefix's cache (the resolve step turned null into a bool; unresolved settings,
     # the schema's defaults, leave it off), the budget share of window checkpoints, blocks between checkpoints
-    prefix_caching: bool
-    prefix_checkpoint_fraction: float
-    prefix_checkpoint_interval: int
+    prefix_caching: bool = _setting("cache.prefix_caching", bool)
+    prefix_checkpoint_fraction: float = _setting("cache.prefix_checkpoint_fraction")
+    prefix_checkpoint_interval: int = _setting("cache.prefix_checkpoint_interval")
     # runtime.*
-    seed: int | None  # requests without seq_seed: child_seed(seed, request id); None: a random seed each
-    num_threads: int | None  # torch intra-op threads in the engine process (None: torch's default)
-    enforce_eager: bool  # no CUDA graphs (DEEPINFER_ENFORCE_EAGER)
-    cudagraph_batch_size_interval: int  # graph batch buckets: 1, 2, 4, <interval, then every interval
+    # requests without seq_seed: child_seed(seed, request id); None: a random seed each
+    seed: int | None = _setting("runtime.seed")
+    # torch intra-op threads in the engine process (None: torch's default)
+    num_threads: int | None = _setting("runtime.num_threads")
+    enforce_eager: bool = _setting("runtime.enforce_eager")  # no CUDA graphs (DEEPINFER_ENFORCE_EAGER)
+    # graph batch buckets: 1, 2, 4, <interval, then every interval
+    cudagraph_batch_size_interval: int = _setting("runtime.cudagraph_batch_size_interval")
     # sampling.xgrammar_*: a grammar that does not compile within the timeout ends its request with an error;
     # compiled grammars are cached up to the limit (xgrammar: -1 means unbounded); larger schemas end their request
-    xgrammar_timeout: float
-    xgrammar_cache_limit_bytes: int
-    xgrammar_max_schema_bytes: int
-    # decoding.* (DSpark, decoding=dspark): drafts verified per request and step (0: off), the cache's rollback
-    # depth (the larger of this and num_draft_tokens + 1), confidence-scheduled verification, where its cost curve
-    # is cached and for how long, and the confidence head's temperature(s)
-    num_draft_tokens: int
-    max_backtracking_tokens: int
-    spec_varlen: bool
-    decode_perf_cache_dir: str | None
-    decode_perf_cache_ttl_s: float
-    confidence_temperature: tuple
+    xgrammar_timeout: float = _setting("sampling.xgrammar_timeout")
+    xgrammar_cache_limit_bytes: int = _setting("sampling.xgrammar_cache_limit_bytes")
+    xgrammar_max_schema_bytes: int = _setting("sampling.xgrammar_max_schema_bytes")
+    # decoding.*: drafts verified per request and step (0: off; with decoding=dspark only, see for_settings), the
+    # cache's rollback depth (any decoding, DEEPINFER_MAX_BACKTRACKING_TOKENS; the larger of this and
+    # num_draft_tokens + 1), confidence-scheduled verification (dspark only), where its cost curve is cached and
+    # for how long, and the confidence head's temperature(s)
+    num_draft_tokens: int = _setting("decoding.num_draft_tokens")
+    max_backtracking_tokens: int = _setting("decoding.max_backtracking_tokens")
+    spec_varlen: bool = _setting("decoding.varlen")
+    decode_perf_cache_dir: str | None = _setting("decoding.perf_cache_dir")
+    decode_perf_cache_ttl_s: float = _setting("decoding.perf_cache_ttl")
+    confidence_temperature: tuple = _setting("decoding.confidence_temperature", tuple)
 
     @property
     def max_rollback(self) -> int:
@@ -71,43 +84,13 @@ class EngineOptions:
     def for_settings(cls, settings, **overrides) -> "EngineOptions":
         """The options of Settings (resolved ones: LLM, the server, the ranks; the schema's defaults,
         `Settings()`, in tests), then `overrides` by field name."""
-        e, c, r, s, d = settings.engine, settings.cache, settings.runtime, settings.sampling, settings.decoding
-        dspark = d.name == "dspark"
-        values = dict(
-            max_num_seqs=e.max_num_seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens,
-            max_model_len=e.max_model_len,
-            zero_overhead_scheduling=e.zero_overhead_scheduling,
-            process=e.process,
-            startup_timeout_s=e.startup_timeout,
-            liveness_poll_s=e.liveness_poll,
-            heartbeat_timeout_s=e.heartbeat_timeout,
-            step_timeout_s=e.step_timeout,
-            heartbeat_interval_s=e.heartbeat_interval,
-            send_timeout_s=e.send_timeout,
-            close_grace_s=e.close_grace,
-            memory_budget=c.memory_budget,
-            memory_limit=c.memory_limit,
-            block_size=c.block_size,
-            prefix_caching=bool(c.prefix_caching),
-            prefix_checkpoint_fraction=c.prefix_checkpoint_fraction,
-            prefix_checkpoint_interval=c.prefix_checkpoint_interval,
-            seed=r.seed,
-            num_threads=r.num_threads,
-            enforce_eager=r.enforce_eager,
-            cudagraph_batch_size_interval=r.cudagraph_batch_size_interval,
-            xgrammar_timeout=s.xgrammar_timeout,
-            xgrammar_cache_limit_bytes=s.xgrammar_cache_limit_bytes,
-            xgrammar_max_schema_bytes=s.xgrammar_max_schema_bytes,
-            # the rollback rows with any decoding (DEEPINFER_MAX_BACKTRACKING_TOKENS); drafting with dspark only
-            max_backtracking_tokens=d.max_backtracking_tokens,
-            num_draft_tokens=d.num_draft_tokens if dspark else 0,
-            spec_varlen=dspark and d.varlen,
-            decode_perf_cache_dir=d.perf_cache_dir,
-            decode_perf_cache_ttl_s=d.perf_cache_ttl,
-            confidence_temperature=tuple(d.confidence_temperature),
-        )
-        unknown = set(overrides) - {f.name for f in fields(cls)}
+        values = {}
+        for f in fields(cls):
+            value = operator.attrgetter(f.metadata["setting"])(settings)
+            values[f.name] = value if f.metadata["convert"] is None else f.metadata["convert"](value)
+        if settings.decoding.name != "dspark":  # drafting is DSpark's alone
+            values.update(num_draft_tokens=0, spec_varlen=False)
+        unknown = set(overrides) - values.keys()
         if unknown:
             raise TypeError(f"EngineOptions has no field(s) {', '.join(sorted(unknown))}")
         values.update(overrides)

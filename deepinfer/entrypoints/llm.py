@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def _images_refused(model_dir: str) -> str:
     return f"generate(multi_modal_data=...): this model has no vision tower ({why}); allowed: None"
 
 
-class LLM:
+class LLM(AbstractContextManager):
     def __init__(
         self,
         model: str,
@@ -239,9 +240,6 @@ class LLM:
 
     def close(self) -> None:
         self._llm.close()
-
-    def __enter__(self) -> "LLM":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -17,6 +17,7 @@ import itertools
 import logging
 import operator
 import time
+from contextlib import AbstractContextManager
 from typing import Callable, Iterable, Iterator, Sequence
 
 from deepinfer.engine.client import EngineDeadError, InprocClient
@@ -37,7 +38,7 @@ log = logging.getLogger("deepinfer.engine")
 _OUTPUT = operator.attrgetter("output")
 
 
-class LLMEngine:
+class LLMEngine(AbstractContextManager):
     """Built from resolved Settings: `LLMEngine.for_settings(settings, tokenizer)` (the one construction path: the
     core builds its backend with SettingsBackend(settings)). backend_factory: a zero-argument callable returning an
     EngineBackend, run by the engine core (SettingsBackend(settings); with engine.process=inproc any callable, e.g.
@@ -193,9 +194,6 @@ class LLMEngine:
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def close(self) -> None:
         self.client.close()
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()

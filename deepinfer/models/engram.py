@@ -26,6 +26,30 @@ def _is_prime(n: int) -> bool:
     return True
 
 
+def engram_primes(vocab_size: int, n_layers: int, max_ngram: int, heads: int) -> list[list[list[int]]]:
+    """The prime bucket sizes [layer][n-gram size - 2][head] (spec §4.9): the search restarts at vocab_size for
+    each n-gram size but never reuses a prime."""
+    primes, seen = [], set()
+    for _ in range(n_layers):
+        per_layer = []
+        for _ in range(max_ngram - 1):
+            row, cur = [], vocab_size - 1
+            for _ in range(heads):
+                cur += 1
+                while not _is_prime(cur) or cur in seen:
+                    cur += 1
+                seen.add(cur)
+                row.append(cur)
+            per_layer.append(row)
+        primes.append(per_layer)
+    return primes
+
+
+def engram_table_rows(vocab_size: int, n_layers: int, max_ngram: int, heads: int) -> list[int]:
+    """Rows of each Engram layer's table (config.engram_num_embeddings) = the sum of its primes."""
+    return [sum(map(sum, layer)) for layer in engram_primes(vocab_size, n_layers, max_ngram, heads)]
+
+
 def compressed_token_map(tokenizer: Tokenizer) -> tuple[list[int], int]:
     """Token id -> id of its normalised form (NFKC, NFD, strip accents, lowercase, collapsed
     whitespace, stripped; a lone space survives); partial-UTF-8 byte tokens keep their raw form.
@@ -73,19 +97,7 @@ class EngramTables:
                 f"vocabulary has {size} entries; the hash would address the wrong table rows"
             )
         n = cfg.engram_max_ngram_size
-        primes, seen = [], set()
-        for _ in cfg.engram_layer_ids:
-            per_layer = []
-            for _ in range(n - 1):  # the search restarts per n-gram size but never reuses a prime
-                row, cur = [], cfg.engram_vocab_size - 1
-                for _ in range(cfg.engram_n_heads):
-                    cur += 1
-                    while not _is_prime(cur) or cur in seen:
-                        cur += 1
-                    seen.add(cur)
-                    row.append(cur)
-                per_layer.append(row)
-            primes.append(per_layer)
+        primes = engram_primes(cfg.engram_vocab_size, len(cfg.engram_layer_ids), n, cfg.engram_n_heads)
         for layer, rows, expected in zip(cfg.engram_layer_ids, primes, cfg.engram_num_embeddings):
             total = sum(sum(r) for r in rows)
             if total != expected:

@@ -4,7 +4,7 @@ and the shared expert FP8 e4m3 with 32x32 block scales, both kept as stored (Qua
 FP8 projections e4m3 with 32x32 block scales, kept as stored (Fp8BlockWeight) when `fp8_linears` and otherwise
 dequantised once (the same values); Engram tables carry values an FP8 checkpoint can hold; the rest is bf16 / fp32
 as the release stores it. Scales keep activations at unit variance through every projection (the golden fixtures'
-initialisation, deepinfer.embedded._init)."""
+initialisation, `fixture_init`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import re
 
 import torch
 
-from deepinfer.embedded import _init
 from deepinfer.kernels.fp8_weight import Fp8BlockWeight
 from deepinfer.kernels.packed_experts import QuantizedWeight
 from deepinfer.kernels.torch.quant import FP8_MAX, ceil_pow2
@@ -49,7 +48,7 @@ def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0
             q = _fp4_rows(spec.shape, gen)
             out[name] = q if packed_experts else q.dense(dtype)
             continue
-        w = _init(name, spec.shape, cfg.hidden_size, gen)
+        w = fixture_init(name, spec.shape, cfg.hidden_size, gen)
         if packed_experts and expert:
             out[name] = _fp8_blocks(w)
         elif fp8_linears and not expert and kinds.FP8_BLOCK in spec.allowed:
@@ -112,3 +111,35 @@ def shared_layer_names(specs: dict) -> dict[str, str]:
         if rep != layer:
             alias.update({f"layers.{layer}.{k}": f"layers.{rep}.{k}" for k in by_layer[layer]})
     return alias
+
+
+def fixture_init(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Generator) -> torch.Tensor:
+    """The golden fixtures' initialisation (tests/fixtures/deepseek_v41/*/README.md): unit-variance activations
+    through every projection, so the tiny model's logits are neither flat nor saturated."""
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=gen.device) * std
+
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(shape, generator=gen, device=gen.device)
+
+    leaf = name.rsplit(".", 2)
+    if name in ("embed.weight",) or name.endswith("engram.embed.weight"):
+        return normal(1.0)
+    if name == "head.weight":
+        return normal(1.0 / math.sqrt(hidden))
+    if name.endswith("norm.weight"):
+        return uniform(0.6, 1.4)
+    if name.endswith(("hc_attn_base", "hc_ffn_base")):
+        return normal(0.5)
+    if name.endswith(("hc_attn_scale", "hc_ffn_scale")):
+        return uniform(0.5, 1.5)
+    if name.endswith("attn.attn_sink"):
+        return normal(1.0)
+    if name.endswith("ffn.gate.bias"):
+        return normal(0.2)
+    if name.endswith("ffn.gate.bias_vl"):
+        return normal(1.0)
+    if leaf[-1] in ("q_weight", "k_weight"):
+        return uniform(0.5, 1.5)
+    return normal(1.0 / math.sqrt(shape[-1]))  # projections, router, hc_*_fn: N(0, 1/fan_in)

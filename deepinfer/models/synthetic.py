@@ -18,12 +18,13 @@ from importlib import resources
 import torch
 from tokenizers import Tokenizer
 
-from deepinfer.embedded import TEXT_CONFIG, engram_table_rows
 from deepinfer.kernels.registry import OpSet
 
 from .config import ModelConfig
 from .deepseek_v41 import DeepseekV41Model
+from .engram import engram_table_rows
 from .random_weights import random_weights
+from .tiny import TEXT_CONFIG
 
 # Reduced-depth V4.1-Flash: every layer role once (the embedded model's schedule, without its 8-layer tail):
 #   0 SWA only | 1 SWA + Engram | 2 ratio-2 KV source + index source | 3 ratio-2 reuse

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 
 import xgrammar as xgr
 
@@ -81,7 +82,7 @@ def one_line(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class GrammarCompilerPool:
+class GrammarCompilerPool(AbstractContextManager):
     """Compiles so_args off the caller's thread. ``submit(so_args)`` returns a Future that settles with a fresh
     GrammarState for the request, or with a GrammarError. Compiled grammars are cached by xgrammar (keyed by the
     schema text) up to cache_limit_bytes (-1: unbounded); every request still gets its own matcher.
@@ -145,9 +146,6 @@ class GrammarCompilerPool:
 
     def close(self) -> None:
         self._queue.close()
-
-    def __enter__(self) -> "GrammarCompilerPool":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -1,7 +1,7 @@
 """Model and run sizes of the training presets, and the checkpoint's config.json.
 
 The architecture constants (layer schedule with every V4.1 role, scoring, mHC, rope bases, eps, Engram n-gram
-layout, ...) are the embedded default model's (deepinfer.embedded.TEXT_CONFIG); a preset overrides sizes only.
+layout, ...) are the embedded default model's (deepinfer.models.tiny.TEXT_CONFIG); a preset overrides sizes only.
 `vocab_size` and `engram_compressed_vocab_size` come from the trained tokenizer, `engram_num_embeddings` from
 the prime rule, so config.json is always consistent with tokenizer.json.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from deepinfer import embedded
-from deepinfer.models.engram import compressed_token_map
+from deepinfer.models.engram import compressed_token_map, engram_table_rows
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def config_json(run: Run, tokenizer: Tokenizer) -> dict:
     # on its frozen context features, or left out when the preset trains none
     text["num_nextn_predict_layers"] = text["num_nextn_predict_layers"] if run.draft_steps else 0
     text["engram_compressed_vocab_size"] = compressed_token_map(tokenizer)[1]
-    text["engram_num_embeddings"] = embedded.engram_table_rows(
+    text["engram_num_embeddings"] = engram_table_rows(
         text["engram_vocab_size"], len(text["engram_layer_ids"]), text["engram_max_ngram_size"], text["engram_n_heads"])
     cfg["text_config"] = text
     return cfg
