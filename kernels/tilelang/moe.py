@@ -69,19 +69,18 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
 # ---------------------------------------------------------------------------------------------- tile policy
 def routed_block_t(n_tok: int, top_k: int, n_experts: int) -> int:
     """Token tile for the routed pass: about twice the mean tokens per expert, so few experts need a second
-    chunk (each chunk streams the expert's weights again); from 64 tokens per expert (prefill sizes) 128, where
-    each weight tile dequantised in registers feeds twice the MMAs of a 64-token tile."""
+    chunk (each chunk streams the expert's weights again)."""
     if registry.batch_invariant():
         return INVARIANT_ROUTED_BT
     mean = n_tok * top_k / n_experts
-    return next((b for b in (8, 16, 32) if mean <= b / 2), 64 if mean <= 64 else 128)
+    return next((b for b in (8, 16, 32) if mean <= b / 2), 64)
 
 
 def shared_block_t(n_tok: int) -> int:
     """Token tile for the shared expert (one slot holding every token)."""
     if registry.batch_invariant():
         return INVARIANT_SHARED_BT
-    return next((b for b in (8, 16, 32, 64) if n_tok <= b), 128)
+    return next((b for b in (8, 16, 32) if n_tok <= b), 64)
 
 
 def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
@@ -89,10 +88,9 @@ def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
     never has a cp.async of its own thread in flight (see moe_kernel's K loop). FP4 (routed): 256-K steps, 8.5 KB
     of weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
     expert, 72-80 blocks, the longest chain at decode): the largest step dividing K that keeps 4 stages within
-    ~220 KB, so each of its few blocks keeps 16-32 KB in flight. A 128-token tile (prefill sizes) has 32 KB of
-    activations per 128-K step: FP4 then steps 128 K too (4 stages + the epilogue tile, ~184 KB, one block per SM)."""
+    ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
     if fmt == "fp4":
-        return (256, 4) if block_t <= 64 else (128, 4)
+        return 256, 4
     for bk in (512, 256, 128):
         if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4) <= 220 * 1024:
             return bk, 4

@@ -49,8 +49,9 @@ Pipeline per K step k (S stages, NG = BK/64 groups of 64 K, one warpgroup):
 On non-Hopper targets (sm_100a lowering, sm_80/89) the same fragments feed mma.sync m16n8k16 instead (identical
 A/C register layouts), so the kernel still compiles and is correct there, without the async overlap.
 
-Limits: block_n must be 64 and threads 128 (one warpgroup; M = 64 is the wgmma tile); block_t is 8, 16, 32, 64 or
-128 (128: prefill sizes, where each weight tile dequantised in registers then feeds twice the MMA work);
+Limits: block_n must be 64 and threads 128 (one warpgroup; M = 64 is the wgmma tile); block_t is 8, 16, 32 or 64
+(128 tokens would need FP4 steps of 128 K, whose 4 chunks per row the bank swizzle below cannot permute, and 256-K
+steps of 128 tokens do not fit 4 stages in shared memory; an 8K-token prefill measured 1.1x at most from it);
 block_k is 128, 256 or 512; num_stages >= 4; k_splits (K split over grid z, "add" epilogue only); min_blocks
 (__launch_bounds__). The tile policy (which block_t / block_k / stages per pass) is moe.py's.
 
@@ -390,7 +391,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     memory, capped at 4)."""
     assert fmt in ("fp4", "fp8") and epilogue in ("swiglu", "add")
     assert block_n == BLOCK_N and threads == THREADS, "one warpgroup, 64 weight rows (the wgmma M)"
-    assert block_t in (8, 16, 32, 64, 128) and block_k in (128, 256, 512) and num_stages >= 4
+    assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
     assert n_rows % BLOCK_N == 0 and k_dim % (block_k * k_splits) == 0
     assert k_splits == 1 or epilogue == "add", "split K needs the additive epilogue"
     E, N, K, BT, BK, S = n_experts, n_rows, k_dim, block_t, block_k, num_stages

@@ -44,7 +44,7 @@ def _cases():
                 for tokens in TOKENS:
                     out.append((E, D, I, tokens, fmt, with_shared, False))
     out.append((16, 1024, 512, 40, "fp4", True, True))  # every token on the same experts: the chunk loop
-    # prefill sizes: 128-token tiles over ~400 tokens per expert, the shared expert through cuBLAS
+    # prefill sizes: the shared expert through cuBLAS, the routing table from torch's sorts
     out.append((16, 1024, 512, 1100, "fp4", True, False))
     return out
 
@@ -133,7 +133,7 @@ def _kernel_specs():
 
     out = []
     for fmt in ("fp4", "fp8"):
-        for bt in (8, 16, 32, 64, 128):
+        for bt in (8, 16, 32, 64):
             bk, st = moe.pass_config(fmt, KD, bt)
             out.append((moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, 64, bt, bk, 128, st, True, 1, 0))
             bk, st = moe.pass_config(fmt, KI, bt)
@@ -143,7 +143,7 @@ def _kernel_specs():
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-@pytest.mark.parametrize("block_t", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("block_t", [8, 16, 32, 64])
 def test_kernels_each_tile(fmt, block_t):
     """Up (SwiGLU epilogue) and down ("add" epilogue, whole K and split in 3) at one token tile, against torch
     with the same bf16 rounding points; 37 tokens x top-2 over 4 experts: every expert spans several chunks at
