@@ -52,7 +52,9 @@ def plan_image(width: int, height: int, cfg: VisionConfig) -> ImageLayout:
     p, r, budget = cfg.patch_size, cfg.downsample_ratio, cfg.max_image_tokens
     w, h = width, height
     if 0 < w * h < cfg.min_pixels:  # small images are scaled up (int() truncates: 300x200 -> 666x444)
-        s = math.sqrt(cfg.min_pixels / (w * h))
+        # `** 0.5` as DeepInfer writes it, not math.sqrt: libm's pow is not always correctly rounded, and one ulp
+        # can move int(w * s) across a patch edge (min_pixels 10609, 43 x 43: 102 here, 103 with sqrt)
+        s = (cfg.min_pixels / (w * h)) ** 0.5
         w, h = int(w * s), int(h * s)
     layout = _layout(-(-w // p) * p, -(-h // p) * p, p, r)  # round up to whole patches
     if layout.num_tokens <= budget:
