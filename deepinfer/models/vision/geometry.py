@@ -45,6 +45,19 @@ def _layout(best_w: int, best_h: int, p: int, r: int) -> ImageLayout:
     return ImageLayout(best_w, best_h, n_vit_h, n_vit_w, -(-n_vit_h // r), -(-n_vit_w // r))
 
 
+def canvas_layout(best_width: int, best_height: int, cfg: VisionConfig) -> ImageLayout:
+    """The layout of a canvas already planned (plan_image's best size): the grids follow from it alone. ValueError
+    (one line) for a canvas plan_image cannot give: not whole patches, or a span over the token budget."""
+    p = cfg.patch_size
+    if not (best_width > 0 and best_height > 0 and best_width % p == 0 and best_height % p == 0):
+        raise ValueError(f"canvas {best_width} x {best_height}; allowed: positive multiples of the patch size {p}")
+    layout = _layout(best_width, best_height, p, cfg.downsample_ratio)
+    if layout.num_tokens > cfg.max_image_tokens:
+        raise ValueError(f"canvas {best_width} x {best_height} needs a span of {layout.num_tokens} tokens; allowed: "
+                         f"at most max_image_tokens={cfg.max_image_tokens}")
+    return layout
+
+
 def plan_image(width: int, height: int, cfg: VisionConfig) -> ImageLayout:
     """The layout of a decoded width x height image under cfg's token budget and min_pixels."""
     if width <= 0 or height <= 0:
