@@ -148,13 +148,19 @@ def test_image_requests_on_cuda_in_float32_give_the_cpu_greedy_tokens():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_image_request_on_cuda_gives_the_same_tokens_alone_and_batched_with_text(dtype):
+    """Under the batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1), the text model's GPU guarantee: the image
+    request's ViT runs on its one image either way, and its rows give the same tokens whatever rides with them."""
     from deepinfer import LLM
+    from deepinfer.kernels import registry
 
-    with LLM(MODEL, hardware="sm90", dtype=dtype, process="inproc") as gpu:
-        model = gpu._engine.client.core.backend.model
-        assert model.vision.image_start.dtype == getattr(torch, dtype)
-        alone = _generate(gpu, [PROMPT], [_images(0)])[0].token_ids
-        batched = _generate(gpu, [[5, 6, 7, 8], PROMPT, [9, 10]], [None, _images(0), None])
-        other = _generate(gpu, [PROMPT], [_images(2)])[0].token_ids
+    try:
+        with LLM(MODEL, hardware="sm90", dtype=dtype, process="inproc", runtime={"batch_invariant": True}) as gpu:
+            model = gpu._engine.client.core.backend.model
+            assert model.vision.image_start.dtype == getattr(torch, dtype) and registry.batch_invariant()
+            alone = _generate(gpu, [PROMPT], [_images(0)])[0].token_ids
+            batched = _generate(gpu, [[5, 6, 7, 8], PROMPT, [9, 10]], [None, _images(0), None])
+            other = _generate(gpu, [PROMPT], [_images(2)])[0].token_ids
+    finally:
+        registry.OpSet.build("cpu", ["torch"], batch_invariant=False)  # the mode is the process's: reset it
     assert batched[1].token_ids == alone
     assert other != alone  # the image reaches the output on the GPU too
