@@ -44,6 +44,7 @@ OP_KINDS = (
     "moe_experts",
     "engram_hash",
     "engram_gate",
+    "vision_attention",
 )
 
 

@@ -135,13 +135,57 @@ def test_deepinfer_dropin_takes_multi_modal_data_in_its_form(llm):
 
 def test_images_cross_to_the_core_as_typed_messages():
     req = m.AddRequest(1, [0, VOCAB + 2, VOCAB + 1, 5], SamplingParams(max_tokens=3), 9,
-                       [m.ImageInput(png(0), 1, 2)])
+                       [m.ImageInput(1, 2, 42, 28, 40, 20, bytes(range(256)) * 9 + bytes(96))])
     key = new_key()
     msg = Verifier(key, FRONTEND, m.TO_CORE).unpack(Signer(key, FRONTEND).pack(m.to_wire([req])))
     assert m.from_wire(msg.requests[0]) == req
     bad = m.WireRequest(2, [0], {"max_tokens": 3}, 0, [{"data": 5, "start": 0, "length": 1}])
     update = m.from_wire(bad)
     assert update.finish_reason == "error" and update.error.startswith("the request's images must be a list of")
+
+
+def test_each_image_is_decoded_once_on_its_way_in(llm, monkeypatch):
+    """The frontend decodes, plans and resizes each image once; the core and the model take its resized pixels.
+    Every Pillow open is counted, in whichever thread it runs: three images, three decodes."""
+    from PIL import Image
+
+    opened, real = [], Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(1) or real(*a, **k))
+    outs = generate(llm, [TWO, PROMPT], [images(0, 2), images(1)])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert len(opened) == 3
+
+
+def _core_images(**change):
+    """prepare_images on one ImageInput of the tiny model (a 3 x 3-patch canvas: a 1 x 1 LLM grid, 4 span tokens),
+    with `change` applied; the prompt holds the span at position 1."""
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from deepinfer.engine.images import prepare_images
+    from deepinfer.models.vision import VisionConfig
+    from deepinfer.models.vision import tiny
+
+    cfg = VisionConfig.from_dict(tiny.with_vision({"hidden_size": 128, "vocab_size": VOCAB}))
+    im = msgspec.structs.replace(m.ImageInput(1, 4, 42, 42, 40, 30, bytes(40 * 30 * 3)), **change)
+    ids = [7] + [VOCAB + 2] + [VOCAB + 1] * 3 + [8]
+    return prepare_images([im], ids, SimpleNamespace(cfg=cfg), VOCAB)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"canvas_width": 41}, "image 0: canvas 41 x 42; allowed: positive multiples of the patch size 14"),
+    ({"canvas_width": 42 * 40}, "image 0: canvas 1680 x 42 needs a span of 43 tokens; allowed: at most"),
+    ({"pixels": bytes(10)}, "image 0: 10 bytes of pixels for a 40 x 30 image on a 42 x 42 canvas; allowed:"),
+    ({"width": 50, "pixels": bytes(50 * 30 * 3)}, "image 0: 4500 bytes of pixels for a 50 x 30 image on a 42 x 42"),
+    ({"length": 3}, "image 0: its span has 3 tokens but its canvas needs 4; allowed:"),
+])
+def test_the_core_checks_each_image_against_the_model_without_decoding_it(change, message):
+    [ok] = _core_images()
+    assert (ok.start, ok.length, ok.image.layout.num_tokens, ok.image.width) == (1, 4, 4, 40)
+    with pytest.raises(ValueError) as e:
+        _core_images(**change)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_an_image_request_runs_in_the_engine_core_process():

@@ -57,6 +57,21 @@ def test_geometry_of_the_released_config(size, best, vit, llm, tokens):
     assert layout.num_tokens == tokens <= 1024
 
 
+def test_the_min_pixels_upscale_uses_deepinfers_power_not_sqrt():
+    """DeepInfer scales small images by (min_pixels / (w*h)) ** 0.5. libm's pow is not always correctly rounded, so
+    math.sqrt can differ by one ulp, and int(w * s) by one pixel: here 43 x 43 -> 102 (DeepInfer) against 103 with
+    sqrt, one 17-pixel patch apart (a config chosen to make the ulp visible; the released one has no such case)."""
+    import dataclasses
+    import math
+
+    s = (10609 / (43 * 43)) ** 0.5
+    if s == math.sqrt(10609 / (43 * 43)):
+        pytest.skip("this platform's pow(x, 0.5) is correctly rounded here: no ulp to tell the two apart")
+    cfg = dataclasses.replace(CFG, patch_size=17, min_pixels=10609, max_image_tokens=10_000)
+    layout = plan_image(43, 43, cfg)
+    assert int(43 * s) == 102 and (layout.best_width, layout.best_height) == (6 * 17, 6 * 17)
+
+
 @pytest.mark.parametrize("n", CASES)
 def test_decode_and_resize_match_pillow_exactly(n):
     """L and RGB PNGs decode to RGB; the resize is Pillow's BICUBIC `contain` into the planned canvas."""

@@ -63,6 +63,45 @@ def test_images_batch_without_attending_across_each_other(model):
                                atol=ATOL, rtol=0)
 
 
+def test_vision_attention_attends_within_each_image_only():
+    """The op kind `vision_attention` (torch: one SDPA per image, no padding, no mask) against a float64 softmax per
+    image; each image's rows are bitwise the same run alone. No TileLang kernel: on sm90 it is a torch fallback."""
+    from deepinfer.kernels.registry import backends_for
+    from deepinfer.kernels.torch.vision import vision_attention
+
+    gen = torch.Generator().manual_seed(0)
+    cu = [0, 5, 17, 18]
+    q, k, v = (torch.randn(cu[-1], 4, 16, generator=gen) for _ in range(3))
+    out = vision_attention(q, k, v, cu)
+    for s, e in zip(cu[:-1], cu[1:]):
+        qi, ki, vi = (t[s:e].double().transpose(0, 1) for t in (q, k, v))
+        ref = torch.softmax(qi @ ki.transpose(1, 2) / 4.0, dim=-1) @ vi
+        torch.testing.assert_close(out[s:e], ref.transpose(0, 1).float(), atol=1e-6, rtol=0)
+        assert torch.equal(vision_attention(q[s:e], k[s:e], v[s:e], [0, e - s]), out[s:e])
+    assert backends_for("vision_attention", "cpu") == ["torch"]
+    assert backends_for("vision_attention", "cuda") == ["torch"]
+
+
+def test_the_tower_calls_its_norms_and_attention_through_the_ops(model):
+    """use_ops hands the tower an OpSet: every block's two norms and attention, and the final norm, are its calls."""
+    from deepinfer.models.vision.tower import torch_ops
+
+    calls = []
+    ops = torch_ops()
+    spy = type("Spy", (), {k: staticmethod(lambda *a, _k=k, _f=getattr(ops, k): calls.append(_k) or _f(*a))
+                           for k in ("rms_norm", "vision_attention")})
+    model.use_ops(spy)
+    try:
+        with torch.inference_mode():
+            got = _features(model, [0, 2])
+    finally:
+        model.use_ops(ops)
+    layers = model.cfg.num_hidden_layers
+    assert calls.count("vision_attention") == layers and calls.count("rms_norm") == 2 * layers + 1
+    torch.testing.assert_close(got, torch.cat([case(0, "vision_features"), case(2, "vision_features")]),
+                               atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("n", CASES)
 def test_unshuffle_is_the_stored_gather(n):
     """3x3 windows, zero-padded at the ragged bottom/right edges, column c*9 + 3i + j: a gather, so exact."""

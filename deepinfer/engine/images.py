@@ -1,13 +1,15 @@
 """Image input in the engine core (VISION_SPEC.md §6, docs/vision.md).
 
-- On arrival (`prepare_images`, EngineCore.add_request, off the device's step): each ImageInput's bytes are decoded,
-  resized and cut into ViT patches by the model's ImageProcessor, and its span is checked against the prompt: the
-  span length must be the decoded image's and the span ids DeepInfer's (vocab+2, then vocab+1s). The request
-  keeps the patches (PromptImage) for its whole life, so a recompute after preemption has them again.
-- At prefill (`SpanRowCache`, the ModelRunner): when a step's new tokens first reach an image span, the ViT and
-  the aligner run once for every such image of the step (batched over images) and the span's rows are kept until
-  the prefill has passed the span; each step takes the rows of the span positions it covers, so a chunk may start
-  or end anywhere inside a span.
+- On arrival (`prepare_images`, EngineCore.add_request): no pixel work (the frontend decoded and resized each image
+  once); each ImageInput is checked against the model and the prompt: a canvas the model's geometry can give, the
+  pixels fitting it, a span length that is the canvas's and span ids that are DeepInfer's (vocab+2, then
+  vocab+1s). The request keeps the resized pixels (PromptImage) for its whole life, so a recompute after
+  preemption has them again.
+- At prefill (`SpanRowCache`, the ModelRunner): when a step's new tokens first reach an image span, the pixels of
+  every such image of the step go to the device, are centred, normalised and cut into patches there, and the ViT
+  and the aligner run once over all of them (varlen over images); the span's rows are kept until the prefill has
+  passed the span; each step takes the rows of the span positions it covers, so a chunk may start or end anywhere
+  inside a span.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from deepinfer.engine.messages import ImageInput
 class PromptImage:
     start: int  # the span's first position in the prompt
     length: int  # span tokens
-    image: Any  # deepinfer.models.vision.ProcessedImage: the patches, their positions and the layout
+    image: Any  # deepinfer.models.vision.processor.ResizedImage: the layout and the resized pixels
 
     @property
     def end(self) -> int:
@@ -30,35 +32,52 @@ class PromptImage:
 
 
 def prepare_images(images: list[ImageInput], prompt_ids: list[int], vision, vocab_size: int) -> list[PromptImage]:
-    """The request's images decoded and checked against its prompt; ValueError (one line) for what cannot run.
+    """The request's images checked against the model and its prompt; ValueError (one line) for what cannot run.
     `vision`: the model's VisionModel (None: the checkpoint has no image path)."""
     if not images:
         return []
     if vision is None:
         raise ValueError("this model has no vision tower (no vision_config, or no vision.* / aligner.* tensors in "
                          "its checkpoint); allowed: text-only prompts")
-    from deepinfer.models.vision import ImageProcessor
+    from deepinfer.models.vision import ImageLimits
     from deepinfer.models.vision.span import IMAGE_ID_OFFSET, PAD_ID_OFFSET
 
-    processor = ImageProcessor(vision.cfg)
-    if len(images) > processor.limits.max_images:
-        raise ValueError(f"{len(images)} images in one request; allowed: at most {processor.limits.max_images}")
+    max_images = ImageLimits().max_images
+    if len(images) > max_images:
+        raise ValueError(f"{len(images)} images in one request; allowed: at most {max_images}")
     out, prev_end = [], 0
     for i, im in enumerate(images):
         if im.start < prev_end or im.length < 1 or im.start + im.length > len(prompt_ids):
             raise ValueError(f"image {i}: span [{im.start}, {im.start + im.length}) does not fit the prompt of "
                              f"{len(prompt_ids)} tokens after the previous span; allowed: ordered, disjoint spans")
-        processed = processor.process_one(im.data, i)
-        if processed.layout.num_tokens != im.length:
-            raise ValueError(f"image {i}: its span has {im.length} tokens but the decoded image needs "
-                             f"{processed.layout.num_tokens}; allowed: the span the frontend planned for it")
+        resized = _resized(im, vision.cfg, i)
+        if resized.layout.num_tokens != im.length:
+            raise ValueError(f"image {i}: its span has {im.length} tokens but its canvas needs "
+                             f"{resized.layout.num_tokens}; allowed: the span the frontend planned for it")
         span = prompt_ids[im.start:im.start + im.length]
         if span[0] != vocab_size + IMAGE_ID_OFFSET or any(t != vocab_size + PAD_ID_OFFSET for t in span[1:]):
             raise ValueError(f"image {i}: the prompt ids at its span are not the span ids ({vocab_size + 2}, then "
                              f"{vocab_size + 1}s); allowed: the prompt as the frontend expanded it")
-        out.append(PromptImage(im.start, im.length, processed))
+        out.append(PromptImage(im.start, im.length, resized))
         prev_end = im.start + im.length
     return out
+
+
+def _resized(im: ImageInput, cfg, i: int):
+    """The message's image as the model takes it (processor.ResizedImage), or ValueError naming image i."""
+    from deepinfer.models.vision.geometry import canvas_layout
+    from deepinfer.models.vision.processor import ResizedImage
+
+    try:
+        layout = canvas_layout(im.canvas_width, im.canvas_height, cfg)
+    except ValueError as exc:
+        raise ValueError(f"image {i}: {exc}") from None
+    if not (0 < im.width <= im.canvas_width and 0 < im.height <= im.canvas_height) or \
+            len(im.pixels) != im.width * im.height * 3:
+        raise ValueError(f"image {i}: {len(im.pixels)} bytes of pixels for a {im.width} x {im.height} image on a "
+                         f"{im.canvas_width} x {im.canvas_height} canvas; allowed: width x height x 3 bytes (RGB) of "
+                         "an image that fits the canvas")
+    return ResizedImage(layout, im.width, im.height, im.pixels)
 
 
 @dataclass

@@ -22,13 +22,19 @@ from deepinfer.sampling.params import SamplingParams
 
 
 class ImageInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One image of a request as it travels to the engine core: its encoded bytes (PNG, JPEG or WebP; the core
-    decodes and resizes them off the step loop, the ViT runs at prefill) and the span of the expanded prompt its
-    rows fill: positions [start, start + length) (VISION_SPEC.md §6.1)."""
+    """One image of a request as it travels to the engine core, decoded and resized once by the frontend
+    (frontend/images.py, off the core's loop): Pillow's resized pixels (uint8 RGB, row-major, height x width x 3;
+    not yet centred or normalised, which the model does on its device when the ViT runs), the canvas they are
+    centred on (whole patches; it fixes the ViT and LLM grids), and the span of the expanded prompt its rows fill:
+    positions [start, start + length) (VISION_SPEC.md §6.1)."""
 
-    data: bytes
     start: int
     length: int
+    canvas_width: int
+    canvas_height: int
+    width: int
+    height: int
+    pixels: bytes
 
 
 class AddRequest(msgspec.Struct, frozen=True):
@@ -230,7 +236,7 @@ def from_wire(req: WireRequest) -> AddRequest | RequestUpdate:
     try:
         images = msgspec.convert(req.images, list[ImageInput])
     except msgspec.ValidationError as exc:
-        error = f"the request's images must be a list of {{data: bytes, start: int, length: int}} ({exc})"
+        error = f"the request's images must be a list of ImageInput ({exc})"
         return RequestUpdate(req.request_id, finish_reason="error", error=error)
     params, error = params_from_dict(req.params)
     if error is not None:

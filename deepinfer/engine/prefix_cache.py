@@ -25,7 +25,6 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
 
 _ROOT = b"deepinfer-prefix-v1"
 
@@ -44,9 +43,11 @@ def image_root(root: bytes, images) -> bytes:
     placeholder ids, so the root carries each span's place and its pixels; equal images in equal places share
     blocks, any other image never matches (the blocks before the first image are salted too)."""
     h = hashlib.blake2b(root, digest_size=16)
-    for im in images:
-        h.update(array("q", [im.start, im.length]).tobytes())
-        h.update(im.image.pixel_values.contiguous().view(-1).view(torch.int16).numpy().tobytes())
+    for im in images:  # the resized pixels and their canvas fix the patches (processor.ResizedImage)
+        r = im.image
+        h.update(array("q", [im.start, im.length, r.layout.best_width, r.layout.best_height, r.width,
+                             r.height]).tobytes())
+        h.update(r.pixels)
     return h.digest()
 
 

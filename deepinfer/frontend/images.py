@@ -1,7 +1,9 @@
 """Images in a prompt, on the frontend side (VISION_SPEC.md §2, docs/vision.md): DeepInfer's `multi_modal_data` read
-and checked, each image decoded (bounded: ImageLimits) and planned, and each placeholder (`image_token_id`, one per
+and checked, each image decoded once (bounded: ImageLimits), planned and resized (the CPU half of the processor,
+here in the caller's thread and never on the engine core's loop), and each placeholder (`image_token_id`, one per
 image, in order) expanded into the image's span (vocab+2, then vocab+1s). The engine core gets the expanded ids and,
-per image, its bytes and span (messages.ImageInput); it decodes them again into ViT patches.
+per image, its resized pixels, canvas and span (messages.ImageInput); the model centres, normalises and cuts them
+into patches on its device when the ViT runs.
 
 Every refusal is one line naming the field and what is allowed.
 """
@@ -73,29 +75,31 @@ class ImagePrompts:
         if self.vision is None:
             raise ImagePromptError(f"{field}: this model has no vision tower (no vision_config, or no vision.* / "
                                    "aligner.* tensors in its checkpoint); allowed: text-only prompts", field)
-        from deepinfer.models.vision import ImageInputError, plan_image
+        from deepinfer.models.vision import ImageInputError, ImageProcessor
         from deepinfer.models.vision.decode import decode_image
         from deepinfer.models.vision.span import expand_prompt
 
         cfg = self.vision
+        processor = ImageProcessor(cfg, self.limits)
         names = names or [f"{field}.image_bytes[{i}]" for i in range(len(images))]
         if len(images) > self.limits.max_images:
             raise ImagePromptError(f"{field}: {len(images)} images in one request; allowed: at most "
                                    f"{self.limits.max_images}", field)
-        layouts = []
+        resized = []
         for i, data in enumerate(images):
             try:
-                img = decode_image(data, self.limits, i)
+                img = decode_image(data, self.limits, i)  # the image's one decode
             except ImageInputError as exc:  # "image i: why; allowed: ..." -> named by where the image sits
                 raise ImagePromptError(f"{names[i]}: {str(exc).split(': ', 1)[1]}", names[i]) from None
             if sizes is not None and tuple(sizes[i]) != img.size:
                 raise ImagePromptError(f"{field}.image_sizes[{i}] is {sizes[i][0]} x {sizes[i][1]} but the image "
                                        f"decodes to {img.width} x {img.height}; allowed: its real [width, height]",
                                        f"{field}.image_sizes")
-            layouts.append(plan_image(img.width, img.height, cfg))
+            resized.append(processor.resize(img))
         try:
-            prompt = expand_prompt(ids, layouts, cfg.image_token_id, cfg.vocab_size)
+            prompt = expand_prompt(ids, [r.layout for r in resized], cfg.image_token_id, cfg.vocab_size)
         except ImageInputError as exc:
             raise ImagePromptError(f"{field}: {exc}", field) from None
-        spans = [ImageInput(data, start, length) for data, (start, length) in zip(images, prompt.image_spans)]
+        spans = [ImageInput(start, length, r.layout.best_width, r.layout.best_height, r.width, r.height, r.pixels)
+                 for r, (start, length) in zip(resized, prompt.image_spans)]
         return prompt.input_ids.tolist(), spans

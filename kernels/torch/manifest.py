@@ -23,6 +23,7 @@ _WHERE = {
     "moe_experts": "moe",
     "engram_hash": "engram",
     "engram_gate": "engram",
+    "vision_attention": "vision",
 }
 for _kind, _module in _WHERE.items():
     register(_kind, "torch", _DEVICES, f"deepinfer.kernels.torch.{_module}.{_kind}")

@@ -137,7 +137,8 @@ def _with_vision(model: DeepseekV41Model, vision, model_dir) -> DeepseekV41Model
     if lacking:
         raise CheckpointError(f"{model_dir}: a checkpoint with a vision tower needs layers.N.ffn.gate.bias_vl (image "
                               f"tokens route with it); layers {lacking[:8]} have none")
-    model.vision = load_vision_model(model_dir, model.dtype).to(model.device)
+    # the text model's dtype (bf16 on the GPU), device and OpSet: the ViT's norms and attention go through its kernels
+    model.vision = load_vision_model(model_dir, model.dtype).to(model.device).use_ops(model.ops)
     log.info("image path loaded: ViT %d layers of width %d, aligner to %d, at most %d tokens per image",
              vision.num_hidden_layers, vision.hidden_size, vision.text_hidden_size, vision.max_image_tokens)
     return model

@@ -6,7 +6,7 @@ from .config import VisionConfig, VisionConfigError
 from .decode import ImageLimits
 from .errors import ImageInputError
 from .geometry import ImageLayout, plan_image
-from .processor import ImageProcessor, ProcessedImage
+from .processor import ImageProcessor, ProcessedImage, ResizedImage
 
-__all__ = ["ImageInputError", "ImageLayout", "ImageLimits", "ImageProcessor", "ProcessedImage", "VisionConfig",
-           "VisionConfigError", "plan_image"]
+__all__ = ["ImageInputError", "ImageLayout", "ImageLimits", "ImageProcessor", "ProcessedImage", "ResizedImage",
+           "VisionConfig", "VisionConfigError", "plan_image"]

@@ -45,6 +45,19 @@ def _layout(best_w: int, best_h: int, p: int, r: int) -> ImageLayout:
     return ImageLayout(best_w, best_h, n_vit_h, n_vit_w, -(-n_vit_h // r), -(-n_vit_w // r))
 
 
+def canvas_layout(best_width: int, best_height: int, cfg: VisionConfig) -> ImageLayout:
+    """The layout of a canvas already planned (plan_image's best size): the grids follow from it alone. ValueError
+    (one line) for a canvas plan_image cannot give: not whole patches, or a span over the token budget."""
+    p = cfg.patch_size
+    if not (best_width > 0 and best_height > 0 and best_width % p == 0 and best_height % p == 0):
+        raise ValueError(f"canvas {best_width} x {best_height}; allowed: positive multiples of the patch size {p}")
+    layout = _layout(best_width, best_height, p, cfg.downsample_ratio)
+    if layout.num_tokens > cfg.max_image_tokens:
+        raise ValueError(f"canvas {best_width} x {best_height} needs a span of {layout.num_tokens} tokens; allowed: "
+                         f"at most max_image_tokens={cfg.max_image_tokens}")
+    return layout
+
+
 def plan_image(width: int, height: int, cfg: VisionConfig) -> ImageLayout:
     """The layout of a decoded width x height image under cfg's token budget and min_pixels."""
     if width <= 0 or height <= 0:
@@ -52,7 +65,9 @@ def plan_image(width: int, height: int, cfg: VisionConfig) -> ImageLayout:
     p, r, budget = cfg.patch_size, cfg.downsample_ratio, cfg.max_image_tokens
     w, h = width, height
     if 0 < w * h < cfg.min_pixels:  # small images are scaled up (int() truncates: 300x200 -> 666x444)
-        s = math.sqrt(cfg.min_pixels / (w * h))
+        # `** 0.5` as DeepInfer writes it, not math.sqrt: libm's pow is not always correctly rounded, and one ulp
+        # can move int(w * s) across a patch edge (min_pixels 10609, 43 x 43: 102 here, 103 with sqrt)
+        s = (cfg.min_pixels / (w * h)) ** 0.5
         w, h = int(w * s), int(h * s)
     layout = _layout(-(-w // p) * p, -(-h // p) * p, p, r)  # round up to whole patches
     if layout.num_tokens <= budget:

@@ -1,5 +1,6 @@
 """The image path's parameters in one module, named as the checkpoint names them (`vision.*`, `aligner.*`,
-`image_start/end/newline`), and the one call the engine will make: processed images -> span rows per image."""
+`image_start/end/newline`), and the one call the engine makes: images -> span rows per image, on the module's
+device (the patches of a ResizedImage are made there)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from .aligner import Aligner, unshuffle
 from .config import VisionConfig
-from .processor import ProcessedImage
+from .processor import ProcessedImage, ResizedImage
 from .span import span_rows
 from .tower import VisionTransformer
 
@@ -33,12 +34,19 @@ class VisionModel(nn.Module):
         return [self.aligner(unshuffle(f, im.layout.n_vit_h, im.layout.n_vit_w, r))
                 for f, im in zip(per_image, images)]
 
+    def use_ops(self, ops) -> VisionModel:
+        """Run the tower's op kinds (tower.VISION_OPS) on `ops`, the text model's OpSet (the default: torch ops)."""
+        self.vision.ops = ops
+        return self
+
     @torch.inference_mode()
-    def forward(self, images: Sequence[ProcessedImage]) -> list[torch.Tensor]:
-        """Each image's span rows [num_tokens, text width], the ViT run once over all images (varlen)."""
+    def forward(self, images: Sequence[ProcessedImage | ResizedImage]) -> list[torch.Tensor]:
+        """Each image's span rows [num_tokens, text width], the ViT run once over all images (varlen). A
+        ResizedImage is centred, normalised and cut into patches on this module's device first."""
         if not images:
             return []
-        device = self.image_start.device  # the processor's patches are on the CPU
+        device = self.image_start.device
+        images = [im.patches(self.cfg.patch_size, device) if isinstance(im, ResizedImage) else im for im in images]
         features = self.vision(torch.cat([im.pixel_values for im in images]).to(device),
                                torch.cat([im.positions for im in images]).to(device),
                                [im.layout.num_patches for im in images])

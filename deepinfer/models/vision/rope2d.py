@@ -8,9 +8,10 @@ import torch
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [n, head_dim/2] for patches at (row, col) `positions` [n, 2]: angle (y*f_j, then x*f_j) with
-    head_dim/4 frequencies f_j = theta^(-2j/(head_dim/2)) per axis, in fp32 (DeepInfer's VisionRotaryEmbedding)."""
+    head_dim/4 frequencies f_j = theta^(-2j/(head_dim/2)) per axis, in fp32 on the positions' device (DeepInfer's
+    VisionRotaryEmbedding builds its table on the GPU too)."""
     half = head_dim // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half)
+    inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=positions.device) / half)
     pos = positions.to(torch.float32)
     angles = torch.cat([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], dim=-1)
     return angles.cos(), angles.sin()

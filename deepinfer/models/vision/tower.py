@@ -2,12 +2,16 @@
 SwiGLU, a final RMSNorm. Attention is full within each image and never crosses images.
 
 Several images run as one batch: every matmul, norm and MLP runs over the concatenated patches of all images, and
-attention is varlen over `cu_seqlens` -- on the CPU a loop over images, each one scaled_dot_product_attention
-(no padding, no mask; batched equals separate runs, which the fixture checks). Parameter names are the checkpoint's
-(`vision.` + these). Computed in the parameters' dtype (float32 here; the norms and the SwiGLU in fp32 always).
+attention is varlen over `cu_seqlens` (the `vision_attention` op kind: one scaled_dot_product_attention per image,
+no padding, no mask; batched equals separate runs, which the fixture checks). The norms and the attention go
+through the kernel registry (`ops`: the model's OpSet; VisionModel's default is the torch ops). Parameter names are
+the checkpoint's (`vision.` + these). Computed in the parameters' dtype (float32 for the fixture, bf16 for the real
+model); the norm statistics, the RoPE and the SwiGLU product in fp32 always.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -18,15 +22,16 @@ from .rope2d import apply_rope, rope_angles
 
 
 class RMSNorm(nn.Module):
+    """The registry's rms_norm: normalised in fp32, cast to the activation dtype, then times the weight (DeepInfer's
+    rounding point in bf16, VISION_SPEC.md §8 #3; the same values in float32)."""
+
     def __init__(self, dim: int, eps: float = NORM_EPS):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # the statistics in fp32 whatever the activation dtype
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class PatchEmbed(nn.Module):
@@ -48,14 +53,12 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # rows: the q block, then k, then v
         self.wo = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int], ops
+                ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.wqkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # varlen: each image attends only to itself
-            qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, n_i, head_dim]
-            out[start:end] = F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1)
+        out = ops.vision_attention(q, k, v, cu_seqlens)  # varlen: each image attends only to itself
         return self.wo(out.reshape(n, -1))
 
 
@@ -78,15 +81,16 @@ class Block(nn.Module):
         self.norm1, self.attn = RMSNorm(cfg.hidden_size), Attention(cfg)
         self.norm2, self.mlp = RMSNorm(cfg.hidden_size), SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        h = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
-        return h + self.mlp(self.norm2(h))
+    def forward(self, x, cos, sin, cu_seqlens, ops):
+        h = x + self.attn(self.norm1(x, ops), cos, sin, cu_seqlens, ops)
+        return h + self.mlp(self.norm2(h, ops))
 
 
 class VisionTransformer(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
+        self.ops = torch_ops()  # VisionModel.use_ops replaces it with the model's OpSet
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size)
@@ -102,5 +106,16 @@ class VisionTransformer(nn.Module):
         cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.patch_embed(pixel_values)
         for block in self.blocks:
-            x = block(x, cos, sin, cu_seqlens)
-        return self.norm(x)
+            x = block(x, cos, sin, cu_seqlens, self.ops)
+        return self.norm(x, self.ops)
+
+
+VISION_OPS = ("rms_norm", "vision_attention")  # the op kinds the tower calls through the registry
+
+
+def torch_ops() -> SimpleNamespace:
+    """The torch reference ops of VISION_OPS, straight from the registry (not OpSet.build, which would also reset
+    the process's batch-invariant mode)."""
+    from deepinfer.kernels.registry import registered
+
+    return SimpleNamespace(**{e.kind: e.load() for e in registered() if e.backend == "torch" and e.kind in VISION_OPS})
