@@ -34,8 +34,8 @@ shared/tools/roofline.py) for this model's config, over the copy bandwidth and b
 start of the run: floor = max(bytes / BW, FLOPs / peak); % of roofline = floor / median step time.
 
 Exit status: non-zero when any variant did not run as asked (graphs requested but a timed step did not replay one,
-graphs off but one did, a TileLang run whose attention / MoE / linear / indexer / top-k calls fell back to torch,
-a step that errored); every row is still written first.
+graphs off but one did, a TileLang run whose attention / MoE / linear / indexer / top-k / compressor / Engram calls
+fell back to torch, a step that errored); every row is still written first.
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 FILLED_NOTE = "decode context filled with random valid cache codes (FillBackend), not prefilled by the model"
 
-# Per-call fallbacks of these kinds make a TileLang row not what it claims to be (the step's heavy ops).
+# Per-call fallbacks of these kinds make a TileLang row not what it claims to be (the step's heavy ops, and the
+# compressor pooling and Engram ops since they have kernels: a Flash step runs no torch op).
 STRICT_KINDS = ("sink_attention", "sink_attention_decode", "moe_router", "moe_experts", "linear", "indexer_scores",
-                "indexer_scores_fp4", "index_topk")
+                "indexer_scores_fp4", "index_topk", "compressor_pool", "engram_hash", "engram_gate")
 
 
 # ---- roofline ---------------------------------------------------------------------------------------------------
@@ -161,14 +162,17 @@ def fill_step(model, batch, gen, chunk: int = 32768, banks: dict | None = None) 
     return torch.randn(n, model.config.vocab_size, generator=gen, device=dev)
 
 
-def engine_backend(model, fill: bool, seed: int = 0):
+def engine_backend(model, fill: bool, seed: int = 0, replay=None):
     """The engine's backend for `model`: the plain one (real prefill and decode), or with `fill` the benchmark's
     (prefill = fill_step, decode = the model). Built from backend_from_model so every other field the runner uses
-    (e.g. for CUDA graphs) is the real one."""
+    (e.g. for CUDA graphs) is the real one. `replay`: the YOCO replay stage (models/replay.py BoundedReplay), which
+    the engine's runner applies to prefill steps as it does the pipeline's (yoco=mask|compact); None: yoco=off."""
     from deepinfer.engine.backend import backend_from_model
     from deepinfer.kernels.registry import batch_invariant
 
     backend = backend_from_model(model, batch_invariant=batch_invariant())  # the sampler follows the op set's mode
+    if replay is not None:
+        backend = dataclasses.replace(backend, replay=replay)
     if fill:
         gen = torch.Generator(model.device).manual_seed(seed)
         banks: dict = {}
@@ -199,10 +203,10 @@ class StepTap:
 
 def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: int, graphs: bool, interval: int,
                 batched_tokens: int, zero_overhead: bool = True, block_size: int = 64, num_draft: int = 0,
-                seed: int = 0):
+                seed: int = 0, replay=None):
     """An in-process engine (the model is built once per run and shared) with pools for max_seqs sequences of
     context + max_tokens tokens: cache.memory_budget set from the pools' own layout. `num_draft`: DSpark drafts
-    verified per step (0: plain decoding)."""
+    verified per step (0: plain decoding). `replay`: YOCO's replay stage (engine_backend)."""
     from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions
     from deepinfer.frontend import LLMEngine
@@ -212,7 +216,7 @@ def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: i
     max_len = context + max_tokens + block_size
     blocks = math.ceil(max_len / block_size)
     budget = int(max_seqs * (layout.slot_bytes() + blocks * layout.block_bytes()) * 1.01) + (1 << 20)
-    backend = engine_backend(model, fill, seed)
+    backend = engine_backend(model, fill, seed, replay)
     opts = EngineOptions.for_settings(Settings(), max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens,
                                       max_model_len=max_len, memory_budget=budget, block_size=block_size,
                                       process="inproc", zero_overhead_scheduling=zero_overhead,

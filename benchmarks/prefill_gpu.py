@@ -10,6 +10,14 @@ the next bottleneck is visible; the attention and MoE rates against their target
 torch backend prefills the shortest prompt in the same run. A TileLang run that fell back to a torch op in a
 timed step, a request that failed, or a missing cell makes the script exit 1.
 
+YOCO (`--yoco-tokens`, default 32768; 0: skip): one prompt of that many tokens prefilled with yoco=off and with
+yoco=compact (K = `--yoco-keep`, 140 as DeepInfer's Flash recipes), the same prompt and chunks on the same model,
+through the engine with the replay stage the pipeline gives it (EngineBackend.replay: the runner applies it to
+prefill steps exactly as for `yoco=compact`). Each mode runs once untimed first (the compact rows' sizes may
+compile other kernel variants), then once timed; the target is the ratio of the device times of the prefill steps.
+The run fails when compact did not skip the decoder-layer rows the replay stage accounts for (the engine's
+replay_rows_saved against BoundedReplay.rows_saved over the steps' chunks), or off skipped any.
+
   python benchmarks/prefill_gpu.py --model flash40 --out benchmarks/results/prefill_gpu_flash40_h200.json \
       --plot benchmarks/results/prefill_gpu_flash40_h200.png
 """
@@ -31,6 +39,8 @@ from decode_gpu import (STRICT_KINDS, _fallback_delta, build, ceilings, load_roo
                         portable_json, roofline_config, step_roofline)
 
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
+    ("compressor", ("compressor_pool",)),
+    ("Engram", ("engram",)),
     ("attention", ("sink_attention", "attention_combine")),
     ("indexer", ("indexer",)),
     ("top-k", ("topk", "top_k", "sort", "radix")),
@@ -65,13 +75,14 @@ def fp8_rate() -> float:
     return 2 * n**3 / sorted(times)[len(times) // 2]
 
 
-def run_cell(model, tokens: int, n: int, chunk: int, seed: int = 1):
-    """n requests of `tokens` random tokens at once, max_tokens 1; (steps, outputs, fallbacks)."""
+def run_cell(model, tokens: int, n: int, chunk: int, seed: int = 1, replay=None):
+    """n requests of `tokens` random tokens at once, max_tokens 1; (steps, outputs, fallbacks). `replay`: YOCO's
+    replay stage (None: yoco=off)."""
     from deepinfer import SamplingParams
     from deepinfer.kernels.registry import kernel_stats
 
     engine, tap, _ = make_engine(model, fill=False, max_seqs=n, context=tokens, max_tokens=1, graphs=False,
-                                 interval=8, batched_tokens=chunk)
+                                 interval=8, batched_tokens=chunk, replay=replay)
     try:
         g = torch.Generator().manual_seed(seed + tokens + n)
         hi = min(500, model.config.vocab_size)
@@ -84,6 +95,46 @@ def run_cell(model, tokens: int, n: int, chunk: int, seed: int = 1):
     finally:
         engine.close()
     return steps, outs, fallbacks
+
+
+def yoco_prefill(model, tokens: int, chunk: int, keep: int = 140, warmup: bool = True, seed: int = 5) -> dict:
+    """One prompt of `tokens` tokens prefilled with yoco=off and yoco=compact (K = `keep`) through the engine, same
+    prompt and chunks: per mode the device time of its prefill steps, tok/s, the decoder-layer rows the engine
+    reports skipped (StepStats.replay_rows_saved) and the per-call fallbacks; `speedup` = off / compact device
+    time; `failures` says why the measurement is not what it claims to be (empty: it is)."""
+    from deepinfer.models.replay import BoundedReplay
+
+    replay = BoundedReplay(model.config, "compact", keep)
+    modes = (("off", None), ("compact", replay))
+    if warmup:  # untimed: kernel variants for the compact rows' sizes compile here
+        for _, rp in modes:
+            run_cell(model, tokens, 1, chunk, seed=seed, replay=rp)
+    out, failures = dict(tokens=tokens, keep=keep, chunk=chunk, boundary=replay.boundary,
+                         consumer_layers=replay.num_consumer_layers), []
+    for mode, rp in modes:
+        steps, outs, fallbacks = run_cell(model, tokens, 1, chunk, seed=seed, replay=rp)
+        dev = sum(s.device_end - s.device_start for s in steps)
+        past, expected = 0, 0
+        for s in steps:  # what the replay stage accounts for the chunks the scheduler made
+            n = s.num_prefill_tokens
+            if rp is not None and rp.applies([n], [past], [tokens]):
+                expected += rp.rows_saved([n], [past], [tokens])
+            past += n
+        saved = sum(s.replay_rows_saved for s in steps)
+        errors = [o.error for o in outs if o.error]
+        out[mode] = dict(device_s=dev, tok_s=tokens / dev if dev > 0 else None, steps=len(steps),
+                         prefill_tokens=past, rows_saved=saved, rows_saved_expected=expected, fallbacks=fallbacks,
+                         errors=errors)
+        if errors or past != tokens:
+            failures.append(f"yoco={mode}: {errors or f'{past} of {tokens} prompt tokens prefilled'}")
+        if saved != expected:
+            failures.append(f"yoco={mode}: {saved} decoder-layer rows skipped, the replay stage accounts {expected}")
+        if rp is not None and saved == 0:
+            failures.append(f"yoco={mode}: no decoder-layer row skipped (a prompt of {tokens} tokens, K={keep})")
+    off, comp = out["off"]["device_s"], out["compact"]["device_s"]
+    out["speedup"] = off / comp if off > 0 and comp > 0 else None
+    out["failures"] = failures
+    return out
 
 
 def profile_prefill(model, tokens: int, chunk: int) -> dict:
@@ -121,7 +172,7 @@ def moe_flops(cfg, tokens: int) -> float:
     return per_token * tokens * cfg.num_hidden_layers
 
 
-def targets(rows, prof, cfg, peak, model_name) -> list[dict]:
+def targets(rows, prof, cfg, peak, model_name, yoco: dict | None = None) -> list[dict]:
     out = []
     for want in (8192, 32768):
         r = next((r for r in rows if r["tokens"] == want and r["n"] == 1 and r["backend"] == "tilelang"), None)
@@ -137,9 +188,19 @@ def targets(rows, prof, cfg, peak, model_name) -> list[dict]:
     frac = moe_flops(cfg, prof["tokens"]) / (moe / 1e3) / peak * 100 if moe else None
     out.append(dict(name="prefill MoE, % of the bf16 GEMM rate measured in the run", measured=frac, target=55.0,
                     unit="%", met=frac is not None and frac >= 55.0))
-    out.append(dict(name="yoco=compact vs off at 32K prefill (x)", measured=None, target=1.8, unit="x", met=False,
-                    note="not measured by this script"))
+    if yoco is None:
+        out.append(dict(name="yoco=compact vs off at 32K prefill (x)", measured=None, target=1.8, unit="x", met=False,
+                        note="not measured in this run"))
+    else:
+        got, n = yoco["speedup"], yoco["tokens"]
+        size = f"{n // 1024}K" if n % 1024 == 0 else f"{n}-token"
+        out.append(dict(name=f"yoco=compact vs off at {size} prefill (x)", measured=got,
+                        target=1.8, unit="x", met=got is not None and got >= 1.8,
+                        note=f"{model_name}: decoder layers {yoco['boundary']}.. ({yoco['consumer_layers']} of "
+                             f"{cfg.num_hidden_layers}), K={yoco['keep']}, {yoco['chunk']}-token chunks"))
     fb = sum(1 for r in rows if r["backend"] == "tilelang" and any(k in STRICT_KINDS for k in r["fallbacks"]))
+    if yoco is not None:
+        fb += sum(1 for m in ("off", "compact") if any(k in STRICT_KINDS for k in yoco[m]["fallbacks"]))
     out.append(dict(name="torch fallbacks in a Flash prefill step", measured=fb, target=0, unit="cells", met=fb == 0))
     return out
 
@@ -177,6 +238,8 @@ def parse(argv=None):
     ap.add_argument("--max-cell-tokens", type=int, default=65536, help="skip cells of more tokens in all")
     ap.add_argument("--profile-tokens", type=int, default=8192)
     ap.add_argument("--torch-tokens", type=int, default=1024, help="the torch backend's prompt (0: none)")
+    ap.add_argument("--yoco-tokens", type=int, default=32768, help="the yoco=off vs compact prompt (0: none)")
+    ap.add_argument("--yoco-keep", type=int, default=140, help="K, the rows per sequence the decoder layers keep")
     ap.add_argument("--out", default="benchmarks/results/prefill_gpu.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--moe-path", choices=("auto", "stream", "grouped"), default="auto",
@@ -246,14 +309,30 @@ def main(argv=None) -> int:
         print(f"profile of one {a.profile_tokens}-token prefill: {prof['total_ms']:.1f} ms of kernel time")
         for cat, v in prof["categories"].items():
             print(f"  {cat:16s} {v['ms']:9.1f} ms  {v['ms'] / prof['total_ms'] * 100:5.1f}%  {v['calls']:6d} calls")
-    tg = targets(rows, prof, model.config, peak, a.model)
+    yoco = None
+    if a.yoco_tokens:
+        try:
+            yoco = yoco_prefill(model, a.yoco_tokens, a.chunk, a.yoco_keep)
+        except Exception as exc:  # noqa: BLE001 (the JSON is still written; the run fails)
+            failures.append(f"yoco: {type(exc).__name__}: {exc}")
+    if yoco is not None:
+        failures += yoco["failures"]
+        for mode in ("off", "compact"):
+            r = yoco[mode]
+            strict = {k: v for k, v in r["fallbacks"].items() if k in STRICT_KINDS}
+            if strict:
+                failures.append(f"yoco={mode}: fell back to torch in a TileLang run: {strict}")
+            print(f"yoco={mode:7s} {a.yoco_tokens:6d} x1: {r['device_s'] * 1e3:9.1f} ms device, "
+                  f"{r['tok_s'] or 0:8.0f} tok/s, decoder-layer rows skipped {r['rows_saved']}", flush=True)
+        print(f"yoco=compact vs off: {yoco['speedup'] or 0:.2f}x", flush=True)
+    tg = targets(rows, prof, model.config, peak, a.model, yoco)
     for t in tg:
         print(f"target: {t['name']}: {t['measured']} (target {t['target']} {t['unit']}) met={t['met']}")
     meta["kernels"] = kernel_stats()
     meta["wall_s"] = time.time() - t_start
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, profile=prof, failures=failures)))
+        f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, yoco=yoco, profile=prof, failures=failures)))
     if a.plot:
         plot(rows, a.plot, f"{a.model}, {meta['gpu']}")
     for msg in failures:

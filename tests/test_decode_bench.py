@@ -79,9 +79,11 @@ def test_engine_with_the_fill_backend_times_decode_steps_and_writes_rows(tmp_pat
 
 def test_check_decode_names_a_graph_run_without_graphs():
     row = dict(variant="graphs", backend="tilelang", graphs=True, batch=8, context=4096, errors=[], timed_steps=4,
-               graph_steps_timed=0, graph_steps=0, fallbacks={"moe_experts": {"x": 3}, "engram_gate": {"y": 1}})
+               graph_steps_timed=0, graph_steps=0,
+               fallbacks={"moe_experts": {"x": 3}, "engram_gate": {"y": 1}, "rms_norm": {"z": 2}})
     bad = bench.check_decode(row, 4)
-    assert len(bad) == 2 and "ran eagerly" in bad[0] and "moe_experts" in bad[1] and "engram" not in bad[1]
+    assert len(bad) == 2 and "ran eagerly" in bad[0] and "moe_experts" in bad[1] and "engram_gate" in bad[1]
+    assert "rms_norm" not in bad[1]  # not a strict kind
 
 
 def test_roofline_copy_is_the_shared_tool_verbatim():

@@ -1,5 +1,5 @@
 """Compile-once plumbing shared by the TileLang kernels: the persistent kernel cache, compile statistics, the GPU's
-SM count.
+SM count, and inputs laid out as the kernels' vector loads want them (`dense`).
 
 Every kernel module exposes pure `build_*(...) -> prim_func` builders (no GPU needed) and calls `jit(builder,
 *static_args)` at run time. Builders take only hashable static arguments (shapes that fix the tiling, dtypes);
@@ -67,6 +67,13 @@ def cuda_arch(device=None) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}"
     return arch + "a" if major in (9, 10) else arch
+
+
+def dense(t):
+    """`t` contiguous with a 16-byte aligned start (the kernels use 8 / 16-byte vector accesses; a view with an odd
+    storage offset is copied, which changes nothing: the torch ops work on fresh copies too)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,6 +26,9 @@ _WHERE = {
     "rope": "rowwise",
     "fake_quant_fp8": "rowwise",
     "fake_quant_fp4": "rowwise",
+    "compressor_pool": "compressor",
+    "engram_hash": "engram",
+    "engram_gate": "engram",
 }
 for _kind, _module in _WHERE.items():
     register(_kind, BACKEND, ("cuda",), f"deepinfer.kernels.tilelang.{_module}.{_kind}")

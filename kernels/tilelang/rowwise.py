@@ -23,6 +23,7 @@ from deepinfer.kernels.torch import norm as torch_norm
 from deepinfer.kernels.torch import quant as torch_quant
 from deepinfer.kernels.torch import rope as torch_rope
 
+from ._build import dense as _dense
 from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with kernels_for's jobs)
 from ._fallback import reason
 from .rowwise_kernel import build_fake_quant, build_rms_norm_block, build_rms_norm_warp, build_rope, last_pow2
@@ -46,13 +47,6 @@ def torch_reduce_lanes(dim: int, rows: int) -> int | None:
     if -(-dim // width) >= min(height * 16, 256):  # split_across_warps: block_y / global reduce
         return None
     return width
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous with a 16-byte aligned start (the kernels use 8 / 16-byte vector accesses; a view with an odd
-    storage offset is copied, which changes nothing: the torch ops work on fresh copies too)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 @functools.lru_cache(maxsize=32)

@@ -80,8 +80,8 @@ SMALL = dict(hidden_size=1024, vocab_size=512, n_routed_experts=64, moe_intermed
 def test_bf16_kernel_sized_model_through_the_engine_never_falls_back_per_call():
     """The test_model_gpu kernel-sized model (64 heads x 512, FP4/FP8 experts; vocab 512 = the package tokenizer's,
     so sampled ids stay inside Engram's token map) through the engine, graphs on: no kind whose chosen backend is
-    TileLang hands a single call to torch, in prefill (chunked: 64-token budget) or decode. Kinds chosen as torch
-    (compressor_pool and the Engram ops have no TileLang kernel) are outside the claim."""
+    TileLang hands a single call to torch, in prefill (chunked: 64-token budget) or decode; every op kind has a
+    TileLang kernel, the compressor pooling and the Engram ops included."""
     from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions
     from deepinfer.frontend import LLMEngine
@@ -92,7 +92,8 @@ def test_bf16_kernel_sized_model_through_the_engine_never_falls_back_per_call():
     model = synthetic.build_model(synthetic.config(SMALL), "cuda", torch.bfloat16,
                                   backends={"default": ["tilelang-sm90", "torch"]}, seed=3)
     covered = {k for k, b in model.ops.chosen.items() if b == "tilelang-sm90"}
-    assert {"sink_attention_decode", "moe_experts", "moe_router", "linear", "index_topk"} <= covered, covered
+    assert {"sink_attention_decode", "moe_experts", "moe_router", "linear", "index_topk", "compressor_pool",
+            "engram_hash", "engram_gate"} <= covered, covered
     backend = backend_from_model(model)
     before = kernel_stats()["fallbacks"]  # process-wide counters: other tests (fp32 fixtures) add their own
     gen = torch.Generator().manual_seed(0)
