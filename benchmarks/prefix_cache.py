@@ -27,10 +27,11 @@ Exit status 1 when the run did not measure what it claims: a request ended with 
 never hit in (a) or (b), a CUDA run whose heavy ops fell back to torch or whose decode steps never replayed a CUDA
 graph. Every figure is written first.
 
-    python benchmarks/prefix_cache.py --json benchmarks/results/prefix_cache_cpu.json
-    # on the H200 (device tool, carry .devpack .devtools):
-    source benchmarks/gpu_env.sh && cd "$DEEPINFER_SITE" && \\
-      python3 $OLDPWD/benchmarks/prefix_cache.py --model flash6 --json $OUT/prefix_cache_flash6_h200.json
+    python benchmarks/prefix_cache.py --json benchmarks/results/prefix_cache_cpu.json     # CPU, ~7 min on 2 busy cores
+    # on the H200 (device tool, carry [".devpack"]), from the repo root:
+    source benchmarks/gpu_env.sh
+    python3 benchmarks/prefix_cache.py --model flash6 --json $OUT/prefix_cache_flash6_h200.json
+    python3 benchmarks/prefix_cache.py --model flash40 --shared-requests 32 --json $OUT/prefix_cache_flash40_h200.json
 """
 
 from __future__ import annotations
