@@ -152,10 +152,12 @@ class LLM(AbstractContextManager):
         multi_modal_data: dict | Sequence[dict | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. prompts: text, a list of texts, lists of token ids or
-        {"prompt": ...} / {"prompt_token_ids": [...]} dicts; or prompt_token_ids=[[...], ...]. sampling_params:
-        one for all, or one per prompt (default: the config's `sampling` section). on_update(index, new_token_ids)
-        is called from this thread as tokens arrive (index: the prompt's; with n > 1, sample 0's tokens only);
-        raising from it aborts the unfinished requests and propagates. See `generate_iter` for an iterator.
+        {"prompt": ...} / {"prompt_token_ids": [...]} dicts (a dict may carry vLLM's "cache_salt": a string; only
+        prompts with the same salt, or none, share cached prefixes, docs/prefix-cache.md); or
+        prompt_token_ids=[[...], ...]. sampling_params: one for all, or one per prompt (default: the config's
+        `sampling` section). on_update(index, new_token_ids) is called from this thread as tokens arrive (index:
+        the prompt's; with n > 1, sample 0's tokens only); raising from it aborts the unfinished requests and
+        propagates. See `generate_iter` for an iterator.
 
         multi_modal_data (a model with a vision tower, docs/vision.md): DeepInfer's form, a dict for one prompt or
         a list with one dict (or None) per prompt: {"image_bytes": [png, ...], "image_sizes": [[w, h], ...]}

@@ -141,7 +141,7 @@ class EngineCore:
         if error is not None:
             return RequestUpdate(msg.request_id, finish_reason="error", error=error)
         params = msg.params
-        request = Request(msg.request_id, list(msg.prompt_ids), params, msg.seed)
+        request = Request(msg.request_id, list(msg.prompt_ids), params, msg.seed, cache_salt=msg.cache_salt)
         if msg.images:
             error = self._images_error(msg)
             if error is None:

@@ -44,11 +44,13 @@ class AddRequest(msgspec.Struct, frozen=True):
     seed: int  # resolved by the frontend: seq_seed, or derived from runtime.seed and the caller's request id
     # the prompt's images, in prompt order; prompt_ids hold each one's span (vocab+2, then vocab+1s)
     images: list[ImageInput] = msgspec.field(default_factory=list)
+    cache_salt: Optional[str] = None  # prefix caching: only requests with the same salt share cached prefixes
 
 
 def request_error(msg) -> str | None:
     """Why a request cannot enter the engine core, or None: the same checks the frontend and SamplingParams make
     (one definition, in deepinfer.sampling.params), repeated where the request arrives."""
+    from deepinfer.engine.prefix_cache import cache_salt_error
     from deepinfer.sampling.params import params_error
 
     ids = getattr(msg, "prompt_ids", None)
@@ -59,7 +61,7 @@ def request_error(msg) -> str | None:
     images = getattr(msg, "images", [])
     if not isinstance(images, (list, tuple)) or not all(isinstance(im, ImageInput) for im in images):
         return "the request's images must be a list of ImageInput"
-    return params_error(getattr(msg, "params", None))
+    return cache_salt_error(getattr(msg, "cache_salt", None)) or params_error(getattr(msg, "params", None))
 
 
 # (logprob, top_logprobs) of one generated token, or None
@@ -153,6 +155,7 @@ class WireRequest(msgspec.Struct, frozen=True):
     params: Any
     seed: Any
     images: Any = msgspec.field(default_factory=list)
+    cache_salt: Any = None
 
 
 class Add(_Control, tag="add"):
@@ -210,7 +213,8 @@ HEARTBEAT = Heartbeat
 
 def to_wire(requests: list[AddRequest]) -> Add:
     """The frame for these requests; params go as their field dict (SamplingParams is a plain dataclass)."""
-    return Add([WireRequest(r.request_id, r.prompt_ids, _params_dict(r.params), r.seed, r.images) for r in requests])
+    return Add([WireRequest(r.request_id, r.prompt_ids, _params_dict(r.params), r.seed, r.images, r.cache_salt)
+                for r in requests])
 
 
 def _params_dict(params) -> Any:
@@ -223,6 +227,7 @@ def _params_dict(params) -> Any:
 
 def from_wire(req: WireRequest) -> AddRequest | RequestUpdate:
     """The AddRequest, or the update that ends this request alone with a one-line error."""
+    from deepinfer.engine.prefix_cache import cache_salt_error
     from deepinfer.sampling.params import params_from_dict
 
     ids, seed = req.prompt_ids, req.seed
@@ -238,7 +243,10 @@ def from_wire(req: WireRequest) -> AddRequest | RequestUpdate:
     except msgspec.ValidationError as exc:
         error = f"the request's images must be a list of ImageInput ({exc})"
         return RequestUpdate(req.request_id, finish_reason="error", error=error)
+    error = cache_salt_error(req.cache_salt)
+    if error is not None:
+        return RequestUpdate(req.request_id, finish_reason="error", error=error)
     params, error = params_from_dict(req.params)
     if error is not None:
         return RequestUpdate(req.request_id, finish_reason="error", error=error)
-    return AddRequest(req.request_id, ids, params, seed, images)
+    return AddRequest(req.request_id, ids, params, seed, images, req.cache_salt)

@@ -27,13 +27,27 @@ from dataclasses import dataclass
 
 
 _ROOT = b"deepinfer-prefix-v1"
+MAX_CACHE_SALT_CHARS = 1024  # a tenant id or a random token fits; a bound keeps one request's hashing cheap
+
+
+def cache_salt_error(salt) -> str | None:
+    """Why `salt` is not a request's cache_salt (vLLM's field: a non-empty string), or None. None is no salt."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        shown = repr(salt)[:40] + ("..." if len(repr(salt)) > 40 else "")
+        return (f"cache_salt={shown} is invalid; allowed: null or a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                "characters")
+    return None
 
 
 def root_key(salt: str | None = None, extra: bytes = b"") -> bytes:
-    """The hash every chain starts from: requests with different salts (tenants) never share a block."""
+    """The hash every chain starts from: requests with different salts (tenants) never share a block; requests
+    without one share with each other (the salted root hashes a prefix no unsalted root can produce)."""
     h = hashlib.blake2b(_ROOT, digest_size=16)
     if salt is not None:
-        h.update(b"salt:" + salt.encode())
+        data = salt.encode("utf-8", "surrogatepass")
+        h.update(b"salt:%d:" % len(data) + data)
     h.update(extra)
     return h.digest()
 

@@ -57,6 +57,7 @@ class Request:
     queue_time_sent: bool = False
     # Prefix caching: the chain hash of each full block of known tokens computed so far (engine/prefix_cache.py),
     # the root they chain from (the cache salt), the prompt tokens the first admission found cached (reported)
+    cache_salt: str | None = None  # only requests with the same salt (or none) share cached prefixes
     block_hashes: list = field(default_factory=list)
     hash_root: bytes = b""
     num_cached_tokens: int = 0

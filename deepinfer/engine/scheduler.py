@@ -122,7 +122,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.cache.prefix is not None:
-            request.hash_root = image_root(self._root, request.images) if request.images else self._root
+            root = self._root if request.cache_salt is None else root_key(request.cache_salt)
+            request.hash_root = image_root(root, request.images) if request.images else root
             extend_hashes(request.block_hashes, request.hash_root, request.prompt_ids, self.cache.block_size)
         return None
 

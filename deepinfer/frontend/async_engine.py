@@ -138,14 +138,16 @@ class AsyncEngine:
             raise ValueError(f"submit takes one sample (n=1); got {len(streams)}: use submit_all")
         return streams[0]
 
-    def submit_all(self, prompt_ids: list[int], params, images: list | None = None) -> list[EngineStream]:
+    def submit_all(self, prompt_ids: list[int], params, images: list | None = None,
+                   cache_salt: str | None = None) -> list[EngineStream]:
         """Queues the params.n samples of one prompt (the input processor's seed rule: sample i draws with
         child_seed(seed, i)); one stream per sample, or one that ends at once with "error". images: the
-        messages.ImageInput of each image span in prompt_ids (already expanded: frontend/images.py)."""
+        messages.ImageInput of each image span in prompt_ids (already expanded: frontend/images.py). cache_salt:
+        the request's prefix-cache salt (InputProcessor.process)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         streams = []
-        for inp in self.input.process(0, None, list(prompt_ids), params, spans=images):
+        for inp in self.input.process(0, None, list(prompt_ids), params, spans=images, cache_salt=cache_salt):
             st = self.output.new_state(inp, next(self._ids))
             stream = EngineStream(st)
             st.inbox = stream  # the loop's news of this request wake the stream
@@ -153,7 +155,8 @@ class AsyncEngine:
             if st.finished:  # refused by the input processor
                 stream._news.set()
                 continue
-            self._adds.append(AddRequest(st.engine_id, inp.prompt_ids, inp.params, inp.seed, inp.images))
+            self._adds.append(AddRequest(st.engine_id, inp.prompt_ids, inp.params, inp.seed, inp.images,
+                                         inp.cache_salt))
         self._wake_loop()
         return streams
 

@@ -1,9 +1,10 @@
 """The input processor: everything a request goes through on its way in, once, for every frontend (LLM.generate,
 generate_iter, the OpenAI server).
 
-- prompts in any accepted shape -> (text, token ids) pairs; sampling params one for all or one per prompt;
-- validation: the prompt (a string, or a list of integer token ids) and the params (`params_error`: the
-  constructor's checks again, since a dataclass field may be reassigned after construction);
+- prompts in any accepted shape -> (text, token ids, cache salt) triples; sampling params one for all or one per
+  prompt;
+- validation: the prompt (a string, or a list of integer token ids), its cache salt and the params (`params_error`:
+  the constructor's checks again, since a dataclass field may be reassigned after construction);
 - the per-request seed rule (`deepinfer.sampling.seeds.seed_for`): the request's seq_seed, else
   child_seed(runtime.seed, request id), else a random seed;
 - n > 1: n engine requests of n=1; sample i draws with child_seed(seed, i) (sample 0 keeps the seed, so n=1 and the
@@ -20,6 +21,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from deepinfer.engine.prefix_cache import cache_salt_error
 from deepinfer.frontend.images import ImagePrompts, parse_multi_modal_data
 from deepinfer.sampling.params import SamplingParams, params_error
 from deepinfer.sampling.seeds import child_seed, seed_for
@@ -38,6 +40,7 @@ class EngineInput:
     seed: int | None = None
     error: str | None = None
     images: list = dataclasses.field(default_factory=list)  # messages.ImageInput per image, spans in prompt_ids
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached prefixes
 
 
 class InputProcessor:
@@ -55,13 +58,14 @@ class InputProcessor:
         return next(self._ids)
 
     def process(self, index: int, prompt: str | None, prompt_ids, params, request_id: int | None = None,
-                multi_modal_data=None, spans: list | None = None) -> list[EngineInput]:
+                multi_modal_data=None, spans: list | None = None, cache_salt: str | None = None) -> list[EngineInput]:
         """The engine requests for one prompt: n of them, or one with `error` set. multi_modal_data: DeepInfer's
         dict ({"image_bytes": [...], "image_sizes": [...]}), which expands the prompt's placeholders into image
         spans; spans: the ImageInputs of a prompt already expanded (the servers expand while converting, so a bad
-        image is a 400 naming its content part)."""
+        image is a 400 naming its content part). cache_salt: vLLM's per-request salt (a non-empty string) mixed into
+        the root of its prefix-cache hashes: only requests with the same salt (or none) share cached prefixes."""
         rid = self.next_id() if request_id is None else request_id
-        error, ids = self._prompt_error(prompt, prompt_ids), []
+        error, ids = self._prompt_error(prompt, prompt_ids) or cache_salt_error(cache_salt), []
         if error is None:
             ids = list(prompt_ids) if prompt_ids is not None else list(self.encode(prompt))
             if not all(type(t) is int for t in ids):
@@ -78,26 +82,27 @@ class InputProcessor:
             return [EngineInput(index, 0, rid, prompt, ids, params, error=error)]
         seed = seed_for(params.seq_seed, self.base_seed, rid)
         if params.n == 1:
-            return [EngineInput(index, 0, rid, prompt, ids, params, seed, images=spans)]
+            return [EngineInput(index, 0, rid, prompt, ids, params, seed, images=spans, cache_salt=cache_salt)]
         out = []
         for i in range(params.n):
             s = child_seed(seed, i)
             out.append(EngineInput(index, i, rid if i == 0 else self.next_id(), prompt, ids,
-                                   dataclasses.replace(params, n=1, seq_seed=s), s, images=spans))
+                                   dataclasses.replace(params, n=1, seq_seed=s), s, images=spans,
+                                   cache_salt=cache_salt))
         return out
 
     def process_all(self, items, params: Sequence, request_ids: Sequence[int] | None = None,
                     multi_modal_data: Sequence | None = None) -> list[EngineInput]:
-        """items: (text, token ids) pairs (see `normalize_prompts`); params: one per item; multi_modal_data: one
-        dict (or None) per item."""
+        """items: (text, token ids, cache salt) triples (see `normalize_prompts`); params: one per item;
+        multi_modal_data: one dict (or None) per item."""
         ids = request_ids if request_ids is not None else [None] * len(items)
         mm = multi_modal_data if multi_modal_data is not None else [None] * len(items)
         if not len(items) == len(params) == len(ids) == len(mm):
             raise ValueError(f"{len(items)} prompts but {len(params)} sampling params, {len(ids)} ids, "
                              f"{len(mm)} multi_modal_data")
         out: list[EngineInput] = []
-        for i, ((text, tok), sp, rid, data) in enumerate(zip(items, params, ids, mm)):
-            out += self.process(i, text, tok, sp, rid, data)
+        for i, ((text, tok, salt), sp, rid, data) in enumerate(zip(items, params, ids, mm)):
+            out += self.process(i, text, tok, sp, rid, data, cache_salt=salt)
         return out
 
     def _prompt_error(self, prompt, prompt_ids) -> str | None:
@@ -112,14 +117,15 @@ class InputProcessor:
         return None
 
 
-def normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, Any]]:
-    """(text, token ids) per prompt. prompts: a text, a list of texts, lists of token ids or {"prompt": ...} /
-    {"prompt_token_ids": [...]} dicts; or prompt_token_ids=[[...], ...]. Ids that are not a list stay as they are:
-    the input processor answers that request alone with an error."""
+def normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, Any, Any]]:
+    """(text, token ids, cache salt) per prompt. prompts: a text, a list of texts, lists of token ids or
+    {"prompt": ...} / {"prompt_token_ids": [...]} dicts, which may carry vLLM's "cache_salt"; or
+    prompt_token_ids=[[...], ...]. Ids that are not a list (or a salt that is not a string) stay as they are: the
+    input processor answers that request alone with an error."""
     if prompts is not None and prompt_token_ids is not None:
         raise ValueError("generate: pass prompts or prompt_token_ids, not both")
     if prompt_token_ids is not None:
-        return [(None, list(ids)) for ids in prompt_token_ids]
+        return [(None, list(ids), None) for ids in prompt_token_ids]
     if prompts is None:
         raise ValueError("generate: prompts or prompt_token_ids is required")
     if isinstance(prompts, (str, dict)):
@@ -128,11 +134,11 @@ def normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, Any]]
     for p in prompts:
         if isinstance(p, dict):
             ids = p.get("prompt_token_ids")
-            items.append((p.get("prompt"), list(ids) if isinstance(ids, (list, tuple)) else ids))
+            items.append((p.get("prompt"), list(ids) if isinstance(ids, (list, tuple)) else ids, p.get("cache_salt")))
         elif isinstance(p, (list, tuple)):
-            items.append((None, list(p)))
+            items.append((None, list(p), None))
         else:
-            items.append((p, None))
+            items.append((p, None, None))
     return items
 
 

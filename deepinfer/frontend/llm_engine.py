@@ -80,8 +80,8 @@ class LLMEngine(AbstractContextManager):
                      inbox: list | None = None) -> list[RequestState]:
         """add_request for many, sent to the core in one message."""
         states = [self.output.new_state(inp, next(self._ids), run, inbox) for inp in inputs]
-        submit = [AddRequest(st.engine_id, st.input.prompt_ids, st.input.params, st.input.seed, st.input.images)
-                  for st in states if not st.finished]
+        submit = [AddRequest(st.engine_id, st.input.prompt_ids, st.input.params, st.input.seed, st.input.images,
+                             st.input.cache_salt) for st in states if not st.finished]
         if submit:
             self.client.add(submit)
         return states

@@ -164,7 +164,7 @@ def _submit(state: ServerState, prepared) -> list:
     """(RequestRun, Job) per engine request: every sample of every prompt, prompt-major."""
     runs = []
     for job in prepared.jobs:
-        for stream in state.engine.submit_all(job.prompt_ids, job.params, job.images):
+        for stream in state.engine.submit_all(job.prompt_ids, job.params, job.images, job.cache_salt):
             processor = None
             if prepared.new_sample is not None:
                 processor, response = prepared.new_sample()

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import deepseek_recipe as dr
 
+from deepinfer.engine.prefix_cache import cache_salt_error
 from deepinfer.frontend.images import ImagePrompts
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.serving.body import check_prompt_chars
@@ -43,21 +44,26 @@ PENALTIES = ("frequency_penalty", "presence_penalty")
 VLLM_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
 VLLM_GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 VLLM_FIELDS = {*VLLM_SAMPLING, *VLLM_GUIDED, "logit_bias", "guided_decoding_backend", "guided_whitespace_pattern"}
+# vLLM's per-request prefix-cache salt, taken by every generating endpoint (Anthropic's has no such field: the same
+# extension there; its metadata.user_id is not mapped onto it, which would split the cache per user unasked)
+CACHE_SALT = "cache_salt"
 # what each protocol defines (anything else is ignored with a warning); metadata-like fields change no output
 KNOWN_FIELDS = {
     "chat": {"model", "messages", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
              "max_tokens", "max_completion_tokens", "n", "reasoning_effort", "thinking", "response_format", "seed",
              "stop", "stream", "stream_options", "temperature", "top_p", "tools", "tool_choice",
              "parallel_tool_calls", "user", "metadata", "store", "service_tier", "prompt_cache_key",
-             "safety_identifier", *VLLM_FIELDS},
+             "safety_identifier", CACHE_SALT, *VLLM_FIELDS},
     "completions": {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
-                    "stream_options", "n", "best_of", "echo", "logprobs", "user", *PENALTIES, *VLLM_FIELDS},
+                    "stream_options", "n", "best_of", "echo", "logprobs", "user", CACHE_SALT, *PENALTIES,
+                    *VLLM_FIELDS},
     "responses": {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs",
                   "include", "reasoning", "text", "tools", "tool_choice", "parallel_tool_calls", "stream", "user",
                   "metadata", "store", "service_tier", "previous_response_id", "truncation", "prompt_cache_key",
-                  "safety_identifier", "background", "stream_options"},
+                  "safety_identifier", "background", "stream_options", CACHE_SALT},
     "messages": {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
-                 "stream", "thinking", "tools", "tool_choice", "metadata", "output_config", "service_tier"},
+                 "stream", "thinking", "tools", "tool_choice", "metadata", "output_config", "service_tier",
+                 CACHE_SALT},
 }
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128  # choices per request (n, best_of)
@@ -72,6 +78,7 @@ class Job:
     params: SamplingParams
     prompt_text: str | None = None
     images: list = field(default_factory=list)  # messages.ImageInput per image span in prompt_ids
+    cache_salt: str | None = None  # only requests with the same salt (or none) share cached prefixes
 
 
 @dataclass
@@ -168,7 +175,7 @@ class Converter:
         self._ignored(endpoint, body)
         if endpoint == "messages":
             body.setdefault("max_tokens", 1)  # count_tokens takes no max_tokens; the conversion wants one
-        for key in VLLM_FIELDS:
+        for key in (*VLLM_FIELDS, CACHE_SALT):
             body.pop(key, None)
         conv, _ = self._recipe_convert(PROTOCOLS[endpoint][0], body)
         return self._encode(conv, body)[0]
@@ -269,6 +276,7 @@ class Converter:
         body["model"] = model
         self.check_prompt_size(body)
         ignored = self._ignored(endpoint, body)
+        salt = _cache_salt(body.pop(CACHE_SALT, None))
         n, extras, guided = 1, {}, None
         if endpoint == "chat":
             n = _count(body.pop("n", None), "n")
@@ -323,7 +331,8 @@ class Converter:
                                            tokenizer)
             return processor, resp_cls(rid, model, created, len(prompt_ids), 0)
 
-        return Prepared(endpoint, rid, model, created, [Job(prompt_ids, params, images=images)], bool(conv.stream),
+        return Prepared(endpoint, rid, model, created, [Job(prompt_ids, params, images=images, cache_salt=salt)],
+                        bool(conv.stream),
                         new_sample, resp_cls, token_logprobs=token_logprobs, include_usage=_include_usage(body), n=n,
                         ignored=ignored)
 
@@ -363,6 +372,7 @@ class Converter:
         model = self.check_model(body)
         self.check_prompt_size(body)
         ignored = self._ignored("completions", body)
+        salt = _cache_salt(body.get(CACHE_SALT))
         n = _count(body.get("n"), "n")
         best_of = _count(body.get("best_of"), "best_of") if body.get("best_of") is not None else n
         if best_of < n:
@@ -412,7 +422,7 @@ class Converter:
             if len(ids) + fields["max_tokens"] > self.max_model_len:
                 raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is past the "
                                   f"context (max_model_len={self.max_model_len})", "max_tokens")
-            jobs.append(Job(ids, _params(**fields), text))
+            jobs.append(Job(ids, _params(**fields), text, cache_salt=salt))
         return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), jobs, stream,
                         include_usage=_include_usage(body), n=n, best_of=best_of,
                         echo=echo, logprobs=logprobs, zero_tokens=zero, ignored=ignored)
@@ -451,6 +461,13 @@ def _include_usage(body: dict) -> bool:
     """OpenAI's stream_options.include_usage (a stream_options that is not an object is ignored)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _cache_salt(value) -> str | None:
+    error = cache_salt_error(value)
+    if error is not None:
+        raise bad_request(error, CACHE_SALT)
+    return value
 
 
 def _count(value, name: str) -> int:

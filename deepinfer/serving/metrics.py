@@ -1,10 +1,10 @@
 """The server's Prometheus metrics (GET /metrics, text format), in a registry of its own per server.
 
 Request-side values (TTFT, inter-token latency, end-to-end latency, per-request token histograms) are updated by
-the request handlers (event loop); engine-side values (queue time, cache use, preemptions, DSpark drafts and accepted
-tokens, tokens/s) by the frontend's engine loop (deepinfer.frontend.AsyncEngine, on the event loop) from each
-batch's RequestUpdates and StepStats. Every metric carries the served model's name as its `model_name` label, as
-vLLM's do. prometheus_client's metrics are thread-safe.
+the request handlers (event loop); engine-side values (queue time, cache use, prefix cache hits, preemptions, DSpark
+drafts and accepted tokens, tokens/s) by the frontend's engine loop (deepinfer.frontend.AsyncEngine, on the event
+loop) from each batch's RequestUpdates and StepStats. Every metric carries the served model's name as its
+`model_name` label, as vLLM's do. prometheus_client's metrics are thread-safe.
 """
 
 from __future__ import annotations
@@ -65,6 +65,48 @@ class ConnectionCounters:
             yield family
 
 
+class PrefixCacheMetrics:
+    """Prefix caching (docs/prefix-cache.md), a collector of the server's registry: prompt tokens looked up when
+    requests were admitted and found cached (summed from each step's StepStats; vLLM's prefix_cache_queries /
+    _hits), their ratio, and the engine's own counters as of its last step (blocks and checkpoints evicted since it
+    started, what it holds now). All zero while prefix caching is off."""
+
+    COUNTERS = {"evicted_blocks": "Cached blocks evicted for other sequences' blocks",
+                "evicted_checkpoints": "Window checkpoints evicted for newer ones",
+                "checkpoints_taken": "Window checkpoints written"}
+    GAUGES = {"cached_blocks": "Blocks that hold a named prefix, held by a sequence or not",
+              "checkpoints": "Window checkpoints held",
+              "checkpoint_bytes": "Bytes held by window checkpoints"}
+
+    def __init__(self, model_name: str = ""):
+        self.model_name = model_name
+        self.queries = self.hits = 0
+        self.last: dict = {}
+        self._lock = threading.Lock()
+
+    def on_step(self, stats) -> None:
+        with self._lock:
+            self.queries += stats.prefix_query_tokens
+            self.hits += stats.prefix_hit_tokens
+            if stats.prefix_cache is not None:
+                self.last = dict(stats.prefix_cache)
+
+    def collect(self):
+        with self._lock:
+            queries, hits, last = self.queries, self.hits, dict(self.last)
+        families = [
+            (CounterMetricFamily, "queries", "Prompt tokens looked up in the prefix cache at admission", queries),
+            (CounterMetricFamily, "hits", "Prompt tokens found in the prefix cache at admission", hits),
+            (GaugeMetricFamily, "hit_rate", "Prefix cache hits / queries since the server started",
+             hits / queries if queries else 0.0)]
+        families += [(CounterMetricFamily, k, doc, last.get(k, 0)) for k, doc in self.COUNTERS.items()]
+        families += [(GaugeMetricFamily, k, doc, last.get(k, 0)) for k, doc in self.GAUGES.items()]
+        for family_cls, name, doc, value in families:
+            family = family_cls(f"deepinfer_prefix_cache_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class ServerMetrics:
     """model_name: the served name, the `model_name` label of every metric (vLLM's); max_model_len: the top of the
     request-token histograms."""
@@ -112,6 +154,8 @@ class ServerMetrics:
         self.steps = counter("deepinfer_engine_steps", "Engine steps")
         self.connections = ConnectionCounters(model_name)
         r.register(self.connections)
+        self.prefix_cache = PrefixCacheMetrics(model_name)
+        r.register(self.prefix_cache)
         self._window: collections.deque = collections.deque()  # (time, tokens) of recent engine outputs
         self._lock = threading.Lock()
 
@@ -156,6 +200,7 @@ class ServerMetrics:
             self.steps.inc()
             self.preemptions.inc(s.num_preempted)
             self.cache_use.set(s.cache_utilization)
+            self.prefix_cache.on_step(s)
             if s.num_draft_tokens:
                 self.draft_tokens.inc(s.num_draft_tokens)
                 self.accepted_tokens.inc(s.num_accepted_tokens)
