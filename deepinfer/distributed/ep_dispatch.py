@@ -84,6 +84,28 @@ def agree_static(buffers: StaticBuffers | None, tokens: int, group: dist.Process
     return buffers.fits(int(most.item()))
 
 
+@dataclass(frozen=True)
+class StepPath:
+    """What the expert-parallel ranks agreed for one engine step (`agree_step`): whether every forward of the step
+    takes the static path, and how many CUDA-graph captures some rank brings to it (0 or 1: the ranks without one
+    run that many extra static forwards first, to join the capturing ranks' warm-up collectives)."""
+
+    static: bool
+    captures: int
+
+
+def agree_step(buffers: StaticBuffers, tokens: int, capture: bool, group: dist.ProcessGroup | None) -> StepPath:
+    """The engine's per-step agreement (deepinfer.engine.model_runner, before any forward of the step, outside
+    any graph): one host all-reduce (MAX) of [tokens, capture] over the CPU group of the expert-parallel ranks.
+    `tokens`: the rows this rank's forward runs (a replayed graph's padded bucket); `capture`: this rank will
+    capture a decode graph in this step. A step that is not static captures nothing (a capture's forwards are
+    static ones)."""
+    most = torch.tensor([tokens, int(capture)], dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    static = buffers.fits(int(most[0]))
+    return StepPath(static, int(most[1]) if static else 0)
+
+
 def send_rows(dest: torch.Tensor, world: int, capacity: int) -> torch.Tensor:
     """[n] destination rank of each (token, choice) row, in that order -> its row in the send buffer: the peer's
     segment start plus the row's place among the rows to that peer (fixed shapes: a one-hot running count)."""

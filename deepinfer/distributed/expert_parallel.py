@@ -6,7 +6,8 @@ Two dispatch paths, one expert computation:
   * static (deepinfer.distributed.ep_dispatch: fixed-size per-peer buffers allocated once, equal-split
     all-to-alls, the counts carried on the device as unused-row markers). Taken when the ranks agreed, once per
     forward (`ExpertParallel.begin_forward`), that every rank's step fits the buffers: decode steps. Nothing is read
-    back to the host, so such a step could be captured as a CUDA graph.
+    back to the host, so such a step is captured as a CUDA graph (deepinfer.engine.cuda_graphs): the engine agrees
+    the path once per step, outside any graph (`ExpertParallel.agree_step`), and pins it for the step's forwards.
   * variable: `all_to_all_single` with data-dependent splits; the per-peer row counts are exchanged first (a
     [world] all-to-all) and read on the host (one device sync per layer). Prefill steps, and every step of a model
     without static buffers. Why all-to-all: every rank sends a different number of rows to every other rank and
@@ -22,7 +23,10 @@ from fp32 zeros, then the shared expert, then the cast: the accumulation order o
 op's bf16/fp32 result of `swiglu_expert`, which is row-invariant on the CPU (kernels/torch/linear.py pads rows to a
 fixed tile; elementwise.py keeps every element on the SIMD path), so a row's output does not depend on which other
 rows share the call: both paths are bitwise equal to the single-process op on the CPU. On CUDA the GEMMs' tiles
-follow the row count, so only the batch-invariant mode gives bitwise agreement.
+follow the row count, so only the batch-invariant mode gives bitwise agreement: there the TileLang op keeps each
+(token, expert) output as its own bf16-rounded row and sums them in the same order (kernels/tilelang/moe.py
+`_moe_experts_invariant`), and the shared expert goes through the op's own shared pass (`_shared`), so each term
+is the same bits and the sum is the same sum.
 
 Replica choice: a (token, expert) pair with c copies goes to copy `(token index + source rank) % c`, a fixed rule
 that spreads a hot expert's tokens over its copies. DeepInfer picks the copy inside its compiled gate kernel
@@ -31,6 +35,7 @@ that spreads a hot expert's tokens over its copies. DeepInfer picks the copy ins
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +44,7 @@ import torch.distributed as dist
 from deepinfer.kernels.packed_experts import PackedExperts
 from deepinfer.kernels.torch.moe import moe_experts as torch_moe_experts
 
-from .ep_dispatch import StaticBuffers, agree_static, combine_static, dispatch_static, send_rows
+from .ep_dispatch import StaticBuffers, StepPath, agree_static, agree_step, combine_static, dispatch_static, send_rows
 from .placement import ExpertPlacement
 
 Experts = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | PackedExperts
@@ -75,6 +80,11 @@ class ExpertParallel:
     buffers: StaticBuffers | None = None
     agree_group: dist.ProcessGroup | None = None
     static: bool = False
+    # the path the engine agreed for the current step (agree_step + pin): the step's forwards take it without a
+    # collective of their own (a replayed graph runs none); None: each forward agrees (begin_forward)
+    pinned: bool | None = None
+    # `placement`'s replica table on the device (plan_static): a graph cannot copy a host-built one in
+    static_replicas: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def plan_static(self, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype, device,
                     agree_group: dist.ProcessGroup | None = None) -> None:
@@ -82,18 +92,46 @@ class ExpertParallel:
         self.buffers = StaticBuffers.allocate(max_tokens, top_k, self.placement.per_rank, self.placement.num_ranks,
                                               hidden, dtype, device)
         self.agree_group = agree_group
+        self.static_replicas = tuple(t.to(device) for t in replica_table(self.placement))
+
+    @property
+    def _agree_on(self) -> dist.ProcessGroup | None:
+        return self.agree_group if self.agree_group is not None else self.group
+
+    def agree_step(self, tokens: int, capture: bool) -> StepPath:
+        """Every rank, once per engine step before its forwards (outside any graph; needs `buffers`): the path of
+        the step's forwards and whether some rank captures a decode graph in it (ep_dispatch.agree_step)."""
+        return agree_step(self.buffers, tokens, capture, self._agree_on)
+
+    @contextmanager
+    def pin(self, static: bool):
+        """The step's forwards take `static` (agreed by agree_step) without agreeing again."""
+        self.pinned = static
+        try:
+            yield
+        finally:
+            self.pinned = None
 
     def begin_forward(self, tokens: int) -> bool:
         """Every rank, once per model forward (backbone step or draft pass), before its first MoE layer, with its
-        own token count: the ranks agree whether this forward's MoE layers take the static path."""
-        self.static = agree_static(self.buffers, tokens, self.agree_group if self.agree_group is not None
-                                   else self.group)
+        own token count: the ranks agree whether this forward's MoE layers take the static path; under `pin`, the
+        pinned path (no collective)."""
+        if self.pinned is not None:
+            if self.pinned and not self.buffers.fits(tokens):
+                raise ValueError(f"a forward of {tokens} tokens under a pinned static path, whose buffers hold "
+                                 f"{self.buffers.max_tokens} per rank: agree_step was given fewer tokens")
+            self.static = self.pinned
+            return self.static
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("an expert-parallel forward under CUDA-graph capture needs its path pinned first "
+                               "(ExpertParallel.agree_step + pin): a replay runs no agreement")
+        self.static = agree_static(self.buffers, tokens, self._agree_on)
         return self.static
 
     def for_layer(self, layer: int | None):
         """(placement, (replicas, copies) or None, load row or None) for MoE layer `layer`."""
         if self.layer_placements is None or layer is None:
-            return self.placement, None, None
+            return self.placement, self.static_replicas, None
         return self.layer_placements[layer], (self.replicas[layer], self.copies[layer]), self.load[layer]
 
 
@@ -164,6 +202,10 @@ def ep_moe_experts(
         raise ValueError("a token chose the same expert twice")
     op = experts_op or torch_moe_experts
     hidden = x.shape[-1]
+    # the shared expert over this rank's tokens first: on CUDA on a side stream, overlapping the dispatch
+    side, shared_out = None, None
+    if shared is not None and tokens:
+        shared_out, side = _shared(op, x, experts, shared, swiglu_limit)
 
     # every (token, choice) routed to a physical slot, in (token, choice) order
     phys = choose_copies(idx, placement, me, replicas).reshape(-1)
@@ -185,12 +227,36 @@ def ep_moe_experts(
     for j in range(k):
         pick = by_id[:, j, None, None].expand(-1, 1, hidden)
         y += contrib.gather(1, pick).squeeze(1).float()
-    if shared is not None and tokens:
-        one = shared if isinstance(shared, PackedExperts) else [shared]
-        y += op(x, torch.ones(tokens, 1, device=x.device), torch.zeros(tokens, 1, dtype=torch.int64,
-                                                                          device=x.device), one, None,
-                swiglu_limit).float()
+    if shared_out is not None:
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        y += shared_out.float()
     return y.to(x.dtype)
+
+
+_SIDE: dict = {}
+
+
+def _shared(op, x: torch.Tensor, experts: Experts, shared, limit: float):
+    """The shared expert's output over x, [T, D] in x's dtype, through the op's own shared pass (every token's
+    routed choice -1, "no expert"): the tiles and rounding of the single-process op's shared expert, so the sum
+    stays bitwise the op's where the op is batch-invariant. On CUDA it runs on a side stream (returned; the caller
+    waits for it before reading), concurrently with the dispatch and the routed experts, as `single`'s op runs its
+    shared expert beside the routed pass."""
+    tokens = x.shape[0]
+    none = torch.full((tokens, 1), -1, dtype=torch.int64, device=x.device)
+    zero = torch.zeros(tokens, 1, dtype=torch.float32, device=x.device)
+    if not x.is_cuda:
+        return op(x, zero, none, experts, shared, limit), None
+    main = torch.cuda.current_stream(x.device)
+    side = _SIDE.get(x.device)
+    if side is None:
+        side = _SIDE[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = op(x, zero, none, experts, shared, limit)
+    out.record_stream(main)  # read on the main stream once it waited for the side one
+    return out, side
 
 
 def _compute(op, rows: torch.Tensor, meta: torch.Tensor, experts: Experts, limit: float,

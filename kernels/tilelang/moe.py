@@ -9,7 +9,8 @@ the torch reference.
 What varies with the batch unless the registry's batch-invariant mode is on: the token tiles (router and experts)
 follow the token count, and a token's routed experts and the shared expert add into one fp32 buffer with atomics in
 no fixed order. In the batch-invariant mode the tiles are fixed and every (token, expert) contribution is written to
-its own row, then summed per token in a fixed order (shared expert, then routed experts by ascending id).
+its own row, then summed per token in a fixed order (routed experts by ascending id, then the shared expert:
+the torch op's order).
 """
 
 import functools
@@ -203,7 +204,10 @@ def no_expert_as_zero_weight(weights: torch.Tensor, idx: torch.Tensor) -> tuple[
 
 def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):
     """moe_experts_packed with a fixed reduction order: every (token, expert) contribution lands in its own fp32
-    row (one add into zeros: exact), then y = shared + routed experts in ascending id order, element-wise."""
+    row (one add of its bf16-rounded value into zeros: exact), then y = the routed experts in ascending id order,
+    from fp32 zeros, then the shared expert (its own bf16-rounded row): the torch op's order and rounding points,
+    which expert parallelism reproduces from rows computed on other ranks (deepinfer.distributed.expert_parallel:
+    it needs every term to be a row of its own and the shared expert last)."""
     assert x.dtype == torch.bfloat16
     x = x.contiguous()
     T_, k = idx.shape
@@ -217,10 +221,12 @@ def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):
     # token's k rows in ascending expert order
     parts = parts[torch.argsort(table[0], stable=True)].view(T_, k, routed.hidden)
     y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
-    if shared is not None:
-        ffn(shared, x, _shared_table(T_, str(dev)), y, shared_block_t(T_), limit)
     for j in range(k):
         y += parts[:, j]
+    if shared is not None:
+        s = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
+        ffn(shared, x, _shared_table(T_, str(dev)), s, shared_block_t(T_), limit)
+        y += s
     return y.to(x.dtype)
 
 
