@@ -198,8 +198,8 @@ def ep_moe_experts(
     if buffers is not None and not buffers.fits(tokens):
         raise ValueError(f"{tokens} tokens on the static path, whose buffers hold {buffers.max_tokens} per rank: "
                          "the ranks must agree on the path first (ExpertParallel.begin_forward)")
-    if tokens and k > 1 and not x.is_cuda and (idx.sort(dim=1).values.diff(dim=1) == 0).any():
-        raise ValueError("a token chose the same expert twice")
+    if tokens and k > 1 and not x.is_cuda:
+        _check_distinct(idx)
     op = experts_op or torch_moe_experts
     hidden = x.shape[-1]
     # the shared expert over this rank's tokens first: on CUDA on a side stream, overlapping the dispatch
@@ -232,6 +232,12 @@ def ep_moe_experts(
             torch.cuda.current_stream(x.device).wait_stream(side)
         y += shared_out.float()
     return y.to(x.dtype)
+
+
+def _check_distinct(idx: torch.Tensor) -> None:
+    """On the CPU only (it reads the ids on the host): a token's experts are distinct, as the buffers assume."""
+    if (idx.sort(dim=1).values.diff(dim=1) == 0).any():
+        raise ValueError("a token chose the same expert twice")
 
 
 _SIDE: dict = {}

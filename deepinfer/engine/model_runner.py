@@ -100,17 +100,24 @@ class ModelRunner:
         elif ep is not None:
             graphs = False  # without static buffers every MoE layer reads its row counts on the host
         if graphs and self.pools.device.type == "cuda" and hasattr(model, "run"):
-            from deepinfer.engine.cuda_graphs import DecodeGraphs
-
-            max_blocks = -(-max_model_len // block_size)
-            ep_bound = self._ep.buffers.max_tokens if self._ep is not None else None
-            self.graphs = DecodeGraphs(model, self.pools, num_slots, graph_interval, max_blocks, 1 + self.num_draft,
-                                       max_tokens=ep_bound, collective=self._ep is not None)
+            self.graphs = self.decode_graphs(num_slots, graph_interval, max_model_len, block_size)
             if self.drafter is not None:
                 from deepinfer.engine.cuda_graphs import DraftGraphs
 
                 self.draft_graphs = DraftGraphs(self.drafter, self.pools, num_slots, graph_interval, self.num_draft,
                                                 self.backend.vocab_size)
+
+    def decode_graphs(self, num_slots: int, interval: int, max_model_len: int, block_size: int, cls=None):
+        """The decode steps' graphs (deepinfer.engine.cuda_graphs.DecodeGraphs, or `cls` with its signature): batch
+        buckets up to num_slots, block-table widths up to max_model_len, 1 + drafts tokens a sequence; under expert
+        parallel only buckets within the static buffers, and a failed warm-up raises (its collectives)."""
+        from deepinfer.engine.cuda_graphs import DecodeGraphs
+
+        cls = cls or DecodeGraphs
+        max_blocks = -(-max_model_len // block_size)
+        ep_bound = self._ep.buffers.max_tokens if self._ep is not None else None
+        return cls(self.backend.model, self.pools, num_slots, interval, max_blocks, 1 + self.num_draft,
+                   max_tokens=ep_bound, collective=self._ep is not None)
 
     def profile_step(self, num_tokens: int) -> None:
         """One verification-shaped step of `num_tokens` tokens (sequences of 1 + num_draft tokens at position 0 in
