@@ -97,8 +97,9 @@ def _mapped(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     view = torch.as_tensor(Mapped(), device=device)
     probe = torch.tensor([0, t.shape[0] // 2, t.shape[0] - 1])
-    if (view.data_ptr() != t.data_ptr() or view.device != device
-            or not torch.equal(view[probe.to(device)].cpu(), t.view(torch.uint8)[probe])):
+    same_device = view.device.type == "cuda" and device.index in (None, view.device.index)
+    if (view.data_ptr() != t.data_ptr() or not same_device
+            or not torch.equal(view[probe.to(view.device)].cpu(), t.view(torch.uint8)[probe])):
         raise RuntimeError(f"model.engram_storage=host: the pinned Engram table could not be mapped into {device}'s "
                            "address space (unified virtual addressing); allowed: model.engram_storage=device")
     return view.view(t.dtype)
