@@ -238,18 +238,18 @@ class RankOfMany:
 
 def layer_meta(model, moe, placement, ep, B: int, gen) -> torch.Tensor:
     """The receive-buffer metadata rank 0 gets at one MoE layer from `world` ranks of B tokens each."""
-    from deepinfer.distributed.ep_dispatch import send_rows
+    from deepinfer.distributed.ep_dispatch import UNUSED_META, send_rows
     from deepinfer.distributed.expert_parallel import _pack, choose_copies
 
     cfg, b = model.config, ep.buffers
-    recv = torch.full((b.world * b.capacity,), -1, dtype=torch.int64, device=model.device)
+    recv = torch.full((b.world * b.capacity,), UNUSED_META, dtype=torch.int64, device=model.device)
     for r in range(b.world):
         x = torch.randn(B, cfg.hidden_size, generator=gen, device=model.device).to(model.dtype)
         w, idx = model.ops.moe_router(x, moe.gate.weight, moe.gate.bias, moe.top_k or cfg.num_experts_per_tok,
                                       cfg.scoring_func, cfg.gate_temp, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         phys = choose_copies(idx, placement, r, ep.static_replicas).reshape(-1)
         dest = phys // placement.per_rank
-        send = torch.full((b.world * b.capacity,), -1, dtype=torch.int64, device=model.device)
+        send = torch.full((b.world * b.capacity,), UNUSED_META, dtype=torch.int64, device=model.device)
         send[send_rows(dest, b.world, b.capacity)] = _pack(phys % placement.per_rank, w.reshape(-1))
         recv[r * b.capacity:(r + 1) * b.capacity] = send[: b.capacity]  # sender r's segment for rank 0
     return recv

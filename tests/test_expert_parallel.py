@@ -17,7 +17,8 @@ from deepinfer.kernels.packed_experts import pack_quantized
 from deepinfer.kernels.torch.moe import moe_experts
 from deepinfer.distributed import groups
 from deepinfer.distributed.eplb import rebalance
-from deepinfer.distributed.ep_dispatch import StaticBuffers, StepPath, agree_static, agree_step, capacity_rows, send_rows
+from deepinfer.distributed.ep_dispatch import (UNUSED_META, StaticBuffers, StepPath, agree_static, agree_step,
+                                              capacity_rows, send_rows)
 from deepinfer.distributed.expert_parallel import _pack, _unpack, choose_copies, ep_moe_experts, local_experts
 from deepinfer.distributed.placement import ExpertPlacement
 from deepinfer.models.random_weights import _fp4_rows
@@ -181,6 +182,8 @@ def test_meta_packing_round_trips_exactly():
     w = torch.tensor([0.1, -2.5, 1e-30, float("inf")])
     s, v = _unpack(_pack(slot, w))
     assert torch.equal(s, slot) and torch.equal(v.view(torch.int32), w.view(torch.int32))
+    s, v = _unpack(torch.tensor([UNUSED_META]))  # an unused row of the static buffers: no expert, weight 0
+    assert s.tolist() == [-1] and v.view(torch.int32).tolist() == [0]
 
 
 def test_copies_spread_over_replicas_and_cover_only_owned_slots():

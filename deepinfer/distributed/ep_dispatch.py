@@ -16,10 +16,10 @@ bytes of metadata per row; V4.1-Flash at dep8 with max_num_seqs 256 (hidden 4096
 
 Layout. Peer p's rows occupy [p x capacity, (p + 1) x capacity) of every buffer; a rank's rows to one peer are in
 (token, choice) order at the front of its segment. Each row's metadata (int64: local slot in the high 32 bits, the
-routing weight's fp32 bits in the low 32; -1 for an unused row) travels beside it, so the counts are carried on the
-device, implicitly. The receiver runs the registered `moe_experts` op over the whole receive buffer with one
-expert per row (the local slot, -1 for an unused row: the op skips it) and the outputs go back in the same
-positions; the sender reads its rows' outputs at the positions it wrote them.
+routing weight's fp32 bits in the low 32; UNUSED_META for an unused row: slot -1, weight 0) travels beside it, so
+the counts are carried on the device, implicitly. The receiver runs the registered `moe_experts` op over the whole
+receive buffer with one expert per row (the local slot, -1 for an unused row: the op skips it) and the outputs go
+back in the same positions; the sender reads its rows' outputs at the positions it wrote them.
 
 Collective: `torch.distributed.all_to_all_single` with equal splits (NCCL: grouped send/recv, no host sizes;
 gloo: alltoall). Symmetric-memory puts (torch.distributed._symmetric_memory) would save the copy into the send
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+UNUSED_META = -(1 << 32)  # an unused row's metadata: slot -1 (high word), weight +0.0 (low word)
 
 
 def capacity_rows(max_tokens: int, top_k: int, per_rank: int) -> int:
@@ -61,8 +63,8 @@ class StaticBuffers:
         n = world * cap
         rows = dict(dtype=dtype, device=device)
         return cls(max_tokens, cap, world, torch.zeros(n + 1, hidden, **rows), torch.zeros(n, hidden, **rows),
-                   torch.full((n + 1,), -1, dtype=torch.int64, device=device),
-                   torch.full((n,), -1, dtype=torch.int64, device=device), torch.zeros(n, hidden, **rows))
+                   torch.full((n + 1,), UNUSED_META, dtype=torch.int64, device=device),
+                   torch.full((n,), UNUSED_META, dtype=torch.int64, device=device), torch.zeros(n, hidden, **rows))
 
     @property
     def nbytes(self) -> int:
@@ -114,13 +116,14 @@ def send_rows(dest: torch.Tensor, world: int, capacity: int) -> torch.Tensor:
     return dest * capacity + place
 
 
-def dispatch_static(buffers: StaticBuffers, x: torch.Tensor, token: torch.Tensor, meta: torch.Tensor,
+def dispatch_static(buffers: StaticBuffers, x: torch.Tensor, k: int, meta: torch.Tensor,
                     row: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x[token] with their metadata into the send buffer at `row`, the rest marked unused, then the fixed
-    all-to-alls. Returns (received rows [world * capacity, D], their metadata, -1 for an unused row)."""
+    """Each token's row x[t] (k times: once per choice) with the choices' metadata into the send buffer at `row`
+    ([T * k], (token, choice) order), the rest marked unused, then the fixed all-to-alls. Returns (received rows
+    [world * capacity, D], their metadata, UNUSED_META for an unused row)."""
     b = buffers
-    b.send_meta.fill_(-1)
-    b.send_x.index_copy_(0, row, x[token])
+    b.send_meta.fill_(UNUSED_META)
+    b.send_x.index_put_((row.view(-1, k),), x[:, None, :].expand(-1, k, -1))  # one kernel, no [T * k, D] copy
     b.send_meta.index_copy_(0, row, meta)
     n = b.world * b.capacity
     dist.all_to_all_single(b.recv_x, b.send_x[:n], group=group)

@@ -161,6 +161,8 @@ def choose_copies(idx: torch.Tensor, placement: ExpertPlacement, src_rank: int,
     """[T, k] logical ids -> [T, k] physical slots: copy (t + src_rank) % copies(e) of expert e. `replicas`:
     `replica_table(placement)` already on idx's device (EPLB keeps it there), else built here."""
     table, count = replicas if replicas is not None else (t.to(idx.device) for t in replica_table(placement))
+    if table.shape[1] == 1:  # one copy of every expert (no redundant slots): a lookup
+        return table[:, 0][idx]
     t = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) + src_rank
     return table[idx, t % count[idx]]
 
@@ -211,22 +213,22 @@ def ep_moe_experts(
     phys = choose_copies(idx, placement, me, replicas).reshape(-1)
     dest = phys // placement.per_rank
     meta = _pack(phys % placement.per_rank, weights.reshape(-1))
-    token = torch.arange(tokens, device=x.device).repeat_interleave(k)
     if buffers is not None:
         row = send_rows(dest, world, buffers.capacity)
-        recv_x, recv_meta = dispatch_static(buffers, x, token, meta, row, group)
+        recv_x, recv_meta = dispatch_static(buffers, x, k, meta, row, group)
         out = _compute(op, recv_x, recv_meta, experts, swiglu_limit, load)
         contrib = combine_static(buffers, out, row, group)
     else:
+        token = torch.arange(tokens, device=x.device).repeat_interleave(k)
         contrib = _variable(op, x, token, meta, dest, world, experts, swiglu_limit, load, group)
     contrib = contrib.view(tokens, k, hidden)
 
-    # sum each token's experts in ascending logical id (the single-process op's order), then the shared expert
-    by_id = idx.argsort(dim=1)
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for j in range(k):
-        pick = by_id[:, j, None, None].expand(-1, 1, hidden)
-        y += contrib.gather(1, pick).squeeze(1).float()
+    # sum each token's experts in ascending logical id from fp32 zeros (the single-process op's order), then the
+    # shared expert; one gather puts a token's k rows in that order (few kernels: this runs every layer)
+    ranked = contrib.gather(1, idx.argsort(dim=1)[:, :, None].expand(-1, -1, hidden)).float()
+    y = ranked[:, 0] + 0.0  # = 0 + the first, as from zeros (-0 becomes +0 either way)
+    for j in range(1, k):
+        y += ranked[:, j]
     if shared_out is not None:
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
@@ -267,15 +269,13 @@ def _shared(op, x: torch.Tensor, experts: Experts, shared, limit: float):
 
 def _compute(op, rows: torch.Tensor, meta: torch.Tensor, experts: Experts, limit: float,
              load: torch.Tensor | None) -> torch.Tensor:
-    """The received rows through this rank's experts: one expert per row (its local slot; -1: an unused row of
-    the static buffers, which the op skips), each scaled by its routing weight. Returns [R, D] in rows' dtype."""
+    """The received rows through this rank's experts: one expert per row (its local slot; an unused row of the
+    static buffers carries UNUSED_META: slot -1, which the op skips, weight 0), each scaled by its routing weight.
+    Returns [R, D] in rows' dtype."""
     slot, w = _unpack(meta)
-    unused = meta < 0
-    slot = torch.where(unused, -1, slot)
-    w = torch.where(unused, 0.0, w)
     if load is not None:
         # index_add_ rather than bincount: bincount sizes its output from the ids' max, a host read on CUDA
-        load.index_add_(0, slot.clamp(min=0), (~unused).to(load.dtype))
+        load.index_add_(0, slot.clamp(min=0), (meta >= 0).to(load.dtype))
     if rows.shape[0] == 0:
         return rows.new_empty(rows.shape)
     return op(rows, w[:, None], slot[:, None], experts, None, limit)
@@ -303,12 +303,12 @@ def _variable(op, x, token, meta, dest, world, experts, limit, load, group) -> t
 
 
 def _pack(slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """slot in the high 32 bits, the fp32 weight's bit pattern in the low 32 (exact round trip)."""
-    bits = weight.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return (slot.to(torch.int64) << 32) | bits
+    """slot in the high 32 bits, the fp32 weight's bit pattern in the low 32 (exact round trip): one int32 pair per
+    row, low word first (little-endian, as every device torch runs on), viewed as int64."""
+    words = torch.stack([weight.float().contiguous().view(torch.int32), slot.to(torch.int32)], dim=-1)
+    return words.view(torch.int64).squeeze(-1)
 
 
 def _unpack(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    low = meta & 0xFFFFFFFF
-    bits = torch.where(low >= 1 << 31, low - (1 << 32), low).to(torch.int32)
-    return meta >> 32, bits.view(torch.float32)
+    """(slot int64, weight fp32) of contiguous int64 metadata; the weight is a strided view of its low words."""
+    return meta >> 32, meta.view(torch.int32).view(-1, 2)[:, 0].view(torch.float32)
