@@ -69,3 +69,23 @@ def test_the_engine_with_host_tables_returns_the_tokens_of_device_tables():
             model = llm._engine.client.core.runner.backend.model
             assert (model.engram_host is not None) == (storage == "host")
     assert runs["host"] == runs["device"]
+
+
+@pytest.mark.parametrize("value, storage", [("1", "device"), ("true", "device"), ("0", "host"), ("False", "host")])
+def test_deepinfers_force_gpu_storage_variable_picks_the_storage(monkeypatch, value, storage):
+    from deepinfer.config.compose import compose
+    from deepinfer.config.resolve import resolve
+
+    monkeypatch.setenv("DEEPINFER_ENGRAM_FORCE_GPU_STORAGE", value)
+    assert resolve(compose(["model=v41_flash"])).model.engram_storage == storage
+    assert resolve(compose(["model.engram_storage=device"])).model.engram_storage == "device"  # the CLI wins
+
+
+def test_a_bad_force_gpu_storage_value_is_one_line_naming_the_variable(monkeypatch):
+    from deepinfer.config.compose import compose
+    from deepinfer.config.errors import ConfigError
+    from deepinfer.config.resolve import resolve
+
+    monkeypatch.setenv("DEEPINFER_ENGRAM_FORCE_GPU_STORAGE", "maybe")
+    with pytest.raises(ConfigError, match="DEEPINFER_ENGRAM_FORCE_GPU_STORAGE='maybe' is not allowed; allowed: 1"):
+        resolve(compose([]))

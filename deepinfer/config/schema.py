@@ -199,8 +199,9 @@ class ModelSettings:
     # null: the checkpoint's tokenizer.json. Otherwise a tokenizer.json file, or a directory holding one, used for
     # prompts, stop strings and the Engram hash tables; its vocabulary must fit the model's config.json.
     tokenizer: Optional[str] = None
-    # where the Engram n-gram tables live: device, or host (RAM, pinned on CUDA; each step copies the rows it picks
-    # to the device, deepinfer/models/engram_host.py): ~203 GB at V4.1-Flash size, which dep4 cannot hold on GPUs
+    # where the Engram n-gram tables live: device, or host (RAM, pinned on CUDA and mapped into the GPU's address
+    # space; each step's gather reads the rows it picks from there, deepinfer/models/engram_host.py): ~203 GB at
+    # V4.1-Flash size, which no layout holds on its GPUs (DEEPINFER_ENGRAM_FORCE_GPU_STORAGE, conf/model/*.yaml)
     engram_storage: str = setting("device", allowed=ENGRAM_STORAGE)
 
 
