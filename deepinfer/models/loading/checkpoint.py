@@ -96,7 +96,7 @@ def load_checkpoint(
     else:
         tokenizer_path = tokenizer_file(tokenizer)
         _check_tokenizer_fits(cfg, tokenizer_path, _check_tokenizer(tokenizer_path))
-    if load_format == "dummy":
+    if load_format.startswith("dummy"):
         return Checkpoint(cfg, {}, tokenizer_path, [], model_dir)
     block = tuple(cfg.quantization.weight_block_size) if cfg.quantization else (32, 32)
 

@@ -67,7 +67,8 @@ def load_model(
     `draft_layers`: load the DSpark draft layers (`mtp.*`) when the checkpoint has them (model.drafter); without
     them the model decodes one token per step and they take no memory.
 
-    `load_format="dummy"` (DeepInfer's, for benchmarking): no weight file is read (a directory or hub id with only
+    `load_format="dummy"` (DeepInfer's, for benchmarking; "dummy_shared": backbone layers of one kind sharing their
+    tensors, deepinfer.models.random_weights share_layers): no weight file is read (a directory or hub id with only
     config.json and tokenizer.json is enough); the weights are random in the released storage formats for the
     checkpoint's config (deepinfer.models.random_weights, drawn with `seed`: the same config and seed
     give the same weights, on one device type), the draft layers too when loaded. `tokenizer`: a tokenizer.json
@@ -91,7 +92,7 @@ def load_model(
     they are drawn on the device first (so a full-size dummy run needs the device memory for them while loading)."""
     if engram_storage not in ("device", "host"):
         raise ValueError(f"engram_storage={engram_storage!r}; allowed: device, host")
-    dummy = load_format == "dummy"
+    dummy = load_format in ("dummy", "dummy_shared")
     model_dir = resolve_model_dir(model, weights=not dummy)
     local = None
     if expert_placement is not None:
@@ -113,10 +114,10 @@ def load_model(
 
         drafts = draft_layers and ckpt.config.num_nextn_predict_layers > 0
         ckpt.weights = random_weights(ckpt.config, device, dtype, seed, packed_experts, fp8_linears,
-                                      draft_layers=drafts)
+                                      draft_layers=drafts, share_layers=load_format == "dummy_shared")
         log.warning(
-            "model.load_format=dummy: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
-            "file was read, outputs are meaningless (benchmarking only)", seed, len(ckpt.weights), model_dir,
+            "model.load_format=%s: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
+            "file was read, outputs are meaningless (benchmarking only)", load_format, seed, len(ckpt.weights), model_dir,
             ", with draft layers" if drafts else "")
     if expert_placement is None:
         model = _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype), vision, model_dir)
