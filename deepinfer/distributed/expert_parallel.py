@@ -263,7 +263,8 @@ def _shared(op, x: torch.Tensor, experts: Experts, shared, limit: float):
     side.wait_stream(main)
     with torch.cuda.stream(side):
         out = op(x, zero, none, experts, shared, limit)
-    out.record_stream(main)  # read on the main stream once it waited for the side one
+    # no record_stream: `out`'s block goes back to the side stream's pool, whose next use (the next layer's call)
+    # waits for the main stream first (side.wait_stream above), after main has read it
     return out, side
 
 
