@@ -251,20 +251,22 @@ def _shared(op, x: torch.Tensor, experts: Experts, shared, limit: float):
     stays bitwise the op's where the op is batch-invariant. On CUDA it runs on a side stream (returned; the caller
     waits for it before reading), concurrently with the dispatch and the routed experts, as `single`'s op runs its
     shared expert beside the routed pass."""
-    tokens = x.shape[0]
-    none = torch.full((tokens, 1), -1, dtype=torch.int64, device=x.device)
-    zero = torch.zeros(tokens, 1, dtype=torch.float32, device=x.device)
+    def run():
+        none = torch.full((x.shape[0], 1), -1, dtype=torch.int64, device=x.device)
+        zero = torch.zeros(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return op(x, zero, none, experts, shared, limit)
+
     if not x.is_cuda:
-        return op(x, zero, none, experts, shared, limit), None
+        return run(), None
     main = torch.cuda.current_stream(x.device)
     side = _SIDE.get(x.device)
     if side is None:
         side = _SIDE[x.device] = torch.cuda.Stream(x.device)
     side.wait_stream(main)
-    with torch.cuda.stream(side):
-        out = op(x, zero, none, experts, shared, limit)
-    # no record_stream: `out`'s block goes back to the side stream's pool, whose next use (the next layer's call)
-    # waits for the main stream first (side.wait_stream above), after main has read it
+    with torch.cuda.stream(side):  # every tensor of the call allocated on the side stream: freed into its pool
+        out = run()
+    # no record_stream: those blocks are reused only by the side stream's next call, which waits for the main
+    # stream first (side.wait_stream above), i.e. after main has read `out`; x outlives the caller's wait
     return out, side
 
 
