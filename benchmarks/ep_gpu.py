@@ -324,6 +324,12 @@ def engine_rows(model, a, cuda: bool, variant: str, batches: list[int], failures
                   f"{len(timed)} timed (run summary: {row['graph_steps']} graph steps)", flush=True)
     finally:
         engine.close()
+        del engine, tap
+        import gc
+
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     return rows
 
 
