@@ -1,18 +1,19 @@
 """Static-capacity dispatch and combine for expert parallelism (DeepEP's low-latency mode, in torch collectives):
 fixed-size per-peer send and receive buffers, allocated once, and all-to-alls of fixed sizes, so that nothing in
-an expert-parallel MoE layer reads a count back to the host and a decode step could be captured as a CUDA graph.
+an expert-parallel MoE layer reads a count back to the host and a decode step is captured as a CUDA graph.
 
 Sizing. A rank brings at most `max_tokens` tokens to a static step (the engine: max_num_seqs x the tokens a
 sequence decodes per step, 1 + the DSpark draft length). A token sends at most min(top_k, slots per rank) of its
 (token, expert) rows to one peer: its experts are distinct, and so are their physical slots. So `capacity`, the rows
 per peer, is max_tokens x min(top_k, per_rank): the worst case, not an average with headroom. An overflow then
 cannot happen inside a static step: it is a step with more tokens than `max_tokens` on some rank, which every rank
-knows before the layer runs (`agree_static`: one host all-reduce MAX of the step's token count per forward, on a
-CPU group, no device sync), and such a step runs the variable-size path (deepinfer.distributed.expert_parallel:
-the row counts exchanged first). Nothing is dropped.
-Memory per rank: 4 buffers x world x capacity rows x hidden (send and receive rows, their outputs back) plus 16
-bytes of metadata per row; V4.1-Flash at dep8 with max_num_seqs 256 (hidden 4096, top-6, bf16): 4 x 12288 rows x
-8 KB = 403 MB.
+knows before the layer runs, and such a step runs the variable-size path (deepinfer.distributed.expert_parallel:
+the row counts exchanged first). Nothing is dropped, and no second pass is needed (a graph replay could not make
+one). The knowing: the engine agrees once per step, outside any graph (`agree_step`: one host all-reduce MAX of
+[tokens, "I capture"] on a CPU group, no device sync); other callers agree per forward (`agree_static`).
+Memory per rank: 3 row buffers x world x capacity rows x hidden (send and receive rows, their outputs back) plus 16
+bytes of metadata per row; V4.1-Flash at dep8 with max_num_seqs 256 (hidden 5120, top-6, bf16): 3 x 12288 rows x
+10 KB = 377 MB; with 5 DSpark drafts 6x that (tools/parallel_memory.py's column).
 
 Layout. Peer p's rows occupy [p x capacity, (p + 1) x capacity) of every buffer; a rank's rows to one peer are in
 (token, choice) order at the front of its segment. Each row's metadata (int64: local slot in the high 32 bits, the
