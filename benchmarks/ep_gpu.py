@@ -3,7 +3,7 @@
 step with EP and with the Engram tables in host memory, and the dep8 prediction built from those measurements.
 
     source benchmarks/gpu_env.sh && cd "$DEEPINFER_SITE" && python3 $OLDPWD/benchmarks/ep_gpu.py --out $OUT/ep_gpu.json
-    python3 benchmarks/ep_gpu.py --device cpu --model tiny --out outputs/ep_cpu.json   # CPU smoke (tests/test_ep_bench.py)
+    python3 benchmarks/ep_gpu.py --device cpu --model tiny --out outputs/ep_cpu.json  # CPU smoke (test_ep_bench.py)
 
 Model: `flash40` (deepinfer.models.synthetic FLASH_FULL: the released 40-layer pattern, layers of one kind sharing
 weights, 384 FP4 experts top-6, hidden 5120; random weights in the released formats, bf16, TileLang kernels; the
@@ -198,7 +198,8 @@ def moe_rows(model, a, cuda: bool, group, agree, failures: list) -> list[dict]:
                 model.expert_parallel = None
             row[f"{name}_rel_err"] = err = rel_err(got, want)
             if not calls or not all(calls):
-                failures.append(f"MoE B={B} {name}: {calls.count(False)} of {len(calls)} EP calls not on the static path")
+                failures.append(f"MoE B={B} {name}: {calls.count(False)} of {len(calls)} EP calls not on the "
+                                "static path")
             if err > 2e-2:
                 failures.append(f"MoE B={B} {name}: output differs from single's (relative error {err:.2e})")
             row[f"{name}_buffer_rows"] = e.buffers.world * e.buffers.capacity

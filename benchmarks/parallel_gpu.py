@@ -20,16 +20,17 @@ deepinfer.distributed.groups.init_group (NCCL on CUDA, one GPU a rank; gloo on t
   3. `dep2`: the full model in expert-parallel mode (ExpertParallel, ExpertPlacement.initial(E, 2): rank r holds
      experts [r*E/2, (r+1)*E/2), no redundant copies), every MoE layer going through
      deepinfer.distributed.expert_parallel.ep_moe_experts over the world group.
-Both variants: the rank's own batch of --batch sequences (different tokens per rank), context --context FILLED,
-not prefilled (layer_gpu.filled_sequences -> decode_gpu.fill_step: random valid cache codes), then --warmup
-untimed and --steps timed decode steps of one token per sequence through `model.forward`, eager on both sides (the
-all-to-alls are bracketed one by one, which a graph replay would hide; benchmarks/ep_gpu.py times the EP path with
-graphs on one GPU). dep2's decode steps take the static-capacity dispatch (--dispatch static, the default: buffers
-for --batch tokens a rank, 3 equal-split all-to-alls per MoE layer, the path the engine's graphs capture; each
-forward first agrees the path on a gloo group), or --dispatch variable (4 per layer: the row counts first). The engine (lockstep loop, scheduler, sampler) is NOT in the loop: its turns add a few small
-gloo collectives per step that the issue's target is not about, and its StepStats do not split out the
-all-to-alls. Models have random weights in the released formats (synthetic.random_weights: FP4 experts and FP8
-projections held as stored on CUDA), bf16 on CUDA, fp32 on the CPU; TileLang preferred on CUDA.
+Both variants: the rank's own batch of --batch sequences (different tokens per rank), context --context FILLED, not
+prefilled (layer_gpu.filled_sequences -> decode_gpu.fill_step: random valid cache codes), then --warmup untimed and
+--steps timed decode steps of one token per sequence through `model.forward`, eager on both sides (the all-to-alls are
+bracketed one by one, which a graph replay would hide; benchmarks/ep_gpu.py times the EP path with graphs on one GPU).
+dep2's decode steps take the static-capacity dispatch (--dispatch static, the default: buffers for --batch tokens a
+rank, 3 equal-split all-to-alls per MoE layer, the path the engine's graphs capture; each forward first agrees the
+path on a gloo group), or --dispatch variable (4 per layer: the row counts first). The engine (lockstep loop,
+scheduler, sampler) is NOT in the loop: its turns add a few small gloo collectives per step that the issue's target is
+not about, and its StepStats do not split out the all-to-alls. Models have random weights in the released formats
+(synthetic.random_weights: FP4 experts and FP8 projections held as stored on CUDA), bf16 on CUDA, fp32 on the CPU;
+TileLang preferred on CUDA.
 
 WHAT IS TIMED. step = CUDA events around one `model.forward` on the rank's current stream (perf_counter on the
 CPU), synchronised after the step; medians over the timed steps. tok/s per rank = batch / median step. Ratio =

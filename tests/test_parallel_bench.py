@@ -1,6 +1,6 @@
 """benchmarks/parallel_gpu.py on the CPU (gloo, 2 spawned ranks, the embedded tiny model's config): it runs
-`single` on the per-rank slice and dep2 (static-capacity dispatch) with the expert-parallel all-to-alls timed, writes the JSON the issue-13
-report reads, and exits non-zero when EP did not actually move tokens to another rank."""
+`single` on the per-rank slice and dep2 (static-capacity dispatch) with the expert-parallel all-to-alls timed,
+writes the JSON the issue-13 report reads, and exits non-zero when EP did not actually move tokens to another rank."""
 
 import importlib.util
 import json

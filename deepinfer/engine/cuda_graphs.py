@@ -173,8 +173,8 @@ class DecodeGraphs:
                 if self.collective and not isinstance(exc, CaptureFailed):
                     raise  # the warm-up failed: its collectives are half done, the ranks cannot be matched any more
                 # a failed capture can leave the CUDA context unfit for another: every step runs eagerly from now
-                why = str(exc) if isinstance(exc, CaptureFailed) else f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                self._failed[key] = why
+                self._failed[key] = (str(exc) if isinstance(exc, CaptureFailed)
+                                     else f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
                 log.warning("CUDA graph capture failed for batch %d x %d blocks x %d tokens; every decode step runs "
                             "eagerly from now on: %s", *key, self._failed[key])
                 return None

@@ -117,8 +117,8 @@ def load_model(
                                       draft_layers=drafts, share_layers=load_format == "dummy_shared")
         log.warning(
             "model.load_format=%s: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
-            "file was read, outputs are meaningless (benchmarking only)", load_format, seed, len(ckpt.weights), model_dir,
-            ", with draft layers" if drafts else "")
+            "file was read, outputs are meaningless (benchmarking only)", load_format, seed, len(ckpt.weights),
+            model_dir, ", with draft layers" if drafts else "")
     if expert_placement is None:
         model = _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype), vision, model_dir)
         if engram_storage == "host":
