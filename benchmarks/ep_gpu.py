@@ -3,7 +3,9 @@
 step with EP and with the Engram tables in host memory, and the dep8 prediction built from those measurements.
 
     source benchmarks/gpu_env.sh && cd "$DEEPINFER_SITE" && python3 $OLDPWD/benchmarks/ep_gpu.py --out $OUT/ep_gpu.json
-    python3 benchmarks/ep_gpu.py --device cpu --model tiny --out outputs/ep_cpu.json  # CPU smoke (test_ep_bench.py)
+    # CPU smoke on the tiny model (tests/test_ep_bench.py), ~2 s:
+    python3 benchmarks/ep_gpu.py --device cpu --model tiny --batches 1 4 --dep8-batches 4 --engram-batch 4 \
+        --max-seqs 8 --context 64 --out outputs/ep_cpu.json
 
 Model: `flash40` (deepinfer.models.synthetic FLASH_FULL: the released 40-layer pattern, layers of one kind sharing
 weights, 384 FP4 experts top-6, hidden 5120; random weights in the released formats, bf16, TileLang kernels; the
