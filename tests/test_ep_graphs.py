@@ -212,3 +212,22 @@ def test_dep2_pairs_each_capture_and_returns_the_tokens_of_single(tmp_path, monk
     assert any(int(a["capture"]) != int(b["capture"]) for a, b in steps)  # the case this test exists for
     replays = sum(int(s["replay"]) for r in ranks for s in r)
     assert replays > 0 and metrics["graph_steps"] == replays, (replays, metrics["graph_steps"])
+
+
+def test_no_host_reads_is_scoped_and_per_thread():
+    """The switch that makes kernel launchers take the paths a graph capture takes (kernels/registry.py): the EP
+    static path and a graph's warm-up set it; it nests, ends with its block and does not leak to other threads."""
+    import threading
+
+    from deepinfer.kernels.registry import host_reads_allowed, no_host_reads
+
+    assert host_reads_allowed()
+    seen = []
+    with no_host_reads():
+        with no_host_reads():
+            assert not host_reads_allowed()
+        assert not host_reads_allowed()
+        t = threading.Thread(target=lambda: seen.append(host_reads_allowed()))
+        t.start()
+        t.join()
+    assert host_reads_allowed() and seen == [True]

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.kernels.packed_experts import PackedExperts
+from deepinfer.kernels.registry import no_host_reads
 from deepinfer.kernels.torch.moe import moe_experts as torch_moe_experts
 
 from .ep_dispatch import StaticBuffers, StepPath, agree_static, agree_step, combine_static, dispatch_static, send_rows
@@ -216,7 +217,8 @@ def ep_moe_experts(
     if buffers is not None:
         row = send_rows(dest, world, buffers.capacity)
         recv_x, recv_meta = dispatch_static(buffers, x, k, meta, row, group)
-        out = _compute(op, recv_x, recv_meta, experts, swiglu_limit, load)
+        with no_host_reads():  # the kernels a graph of this step launches, also when not capturing
+            out = _compute(op, recv_x, recv_meta, experts, swiglu_limit, load)
         contrib = combine_static(buffers, out, row, group)
     else:
         token = torch.arange(tokens, device=x.device).repeat_interleave(k)

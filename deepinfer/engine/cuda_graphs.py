@@ -128,13 +128,16 @@ class DecodeGraphs:
 
     def _warm_up(self, host: HostStep) -> None:
         """One forward of the bucket's padding rows off the capture: lazy inits, JIT compiles, one-time syncs (and,
-        under expert parallel, the step's collectives, which the other ranks join)."""
+        under expert parallel, the step's collectives, which the other ranks join). The kernels take the paths the
+        capture will (registry.no_host_reads), so the capture launches only kernels compiled here."""
+        from deepinfer.kernels.registry import no_host_reads
+
         if self.pools.device.type != "cuda":
             self.model.run(derive(host, self.pools), self.pools)
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), no_host_reads():
             self.model.run(derive(host, self.pools), self.pools)
         torch.cuda.current_stream().wait_stream(stream)
 

@@ -170,9 +170,10 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed pass."""
     if registry.batch_invariant():
         return _moe_experts_invariant(x, *no_expert_as_zero_weight(weights, idx), routed, shared, swiglu_limit)
-    if moe_prefill.wanted(x.shape[0]) and not torch.cuda.is_current_stream_capturing():
-        # (a graph capture, e.g. of an expert-parallel decode step over its fixed-size receive buffer, keeps the
-        # streaming kernel: the grouped path reads its row counts on the host)
+    if moe_prefill.wanted(x.shape[0]) and registry.host_reads_allowed():
+        # (a graph capture, or a caller under registry.no_host_reads(): expert parallelism's static path over its
+        # fixed-size, mostly empty receive buffer, keeps the streaming kernel: the grouped path reads its row counts
+        # on the host and sizes its work by the buffer, not by the rows used)
         return moe_prefill.moe_experts_grouped(x, *no_expert_as_zero_weight(weights, idx), routed, shared,
                                                swiglu_limit)
     assert x.dtype == torch.bfloat16
