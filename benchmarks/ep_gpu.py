@@ -118,6 +118,31 @@ def make_ep(model, placement, rank: int, group, agree, max_tokens: int):
     return ep
 
 
+def precompile(model, a) -> float:
+    """Every MoE kernel variant the runs below launch, compiled in parallel first (moe.precompile; each variant
+    compiled on first use would be serial): single's op, EP's receive buffers (one rank, sized for --max-seqs and
+    for each batch; a dep8 rank's), and the shared-expert-only calls. Returns the seconds it took."""
+    from deepinfer.distributed.expert_parallel import local_experts
+    from deepinfer.distributed.placement import ExpertPlacement
+    from deepinfer.kernels.tilelang import moe
+
+    t0 = time.time()
+    cfg, ffn = model.config, model.layers[0].ffn
+    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    routed, shared = ffn.experts, ffn.shared_experts
+    local = local_experts(routed, ExpertPlacement.initial(E, a.world), 0)
+    specs = []
+    for B in sorted(set(a.batches) | set(a.dep8_batches) | {a.engram_batch}):
+        specs += moe.experts_specs(routed, shared, B, k)  # single
+        specs += moe.experts_specs(routed, shared, B, 1)  # EP's shared expert (its routed pass empty)
+        specs += moe.experts_specs(local, shared, B, 1)  # a dep8 rank's shared expert
+        specs += moe.experts_specs(routed, None, B * k, 1)  # EP, buffers sized for B
+    specs += moe.experts_specs(routed, None, a.max_seqs * k, 1)  # EP, buffers for --max-seqs
+    specs += moe.experts_specs(local, None, a.world * a.max_seqs * min(k, local.n_experts), 1)  # a dep8 rank's
+    moe.precompile(specs)
+    return time.time() - t0
+
+
 # ---- timing ------------------------------------------------------------------------------------------------------
 def time_ms(fn, cuda: bool, iters: int) -> float:
     """Median ms of fn(): replays of one CUDA graph holding it (kernels_gpu.graph_time), eager calls on the CPU."""
@@ -407,6 +432,9 @@ def main(argv=None) -> int:
         Path(a.out).write_text(portable_json(result))
 
     try:
+        if cuda:
+            meta["precompile_s"] = precompile(model, a)
+            print(f"MoE kernels compiled in {meta['precompile_s']:.0f} s", flush=True)
         result["moe"] = moe_rows(model, a, cuda, group, agree, failures)
         flush()
         result["dep8_rank"] = dep8_rows(model, a, cuda)
