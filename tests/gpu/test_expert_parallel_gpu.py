@@ -104,6 +104,25 @@ def _static_captures(monkeypatch):
     return seen
 
 
+def test_an_ep_moe_layer_is_bitwise_the_op_in_the_batch_invariant_mode(setup):
+    """The layer alone, both dispatch paths (the engine test below needs this to hold in every layer)."""
+    model, ep = setup
+    g = torch.randn(37, model.config.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    g = g.bfloat16()
+    want = model._moe(g, model.layers[0].ffn, 0)
+    model.expert_parallel = ep
+    try:
+        got = {}
+        for static in (True, False):
+            with ep.pin(static):
+                ep.begin_forward(g.shape[0])
+            got[static] = model._moe(g, model.layers[0].ffn, 0)
+    finally:
+        model.expert_parallel = None
+    assert torch.equal(got[True], want), (got[True].float() - want.float()).abs().max().item()
+    assert torch.equal(got[False], want), (got[False].float() - want.float()).abs().max().item()
+
+
 @pytest.mark.parametrize("drafts", [0, 3])
 def test_ep_on_one_gpu_is_bitwise_single_with_graphs(setup, monkeypatch, drafts):
     model, ep = setup
