@@ -20,23 +20,28 @@ deepinfer.distributed.groups.init_group (NCCL on CUDA, one GPU a rank; gloo on t
   3. `dep2`: the full model in expert-parallel mode (ExpertParallel, ExpertPlacement.initial(E, 2): rank r holds
      experts [r*E/2, (r+1)*E/2), no redundant copies), every MoE layer going through
      deepinfer.distributed.expert_parallel.ep_moe_experts over the world group.
-Both variants: the rank's own batch of --batch sequences (different tokens per rank), context --context FILLED,
-not prefilled (layer_gpu.filled_sequences -> decode_gpu.fill_step: random valid cache codes), then --warmup
-untimed and --steps timed decode steps of one token per sequence through `model.forward` (eager: the EP path
-reads the row counts on the host, so it cannot be graph-captured; `single` runs eager too, so the comparison is
-eager vs eager). The engine (lockstep loop, scheduler, sampler) is NOT in the loop: its turns add a few small
-gloo collectives per step that the issue's target is not about, and its StepStats do not split out the
-all-to-alls. Models have random weights in the released formats (synthetic.random_weights: FP4 experts and FP8
-projections held as stored on CUDA), bf16 on CUDA, fp32 on the CPU; TileLang preferred on CUDA.
+Both variants: the rank's own batch of --batch sequences (different tokens per rank), context --context FILLED, not
+prefilled (layer_gpu.filled_sequences -> decode_gpu.fill_step: random valid cache codes), then --warmup untimed and
+--steps timed decode steps of one token per sequence through `model.forward`, eager on both sides (the all-to-alls are
+bracketed one by one, which a graph replay would hide; benchmarks/ep_gpu.py times the EP path with graphs on one GPU).
+dep2's decode steps take the static-capacity dispatch (--dispatch static, the default: buffers for --batch tokens a
+rank, 3 equal-split all-to-alls per MoE layer, the path the engine's graphs capture; each forward first agrees the
+path on a gloo group), or --dispatch variable (4 per layer: the row counts first). The engine (lockstep loop,
+scheduler, sampler) is NOT in the loop: its turns add a few small gloo collectives per step that the issue's target is
+not about, and its StepStats do not split out the all-to-alls. Models have random weights in the released formats
+(synthetic.random_weights: FP4 experts and FP8 projections held as stored on CUDA), bf16 on CUDA, fp32 on the CPU;
+TileLang preferred on CUDA.
 
 WHAT IS TIMED. step = CUDA events around one `model.forward` on the rank's current stream (perf_counter on the
 CPU), synchronised after the step; medians over the timed steps. tok/s per rank = batch / median step. Ratio =
 mean over ranks of dep2 tok/s / mean of single tok/s. All-to-all per step = the sum over the step's
-`all_to_all_single` calls made by ep_moe_experts (4 per MoE layer: row counts, hidden rows, slot+weight, combine)
+`all_to_all_single` calls made by ep_moe_experts (per MoE layer: [row counts,] hidden rows, slot+weight, combine)
 of CUDA events recorded right before and after each call on the current stream (perf_counter on the CPU; gloo is
 synchronous). The calls are wrapped by replacing the module's `dist` with a forwarding shim; the time includes
 waiting for the peer to arrive at the collective (rank skew), which is part of what a step pays. Bytes per step
-= rows sent to the OTHER rank x row bytes, summed over the calls; floor = those bytes / the measured bandwidth.
+= rows sent to the OTHER rank x row bytes, summed over the calls (static: the whole per-peer segments, used or not,
+as equal splits move them; `dispatched_rows_to_peer` counts the used ones); floor = those bytes / the measured
+bandwidth.
 
 EPLB: deepinfer.distributed.eplb_runtime.skewed_imbalance_report for this model's expert count, 2 ranks,
 --redundant redundant slots, top-k of the model, --batch tokens per rank (no model, no process group; the
@@ -48,9 +53,8 @@ batch x context, over the copy bandwidth / bf16 GEMM rate measured by rank 0 (ke
 Exit status non-zero, after the JSON is written, when a variant did not run as asked: a rank failed or wrote no
 result, fewer timed steps than asked, EP made no all-to-all or sent no token rows to the other rank, or (CUDA) a
 per-call fallback to torch of an attention / MoE / linear / indexer / top-k kind in either variant.
-NOTE: under dep2 the routed experts run in ep_moe_experts' reference loop (torch `swiglu_expert` per local
-expert, dequantising PackedExperts per call), not in the TileLang grouped GEMM that `single` uses; that is the
-code as it is, and the JSON says so (`dep2_moe_path`).
+Under dep2 the rows a rank receives go through the registered moe_experts op (the TileLang grouped GEMM over the
+rank's PackedExperts on CUDA), as `single`'s tokens do (`dep2_moe_path` in the JSON).
 """
 
 from __future__ import annotations
@@ -77,7 +81,9 @@ from decode_gpu import roofline_config, step_roofline  # noqa: E402
 from layer_gpu import BLOCK_SIZE, decode_blocks, filled_sequences, token_ids  # noqa: E402
 
 TARGET_RATIO = 0.80
-A2A_KINDS = ("counts", "dispatch", "meta", "combine")  # ep_moe_experts' four calls per MoE layer, in order
+# ep_moe_experts' all-to-alls per MoE layer, in order: the variable path's four, the static path's three
+A2A_KINDS = ("counts", "dispatch", "meta", "combine")
+A2A_KINDS_STATIC = ("dispatch", "meta", "combine")
 FILLED_NOTE = "decode context filled with random valid cache codes (decode_gpu.fill_step), not prefilled by the model"
 
 
@@ -150,13 +156,15 @@ class Clock:
 
 
 class TimedDist:
-    """Stands in for `torch.distributed` inside deepinfer.distributed.expert_parallel: every all_to_all_single is
-    bracketed by two clock marks and its bytes to the other ranks recorded; everything else is forwarded."""
+    """Stands in for `torch.distributed` inside deepinfer.distributed.expert_parallel and ep_dispatch: every
+    all_to_all_single is bracketed by two clock marks and its bytes to the other ranks recorded (`kinds`: the calls
+    of one MoE layer, in order); everything else is forwarded. Static path: the metadata call also counts, on the
+    device, the rows to the other ranks that are used (read after the step)."""
 
-    def __init__(self, clock: Clock, me: int, world: int):
+    def __init__(self, clock: Clock, me: int, world: int, kinds=A2A_KINDS):
         import torch.distributed as dist
 
-        self._dist, self.clock, self.me, self.world, self.calls = dist, clock, me, world, []
+        self._dist, self.clock, self.me, self.world, self.calls, self.kinds = dist, clock, me, world, [], kinds
 
     def __getattr__(self, name):
         return getattr(self._dist, name)
@@ -171,8 +179,12 @@ class TimedDist:
         work = self._dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                             async_op=async_op)
         b = self.clock.mark()
-        kind = A2A_KINDS[len(self.calls) % len(A2A_KINDS)]
-        self.calls.append(dict(kind=kind, a=a, b=b, peer_rows=peer_rows, peer_bytes=peer_rows * row_bytes))
+        kind = self.kinds[len(self.calls) % len(self.kinds)]
+        call = dict(kind=kind, a=a, b=b, peer_rows=peer_rows, peer_bytes=peer_rows * row_bytes)
+        if kind == "meta" and input_split_sizes is None:  # static: a used row's metadata is >= 0
+            used = (input.view(self.world, -1) >= 0).sum(1)
+            call["used_peer_rows"] = used.sum() - used[self.me]
+        self.calls.append(call)
         return work
 
 
@@ -220,11 +232,13 @@ def decode(model, states, warmup: int, steps: int, gen, clock: Clock, timer: Tim
         rec = dict(step_ms=clock.ms(a, b))
         if timer is not None:
             calls = timer.calls
+            static = timer.kinds == A2A_KINDS_STATIC
+            rows = (sum(int(c["used_peer_rows"]) for c in calls if c["kind"] == "meta") if static else
+                    sum(c["peer_rows"] for c in calls if c["kind"] == "dispatch"))
             rec.update(a2a_calls=len(calls), a2a_ms=sum(clock.ms(c["a"], c["b"]) for c in calls),
-                       a2a_peer_bytes=sum(c["peer_bytes"] for c in calls),
-                       dispatched_rows_to_peer=sum(c["peer_rows"] for c in calls if c["kind"] == "dispatch"),
+                       a2a_peer_bytes=sum(c["peer_bytes"] for c in calls), dispatched_rows_to_peer=rows,
                        a2a_ms_by_kind={k: sum(clock.ms(c["a"], c["b"]) for c in calls if c["kind"] == k)
-                                       for k in A2A_KINDS})
+                                       for k in timer.kinds})
         if s >= warmup:
             out.append(rec)
     return out
@@ -255,7 +269,8 @@ def run_variant(name: str, model, a, rank: int, clock: Clock, timer=None) -> dic
                    a2a_ms_all=[r["a2a_ms"] for r in steps],
                    a2a_peer_bytes_per_step=statistics.median(r["a2a_peer_bytes"] for r in steps),
                    dispatched_rows_to_peer=sum(r["dispatched_rows_to_peer"] for r in steps),
-                   a2a_ms_by_kind={k: statistics.median(r["a2a_ms_by_kind"][k] for r in steps) for k in A2A_KINDS})
+                   a2a_ms_by_kind={k: statistics.median(r["a2a_ms_by_kind"][k] for r in steps)
+                                   for k in timer.kinds})
     del states, pools
     return row
 
@@ -264,6 +279,7 @@ def run_variant(name: str, model, a, rank: int, clock: Clock, timer=None) -> dic
 def rank_main(rank: int, world: int, port: int, a, outdir: str) -> None:
     import torch.distributed as dist
 
+    from deepinfer.distributed import ep_dispatch
     from deepinfer.distributed import expert_parallel as ep_mod
     from deepinfer.distributed import groups
     from deepinfer.distributed.expert_parallel import ExpertParallel
@@ -299,14 +315,20 @@ def rank_main(rank: int, world: int, port: int, a, outdir: str) -> None:
         dist.barrier()
         t0 = time.time()
         placement = ExpertPlacement.initial(full, world, 0)
-        model = build_model(a.model, device, None, ExpertParallel(placement, rank, None))
+        ep = ExpertParallel(placement, rank, None)
+        model = build_model(a.model, device, None, ep)
+        if a.dispatch == "static":  # buffers for this rank's decode steps; the agreement on a gloo group
+            agree = dist.new_group(backend="gloo") if cuda else None
+            ep.plan_static(a.batch, model.config.num_experts_per_tok, model.config.hidden_size, model.dtype,
+                           device, agree)
         result["dep2_build_s"] = time.time() - t0
-        timer = TimedDist(clock, rank, world)
-        saved, ep_mod.dist = ep_mod.dist, timer
+        timer = TimedDist(clock, rank, world, A2A_KINDS_STATIC if a.dispatch == "static" else A2A_KINDS)
+        saved = ep_mod.dist, ep_dispatch.dist
+        ep_mod.dist = ep_dispatch.dist = timer
         try:
             result["rows"].append(run_variant(f"dep{world}", model, a, rank, clock, timer))
         finally:
-            ep_mod.dist = saved
+            ep_mod.dist, ep_dispatch.dist = saved
         del model
         dist.barrier()
     except BaseException:
@@ -328,6 +350,8 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--world", type=int, default=2, help="ranks (the target is for 2)")
+    ap.add_argument("--dispatch", choices=("static", "variable"), default="static",
+                    help="dep2's decode steps: static-capacity buffers (what graphs capture) or the variable path")
     ap.add_argument("--bw-mib", type=int, default=None, help="bandwidth buffer (default 1024 on CUDA, 16 on the CPU)")
     ap.add_argument("--bw-reps", type=int, default=5)
     ap.add_argument("--redundant", type=int, default=None, help="EPLB report's redundant slots (default E // 12, >= 2)")
@@ -398,8 +422,10 @@ def main(argv=None) -> int:
                 failures.append(f"{name}: per-call fallbacks to torch in a TileLang run: {strict}")
         if row["variant"] == ep_name:
             calls = row["a2a_calls_per_step"]
-            if not calls or min(calls) == 0 or any(c % len(A2A_KINDS) for c in calls):
-                failures.append(f"{name}: expert-parallel all-to-all calls per step {calls} (want 4 per MoE layer)")
+            per_layer = len(A2A_KINDS_STATIC if a.dispatch == "static" else A2A_KINDS)
+            if not calls or min(calls) == 0 or any(c % per_layer for c in calls):
+                failures.append(f"{name}: expert-parallel all-to-all calls per step {calls} (want {per_layer} per "
+                                "MoE layer)")
             if row["dispatched_rows_to_peer"] <= 0:
                 failures.append(f"{name}: EP sent no token rows to the other rank in {row['timed_steps']} steps")
     for v in ("single", ep_name):
@@ -442,8 +468,8 @@ def main(argv=None) -> int:
                 n_routed_experts=E, top_k=cfg.num_experts_per_tok, layers=cfg.num_hidden_layers,
                 backend="nccl" if cuda else "gloo", cmd=" ".join(sys.argv), host=platform.node(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), note=FILLED_NOTE,
-                dep2_moe_path="deepinfer.distributed.expert_parallel.ep_moe_experts (torch swiglu_expert per local "
-                              "expert; host reads the row counts each MoE layer), eager",
+                dep2_moe_path=f"deepinfer.distributed.expert_parallel.ep_moe_experts, {a.dispatch} dispatch, the "
+                              "received rows through model.ops.moe_experts (TileLang grouped GEMM on CUDA), eager",
                 single_moe_path="model.ops.moe_experts (TileLang grouped GEMM on CUDA), eager",
                 wall_s=time.time() - t_start)
     out = dict(meta=meta, summary=summary, eplb=eplb, bandwidth=[r.get("bandwidth") for r in ranks], rows=rows,

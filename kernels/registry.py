@@ -13,6 +13,7 @@ op the summary attributes to a kernel backend runs on torch unnoticed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -109,6 +110,32 @@ def batch_invariant() -> bool:
     """Whether kernel launchers must give each row a result independent of the batch it runs in (fixed split
     counts, tile shapes and reduction orders instead of ones chosen by batch size); set by OpSet.build."""
     return _MODE["batch_invariant"]
+
+
+_NO_HOST_READS = threading.local()
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Inside: kernel launchers take only paths that read nothing back to the host, the ones a CUDA graph capture
+    takes (e.g. moe_experts never its grouped prefill path, which sizes its GEMMs from counts read on the host). For
+    callers that must not sync even when not capturing: expert parallelism's static path over its mostly empty
+    receive buffers, and a graph's warm-up, which must compile the kernels its capture will launch."""
+    depth = getattr(_NO_HOST_READS, "depth", 0)
+    _NO_HOST_READS.depth = depth + 1
+    try:
+        yield
+    finally:
+        _NO_HOST_READS.depth = depth
+
+
+def host_reads_allowed() -> bool:
+    """False inside no_host_reads() (this thread) and while the current CUDA stream is capturing a graph."""
+    if getattr(_NO_HOST_READS, "depth", 0):
+        return False
+    import torch
+
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 _FALLBACKS: Counter[tuple[str, str]] = Counter()

@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepinfer.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from deepinfer.engine.cuda_graphs import graph_batch_sizes
 from deepinfer.kernels.torch.cache_formats import Fp4Codec, Fp8Codec
 from deepinfer.kernels.torch.quant import fake_quant_fp4, fake_quant_fp8
 from deepinfer.models import ForwardBatch, load_model
-from deepinfer.models.cache import CacheLayout, derive
+from deepinfer.models.cache import CacheLayout
 from deepinfer.models.synthetic import config as synthetic_config
+from emulated_graphs import EmulatedDecodeGraphs
 from model_fixtures import FIXTURES
 
 
@@ -100,21 +101,9 @@ def test_graph_batch_buckets_follow_deepinfers_spacing():
     assert graph_batch_sizes(1, 8) == [1]
 
 
-class ReplayedByRerun(DecodeGraphs):
-    """DecodeGraphs with the captured graph replaced by re-running what was captured (no CUDA here): what is
-    checked is everything around the graph — static buffers, padding rows, the spare slot and block."""
-
-    def _capture(self, key):
-        self._pad(0, key[0], key[2])
-        host = self._host(*key)
-        self.model.run(derive(host, self.pools), self.pools)  # the warm-up run writes only padding rows
-        out = self.model.run(derive(host, self.pools), self.pools).clone()
-
-        class Graph:
-            def replay(inner):
-                out.copy_(self.model.run(derive(host, self.pools), self.pools))
-
-        return Graph(), out
+# DecodeGraphs with the captured graph replaced by re-running what was recorded (no CUDA here): what is checked is
+# everything around the graph (static buffers, padding rows, the spare slot and block)
+ReplayedByRerun = EmulatedDecodeGraphs
 
 
 def prefilled_twins(model, rng, pools: dict, batch: int, max_prompt: int, blocks_per_seq: int) -> dict:

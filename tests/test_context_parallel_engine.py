@@ -122,3 +122,37 @@ def test_cp4_without_expert_parallel_returns_the_tokens_of_single(plan_log):
         got = [o.token_ids for o in generate_requests(llm, requests)]
     assert got == single
     _check_split(plan_log, 4, requests)
+
+
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
+@pytest.mark.timeout(300)
+def test_cp2_times_dp2_returns_the_tokens_of_single(plan_log):
+    """Two data-parallel replicas of two context-parallel ranks each (4 ranks; the experts sharded over each
+    replica's 2 ranks): each replica's prefills are split over its own ranks."""
+    requests = workload(12, 17)
+    single = _single(requests)
+    with LLM("tiny_random", parallel="cp2", seed=SEED, engine=ENGINE, runtime={"num_threads": 1},
+             overrides=["parallel.data_parallel_size=2"]) as llm:
+        p = llm.settings.parallel
+        assert (p.world_size, p.context_parallel_size, p.data_parallel_size) == (4, 2, 2)
+        got = [o.token_ids for o in generate_requests(llm, requests)]
+    assert got == single
+    logs = list(plan_log.glob("*.txt"))
+    assert len(logs) == 4  # every rank of both replicas split prefill steps
+    for f in logs:
+        plans = [tuple(map(int, line.split())) for line in f.read_text().splitlines()]
+        assert all(size == 2 and own < total for _, size, total, own in plans)
+
+
+@pytest.mark.slow  # multi-process: the fast tier keeps one dep2 and one cp2 engine run
+@pytest.mark.timeout(300)
+def test_cp2_with_eplb_replacing_experts_returns_the_tokens_of_single(capfd):
+    requests = workload(12, 19)
+    single = _single(requests)
+    eplb = ["parallel.eplb.redundant_experts=2", "parallel.eplb.interval=4", "parallel.eplb.window=2"]
+    with LLM("tiny_random", parallel="cp2", seed=SEED, engine=ENGINE, runtime={"num_threads": 1},
+             overrides=eplb) as llm:
+        got = [o.token_ids for o in generate_requests(llm, requests)]
+    assert got == single
+    lines = [line for line in capfd.readouterr().err.splitlines() if "[EPLB] step" in line]
+    assert len(lines) >= 2, lines  # the experts were re-placed during the run

@@ -2,7 +2,7 @@
 with gloo: 2 and 4 processes spawned with torch.multiprocessing, each owning some tokens (one rank none) and its
 experts' weights, with experts no token picks and with redundant (replicated, shuffled) physical experts; both the
 variable-size dispatch and the static-capacity one (deepinfer/distributed/ep_dispatch.py), where every rank's rows
-may all go to one peer (the worst case the buffers are sized for)."""
+may all go to one peer (the worst case the buffers are sized for); and the engine's per-step agreement (agree_step)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from deepinfer.kernels.packed_experts import pack_quantized
 from deepinfer.kernels.torch.moe import moe_experts
 from deepinfer.distributed import groups
 from deepinfer.distributed.eplb import rebalance
-from deepinfer.distributed.ep_dispatch import StaticBuffers, agree_static, capacity_rows, send_rows
+from deepinfer.distributed.ep_dispatch import (UNUSED_META, StaticBuffers, StepPath, agree_static, agree_step,
+                                              capacity_rows, send_rows)
 from deepinfer.distributed.expert_parallel import _pack, _unpack, choose_copies, ep_moe_experts, local_experts
 from deepinfer.distributed.placement import ExpertPlacement
 from deepinfer.models.random_weights import _fp4_rows
@@ -78,10 +79,20 @@ def run_case(rank: int, world: int, split: list[int], placement: ExpertPlacement
     assert torch.equal(per_logical, torch.bincount(idx.reshape(-1), minlength=N_EXP))
 
 
+def check_agree_step(rank: int, world: int) -> None:
+    """The engine's per-step agreement: static while every rank's tokens fit (the largest decides), and a capture on
+    any rank is every rank's to pair; a step that is not static captures nothing."""
+    buffers = StaticBuffers.allocate(4, TOP_K, 2, world, D, torch.float32, "cpu")
+    assert agree_step(buffers, 1 + rank, rank == 0, None) == StepPath(True, 1)
+    assert agree_step(buffers, 3, False, None) == StepPath(True, 0)
+    assert agree_step(buffers, 5 if rank == world - 1 else 1, True, None) == StepPath(False, 0)
+
+
 def _worker(rank: int, world: int, init: str, cases: list) -> None:
     torch.set_num_threads(1)
     groups.init_group(rank, world, init, "cpu", timeout_s=60)
     try:
+        check_agree_step(rank, world)
         for case in cases:
             run_case(rank, world, *case)
     finally:
@@ -171,6 +182,8 @@ def test_meta_packing_round_trips_exactly():
     w = torch.tensor([0.1, -2.5, 1e-30, float("inf")])
     s, v = _unpack(_pack(slot, w))
     assert torch.equal(s, slot) and torch.equal(v.view(torch.int32), w.view(torch.int32))
+    s, v = _unpack(torch.tensor([UNUSED_META]))  # an unused row of the static buffers: no expert, weight 0
+    assert s.tolist() == [-1] and v.view(torch.int32).tolist() == [0]
 
 
 def test_copies_spread_over_replicas_and_cover_only_owned_slots():

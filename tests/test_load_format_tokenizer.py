@@ -90,7 +90,7 @@ def test_load_model_dummy_reads_no_weight_file_and_says_the_weights_are_random(b
     assert "safetensors" in _one_line(info).lower()
     with pytest.raises(CheckpointError) as info:
         load_model(bare, load_format="random")
-    assert _one_line(info) == "model.load_format='random' is not supported; allowed: auto, dummy"
+    assert _one_line(info) == "model.load_format='random' is not supported; allowed: auto, dummy, dummy_shared"
 
 
 def test_a_hub_id_with_dummy_downloads_only_config_and_tokenizer(monkeypatch, bare):
@@ -133,7 +133,7 @@ def test_the_config_key_is_checked_and_the_cli_takes_it(bare, tmp_path):
         "model.load_format='dummy'", "model.tokenizer='t.json'"]  # deepinfer.LLM's shortcuts
     with pytest.raises(ConfigError) as info:
         load_settings(["model.load_format=random"])
-    assert _one_line(info) == "model.load_format='random' is not allowed; allowed: auto, dummy"
+    assert _one_line(info) == "model.load_format='random' is not allowed; allowed: auto, dummy, dummy_shared"
     with pytest.raises(ConfigError) as info:
         from deepinfer.entrypoints.llm import LLM
 

@@ -80,17 +80,16 @@ def test_deepinfer_variables_are_read_by_the_layouts_and_named_when_single_ignor
 
 
 @pytest.mark.parametrize("overrides, message", [
-    # context parallel runs as one replica with EP 1 or EP = CP, plain decoding, no YOCO (layout.context_parallel_refusal)
-    (["parallel=cp2", "parallel.data_parallel_size=2"],
-     "parallel.data_parallel_size=2 with parallel.context_parallel_size=2: the engine runs one context-parallel "
-     "replica only; allowed: data_parallel_size 1 (or 0)"),
+    # context parallel runs with EP 1 or EP = CP (within each replica), plain decoding, no YOCO
+    # (layout.context_parallel_refusal)
+    (["parallel=cp2", "parallel.data_parallel_size=2", "parallel.expert_parallel_size=4"],
+     "parallel.expert_parallel_size=4 with parallel.context_parallel_size=2: the experts are either on every rank or "
+     "sharded over the context-parallel ranks; allowed: 1 or 2"),
     (["parallel=cp4", "parallel.expert_parallel_size=2"],
      "parallel.expert_parallel_size=2 with parallel.context_parallel_size=4: the experts are either on every rank or "
      "sharded over the context-parallel ranks; allowed: 1 or 4"),
     (["parallel=cp2", "decoding=dspark"], "decoding=dspark with parallel.context_parallel_size=2"),
     (["parallel=cp2", "yoco=mask"], "yoco.mode='mask' with parallel.context_parallel_size=2"),
-    (["parallel=cp2", "parallel.eplb.interval=4", "parallel.eplb.window=4"],
-     "parallel.eplb.interval=4 (DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL) with parallel.context_parallel_size=2"),
     (["parallel=dep4", "parallel.expert_parallel_size=3"],
      "parallel.expert_parallel_size=3 does not divide context_parallel_size x data_parallel_size = 1 x 4 = 4 ranks"),
     (["parallel.eplb.redundant_experts=2"], "parallel.eplb.redundant_experts=2 with parallel.expert_parallel_size=1"),
@@ -104,6 +103,13 @@ def test_deepinfer_variables_are_read_by_the_layouts_and_named_when_single_ignor
 ])
 def test_layouts_that_cannot_run_are_one_line_errors(overrides, message):
     assert one_line_error(overrides).startswith(message)
+
+
+def test_context_parallel_runs_with_data_parallel_replicas_and_with_eplb():
+    p = load_settings(["parallel=cp2", "parallel.data_parallel_size=2"]).parallel
+    assert (p.world_size, p.context_parallel_size, p.data_parallel_size, p.expert_parallel_size) == (4, 2, 2, 2)
+    p = load_settings(["parallel=cp2", "parallel.eplb.interval=4", "parallel.eplb.window=4"]).parallel
+    assert p.eplb.interval == 4
 
 
 def test_data_parallel_size_zero_is_expert_over_context_parallel_size():

@@ -33,6 +33,7 @@ def test_stored_bytes_by_hand(flash):
     assert groups["experts"] == 40 * 384 * 3 * fp4
     assert groups["dspark_experts"] == 3 * 128 * 3 * fp4
     assert groups["engram_tables"] == (384006168 + 384016682) * (256 + 8)
+    assert groups["engram_device"] == (384006168 + 384016682) * 256 * 2  # loaded onto a GPU: bf16
     wq_b = pm.kinds.Spec((32768, 1280), pm.kinds.LINEAR)
     assert pm.stored_bytes("layers.0.attn.wq_b.weight", wq_b) == 32768 * 1280 + 1024 * 40
     assert pm.stored_bytes("layers.0.hc_attn_fn", pm.kinds.Spec((24, 20480))) == 24 * 20480 * 4  # F32
@@ -56,3 +57,15 @@ def test_sequences_fit(flash):
     per_seq = layout.slot_bytes() + 32768 // 64 * layout.block_bytes()
     assert pm.sequences(10 * per_seq, layout, 32768) == 10
     assert pm.sequences(10 * per_seq - 1, layout, 32768) == 9
+
+
+def test_ep_buffers_are_the_engines_static_buffers(flash):
+    """The column is what StaticBuffers.allocate takes: 3 row buffers + 2 metadata of world x capacity rows."""
+    from deepinfer.distributed.ep_dispatch import StaticBuffers
+
+    cfg, groups = flash
+    assert pm.ep_buffer_bytes(cfg, 1, 384, 256, 5) == 0
+    small = pm.ModelConfig.from_dict({**pm.FLASH_CONFIG, "text_config": {**pm.FLASH_CONFIG["text_config"],
+                                                                        "hidden_size": 64}})
+    b = StaticBuffers.allocate(4 * 6, 6, 48, 8, 64, pm.torch.bfloat16, "cpu")  # 4 sequences x (1 + 5) tokens
+    assert abs(pm.ep_buffer_bytes(small, 8, 48, 4, 5) - b.nbytes) <= 2 * 64 * 2 + 8  # the scatter's spare row

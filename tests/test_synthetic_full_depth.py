@@ -44,3 +44,25 @@ def test_shared_layers_hold_one_copy_of_weights_and_their_own_caches():
     pools = model.allocate_cache(num_slots=2, num_blocks=4)
     rings = {pools.window[i][0].data_ptr() for i in range(40)}
     assert len(rings) == 40  # every layer its own window ring
+
+
+def test_the_synthetic_checkpoint_directory_loads_with_shared_dummy_weights(tmp_path):
+    """tools/synthetic_checkpoint.py: config.json + tokenizer.json for the engine (model.path=...); with
+    model.load_format=dummy_shared the layers of one kind share their tensors as build_model's do."""
+    import sys
+    from pathlib import Path
+
+    from deepinfer.models import load_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import synthetic_checkpoint
+
+    card = load_model(synthetic_checkpoint.write(tmp_path / "flash40", 40, True), weights=False,
+                      load_format="dummy_shared")
+    want = synthetic.config(synthetic.DSPARK_FLASH, full_depth=True)
+    assert card.config.raw == want.raw and card.config.quantization.expert_dtype == "fp4"  # + the release's format
+    narrow = synthetic_checkpoint.write(tmp_path / "narrow", 40, False, NARROW)
+    model = load_model(narrow, load_format="dummy_shared", packed_experts=True, draft_layers=False)
+    assert model.layers[8].ffn.experts is model.layers[2].ffn.experts
+    plain = load_model(narrow, load_format="dummy", packed_experts=True, draft_layers=False)
+    assert plain.layers[8].ffn.experts is not plain.layers[2].ffn.experts  # dummy draws every layer

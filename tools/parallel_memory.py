@@ -1,7 +1,8 @@
-"""Per-rank memory of the full-size DeepSeek-V4.1-Flash under the parallel layouts (issue 13 item 7, on paper).
+"""Per-rank memory of the full-size DeepSeek-V4.1-Flash under the parallel layouts, as this engine holds it (issue 13
+item 7; issue 28: what actually runs).
 
     python tools/parallel_memory.py                       # markdown tables (docs/parallel.md)
-    python tools/parallel_memory.py --redundant 0 --gpu-gb 141 --reserve-gb 10
+    python tools/parallel_memory.py --redundant 0 --gpu-gb 141 --reserve-gb 10 --max-seqs 256 --drafts 5
 
 Weights: every tensor `deepinfer.models.loading.expected_tensors` lists for the released config (MODEL_V41_SPEC.md
 §1.2; 40 backbone layers + 3 DSpark draft layers), in its stored format (§8.2): routed experts FP4 e2m1 + ue8m0
@@ -11,12 +12,17 @@ Layouts (DEP, FEATURES.md "Parallelism"): attention data parallel, so every rank
 weight and the caches of its own sequences; expert parallel over the same ranks, so each rank holds
 (routed + redundant) / ranks physical experts per MoE layer. DSpark's draft layers hold all of their routed experts
 on every rank, as this engine runs them (their MoE is rank-local, so drafting has no collective; DeepInfer shards
-them like the backbone's). Engram tables (~203 GB) fit no GPU whole: shown sharded by rows over the ranks on the
-GPUs (DeepInfer's engram parallel group, world-sized by default; not built here) and in host memory
-(`model.engram_storage=host` here, deepinfer/models/engram_host.py; DeepInfer's default on NVIDIA). Caches: deepinfer/models/cache/pools.py CacheLayout (bf16 model,
-64-token blocks, DSpark rings, rollback 6 = 5 drafts + 1), a sequence costing its slot plus whole blocks.
-What is left after weights and a fixed reserve (activations, CUDA graphs, communication buffers: an assumption,
---reserve-gb) goes to caches. GB = 1e9 bytes.
+them like the backbone's). Engram tables (~203 GB as stored), the two ways this engine holds them:
+`model.engram_storage=device` (the default): every rank loads the whole tables onto its GPU, dequantised to the
+model's bf16 (2 B a value, twice their stored size; DeepInfer's row shard over an engram-parallel group is not
+built here), which no layout fits; `model.engram_storage=host` (deepinfer/models/engram_host.py; DeepInfer's
+default on NVIDIA): FP8 as stored, pinned in host RAM, one copy per rank (shown: host RAM per rank), nothing on the
+GPU. Expert-parallel static dispatch buffers (deepinfer/distributed/ep_dispatch.py StaticBuffers) for --max-seqs
+sequences of 1 + --drafts tokens a rank (the engine's ep_max_tokens): 3 row buffers of world x capacity rows
+(capacity = tokens x min(top-k, experts per rank)) plus their metadata. Caches: deepinfer/models/cache/pools.py
+CacheLayout (bf16 model, 64-token blocks, DSpark rings, rollback 6 = 5 drafts + 1), a sequence costing its slot
+plus whole blocks. What is left after weights, buffers and a fixed reserve (activations, CUDA graphs, NCCL: an
+assumption, --reserve-gb) goes to caches. GB = 1e9 bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from deepinfer.models.cache.pools import CacheLayout  # noqa: E402
 from deepinfer.models.config import ModelConfig  # noqa: E402
 from deepinfer.models.loading import tensors as kinds  # noqa: E402
 from deepinfer.models.loading.names import keeps_float32  # noqa: E402
+from deepinfer.distributed.ep_dispatch import capacity_rows  # noqa: E402
 from deepinfer.distributed.placement import resolve_num_extra_experts  # noqa: E402
 
 # The released text config (MODEL_V41_SPEC.md §1.1-1.2); the fields not given take the released defaults.
@@ -83,9 +90,9 @@ def stored_bytes(name: str, spec: kinds.Spec) -> int:
 
 
 def weight_groups(cfg: ModelConfig) -> dict[str, int]:
-    """Bytes by placement group: routed experts of the backbone / of DSpark (split by EP), Engram tables, the rest
-    (replicated on every rank)."""
-    out = {"experts": 0, "dspark_experts": 0, "engram_tables": 0, "replicated": 0}
+    """Bytes by placement group: routed experts of the backbone / of DSpark (split by EP), Engram tables (as stored,
+    and as this engine loads them onto a device: bf16), the rest (replicated on every rank)."""
+    out = {"experts": 0, "dspark_experts": 0, "engram_tables": 0, "engram_device": 0, "replicated": 0}
     for name, spec in kinds.expected_tensors(cfg, draft_layers=True).items():
         if spec.optional:
             continue
@@ -94,9 +101,18 @@ def weight_groups(cfg: ModelConfig) -> dict[str, int]:
             out["dspark_experts" if name.startswith("mtp.") else "experts"] += b
         elif name.endswith("engram.embed.weight"):
             out["engram_tables"] += b
+            out["engram_device"] += math.prod(spec.shape) * 2  # dequantised to bf16 (loading/materialize.py)
         else:
             out["replicated"] += b
     return out
+
+
+def ep_buffer_bytes(cfg: ModelConfig, ranks: int, slots: int, max_seqs: int, drafts: int) -> int:
+    """The static-capacity dispatch buffers of one rank (ep_dispatch.StaticBuffers.allocate), 0 without EP."""
+    if ranks == 1:
+        return 0
+    n = ranks * capacity_rows(max_seqs * (1 + drafts), cfg.num_experts_per_tok, slots)
+    return 3 * n * cfg.hidden_size * 2 + 2 * n * 8
 
 
 def per_rank(cfg: ModelConfig, groups: dict[str, int], ranks: int, min_redundant: int) -> dict[str, float]:
@@ -106,7 +122,8 @@ def per_rank(cfg: ModelConfig, groups: dict[str, int], ranks: int, min_redundant
     experts = groups["experts"] * slots / cfg.n_routed_experts
     experts += groups["dspark_experts"] * d_slots / cfg.dspark_n_routed_experts
     return {"extra": extra, "d_extra": d_extra, "slots": slots, "d_slots": d_slots, "experts": experts,
-            "replicated": groups["replicated"], "engram_shard": groups["engram_tables"] / ranks}
+            "replicated": groups["replicated"], "engram_device": groups["engram_device"],
+            "engram_host": groups["engram_tables"]}
 
 
 def sequences(free: float, layout: CacheLayout, context: int) -> int:
@@ -126,13 +143,15 @@ def main(argv=None) -> None:
     ap.add_argument("--redundant", type=int, nargs="+", default=[0, 32],
                     help="EPLB redundant experts per MoE layer, one row each (DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS; "
                          "rounded up so physical experts divide over the ranks); none for single")
+    ap.add_argument("--max-seqs", type=int, default=256, help="engine.max_num_seqs (sizes the EP buffers)")
+    ap.add_argument("--drafts", type=int, default=5, help="DSpark drafts a step (0: plain decoding)")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_dict(FLASH_CONFIG)
     groups = weight_groups(cfg)
     layout = CacheLayout(cfg, torch.bfloat16, block_size=64, max_rollback=ROLLBACK,
                          draft_layers=cfg.num_nextn_predict_layers)
     gb = 1e9
-    total = sum(groups.values())
+    total = sum(v for k, v in groups.items() if k != "engram_device")  # the tables once, as stored
     one_expert = groups["experts"] / cfg.n_routed_experts / cfg.num_hidden_layers
     say(f"V4.1-Flash as stored: {total / gb:.1f} GB = routed experts {groups['experts'] / gb:.1f} + DSpark routed "
         f"experts {groups['dspark_experts'] / gb:.1f} + Engram tables {groups['engram_tables'] / gb:.1f} + the rest "
@@ -141,23 +160,28 @@ def main(argv=None) -> None:
     print()
     say(f"Caches ({layout.describe()}): per sequence {layout.slot_bytes() / 1e6:.2f} MB + "
         f"{layout.bytes_per_token():.0f} B/token; {args.gpu_gb:g} GB per GPU, {args.reserve_gb:g} GB reserved; "
-        "sequence counts before any max_num_seqs cap.")
+        "sequence counts before any max_num_seqs cap. Engram tables as this engine loads them onto a GPU (bf16): "
+        f"{groups['engram_device'] / gb:.1f} GB; in host RAM (FP8 as stored): {groups['engram_tables'] / gb:.1f} GB "
+        f"per rank. EP buffers for {args.max_seqs} sequences x {1 + args.drafts} tokens a rank.")
     print()
     print("| layout | redundant experts (backbone + DSpark) | routed experts per rank and layer (backbone / DSpark) "
-          "| routed experts | replicated | Engram tables, sharded | weights on GPU | free for caches | seqs 32K "
-          "| seqs 128K | with Engram in host RAM: weights | free | seqs 32K | seqs 128K |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| routed experts | replicated | EP buffers | Engram on GPU (storage=device) | on GPU | free for caches "
+          "| seqs 32K | seqs 128K | Engram in host RAM (storage=host): on GPU | free | seqs 32K | seqs 128K "
+          "| pinned host RAM per rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [(name, ranks, red) for name, ranks in LAYOUTS.items() for red in (args.redundant if ranks > 1 else [0])]
     for name, ranks, red in rows:
         r = per_rank(cfg, groups, ranks, red)
+        buffers = ep_buffer_bytes(cfg, ranks, r["slots"], args.max_seqs, args.drafts)
         row = [name, f"{r['extra']} + {r['d_extra']}", f"{r['slots']} / {r['d_slots']}", f"{r['experts'] / gb:.1f}",
-               f"{r['replicated'] / gb:.1f}", f"{r['engram_shard'] / gb:.1f}"]
-        for engram in (r["engram_shard"], 0.0):
-            weights = r["experts"] + r["replicated"] + engram
+               f"{r['replicated'] / gb:.1f}", f"{buffers / gb:.2f}", f"{r['engram_device'] / gb:.1f}"]
+        for engram in (r["engram_device"], 0.0):
+            weights = r["experts"] + r["replicated"] + buffers + engram
             free = args.gpu_gb * gb - args.reserve_gb * gb - weights
             fits = [f"{sequences(free, layout, c)}" if free > 0 else "—" for c in CONTEXTS]
             row += [f"{weights / gb:.1f}", f"{free / gb:.1f}" if free > 0 else f"**{free / gb:.1f}** (does not fit)",
                     *fits]
+        row.append(f"{r['engram_host'] / gb:.1f}")
         print("| " + " | ".join(row) + " |")
 
 

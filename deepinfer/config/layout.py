@@ -29,15 +29,14 @@ def context_parallel_refusal(cp: int, dp: int, ep: int, decoding: str = "plain",
     """THE HOOK for balanced context parallelism in the engine: None where the engine runs context_parallel_size
     `cp` > 1 with the rest of the layout, else the one-line reason it refuses it (never run as something else).
 
-    What runs (deepinfer/engine/lockstep.py): the world is ONE data-parallel replica of cp ranks; every rank gets
-    the same requests in the same turn and runs an identical engine core (same deterministic scheduler, same cache
-    geometry, seeded sampling on identical logits), prefill steps through model.forward(batch, cp=...), decode
-    steps on every rank; the experts either whole on every rank (EP 1) or sharded over the same cp ranks (EP = cp).
-    Not built: several replicas (data_parallel_size > 1 with cp > 1), other EP groupings, DSpark drafting and YOCO
-    replay (the model's context-parallel forward runs neither), EPLB re-placement (not tested with it)."""
-    if dp != 1:
-        return (f"parallel.data_parallel_size={dp} with parallel.context_parallel_size={cp}: the engine runs one "
-                f"context-parallel replica only; allowed: data_parallel_size 1 (or 0) with context parallel")
+    What runs (deepinfer/engine/lockstep.py): the world is `dp` data-parallel replicas of cp consecutive ranks;
+    every rank of a replica gets the replica's requests in the same turn and runs an identical engine core (same
+    deterministic scheduler, same cache geometry, seeded sampling on identical logits), prefill steps through
+    model.forward(batch, cp=...), decode steps on every rank; the experts either whole on every rank (EP 1) or
+    sharded over each replica's cp ranks (EP = cp); EPLB re-places them within those groups.
+    Refused: other EP groupings (EP over several replicas would make one replica's steps wait for another's with
+    different step plans; not built), DSpark drafting and YOCO replay (the model's context-parallel forward runs
+    neither)."""
     if ep not in (1, cp):
         return (f"parallel.expert_parallel_size={ep} with parallel.context_parallel_size={cp}: the experts are "
                 f"either on every rank or sharded over the context-parallel ranks; allowed: 1 or {cp}")
@@ -47,9 +46,5 @@ def context_parallel_refusal(cp: int, dp: int, ep: int, decoding: str = "plain",
     if yoco != "off":
         return (f"yoco.mode={yoco!r} with parallel.context_parallel_size={cp}: the context-parallel prefill does not "
                 "run YOCO replay; allowed: yoco=off")
-    if eplb_interval:
-        return (f"parallel.eplb.interval={eplb_interval} (DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL) with "
-                f"parallel.context_parallel_size={cp}: EPLB re-placement is not run with context parallel yet; "
-                "allowed: 0")
     return None
 

@@ -84,7 +84,7 @@ DEVICES = ("cpu", "cuda", "npu", "auto")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 STAGES = ("tokenize", "prefill", "replay", "decode", "sample")
 YOCO_MODES = ("off", "mask", "compact")
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "dummy", "dummy_shared")
 ENGRAM_STORAGE = ("device", "host")
 
 
@@ -195,12 +195,15 @@ class ModelSettings:
     # auto: the checkpoint's safetensors weights. dummy: random weights in the released storage formats for the
     # checkpoint's own config.json, drawn with runtime.seed (0 when null); no weight file is read, so a directory
     # (or hub id) with only config.json + tokenizer.json works (DeepInfer's load_format="dummy", for benchmarking).
+    # dummy_shared (ours): the same, with the backbone layers of one kind sharing their tensors (the synthetic
+    # full-depth models' memory: a 40-layer Flash-width model whose draw fits one GPU; every layer its own caches).
     load_format: str = setting("auto", allowed=LOAD_FORMATS)
     # null: the checkpoint's tokenizer.json. Otherwise a tokenizer.json file, or a directory holding one, used for
     # prompts, stop strings and the Engram hash tables; its vocabulary must fit the model's config.json.
     tokenizer: Optional[str] = None
-    # where the Engram n-gram tables live: device, or host (RAM, pinned on CUDA; each step copies the rows it picks
-    # to the device, deepinfer/models/engram_host.py): ~203 GB at V4.1-Flash size, which dep4 cannot hold on GPUs
+    # where the Engram n-gram tables live: device, or host (RAM, pinned on CUDA and mapped into the GPU's address
+    # space; each step's gather reads the rows it picks from there, deepinfer/models/engram_host.py): ~203 GB at
+    # V4.1-Flash size, which no layout holds on its GPUs (DEEPINFER_ENGRAM_FORCE_GPU_STORAGE, conf/model/*.yaml)
     engram_storage: str = setting("device", allowed=ENGRAM_STORAGE)
 
 

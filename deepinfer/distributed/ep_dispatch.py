@@ -1,25 +1,26 @@
 """Static-capacity dispatch and combine for expert parallelism (DeepEP's low-latency mode, in torch collectives):
 fixed-size per-peer send and receive buffers, allocated once, and all-to-alls of fixed sizes, so that nothing in
-an expert-parallel MoE layer reads a count back to the host and a decode step could be captured as a CUDA graph.
+an expert-parallel MoE layer reads a count back to the host and a decode step is captured as a CUDA graph.
 
 Sizing. A rank brings at most `max_tokens` tokens to a static step (the engine: max_num_seqs x the tokens a
 sequence decodes per step, 1 + the DSpark draft length). A token sends at most min(top_k, slots per rank) of its
 (token, expert) rows to one peer: its experts are distinct, and so are their physical slots. So `capacity`, the rows
 per peer, is max_tokens x min(top_k, per_rank): the worst case, not an average with headroom. An overflow then
 cannot happen inside a static step: it is a step with more tokens than `max_tokens` on some rank, which every rank
-knows before the layer runs (`agree_static`: one host all-reduce MAX of the step's token count per forward, on a
-CPU group, no device sync), and such a step runs the variable-size path (deepinfer.distributed.expert_parallel:
-the row counts exchanged first). Nothing is dropped.
-Memory per rank: 4 buffers x world x capacity rows x hidden (send and receive rows, their outputs back) plus 16
-bytes of metadata per row; V4.1-Flash at dep8 with max_num_seqs 256 (hidden 4096, top-6, bf16): 4 x 12288 rows x
-8 KB = 403 MB.
+knows before the layer runs, and such a step runs the variable-size path (deepinfer.distributed.expert_parallel:
+the row counts exchanged first). Nothing is dropped, and no second pass is needed (a graph replay could not make
+one). The knowing: the engine agrees once per step, outside any graph (`agree_step`: one host all-reduce MAX of
+[tokens, "I capture"] on a CPU group, no device sync); other callers agree per forward (`agree_static`).
+Memory per rank: 3 row buffers x world x capacity rows x hidden (send and receive rows, their outputs back) plus 16
+bytes of metadata per row; V4.1-Flash at dep8 with max_num_seqs 256 (hidden 5120, top-6, bf16): 3 x 12288 rows x
+10 KB = 377 MB; with 5 DSpark drafts 6x that (tools/parallel_memory.py's column).
 
 Layout. Peer p's rows occupy [p x capacity, (p + 1) x capacity) of every buffer; a rank's rows to one peer are in
 (token, choice) order at the front of its segment. Each row's metadata (int64: local slot in the high 32 bits, the
-routing weight's fp32 bits in the low 32; -1 for an unused row) travels beside it, so the counts are carried on the
-device, implicitly. The receiver runs the registered `moe_experts` op over the whole receive buffer with one
-expert per row (the local slot, -1 for an unused row: the op skips it) and the outputs go back in the same
-positions; the sender reads its rows' outputs at the positions it wrote them.
+routing weight's fp32 bits in the low 32; UNUSED_META for an unused row: slot -1, weight 0) travels beside it, so
+the counts are carried on the device, implicitly. The receiver runs the registered `moe_experts` op over the whole
+receive buffer with one expert per row (the local slot, -1 for an unused row: the op skips it) and the outputs go
+back in the same positions; the sender reads its rows' outputs at the positions it wrote them.
 
 Collective: `torch.distributed.all_to_all_single` with equal splits (NCCL: grouped send/recv, no host sizes;
 gloo: alltoall). Symmetric-memory puts (torch.distributed._symmetric_memory) would save the copy into the send
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+UNUSED_META = -(1 << 32)  # an unused row's metadata: slot -1 (high word), weight +0.0 (low word)
 
 
 def capacity_rows(max_tokens: int, top_k: int, per_rank: int) -> int:
@@ -61,8 +64,8 @@ class StaticBuffers:
         n = world * cap
         rows = dict(dtype=dtype, device=device)
         return cls(max_tokens, cap, world, torch.zeros(n + 1, hidden, **rows), torch.zeros(n, hidden, **rows),
-                   torch.full((n + 1,), -1, dtype=torch.int64, device=device),
-                   torch.full((n,), -1, dtype=torch.int64, device=device), torch.zeros(n, hidden, **rows))
+                   torch.full((n + 1,), UNUSED_META, dtype=torch.int64, device=device),
+                   torch.full((n,), UNUSED_META, dtype=torch.int64, device=device), torch.zeros(n, hidden, **rows))
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +87,28 @@ def agree_static(buffers: StaticBuffers | None, tokens: int, group: dist.Process
     return buffers.fits(int(most.item()))
 
 
+@dataclass(frozen=True)
+class StepPath:
+    """What the expert-parallel ranks agreed for one engine step (`agree_step`): whether every forward of the step
+    takes the static path, and how many CUDA-graph captures some rank brings to it (0 or 1: the ranks without one
+    run that many extra static forwards first, to join the capturing ranks' warm-up collectives)."""
+
+    static: bool
+    captures: int
+
+
+def agree_step(buffers: StaticBuffers, tokens: int, capture: bool, group: dist.ProcessGroup | None) -> StepPath:
+    """The engine's per-step agreement (deepinfer.engine.model_runner, before any forward of the step, outside
+    any graph): one host all-reduce (MAX) of [tokens, capture] over the CPU group of the expert-parallel ranks.
+    `tokens`: the rows this rank's forward runs (a replayed graph's padded bucket); `capture`: this rank will
+    capture a decode graph in this step. A step that is not static captures nothing (a capture's forwards are
+    static ones)."""
+    most = torch.tensor([tokens, int(capture)], dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    static = buffers.fits(int(most[0]))
+    return StepPath(static, int(most[1]) if static else 0)
+
+
 def send_rows(dest: torch.Tensor, world: int, capacity: int) -> torch.Tensor:
     """[n] destination rank of each (token, choice) row, in that order -> its row in the send buffer: the peer's
     segment start plus the row's place among the rows to that peer (fixed shapes: a one-hot running count)."""
@@ -92,13 +117,14 @@ def send_rows(dest: torch.Tensor, world: int, capacity: int) -> torch.Tensor:
     return dest * capacity + place
 
 
-def dispatch_static(buffers: StaticBuffers, x: torch.Tensor, token: torch.Tensor, meta: torch.Tensor,
+def dispatch_static(buffers: StaticBuffers, x: torch.Tensor, k: int, meta: torch.Tensor,
                     row: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x[token] with their metadata into the send buffer at `row`, the rest marked unused, then the fixed
-    all-to-alls. Returns (received rows [world * capacity, D], their metadata, -1 for an unused row)."""
+    """Each token's row x[t] (k times: once per choice) with the choices' metadata into the send buffer at `row`
+    ([T * k], (token, choice) order), the rest marked unused, then the fixed all-to-alls. Returns (received rows
+    [world * capacity, D], their metadata, UNUSED_META for an unused row)."""
     b = buffers
-    b.send_meta.fill_(-1)
-    b.send_x.index_copy_(0, row, x[token])
+    b.send_meta.fill_(UNUSED_META)
+    b.send_x.index_put_((row.view(-1, k),), x[:, None, :].expand(-1, k, -1))  # one kernel, no [T * k, D] copy
     b.send_meta.index_copy_(0, row, meta)
     n = b.world * b.capacity
     dist.all_to_all_single(b.recv_x, b.send_x[:n], group=group)

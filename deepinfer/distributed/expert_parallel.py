@@ -6,7 +6,8 @@ Two dispatch paths, one expert computation:
   * static (deepinfer.distributed.ep_dispatch: fixed-size per-peer buffers allocated once, equal-split
     all-to-alls, the counts carried on the device as unused-row markers). Taken when the ranks agreed, once per
     forward (`ExpertParallel.begin_forward`), that every rank's step fits the buffers: decode steps. Nothing is read
-    back to the host, so such a step could be captured as a CUDA graph.
+    back to the host, so such a step is captured as a CUDA graph (deepinfer.engine.cuda_graphs): the engine agrees
+    the path once per step, outside any graph (`ExpertParallel.agree_step`), and pins it for the step's forwards.
   * variable: `all_to_all_single` with data-dependent splits; the per-peer row counts are exchanged first (a
     [world] all-to-all) and read on the host (one device sync per layer). Prefill steps, and every step of a model
     without static buffers. Why all-to-all: every rank sends a different number of rows to every other rank and
@@ -22,7 +23,10 @@ from fp32 zeros, then the shared expert, then the cast: the accumulation order o
 op's bf16/fp32 result of `swiglu_expert`, which is row-invariant on the CPU (kernels/torch/linear.py pads rows to a
 fixed tile; elementwise.py keeps every element on the SIMD path), so a row's output does not depend on which other
 rows share the call: both paths are bitwise equal to the single-process op on the CPU. On CUDA the GEMMs' tiles
-follow the row count, so only the batch-invariant mode gives bitwise agreement.
+follow the row count, so only the batch-invariant mode gives bitwise agreement: there the TileLang op keeps each
+(token, expert) output as its own bf16-rounded row and sums them in the same order (kernels/tilelang/moe.py
+`_moe_experts_invariant`), and the shared expert goes through the op's own shared pass (`_shared`), so each term
+is the same bits and the sum is the same sum.
 
 Replica choice: a (token, expert) pair with c copies goes to copy `(token index + source rank) % c`, a fixed rule
 that spreads a hot expert's tokens over its copies. DeepInfer picks the copy inside its compiled gate kernel
@@ -31,15 +35,17 @@ that spreads a hot expert's tokens over its copies. DeepInfer picks the copy ins
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from deepinfer.kernels.packed_experts import PackedExperts
+from deepinfer.kernels.registry import no_host_reads
 from deepinfer.kernels.torch.moe import moe_experts as torch_moe_experts
 
-from .ep_dispatch import StaticBuffers, agree_static, combine_static, dispatch_static, send_rows
+from .ep_dispatch import StaticBuffers, StepPath, agree_static, agree_step, combine_static, dispatch_static, send_rows
 from .placement import ExpertPlacement
 
 Experts = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | PackedExperts
@@ -75,6 +81,11 @@ class ExpertParallel:
     buffers: StaticBuffers | None = None
     agree_group: dist.ProcessGroup | None = None
     static: bool = False
+    # the path the engine agreed for the current step (agree_step + pin): the step's forwards take it without a
+    # collective of their own (a replayed graph runs none); None: each forward agrees (begin_forward)
+    pinned: bool | None = None
+    # `placement`'s replica table on the device (plan_static): a graph cannot copy a host-built one in
+    static_replicas: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def plan_static(self, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype, device,
                     agree_group: dist.ProcessGroup | None = None) -> None:
@@ -82,18 +93,46 @@ class ExpertParallel:
         self.buffers = StaticBuffers.allocate(max_tokens, top_k, self.placement.per_rank, self.placement.num_ranks,
                                               hidden, dtype, device)
         self.agree_group = agree_group
+        self.static_replicas = tuple(t.to(device) for t in replica_table(self.placement))
+
+    @property
+    def _agree_on(self) -> dist.ProcessGroup | None:
+        return self.agree_group if self.agree_group is not None else self.group
+
+    def agree_step(self, tokens: int, capture: bool) -> StepPath:
+        """Every rank, once per engine step before its forwards (outside any graph; needs `buffers`): the path of
+        the step's forwards and whether some rank captures a decode graph in it (ep_dispatch.agree_step)."""
+        return agree_step(self.buffers, tokens, capture, self._agree_on)
+
+    @contextmanager
+    def pin(self, static: bool):
+        """The step's forwards take `static` (agreed by agree_step) without agreeing again."""
+        self.pinned = static
+        try:
+            yield
+        finally:
+            self.pinned = None
 
     def begin_forward(self, tokens: int) -> bool:
         """Every rank, once per model forward (backbone step or draft pass), before its first MoE layer, with its
-        own token count: the ranks agree whether this forward's MoE layers take the static path."""
-        self.static = agree_static(self.buffers, tokens, self.agree_group if self.agree_group is not None
-                                   else self.group)
+        own token count: the ranks agree whether this forward's MoE layers take the static path; under `pin`, the
+        pinned path (no collective)."""
+        if self.pinned is not None:
+            if self.pinned and not self.buffers.fits(tokens):
+                raise ValueError(f"a forward of {tokens} tokens under a pinned static path, whose buffers hold "
+                                 f"{self.buffers.max_tokens} per rank: agree_step was given fewer tokens")
+            self.static = self.pinned
+            return self.static
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("an expert-parallel forward under CUDA-graph capture needs its path pinned first "
+                               "(ExpertParallel.agree_step + pin): a replay runs no agreement")
+        self.static = agree_static(self.buffers, tokens, self._agree_on)
         return self.static
 
     def for_layer(self, layer: int | None):
         """(placement, (replicas, copies) or None, load row or None) for MoE layer `layer`."""
         if self.layer_placements is None or layer is None:
-            return self.placement, None, None
+            return self.placement, self.static_replicas, None
         return self.layer_placements[layer], (self.replicas[layer], self.copies[layer]), self.load[layer]
 
 
@@ -123,6 +162,8 @@ def choose_copies(idx: torch.Tensor, placement: ExpertPlacement, src_rank: int,
     """[T, k] logical ids -> [T, k] physical slots: copy (t + src_rank) % copies(e) of expert e. `replicas`:
     `replica_table(placement)` already on idx's device (EPLB keeps it there), else built here."""
     table, count = replicas if replicas is not None else (t.to(idx.device) for t in replica_table(placement))
+    if table.shape[1] == 1:  # one copy of every expert (no redundant slots): a lookup
+        return table[:, 0][idx]
     t = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) + src_rank
     return table[idx, t % count[idx]]
 
@@ -160,50 +201,86 @@ def ep_moe_experts(
     if buffers is not None and not buffers.fits(tokens):
         raise ValueError(f"{tokens} tokens on the static path, whose buffers hold {buffers.max_tokens} per rank: "
                          "the ranks must agree on the path first (ExpertParallel.begin_forward)")
-    if tokens and k > 1 and not x.is_cuda and (idx.sort(dim=1).values.diff(dim=1) == 0).any():
-        raise ValueError("a token chose the same expert twice")
+    if tokens and k > 1 and not x.is_cuda:
+        _check_distinct(idx)
     op = experts_op or torch_moe_experts
     hidden = x.shape[-1]
+    # the shared expert over this rank's tokens first: on CUDA on a side stream, overlapping the dispatch
+    side, shared_out = None, None
+    if shared is not None and tokens:
+        shared_out, side = _shared(op, x, experts, shared, swiglu_limit)
 
     # every (token, choice) routed to a physical slot, in (token, choice) order
     phys = choose_copies(idx, placement, me, replicas).reshape(-1)
     dest = phys // placement.per_rank
     meta = _pack(phys % placement.per_rank, weights.reshape(-1))
-    token = torch.arange(tokens, device=x.device).repeat_interleave(k)
     if buffers is not None:
         row = send_rows(dest, world, buffers.capacity)
-        recv_x, recv_meta = dispatch_static(buffers, x, token, meta, row, group)
-        out = _compute(op, recv_x, recv_meta, experts, swiglu_limit, load)
+        recv_x, recv_meta = dispatch_static(buffers, x, k, meta, row, group)
+        with no_host_reads():  # the kernels a graph of this step launches, also when not capturing
+            out = _compute(op, recv_x, recv_meta, experts, swiglu_limit, load)
         contrib = combine_static(buffers, out, row, group)
     else:
+        token = torch.arange(tokens, device=x.device).repeat_interleave(k)
         contrib = _variable(op, x, token, meta, dest, world, experts, swiglu_limit, load, group)
     contrib = contrib.view(tokens, k, hidden)
 
-    # sum each token's experts in ascending logical id (the single-process op's order), then the shared expert
-    by_id = idx.argsort(dim=1)
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for j in range(k):
-        pick = by_id[:, j, None, None].expand(-1, 1, hidden)
-        y += contrib.gather(1, pick).squeeze(1).float()
-    if shared is not None and tokens:
-        one = shared if isinstance(shared, PackedExperts) else [shared]
-        y += op(x, torch.ones(tokens, 1, device=x.device), torch.zeros(tokens, 1, dtype=torch.int64,
-                                                                          device=x.device), one, None,
-                swiglu_limit).float()
+    # sum each token's experts in ascending logical id from fp32 zeros (the single-process op's order), then the
+    # shared expert; one gather puts a token's k rows in that order (few kernels: this runs every layer)
+    ranked = contrib.gather(1, idx.argsort(dim=1)[:, :, None].expand(-1, -1, hidden)).float()
+    y = ranked[:, 0] + 0.0  # = 0 + the first, as from zeros (-0 becomes +0 either way)
+    for j in range(1, k):
+        y += ranked[:, j]
+    if shared_out is not None:
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        y += shared_out.float()
     return y.to(x.dtype)
+
+
+def _check_distinct(idx: torch.Tensor) -> None:
+    """On the CPU only (it reads the ids on the host): a token's experts are distinct, as the buffers assume."""
+    if (idx.sort(dim=1).values.diff(dim=1) == 0).any():
+        raise ValueError("a token chose the same expert twice")
+
+
+_SIDE: dict = {}
+
+
+def _shared(op, x: torch.Tensor, experts: Experts, shared, limit: float):
+    """The shared expert's output over x, [T, D] in x's dtype, through the op's own shared pass (every token's
+    routed choice -1, "no expert"): the tiles and rounding of the single-process op's shared expert, so the sum
+    stays bitwise the op's where the op is batch-invariant. On CUDA it runs on a side stream (returned; the caller
+    waits for it before reading), concurrently with the dispatch and the routed experts, as `single`'s op runs its
+    shared expert beside the routed pass."""
+    def run():
+        none = torch.full((x.shape[0], 1), -1, dtype=torch.int64, device=x.device)
+        zero = torch.zeros(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return op(x, zero, none, experts, shared, limit)
+
+    if not x.is_cuda:
+        return run(), None
+    main = torch.cuda.current_stream(x.device)
+    side = _SIDE.get(x.device)
+    if side is None:
+        side = _SIDE[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):  # every tensor of the call allocated on the side stream: freed into its pool
+        out = run()
+    # no record_stream: those blocks are reused only by the side stream's next call, which waits for the main
+    # stream first (side.wait_stream above), i.e. after main has read `out`; x outlives the caller's wait
+    return out, side
 
 
 def _compute(op, rows: torch.Tensor, meta: torch.Tensor, experts: Experts, limit: float,
              load: torch.Tensor | None) -> torch.Tensor:
-    """The received rows through this rank's experts: one expert per row (its local slot; -1: an unused row of
-    the static buffers, which the op skips), each scaled by its routing weight. Returns [R, D] in rows' dtype."""
+    """The received rows through this rank's experts: one expert per row (its local slot; an unused row of the
+    static buffers carries UNUSED_META: slot -1, which the op skips, weight 0), each scaled by its routing weight.
+    Returns [R, D] in rows' dtype."""
     slot, w = _unpack(meta)
-    unused = meta < 0
-    slot = torch.where(unused, -1, slot)
-    w = torch.where(unused, 0.0, w)
     if load is not None:
         # index_add_ rather than bincount: bincount sizes its output from the ids' max, a host read on CUDA
-        load.index_add_(0, slot.clamp(min=0), (~unused).to(load.dtype))
+        load.index_add_(0, slot.clamp(min=0), (meta >= 0).to(load.dtype))
     if rows.shape[0] == 0:
         return rows.new_empty(rows.shape)
     return op(rows, w[:, None], slot[:, None], experts, None, limit)
@@ -231,12 +308,12 @@ def _variable(op, x, token, meta, dest, world, experts, limit, load, group) -> t
 
 
 def _pack(slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """slot in the high 32 bits, the fp32 weight's bit pattern in the low 32 (exact round trip)."""
-    bits = weight.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return (slot.to(torch.int64) << 32) | bits
+    """slot in the high 32 bits, the fp32 weight's bit pattern in the low 32 (exact round trip): one int32 pair per
+    row, low word first (little-endian, as every device torch runs on), viewed as int64."""
+    words = torch.stack([weight.float().contiguous().view(torch.int32), slot.to(torch.int32)], dim=-1)
+    return words.view(torch.int64).squeeze(-1)
 
 
 def _unpack(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    low = meta & 0xFFFFFFFF
-    bits = torch.where(low >= 1 << 31, low - (1 << 32), low).to(torch.int32)
-    return meta >> 32, bits.view(torch.float32)
+    """(slot int64, weight fp32) of contiguous int64 metadata; the weight is a strided view of its low words."""
+    return meta >> 32, meta.view(torch.int32).view(-1, 2)[:, 0].view(torch.float32)

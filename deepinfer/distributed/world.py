@@ -10,7 +10,8 @@ it starts on this machine. Either way the rank joins with init_method "env://" a
     ranks, and then they would match the wrong partners;
   - `ep_group`, the ranks that share the routed experts (consecutive runs of expert_parallel_size ranks,
     deepinfer.config.layout.expert_groups; the world itself when EP spans it);
-  - `cp_group`, the context-parallel ranks of one replica (the world itself: one replica is all the engine runs).
+  - `cp_group`, the context-parallel ranks of this rank's replica: consecutive runs of context_parallel_size ranks
+    (DeepInfer's rank = engine_rank * cp + cp_rank), the world itself when there is one replica.
 """
 
 from __future__ import annotations
@@ -135,8 +136,16 @@ def join(parallel: ParallelSettings, device: str) -> World:
         if device == "cuda":  # the agreement is a host collective: never a device sync
             agree = [dist.new_group(r, timeout=timeout, backend="gloo") for r in ranks]
             ep_agree = agree[rank // ep]
-    # context parallel: one replica (config.layout.context_parallel_refusal), so the group is the world
-    cp_group = dist.group.WORLD if parallel.context_parallel_size > 1 else None
+    # context parallel: each data-parallel replica is a run of cp consecutive ranks (with expert parallel over cp
+    # ranks, the same ranks as its EP group)
+    cp = parallel.context_parallel_size
+    cp_group = None
+    if cp > 1:
+        if size == cp:
+            cp_group = dist.group.WORLD
+        else:
+            made = [dist.new_group(list(range(i * cp, (i + 1) * cp)), timeout=timeout) for i in range(size // cp)]
+            cp_group = made[rank // cp]
     _current = World(rank, size, local, device, parallel, control, ep_group, rank % ep, cp_group, ep_agree)
     return _current
 

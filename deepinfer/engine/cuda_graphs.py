@@ -14,6 +14,18 @@ block, so whatever they write lands where no sequence reads.
 Capture happens on first use of a bucket, with every row a padding row (the warm-up run before capture writes
 only there), never with a live step's inputs: running a live step twice would not be idempotent (a ring row read
 by the step can be rewritten by it).
+
+Expert parallel (a model with static-capacity dispatch buffers, deepinfer.distributed.ep_dispatch): every MoE layer
+is an all-to-all, so every rank must run the same collectives in the same order. A decode step's collectives do
+not depend on its batch (the buffers have fixed sizes), so a replay on one rank pairs with a replay or an eager
+static step on another. What needs the other ranks is a capture: its warm-up is a real forward, whose all-to-alls
+they must join (the capture itself only records them). The runner agrees every step with the other ranks first
+(ExpertParallel.agree_step: one host all-reduce of [tokens, "I capture"]) and a rank without a capture runs one
+extra static forward beside a capturing rank's warm-up (model_runner). Here that means: `key_for` decides before
+the step whether a graph serves it (a bucket whose tokens exceed the buffers' never does: those steps are not
+static), `needs_capture` says whether that takes a capture, and under expert parallel (`collective`) a warm-up that
+fails raises instead of falling back (its collectives are half done: the ranks cannot be matched any more); a
+capture that fails after its warm-up still falls back to eager steps, which join the same collectives.
 """
 
 from __future__ import annotations
@@ -26,6 +38,10 @@ from deepinfer.models.cache import HostStep, derive
 from deepinfer.models.cache.metadata import to_device
 
 log = logging.getLogger("deepinfer.engine")
+
+
+class CaptureFailed(RuntimeError):
+    """Recording a graph failed after its warm-up ran (the step then runs eagerly)."""
 
 
 def graph_batch_sizes(max_size: int, interval: int) -> list[int]:
@@ -41,8 +57,12 @@ def graph_batch_sizes(max_size: int, interval: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pools, max_batch: int, interval: int, max_blocks: int, max_length: int = 1):
+    def __init__(self, model, pools, max_batch: int, interval: int, max_blocks: int, max_length: int = 1,
+                 max_tokens: int | None = None, collective: bool = False):
+        """`max_tokens`: no bucket of more tokens (expert parallel: the static buffers' bound); `collective`: the
+        forward has collectives (expert parallel), so a failed warm-up raises."""
         self.model, self.pools = model, pools
+        self.max_tokens, self.collective = max_tokens, collective
         self.sizes = graph_batch_sizes(max_batch, interval)
         self.max_blocks = max_blocks
         self.block_sizes = graph_batch_sizes(max_blocks, max_blocks)  # powers of two, then max_blocks
@@ -68,7 +88,24 @@ class DecodeGraphs:
         width = next((b for b in self.block_sizes if b >= blocks), None)
         if size is None or width is None or not 1 <= length <= self.max_length:
             return None
+        if self.max_tokens is not None and size * length > self.max_tokens:
+            return None
         return size, width, length
+
+    def key_for(self, token_ids: list[list[int]], states) -> tuple[int, int, int] | None:
+        """The graph that would serve this step (captured or not), or None: the step runs eagerly."""
+        L = len(token_ids[0])
+        if self._failed or any(len(t) != L for t in token_ids):
+            return None
+        return self.bucket(len(states), max(1, max(len(s.blocks) for s in states)), L)
+
+    def needs_capture(self, key) -> bool:
+        return key is not None and key not in self._graphs
+
+    @staticmethod
+    def tokens(key) -> int:
+        """Rows a replay of `key` runs (padding included)."""
+        return key[0] * key[2]
 
     def _host(self, size: int, width: int, length: int = 1) -> HostStep:
         i = self.inputs
@@ -89,16 +126,23 @@ class DecodeGraphs:
         i["past"][start:end] = 0
         i["table"][start:end] = self.pools.spare_block
 
-    @torch.inference_mode()
-    def _capture(self, key: tuple[int, int, int]):
-        size, width, length = key
-        self._pad(0, size, length)
-        host = self._host(size, width, length)
+    def _warm_up(self, host: HostStep) -> None:
+        """One forward of the bucket's padding rows off the capture: lazy inits, JIT compiles, one-time syncs (and,
+        under expert parallel, the step's collectives, which the other ranks join). The kernels take the paths the
+        capture will (registry.no_host_reads), so the capture launches only kernels compiled here."""
+        from deepinfer.kernels.registry import no_host_reads
+
+        if self.pools.device.type != "cuda":
+            self.model.run(derive(host, self.pools), self.pools)
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, JIT compiles, one-time syncs
+        with torch.cuda.stream(stream), no_host_reads():
             self.model.run(derive(host, self.pools), self.pools)
         torch.cuda.current_stream().wait_stream(stream)
+
+    def _record(self, host: HostStep):
+        """(graph, output): the forward captured, not run (a capture launches nothing: no collective runs)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -106,21 +150,34 @@ class DecodeGraphs:
             out = self.model.run(derive(host, self.pools), self.pools)
         return graph, out
 
-    def run(self, token_ids: list[list[int]], states) -> torch.Tensor | None:
+    @torch.inference_mode()
+    def _capture(self, key: tuple[int, int, int]):
+        size, width, length = key
+        self._pad(0, size, length)
+        host = self._host(size, width, length)
+        self._warm_up(host)
+        try:
+            return self._record(host)
+        except Exception as exc:
+            raise CaptureFailed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+    def run(self, token_ids: list[list[int]], states, key=None) -> torch.Tensor | None:
         """Logits [B * L, vocab] of one decode (L = 1) or verification step (every sequence L tokens) by graph
-        replay, or None when no graph serves this batch (then the caller runs it eagerly)."""
+        replay, or None when no graph serves this batch (then the caller runs it eagerly). `key`: key_for's
+        answer, when the caller asked it first (expert parallel agrees on it with the other ranks)."""
         B, L = len(states), len(token_ids[0])
-        if any(len(t) != L for t in token_ids):
-            return None
-        key = self.bucket(B, max(1, max(len(s.blocks) for s in states)), L)
-        if key is None or self._failed:
+        key = self.key_for(token_ids, states) if key is None else key
+        if key is None:
             return None
         if key not in self._graphs:
             try:
                 self._graphs[key] = self._capture(key)
             except Exception as exc:  # e.g. an op that syncs with the host
+                if self.collective and not isinstance(exc, CaptureFailed):
+                    raise  # the warm-up failed: its collectives are half done, the ranks cannot be matched any more
                 # a failed capture can leave the CUDA context unfit for another: every step runs eagerly from now
-                self._failed[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                self._failed[key] = (str(exc) if isinstance(exc, CaptureFailed)
+                                     else f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
                 log.warning("CUDA graph capture failed for batch %d x %d blocks x %d tokens; every decode step runs "
                             "eagerly from now on: %s", *key, self._failed[key])
                 return None

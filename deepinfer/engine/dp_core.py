@@ -125,15 +125,9 @@ def first_line(exc: BaseException) -> str:
 def rank_core(build, options, world: World, settings) -> tuple[EngineCore, object]:
     """This rank's EngineCore (its model loaded with only its experts by the settings' program) and its EPLB runtime
     (None with eplb.interval 0), after printing the rank's weight memory."""
-    import dataclasses
-
+    # Expert parallel decode steps replay CUDA graphs like single's: the runner agrees every step with the other
+    # ranks first and pairs a capture's warm-up collectives (deepinfer.engine.cuda_graphs, model_runner._ep_forward)
     p = settings.parallel
-    if p.expert_parallel_size > 1 and world.device == "cuda" and not options.enforce_eager:
-        # the static dispatch (distributed/ep_dispatch.py) reads nothing back, but a graph capture runs forwards
-        # (warm-up, capture) whose collectives the other ranks must join: the runner does not capture in lockstep yet
-        print(f"deepinfer: rank {world.rank}: expert parallel decode steps run eagerly (no CUDA graphs)",
-              file=sys.stderr, flush=True)
-        options = dataclasses.replace(options, enforce_eager=True)
     agree = None
     if world.cp_group is not None:
         def agree(budget: int) -> int:

@@ -20,15 +20,16 @@ Termination is the same agreement: once no rank has work, turns run no forward; 
 arrives or every dp_core.IDLE_TICK_S (the other ranks wait in step 1 meanwhile, well inside the collective timeout).
 
 Context parallel (parallel=cp2 / cp4; deepinfer.config.layout.context_parallel_refusal says what is refused): the
-world is ONE replica of cp ranks. Rank 0 sends every rank the same commands in the same turn, and every rank runs an
-identical EngineCore on them: the scheduler is deterministic given the same requests in the same order and the same
-cache geometry (dp_core.rank_core makes the ranks agree on the smallest cache budget), grammars are compiled before
-add_request returns (EngineCore.enter_lockstep(cp)), and sampling is seeded per request and position on logits that the
-context-parallel forward makes identical on every rank. So the step plans and tokens are the same everywhere
-without shipping plans, whose rows carry per-process objects (grammar matchers, sequence states). Prefill steps run
-model.forward(batch, cp=ContextParallel(world.cp_group)) (each rank its mirror blocks, every rank's pools the whole
-chunk); decode steps run whole on every rank, which keeps every rank's caches complete for later prefill chunks and
-joins the MoE all-to-alls when the experts are sharded over the same ranks. Only cp rank 0 reports outputs.
+world is data_parallel_size replicas of cp consecutive ranks. Rank 0 sends every rank of a replica the same commands
+in the same turn, and every rank of it runs an identical EngineCore on them: the scheduler is deterministic given the
+same requests in the same order and the same cache geometry (dp_core.rank_core makes the ranks agree on the smallest
+cache budget), grammars are compiled before add_request returns (EngineCore.enter_lockstep(cp)), and sampling is
+seeded per request and position on logits that the context-parallel forward makes identical on every rank. So the step
+plans and tokens are the same everywhere without shipping plans, whose rows carry per-process objects (grammar
+matchers, sequence states). Prefill steps run model.forward(batch, cp=ContextParallel(world.cp_group)) (each rank its
+mirror blocks, every rank's pools the whole chunk); decode steps run whole on every rank, which keeps every rank's
+caches complete for later prefill chunks and joins the MoE all-to-alls when the experts are sharded over the same
+ranks. Only cp rank 0 reports outputs.
 
 A rank that dies makes the others' next collective fail (gloo: the peer's connection closes; a rank that stops
 answering: parallel.timeout). Rank 0 reports it as the core's failure; the frontend (dp_client.py) names the rank that

@@ -75,6 +75,10 @@ class ModelRunner:
         # stages get cp= (each rank computes its mirror blocks; every rank's pools end up with the whole chunk),
         # decode stages run whole on every rank
         self.cp = None
+        # Expert parallel with static dispatch buffers (the model's ExpertParallel): every forward of a step runs
+        # under the path the ranks agreed for it first (`_ep_forward`), so that decode steps can replay graphs
+        self._ep = None
+        self.ep_pairing_forwards = 0  # extra static forwards beside another rank's graph warm-up
 
     def allocate(self, num_slots: int, num_blocks: int, block_size: int, max_model_len: int = 0,
                  graphs: bool = False, graph_interval: int = 8, max_rollback: int = 0,
@@ -90,16 +94,30 @@ class ModelRunner:
             extra["drafts"] = True
         self.pools = self.backend.allocate_cache(num_slots + checkpoint_slots, num_blocks, block_size, **extra)
         model = self.backend.model
+        ep = getattr(model, "expert_parallel", None)
+        if ep is not None and ep.buffers is not None:
+            self._ep = ep
+        elif ep is not None:
+            graphs = False  # without static buffers every MoE layer reads its row counts on the host
         if graphs and self.pools.device.type == "cuda" and hasattr(model, "run"):
-            from deepinfer.engine.cuda_graphs import DecodeGraphs
-
-            max_blocks = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(model, self.pools, num_slots, graph_interval, max_blocks, 1 + self.num_draft)
+            self.graphs = self.decode_graphs(num_slots, graph_interval, max_model_len, block_size)
             if self.drafter is not None:
                 from deepinfer.engine.cuda_graphs import DraftGraphs
 
                 self.draft_graphs = DraftGraphs(self.drafter, self.pools, num_slots, graph_interval, self.num_draft,
                                                 self.backend.vocab_size)
+
+    def decode_graphs(self, num_slots: int, interval: int, max_model_len: int, block_size: int, cls=None):
+        """The decode steps' graphs (deepinfer.engine.cuda_graphs.DecodeGraphs, or `cls` with its signature): batch
+        buckets up to num_slots, block-table widths up to max_model_len, 1 + drafts tokens a sequence; under expert
+        parallel only buckets within the static buffers, and a failed warm-up raises (its collectives)."""
+        from deepinfer.engine.cuda_graphs import DecodeGraphs
+
+        cls = cls or DecodeGraphs
+        max_blocks = -(-max_model_len // block_size)
+        ep_bound = self._ep.buffers.max_tokens if self._ep is not None else None
+        return cls(self.backend.model, self.pools, num_slots, interval, max_blocks, 1 + self.num_draft,
+                   max_tokens=ep_bound, collective=self._ep is not None)
 
     def profile_step(self, num_tokens: int) -> None:
         """One verification-shaped step of `num_tokens` tokens (sequences of 1 + num_draft tokens at position 0 in
@@ -118,8 +136,31 @@ class ModelRunner:
         """One forward without a sequence, for a rank that must join a step's collectives with nothing to run: one
         token at position 0 of the pools' spare slot and spare block, which no sequence reads (CUDA-graph padding
         rows write there too); its logits are dropped."""
+        if self._ep is not None:
+            self._ep_forward(1, None, None, self._dummy_forward)
+        else:
+            self._dummy_forward()
+
+    def _dummy_forward(self) -> None:
         state = self._SequenceCache(self.pools, self.pools.spare_slot, [self.pools.spare_block])
         self.backend.decode(self._ForwardBatch([[0]], [state]))
+
+    def _ep_forward(self, tokens: int, key, replay, eager):
+        """One step's forward under expert parallel with static buffers: the ranks agree on the step first (one host
+        all-reduce: the static path if every rank's step fits the buffers, and whether some rank captures a decode
+        graph), then every forward of the step runs under that path, pinned. `key`: the decode graph that serves
+        this step (DecodeGraphs.key_for) or None; `replay()`: its logits by replay (capturing first if needed) or
+        None; `eager()`: the step run eagerly. A rank without a capture runs one extra static forward while a
+        capturing rank runs its warm-up, so the collectives pair up (deepinfer.engine.cuda_graphs)."""
+        ep = self._ep
+        capture = key is not None and self.graphs.needs_capture(key)
+        path = ep.agree_step(self.graphs.tokens(key) if key is not None else tokens, capture)
+        with ep.pin(path.static):
+            if path.captures and not capture:
+                self.ep_pairing_forwards += 1
+                self._dummy_forward()
+            out = replay() if path.static and key is not None else None
+            return out if out is not None else eager()
 
     def release(self, request_ids) -> None:
         for rid in request_ids:
@@ -258,15 +299,27 @@ class ModelRunner:
         mask_job = self._masks.start([sample_rows[i] for i in plain], self.backend.vocab_size)
         prepare_s = time.perf_counter() - t0
         try:
-            logits = None
             # decode steps, and verification steps whose sequences all bring the same number of drafts
             same = all(generated) and len({len(t) for t in token_lists}) == 1
+            key = None
             if self.graphs is not None and same and not all_logits and images is None and (
                     decode_only or num_logits is not None):
-                logits = self.graphs.run(token_lists, states)
-                self._graph_step = logits is not None
-            if logits is None:
-                logits = stage(batch) if self.cp is None or decoding else stage(batch, cp=self.cp)
+                key = self.graphs.key_for(token_lists, states)
+
+            def replay():
+                out = self.graphs.run(token_lists, states, key)
+                self._graph_step = out is not None
+                return out
+
+            def eager():
+                return stage(batch) if self.cp is None or decoding else stage(batch, cp=self.cp)
+
+            if self._ep is not None:
+                logits = self._ep_forward(sum(len(t) for t in token_lists), key, replay, eager)
+            else:
+                logits = replay() if key is not None else None
+                if logits is None:
+                    logits = eager()
             for src, dst in plan.snapshots:  # prefix caching: windows at a checkpoint boundary, before drafting
                 self.pools.copy_slot(src, dst)
         finally:

@@ -107,18 +107,22 @@ class DeepseekV41Model:
         if self.drafter is not None:
             self.drafter.use_ops(ops)
 
-    def keep_engram_on_host(self, max_tokens: int) -> None:
-        """Move the Engram tables to host memory (pinned on CUDA; models/engram_host.py): each step copies the rows
-        it picks to the device, for steps of at most `max_tokens` tokens. The outputs are unchanged."""
-        from .engram_host import HostEngram
+    def keep_engram_on_host(self) -> None:
+        """Move the Engram tables to host memory (pinned and mapped into the device's address space on CUDA, in
+        FP8 rows where that is exact; models/engram_host.py): each step's gather reads the rows it picks from
+        there, with no host round trip (graph-capturable). The outputs are unchanged. Tables the loader already
+        put in host memory (load_model(engram_storage="host")) are taken as they are."""
+        from .engram_host import HostEngram, HostTable, to_host_table
 
         held = [lw.engram for lw in self.layers if lw.engram is not None]
         if not held or self.engram_host is not None:
             return
-        cols = self.engram.offsets.shape[-1]  # bucket ids per token and Engram layer: (N - 1) x heads
-        self.engram_host = HostEngram([e.embed for e in held], cols, max_tokens, self.device)
+        pin = self.device.type == "cuda"
+        tables = []
         for e in held:
-            e.embed = None  # the device copy goes
+            tables.append(e.embed if isinstance(e.embed, HostTable) else to_host_table(e.embed, pin))
+            e.embed = None  # the device copy goes (as each table is moved: one table's transient at a time)
+        self.engram_host = HostEngram(tables, self.device)
 
     # ---- memory ----------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -182,8 +186,6 @@ class DeepseekV41Model:
         hash_ids = self._engram_hash(full, pools) if self.engram is not None else None
         if cp is not None and hash_ids is not None:
             hash_ids = hash_ids[cp.own]
-        if self.engram_host is not None:
-            self.engram_host.fetch(hash_ids)
         pools.win_pos.index_copy_(0, full.window.write_row, full.positions.to(torch.int32))
 
         image = self._image_mask(meta)  # None on a step without image spans
@@ -201,8 +203,6 @@ class DeepseekV41Model:
             if replay is not None and i == replay.boundary:
                 streams, pre, meta, hash_ids = replay.enter(self, streams, pre, meta, pools, hash_ids)
                 image = self._image_mask(meta)
-                if self.engram_host is not None:  # the replayed rows' Engram rows
-                    self.engram_host.fetch(hash_ids)
             streams, pre = self._block(streams, pre, lw, attn, meta, pools, i, image)
         if hook is not None:
             hook(len(self.layers))
@@ -293,9 +293,9 @@ class DeepseekV41Model:
     def _engram(self, streams: torch.Tensor, engram: Engram, ids: torch.Tensor, image: torch.Tensor | None = None,
                 j: int = 0) -> torch.Tensor:
         """`image` [T] bool: image-span rows, which pass through unchanged (VISION_SPEC.md §6.4). `j`: the Engram
-        layer's index (its rows come from the host tables' step copy when they are in host memory)."""
+        layer's index (its rows are gathered from the host tables when they are in host memory)."""
         cfg, ops = self.config, self.ops
-        table_rows = self.engram_host.rows(j) if self.engram_host is not None else engram.embed[ids]
+        table_rows = self.engram_host.rows(j, ids) if self.engram_host is not None else engram.embed[ids]
         rows = table_rows.flatten(-2).to(self.dtype)  # [T, cols * engram_head_dim]
         kv = ops.linear(rows, engram.wkv)
         key, value = kv.split([cfg.hc_mult * cfg.hidden_size, cfg.hidden_size], dim=-1)

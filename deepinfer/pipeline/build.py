@@ -86,11 +86,9 @@ def load_program(settings: Settings, weights: bool = True) -> tuple[StepProgram,
         seed=rt.seed or 0,
         # expert parallel (parallel.expert_parallel_size > 1): only this rank's routed experts are read
         **expert_parallel_kwargs(settings, model_dir, weights),
+        # host: the Engram tables in (pinned) host memory, read by the device through its mapping
+        engram_storage=settings.model.engram_storage,
     )
-    if settings.model.engram_storage == "host" and weights:
-        d, e = settings.decoding, settings.engine  # the largest step: a prefill budget or a verification step
-        model.keep_engram_on_host(max(e.max_num_batched_tokens,
-                                      e.max_num_seqs * (1 + (d.num_draft_tokens if d.name == "dspark" else 0))))
     settings = with_model_limits(settings, model.config.max_position_embeddings)
     check_replay_fits(settings, model.config.sliding_window)
     vocab = min(model.config.vocab_size, model.tokenizer.get_vocab_size())

@@ -9,7 +9,8 @@ the torch reference.
 What varies with the batch unless the registry's batch-invariant mode is on: the token tiles (router and experts)
 follow the token count, and a token's routed experts and the shared expert add into one fp32 buffer with atomics in
 no fixed order. In the batch-invariant mode the tiles are fixed and every (token, expert) contribution is written to
-its own row, then summed per token in a fixed order (shared expert, then routed experts by ascending id).
+its own row, then summed per token in a fixed order (routed experts by ascending id, then the shared expert:
+the torch op's order).
 """
 
 import functools
@@ -175,9 +176,10 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed pass."""
     if registry.batch_invariant():
         return _moe_experts_invariant(x, *no_expert_as_zero_weight(weights, idx), routed, shared, swiglu_limit)
-    if moe_prefill.wanted(x.shape[0]) and not torch.cuda.is_current_stream_capturing():
-        # (a graph capture, e.g. of an expert-parallel decode step over its fixed-size receive buffer, keeps the
-        # streaming kernel: the grouped path reads its row counts on the host)
+    if moe_prefill.wanted(x.shape[0]) and registry.host_reads_allowed():
+        # (a graph capture, or a caller under registry.no_host_reads(): expert parallelism's static path over its
+        # fixed-size, mostly empty receive buffer, keeps the streaming kernel: the grouped path reads its row counts
+        # on the host and sizes its work by the buffer, not by the rows used)
         return moe_prefill.moe_experts_grouped(x, *no_expert_as_zero_weight(weights, idx), routed, shared,
                                                swiglu_limit)
     assert x.dtype == torch.bfloat16
@@ -215,7 +217,10 @@ def no_expert_as_zero_weight(weights: torch.Tensor, idx: torch.Tensor) -> tuple[
 
 def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):
     """moe_experts_packed with a fixed reduction order: every (token, expert) contribution lands in its own fp32
-    row (one add into zeros: exact), then y = shared + routed experts in ascending id order, element-wise."""
+    row (one add of its bf16-rounded value into zeros: exact), then y = the routed experts in ascending id order,
+    from fp32 zeros, then the shared expert (its own bf16-rounded row): the torch op's order and rounding points,
+    which expert parallelism reproduces from rows computed on other ranks (deepinfer.distributed.expert_parallel:
+    it needs every term to be a row of its own and the shared expert last)."""
     assert x.dtype == torch.bfloat16
     x = x.contiguous()
     T_, k = idx.shape
@@ -229,10 +234,12 @@ def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):
     # token's k rows in ascending expert order
     parts = parts[torch.argsort(table[0], stable=True)].view(T_, k, routed.hidden)
     y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
-    if shared is not None:
-        ffn(shared, x, _shared_table(T_, str(dev)), y, shared_block_t(T_), limit)
     for j in range(k):
         y += parts[:, j]
+    if shared is not None:
+        s = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
+        ffn(shared, x, _shared_table(T_, str(dev)), s, shared_block_t(T_), limit)
+        y += s
     return y.to(x.dtype)
 
 

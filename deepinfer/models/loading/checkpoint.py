@@ -21,7 +21,7 @@ from .materialize import materialize
 from .names import canonical_name, is_image_path, is_set_aside, keeps_float32, set_aside_group
 from .plan import natural_key, plan_load
 from .safetensors_reader import SafetensorsFiles, StoredTensor
-from .tensors import FP4_ROWS, FP8_BLOCK, expected_tensors
+from .tensors import FP4_ROWS, FP8_BLOCK, FP8_ROWS, expected_tensors
 
 log = logging.getLogger("deepinfer.loading")
 
@@ -52,6 +52,7 @@ def load_checkpoint(
     load_format: str = "auto",
     tokenizer: str | Path | None = None,
     routed_experts: Collection[int] | None = None,
+    engram_host: bool = False,
 ) -> Checkpoint:
     """Load a local Hugging Face checkpoint directory (use resolve_model_dir first for hub ids).
 
@@ -74,6 +75,10 @@ def load_checkpoint(
     routed experts (`layers.*.ffn.experts.<e>.*`) only these ids are read; the others stay in the files (their
     headers are still checked) and are absent from `Checkpoint.weights`. Everything else, shared experts and the
     draft layers' experts included, loads in full. None: every expert.
+
+    `engram_host` (model.engram_storage=host): the Engram tables go to host memory as stored, never to `device`
+    (pinned when it is CUDA; deepinfer.models.engram_host.HostTable): FP8 rows as their codes and scales, a float
+    table in `dtype`, row chunk by row chunk (no second host copy of a ~100 GB table).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -91,7 +96,7 @@ def load_checkpoint(
     else:
         tokenizer_path = tokenizer_file(tokenizer)
         _check_tokenizer_fits(cfg, tokenizer_path, _check_tokenizer(tokenizer_path))
-    if load_format == "dummy":
+    if load_format.startswith("dummy"):
         return Checkpoint(cfg, {}, tokenizer_path, [], model_dir)
     block = tuple(cfg.quantization.weight_block_size) if cfg.quantization else (32, 32)
 
@@ -104,6 +109,9 @@ def load_checkpoint(
             items = [it for it in items if (m := _ROUTED.match(it.name)) is None or int(m.group(1)) in keep]
         loaded = {}
         for item in items if weights else ():
+            if engram_host and item.name.endswith("engram.embed.weight"):
+                loaded[item.name] = _host_table(files, item, dtype, device, block)
+                continue
             if quantized_experts and _keeps_format(item, block):
                 loaded[item.name] = _stored(files, item, device)
                 continue
@@ -148,6 +156,25 @@ def _stored(files: SafetensorsFiles, item, device) -> QuantizedWeight:
         return files.rows(t).contiguous().view(torch.uint8).to(device)
 
     return QuantizedWeight("fp4" if item.kind == FP4_ROWS else "fp8", raw(item.weight), raw(item.scale), item.shape)
+
+
+def _host_table(files: SafetensorsFiles, item, dtype, device, block):
+    """An Engram table in host memory as stored (pinned for a CUDA device): FP8 rows as codes + scales, else its
+    values in `dtype` (materialize, chunked, checked finite)."""
+    from deepinfer.models.engram_host import CHUNK_ROWS, HostTable
+
+    pin = device.type == "cuda"
+    if item.kind != FP8_ROWS:
+        return HostTable(materialize(files, item, dtype, torch.device("cpu"), block, pin_memory=pin))
+
+    def raw(t):
+        out = torch.empty(t.shape, dtype=torch.uint8, pin_memory=pin)
+        for start in range(0, t.shape[0], CHUNK_ROWS):
+            out[start: start + CHUNK_ROWS].copy_(files.rows(t, start, min(t.shape[0], start + CHUNK_ROWS))
+                                                 .contiguous().view(torch.uint8))
+        return out
+
+    return HostTable(raw(item.weight), raw(item.scale))
 
 
 def _check_tokenizer(path: Path):

@@ -47,6 +47,7 @@ def load_model(
     ep_group: ProcessGroup | None = None,
     ep_max_tokens: int = 0,
     ep_agree_group: ProcessGroup | None = None,
+    engram_storage: str = "device",
 ) -> DeepseekV41Model | ModelCard:
     """Load a local Hugging Face directory or hub id into a ready model (with `weights=False`: a checked
     ModelCard, for a frontend whose engine process holds the weights).
@@ -66,7 +67,8 @@ def load_model(
     `draft_layers`: load the DSpark draft layers (`mtp.*`) when the checkpoint has them (model.drafter); without
     them the model decodes one token per step and they take no memory.
 
-    `load_format="dummy"` (DeepInfer's, for benchmarking): no weight file is read (a directory or hub id with only
+    `load_format="dummy"` (DeepInfer's, for benchmarking; "dummy_shared": backbone layers of one kind sharing their
+    tensors, deepinfer.models.random_weights share_layers): no weight file is read (a directory or hub id with only
     config.json and tokenizer.json is enough); the weights are random in the released storage formats for the
     checkpoint's config (deepinfer.models.random_weights, drawn with `seed`: the same config and seed
     give the same weights, on one device type), the draft layers too when loaded. `tokenizer`: a tokenizer.json
@@ -83,8 +85,14 @@ def load_model(
     (deepinfer.distributed.ep_dispatch) for forwards of at most that many tokens per rank; every forward then
     starts with the ranks' agreement on the path, on `ep_agree_group` (a gloo group of the same ranks; None:
     ep_group, which must then be gloo). With
-    `load_format="dummy"` every expert is drawn (the draws depend on all of them) and the other ranks' are dropped."""
-    dummy = load_format == "dummy"
+    `load_format="dummy"` every expert is drawn (the draws depend on all of them) and the other ranks' are dropped.
+
+    `engram_storage="host"` (model.engram_storage): the Engram tables live in host memory (models/engram_host.py;
+    read from the files straight into pinned memory on CUDA, never through the device). With `load_format="dummy"`
+    they are drawn on the device first (so a full-size dummy run needs the device memory for them while loading)."""
+    if engram_storage not in ("device", "host"):
+        raise ValueError(f"engram_storage={engram_storage!r}; allowed: device, host")
+    dummy = load_format in ("dummy", "dummy_shared")
     model_dir = resolve_model_dir(model, weights=not dummy)
     local = None
     if expert_placement is not None:
@@ -95,7 +103,7 @@ def load_model(
         fp8_linears = torch.device(device).type == "cuda"
     ckpt = load_checkpoint(model_dir, dtype=dtype, device=device, weights=weights, quantized_experts=packed_experts,
                            quantized_linears=fp8_linears, draft_layers=draft_layers, load_format=load_format,
-                           tokenizer=tokenizer, routed_experts=local)
+                           tokenizer=tokenizer, routed_experts=local, engram_host=engram_storage == "host")
     ops = OpSet.build(torch.device(device).type, backends, strict=strict_backends, batch_invariant=batch_invariant)
     tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
     vision = checkpoint_vision(model_dir, ckpt.skipped, ckpt.config)
@@ -106,15 +114,20 @@ def load_model(
 
         drafts = draft_layers and ckpt.config.num_nextn_predict_layers > 0
         ckpt.weights = random_weights(ckpt.config, device, dtype, seed, packed_experts, fp8_linears,
-                                      draft_layers=drafts)
+                                      draft_layers=drafts, share_layers=load_format == "dummy_shared")
         log.warning(
-            "model.load_format=dummy: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
-            "file was read, outputs are meaningless (benchmarking only)", seed, len(ckpt.weights), model_dir,
-            ", with draft layers" if drafts else "")
+            "model.load_format=%s: the weights are RANDOM (seed %d, %d tensors for %s/config.json%s); no weight "
+            "file was read, outputs are meaningless (benchmarking only)", load_format, seed, len(ckpt.weights),
+            model_dir, ", with draft layers" if drafts else "")
     if expert_placement is None:
-        return _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype), vision, model_dir)
+        model = _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype), vision, model_dir)
+        if engram_storage == "host":
+            model.keep_engram_on_host()
+        return model
     ep = ExpertParallel(expert_placement, ep_rank, ep_group)
     model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
+    if engram_storage == "host":
+        model.keep_engram_on_host()
     if ep_max_tokens:
         top_k = max(lw.ffn.top_k or ckpt.config.num_experts_per_tok for lw in model.layers)
         ep.plan_static(ep_max_tokens, top_k, ckpt.config.hidden_size, dtype, device, ep_agree_group)

@@ -17,9 +17,10 @@ CHUNK_ELEMENTS = 1 << 24  # ~64 MB of float32 temporaries per chunk
 
 
 def materialize(
-    files: SafetensorsFiles, item: LoadItem, dtype: torch.dtype, device: torch.device, block: tuple[int, int]
+    files: SafetensorsFiles, item: LoadItem, dtype: torch.dtype, device: torch.device, block: tuple[int, int],
+    pin_memory: bool = False,
 ) -> torch.Tensor:
-    out = torch.empty(item.shape, dtype=dtype, device=device)
+    out = torch.empty(item.shape, dtype=dtype, device=device, pin_memory=pin_memory)
     if len(item.shape) < 2:
         out.copy_(files.rows(item.weight))
         _check_finite(item, out, 0)
