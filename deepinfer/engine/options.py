@@ -47,10 +47,14 @@ class EngineOptions:
     enforce_eager: bool  # no CUDA graphs (DEEPINFER_ENFORCE_EAGER)
     cudagraph_batch_size_interval: int  # graph batch buckets: 1, 2, 4, <interval, then every interval
     # sampling.xgrammar_*: a grammar that does not compile within the timeout ends its request with an error;
-    # compiled grammars are cached up to the limit (xgrammar: -1 means unbounded); larger schemas end their request
+    # compiled grammars are cached up to the limit (xgrammar: -1 means unbounded); larger schemas end their request;
+    # heavy compilations share heavy_lanes, a server client at most max_per_client of them per lane
     xgrammar_timeout: float
     xgrammar_cache_limit_bytes: int
     xgrammar_max_schema_bytes: int
+    xgrammar_max_schema_values: int
+    xgrammar_heavy_lanes: int
+    xgrammar_max_per_client: int
     # decoding.* (DSpark, decoding=dspark): drafts verified per request and step (0: off), the cache's rollback
     # depth (the larger of this and num_draft_tokens + 1), confidence-scheduled verification, where its cost curve
     # is cached and for how long, and the confidence head's temperature(s)
@@ -99,6 +103,9 @@ class EngineOptions:
             xgrammar_timeout=s.xgrammar_timeout,
             xgrammar_cache_limit_bytes=s.xgrammar_cache_limit_bytes,
             xgrammar_max_schema_bytes=s.xgrammar_max_schema_bytes,
+            xgrammar_max_schema_values=s.xgrammar_max_schema_values,
+            xgrammar_heavy_lanes=s.xgrammar_heavy_lanes,
+            xgrammar_max_per_client=s.xgrammar_max_per_client,
             # the rollback rows with any decoding (DEEPINFER_MAX_BACKTRACKING_TOKENS); drafting with dspark only
             max_backtracking_tokens=d.max_backtracking_tokens,
             num_draft_tokens=d.num_draft_tokens if dspark else 0,

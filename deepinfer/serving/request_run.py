@@ -3,7 +3,8 @@ chunks.
 
 The HTTP status is decided before the first byte is sent: `start()` waits for the engine's first update (of every
 sample of every prompt of the request), and a request the engine refuses at once (prompt too long, more cache than the budget, a schema that does not compile)
-becomes a 400 with the engine's one-line message instead of a stream that starts and then fails.
+becomes a 400 with the engine's one-line message instead of a stream that starts and then fails (a 429 when the
+engine refused it for load: RequestUpdate.busy).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class RequestRun:
         if self._first.finish_reason == "error" and not self._first.token_ids:
             self.metrics.on_finish("error", started=False)
             self.finish_reason = "error"
+            if self._first.busy:  # refused for load (a client's grammar compilations at their bound): retry later
+                raise HTTPError(429, self._first.error or "the engine is busy", "rate_limit_exceeded")
             raise HTTPError(400, self._first.error or "the engine refused the request")
 
     async def updates(self):
