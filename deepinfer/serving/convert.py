@@ -158,14 +158,14 @@ class Converter:
         """The schemas a grammar would be compiled from, checked before the recipe renders them into the prompt:
         response_format (chat), text.format (responses), output_config.format (messages), strict tools. Shapes
         that are wrong are left to the protocol's own checks."""
-        for field, path in (("response_format", ("response_format", "json_schema", "schema")),
-                            ("text.format", ("text", "format", "schema")),
-                            ("output_config.format", ("output_config", "format", "schema"))):
+        for name, path in (("response_format", ("response_format", "json_schema", "schema")),
+                           ("text.format", ("text", "format", "schema")),
+                           ("output_config.format", ("output_config", "format", "schema"))):
             node = body
             for key in path:
                 node = node.get(key) if isinstance(node, dict) else None
             if isinstance(node, dict):
-                self.check_schema(field, {"schema_type": "json", "schema": node})
+                self.check_schema(name, {"schema_type": "json", "schema": node})
         tools = body.get("tools")
         for i, tool in enumerate(tools if isinstance(tools, list) else ()):
             fn = tool.get("function", tool) if isinstance(tool, dict) else None
@@ -346,8 +346,8 @@ class Converter:
             raise from_conversion(exc) from None
         if constraint is not None and constraint.schema:  # before a strict tools' grammar is built from it
             output_field = {"chat": "response_format", "responses": "text.format"}.get(endpoint, "output_config")
-            field = output_field if constraint.kind in ("json", "regex") else "tools"
-            self.check_schema(field, {"schema_type": "regex" if constraint.kind == "regex" else "json",
+            named = output_field if constraint.kind in ("json", "regex") else "tools"
+            self.check_schema(named, {"schema_type": "regex" if constraint.kind == "regex" else "json",
                                       "schema": constraint.schema})
         try:
             so_args = so_args_for(constraint, thinking, self.ids)
