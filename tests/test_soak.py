@@ -1,4 +1,4 @@
-"""The soak benchmark's short form (benchmarks/soak.py; its recorded run is benchmarks/results/soak_cpu_short.json):
+"""The soak benchmark's short form (benchmarks/soak.py; its recorded run is benchmarks/results/soak_cpu.json):
 mixed traffic through `python -m deepinfer serve=openai` under a supervisor, with every fault of the schedule (idle
 connections at a 1024 open-file limit, oversized bodies, a grammar flood, the engine core stopped, then killed).
 Nothing is lost or hung, the server never crashes (it exits 1 only when its engine dies, and is restarted), invalid
