@@ -45,7 +45,9 @@ def test_engine_options_have_no_defaults_of_their_own_only_the_schemas():
     for key in ("heartbeat_timeout", "step_timeout", "startup_timeout", "liveness_poll", "heartbeat_interval",
                 "send_timeout", "close_grace"):
         assert getattr(options, f"{key}_s") == engine[key], key
-    assert options.xgrammar_max_schema_bytes == _defaults(SamplingDefaults)["xgrammar_max_schema_bytes"]
+    for key in ("xgrammar_max_schema_bytes", "xgrammar_max_schema_values", "xgrammar_heavy_lanes",
+                "xgrammar_max_per_client"):
+        assert getattr(options, key) == _defaults(SamplingDefaults)[key], key
 
 
 def test_engine_options_name_their_settings_and_draft_with_dspark_only():

@@ -46,14 +46,16 @@ def test_messages_round_trip_with_their_types():
     params = SamplingParams(temperature=0.5, stop=["x"], so_args={"schema_type": "json", "schema": {"type": "object"}},
                             golden_token_ids=[3, 4], seq_seed=7)
     key = new_key()
-    frame = Signer(key, FRONTEND).pack(m.to_wire([m.AddRequest(1, [0, 5], params, 9)]))
+    frame = Signer(key, FRONTEND).pack(m.to_wire([m.AddRequest(1, [0, 5], params, 9, client="10.0.0.7")]))
     msg = Verifier(key, FRONTEND, m.TO_CORE).unpack(frame)
     assert isinstance(msg, m.Add)
     req = m.from_wire(msg.requests[0])
-    assert req == m.AddRequest(1, [0, 5], params, 9) and isinstance(req.params, SamplingParams)
+    assert req == m.AddRequest(1, [0, 5], params, 9, client="10.0.0.7") and isinstance(req.params, SamplingParams)
+    assert m.from_wire(m.WireRequest(2, [0], {}, 0, [], client=[1])).client == ""  # a tag, never an error
 
     upd = m.RequestUpdate(1, [5], [(-0.5, [(5, -0.5), (6, -1.0)])], "stop", None,
-                          [None, SampleOutput(5, -1.25, None)], num_draft_tokens=3, num_accepted_tokens=2)
+                          [None, SampleOutput(5, -1.25, None)], num_draft_tokens=3, num_accepted_tokens=2,
+                          busy=True)
     stats = m.StepStats(0, 1, 2, 0, 0, 1.0, 2.0, 0.1, 0.1, 0.1, 0.5, accepted_lengths=[2], replay_rows_saved=4)
     frame = Signer(key, CORE).pack(m.Outputs(m.CoreOutputs([upd], [stats])))
     out = Verifier(key, CORE, m.TO_FRONTEND).unpack(frame).outputs

@@ -1,5 +1,6 @@
-"""Grammar compilation under hostile schemas (issue 11): bounded in time from its start, in size and depth, in
-what waits and what runs at once, and fair: heavy schemas never starve a light one."""
+"""Grammar compilation under hostile schemas (issues 11 and 25): bounded in time from its start, in size, values
+and depth, in what waits and what runs at once, and fair: heavy schemas never starve a light one, and one client's
+heavy schemas never hold another client's behind them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from deepinfer import LLM
 from deepinfer.sampling import SamplingParams, compile_queue
-from deepinfer.sampling.compile_queue import CompileQueue, QueueFull
+from deepinfer.sampling.compile_queue import ClientBusy, CompileQueue
 
 
 def enum_schema(n: int) -> dict:
@@ -83,48 +84,129 @@ def test_a_job_that_finishes_after_its_deadline_is_a_timeout_whatever_the_thread
 
 def test_heavy_jobs_cannot_delay_a_light_one_and_overrunning_jobs_are_capped():
     release = threading.Event()
-    q = CompileQueue(timeout_s=0.2, on_timeout=timeout_error, light_cost=10, max_abandoned=1)
-    heavy = [q.submit(release.wait, cost=1000) for _ in range(4)]  # none ends before release
+    q = CompileQueue(timeout_s=0.2, on_timeout=timeout_error, light_cost=10, max_abandoned=1, heavy_lanes=2)
+    heavy = [q.submit(release.wait, cost=1000, client=c) for c in "abcd"]  # none ends before release
     assert q.submit(lambda: "light", cost=5).result(60) == "light"  # so only a lane of its own lets it through
-    for job in heavy[:2]:  # the first overruns (abandoned, replaced), so does the second (no room for a third)
+    # a and b overrun (abandoned); one fresh worker takes c (one abandoned thread is allowed), which overruns too
+    for job in heavy[:3]:
         with pytest.raises(TimeoutError):
             job.result(60)
-    assert q.num_running <= 2 + 1  # the two lanes' workers + max_abandoned
+    assert q.num_running <= 2 + 1  # the two heavy lanes + max_abandoned
     assert not heavy[3].done()  # waits for room instead of starting a fourth uncancellable thread
     release.set()
+    assert heavy[3].result(60) is True
     q.close()
 
 
 def test_the_waiting_queue_is_bounded_and_jobs_of_ended_requests_are_skipped():
     release = threading.Event()
     q = CompileQueue(timeout_s=10, on_timeout=timeout_error, light_cost=10, max_queued=2)
-    q.submit(release.wait, cost=1)
+    q.submit(release.wait, cost=1, client="a")
     while q.num_running == 0:
         time.sleep(0.01)
     ran = []
-    skipped = q.submit(lambda: ran.append(1), cost=1, alive=lambda: False)
-    q.submit(lambda: "ok", cost=1)
-    with pytest.raises(QueueFull):
-        q.submit(lambda: "one too many", cost=1)
+    skipped = q.submit(lambda: ran.append(1), cost=1, alive=lambda: False, client="b")
+    q.submit(lambda: "ok", cost=1, client="c")
+    with pytest.raises(ClientBusy, match="queue is full"):
+        q.submit(lambda: "one too many", cost=1, client="d")
+    offline = [q.submit(lambda: "mine", cost=1) for _ in range(10)]  # the offline caller's batch: never refused
     release.set()
     with pytest.raises(RuntimeError, match="cancelled"):
         skipped.result(5)
-    assert ran == []
+    assert ran == [] and [f.result(60) for f in offline] == ["mine"] * 10
+    q.close()
+
+
+def test_one_clients_heavy_grammars_do_not_hold_another_clients_behind_them():
+    """Client a sends two heavy schemas, then client b one: b's starts in the second heavy lane while a's first
+    still compiles, and a's second waits for a's first (one client runs at most heavy_lanes - 1 at once)."""
+    started, a1_started, release_a1 = [], threading.Event(), threading.Event()
+
+    def job(name, block=None):
+        def run():
+            started.append(name)
+            if block is not None:
+                a1_started.set()
+                block.wait()
+            return name
+        return run
+
+    q = CompileQueue(timeout_s=60, on_timeout=timeout_error, light_cost=10, heavy_lanes=2)
+    a1 = q.submit(job("a1", release_a1), cost=1000, client="a")
+    a2 = q.submit(job("a2"), cost=1000, client="a")
+    assert a1_started.wait(60)
+    b1 = q.submit(job("b1"), cost=1000, client="b")
+    assert b1.result(60) == "b1"  # answered while a1 still compiles
+    small = q.submit(job("c1"), cost=5, client="c")
+    assert small.result(60) == "c1"
+    assert not a1.done() and not a2.done() and started == ["a1", "b1", "c1"]
+    release_a1.set()
+    assert (a1.result(60), a2.result(60)) == ("a1", "a2") and started == ["a1", "b1", "c1", "a2"]
+    q.close()
+
+
+def test_a_client_at_its_bound_is_refused_and_others_are_not():
+    release = threading.Event()
+    q = CompileQueue(timeout_s=60, on_timeout=timeout_error, light_cost=10, heavy_lanes=2, max_per_client=2)
+    mine = [q.submit(release.wait, cost=1000, client="a") for _ in range(2)]  # one running, one waiting
+    with pytest.raises(ClientBusy, match="already has 2 heavy grammar compilations waiting or running; allowed: "
+                                         "at most 2"):
+        q.submit(release.wait, cost=1000, client="a")
+    light = q.submit(lambda: "light", cost=5, client="a")  # the bound is per lane
+    other = q.submit(lambda: "other", cost=1000, client="b")
+    assert (light.result(60), other.result(60)) == ("light", "other")
+    release.set()
+    assert [f.result(60) for f in mine] == [True, True]
+    assert q.submit(lambda: "again", cost=1000, client="a").result(60) == "again"  # room once they ended
+    q.close()
+
+
+def test_a_waiting_heavy_jobs_timeout_runs_from_its_start(monkeypatch):
+    """a2 waits for a1 (a client's share of the heavy lanes) 0.3 s, then runs 0.3 s: 0.6 s after its submission,
+    past the 0.5 s timeout, and still not a timeout; a3, which runs 0.5 s itself, is one."""
+    clock = FakeClock()
+    monkeypatch.setattr(compile_queue, "time", clock)
+    q = CompileQueue(timeout_s=0.5, on_timeout=timeout_error, light_cost=10, heavy_lanes=2)
+    a1 = q.submit(lambda: clock.advance(0.3) or "a1", cost=1000, client="a")
+    a2 = q.submit(lambda: clock.advance(0.3) or "a2", cost=1000, client="a")
+    a3 = q.submit(lambda: clock.advance(0.5) or "a3", cost=1000, client="a")
+    assert (a1.result(60), a2.result(60)) == ("a1", "a2")
+    with pytest.raises(TimeoutError):
+        a3.result(60)
     q.close()
 
 
 # ---- through the engine -----------------------------------------------------------------------------------------
+def short_enum_schema(n: int) -> dict:
+    """n values of 6 characters: 100,000 of them take 900,064 bytes, under the 1 MiB limit."""
+    return {"type": "object", "properties": {"x": {"enum": [f"v{i:05d}" for i in range(n)]}}, "required": ["x"]}
+
+
 def test_four_100k_value_enums_do_not_delay_a_regex_request_nor_blow_up_memory():
-    """They are over the schema size limit and end at once, alone; the regex request runs as it would alone."""
+    """They are over the schema limits (two over 1 MiB, two under it but over the number of values) and end at
+    once, alone; the regex request runs as it would alone."""
     with LLM(process="subprocess") as llm:
         pid = llm._engine.client.process.pid
-        ps = [so("json", enum_schema(100_000), seed=i) for i in range(4)] + [so("regex", "[a-z]{3}", seed=9)]
+        ps = ([so("json", enum_schema(100_000), seed=i) for i in range(2)]
+              + [so("json", short_enum_schema(100_000), seed=i) for i in range(2)] + [so("regex", "[a-z]{3}", seed=9)])
         outs = llm.generate(["x"] * 5, ps, use_tqdm=False)
         peak = peak_rss_bytes(pid)
     assert peak < 1.5 * 2**30
-    for out in outs[:4]:
+    for out in outs[:2]:
         assert out.finish_reason == "error" and "allowed: at most 1048576 bytes" in out.error
+    for out in outs[2:4]:
+        assert out.finish_reason == "error" and out.error.startswith("so_args['schema'] has 100007 values")
+        assert out.error.endswith("allowed: at most 32768")
     assert outs[4].finish_reason == "stop" and len(outs[4].text) == 3
+
+
+def test_an_offline_batch_of_many_structured_requests_is_never_refused_for_load():
+    """The bound on waiting compilations is for server clients: LLM.generate's own batch of 100 used to lose 36
+    requests to 'queue is full'."""
+    with LLM(process="inproc") as llm:
+        outs = llm.generate(["x"] * 100, [so("regex", "[a-z]{3}", max_tokens=4, seed=i) for i in range(100)],
+                            use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["stop"] * 100
 
 
 @pytest.mark.slow

@@ -281,6 +281,58 @@ def test_a_schema_the_compiler_refuses_is_a_400_naming_the_construct(server):
     assert server.idle()
 
 
+def _enum(values: list[str]) -> dict:
+    return {"type": "object", "properties": {"x": {"enum": values}}, "required": ["x"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_100k_value_enum_under_1_mib_is_a_400_naming_the_field_and_the_limit(server):
+    """Bytes alone would let it through (900,064 bytes); its number of values does not."""
+    enum = _enum([f"v{i:05d}" for i in range(100_000)])
+    assert len(json.dumps(enum, separators=(",", ":"))) < 2**20
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    for path, extra, field in (
+            ("/v1/chat/completions", {"structured_outputs": {"json": enum}}, "structured_outputs.json"),
+            ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "a", "schema": enum}}}, "response_format"),
+            ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": enum}}},
+             "text.format")):
+        r = post(server, path, {**base, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and err["message"].startswith(f"{field} has 100007 values")
+        assert err["message"].endswith("allowed: at most 32768")
+
+
+@pytest.mark.timeout(120)
+def test_a_client_at_its_grammar_bound_gets_429_and_another_client_is_served(server):
+    """The client is the peer's address: 127.0.0.1 has its heavy compilations at the bound (held in the engine's
+    queue), so its next heavy schema is a 429; 127.0.0.2's is compiled in the heavy lane 127.0.0.1 leaves free."""
+    import threading
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+            "structured_outputs": {"json": _enum([f"value{i}" for i in range(2000)])}}  # 24 KB: a heavy schema
+    light = {**body, "structured_outputs": {"regex": "[a-z]{3}"}}
+    assert post(server, "/v1/chat/completions", light).status_code == 200  # the engine's compiler pool exists
+    queue = server.engine.client.core.grammars._pool._queue
+    release = threading.Event()
+    held = [queue.submit(release.wait, cost=10**9, client="127.0.0.1") for _ in range(queue.max_per_client)]
+    try:
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["type"] == "rate_limit_exceeded" and "\n" not in err["message"]
+        assert f"allowed: at most {queue.max_per_client} at once" in err["message"]
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=120)
+        with other:
+            assert other.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
+    finally:
+        release.set()
+    assert all(f.result(60) is True for f in held)
+    assert post(server, "/v1/chat/completions", body).status_code == 200  # room again
+    assert server.idle()
+
+
 # ---- model names ---------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_unknown_model_is_404_model_not_found_on_every_endpoint(server, client):

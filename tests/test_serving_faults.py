@@ -10,12 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from serving_helpers import wait_for
+from serving_helpers import MODEL, wait_for
 
 from deepinfer.frontend.async_engine import AsyncEngine
 
@@ -82,7 +83,18 @@ def test_health_reports_a_stopped_core_and_a_dead_core_ends_the_server_with_one_
         assert "heartbeat" in error and "stopped or hung" in error, error
         os.kill(core, signal.SIGCONT)
         assert wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
+        # a request waiting in the engine when the core dies: a 503 (the server is unavailable), not a 400 or 500
+        os.kill(core, signal.SIGSTOP)
+        answer = {}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+        waiting = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{url}/v1/chat/completions", json=body,
+                                                                             timeout=120)))
+        waiting.start()
+        assert wait_for(lambda: _metric(url, "requests_waiting") == 1)
         os.kill(core, signal.SIGKILL)
+        waiting.join(120)
+        assert answer["r"].status_code == 503, answer["r"].text
+        assert answer["r"].json()["error"]["message"].startswith("the engine is not serving: ")
         assert proc.wait(timeout=120) == 1
         err = proc.stderr.read()
         assert "Traceback" not in err, err

@@ -1,4 +1,4 @@
-"""The soak benchmark's short form (benchmarks/soak.py; its recorded run is benchmarks/results/soak_cpu_short.json):
+"""The soak benchmark's short form (benchmarks/soak.py; its recorded run is benchmarks/results/soak_cpu.json):
 mixed traffic through `python -m deepinfer serve=openai` under a supervisor, with every fault of the schedule (idle
 connections at a 1024 open-file limit, oversized bodies, a grammar flood, the engine core stopped, then killed).
 Nothing is lost or hung, the server never crashes (it exits 1 only when its engine dies, and is restarted), invalid
@@ -32,3 +32,21 @@ def test_a_short_soak_loses_nothing_and_never_crashes(tmp_path):
     assert sum(summary["outcomes"].values()) == 90 and summary["outcomes"].get("completed", 0) > 0
     assert summary["server_starts"] >= 2 and all(e["code"] == 1 for e in summary["server_exits"])
     assert out.with_suffix(".png").exists()
+
+
+def test_the_plot_is_skipped_without_matplotlib_and_said_so(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert soak.plot([], {"faults": [], "rss_series": []}, tmp_path / "x.png") is False
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_only_exit_1_after_a_core_fault_is_an_expected_server_exit():
+    line = "deepinfer: error: the engine stopped (the engine core process (pid 7) exited with code -9); ..."
+    faults = [{"fault": "sigkill", "t": 100.0}, {"fault": "idle_connections", "t": 10.0}]
+    exits = [{"t": 101.0, "code": 1, "last_line": line},  # the core's death, restarted: expected
+             {"t": 12.0, "code": 1, "last_line": "OSError: [Errno 24] Too many open files"},  # EMFILE: a crash
+             {"t": 300.0, "code": 1, "last_line": line},  # long after any core fault: a crash
+             {"t": 102.0, "code": -11, "last_line": line}]
+    assert [e["expected"] for e in soak.classify_exits(exits, faults)] == [True, False, False, False]

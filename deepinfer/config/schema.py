@@ -322,6 +322,12 @@ class SamplingDefaults:
     xgrammar_cache_limit_bytes: int = setting(1 << 30, allowed=up_to(0, MAX_CACHE_BYTES))
     # a JSON schema larger than this many bytes ends its request at once (sampling/grammar.py)
     xgrammar_max_schema_bytes: int = setting(1 << 20, allowed=up_to(1, MAX_CACHE_BYTES))
+    # ... or with more JSON values than this (each enum value, property schema, keyword value counts one)
+    xgrammar_max_schema_values: int = setting(32768, allowed=up_to(1, 1 << 30))
+    # heavy compilations (schemas over 16 KiB) run at once; one client runs at most this minus one (at least 1)
+    xgrammar_heavy_lanes: int = setting(2, allowed=up_to(1, 64))
+    # a server client's compilations waiting or running per lane; beyond: 429 (sampling/compile_queue.py)
+    xgrammar_max_per_client: int = setting(4, allowed=up_to(1, 1024))
 
     def params(self, **changes):
         """A SamplingParams from these defaults (grammar limits are engine-wide, not per request)."""

@@ -162,7 +162,8 @@ class EngineCore:
             # Compiles in the pool's threads; the scheduler prefills meanwhile but samples only once it is ready.
             request.grammar_pending = True
             requests = self.scheduler.requests
-            error = self.grammars.submit(msg.request_id, so_args, alive=lambda: msg.request_id in requests)
+            error = self.grammars.submit(msg.request_id, so_args, alive=lambda: msg.request_id in requests,
+                                         client=msg.client)
             if error is not None:
                 update = self.scheduler.fail(msg.request_id, error)
             elif self._sync_grammars:
@@ -244,7 +245,7 @@ class EngineCore:
             if req is None:
                 continue  # aborted while compiling
             if error is not None:
-                updates.append(self.scheduler.fail(rid, error))
+                updates.append(self.scheduler.fail(rid, str(error), busy=getattr(error, "busy", False)))
             else:
                 req.grammar_state, req.grammar_pending = state, False
         return updates

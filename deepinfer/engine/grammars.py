@@ -14,7 +14,7 @@ from typing import Any
 
 class GrammarCompilations:
     """so_args -> GrammarState, one Future per request. backend: the EngineBackend (tokenizer, vocab, EOS);
-    options: EngineOptions (xgrammar_timeout, xgrammar_cache_limit_bytes)."""
+    options: EngineOptions (xgrammar_*: timeout, cache limit, schema limits, lanes, per-client bound)."""
 
     def __init__(self, backend, options):
         self._backend = backend
@@ -22,9 +22,10 @@ class GrammarCompilations:
         self._pool = None
         self._pending: dict[int, Future] = {}
 
-    def submit(self, request_id: int, so_args: dict, alive=None) -> str | None:
+    def submit(self, request_id: int, so_args: dict, alive=None, client: str = "") -> str | None:
         """Starts compiling; returns why structured outputs are impossible here (no tokenizer), else None.
-        alive(): whether the request still exists (a compilation still queued for an aborted one is skipped)."""
+        alive(): whether the request still exists (a compilation still queued for an aborted one is skipped);
+        client: who sent the request (AddRequest.client), for the queue's fairness and per-client bound."""
         if self._pool is None:
             if self._backend.tokenizer is None or not hasattr(self._backend.tokenizer, "to_str"):
                 return "structured outputs need the model's tokenizers.Tokenizer, and this engine has none"
@@ -38,22 +39,25 @@ class GrammarCompilations:
                 cache_limit_bytes=self._options.xgrammar_cache_limit_bytes,
                 timeout_s=self._options.xgrammar_timeout,
                 max_schema_bytes=self._options.xgrammar_max_schema_bytes,
+                max_schema_values=self._options.xgrammar_max_schema_values,
+                heavy_lanes=self._options.xgrammar_heavy_lanes,
+                max_per_client=self._options.xgrammar_max_per_client,
             )
-        self._pending[request_id] = self._pool.submit(so_args, alive=alive)
+        self._pending[request_id] = self._pool.submit(so_args, alive=alive, client=client)
         return None
 
     @property
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def settle(self) -> list[tuple[int, Any, str | None]]:
-        """(request_id, GrammarState or None, error message or None) for every compilation that has ended."""
+    def settle(self) -> list[tuple[int, Any, BaseException | None]]:
+        """(request_id, GrammarState or None, the GrammarError or None) for every compilation that has ended."""
         done = []
         for rid, fut in list(self._pending.items()):
             if fut.done():
                 del self._pending[rid]
                 exc = fut.exception()
-                done.append((rid, None, str(exc)) if exc is not None else (rid, fut.result(), None))
+                done.append((rid, None, exc) if exc is not None else (rid, fut.result(), None))
         return done
 
     def wait(self, request_id: int) -> None:

@@ -45,6 +45,9 @@ class AddRequest(msgspec.Struct, frozen=True):
     # the prompt's images, in prompt order; prompt_ids hold each one's span (vocab+2, then vocab+1s)
     images: list[ImageInput] = msgspec.field(default_factory=list)
     cache_salt: Optional[str] = None  # prefix caching: only requests with the same salt share cached prefixes
+    # who sent it (the server: the client's address; "" for the offline API): grammar compilations are shared
+    # fairly between clients and bounded per client (sampling/compile_queue.py)
+    client: str = ""
 
 
 def request_error(msg) -> str | None:
@@ -84,6 +87,7 @@ class RequestUpdate(msgspec.Struct):
     queued_s: Optional[float] = None
     # prefix caching: prompt tokens found cached when the request was first admitted (sent with its first tokens)
     num_cached_tokens: int = 0
+    busy: bool = False  # the error is a refusal for load (retry later; HTTP 429), not about what the request asks
 
 
 def _kernel_stats() -> dict:
@@ -156,6 +160,7 @@ class WireRequest(msgspec.Struct, frozen=True):
     seed: Any
     images: Any = msgspec.field(default_factory=list)
     cache_salt: Any = None
+    client: Any = ""
 
 
 class Add(_Control, tag="add"):
@@ -213,7 +218,8 @@ HEARTBEAT = Heartbeat
 
 def to_wire(requests: list[AddRequest]) -> Add:
     """The frame for these requests; params go as their field dict (SamplingParams is a plain dataclass)."""
-    return Add([WireRequest(r.request_id, r.prompt_ids, _params_dict(r.params), r.seed, r.images, r.cache_salt)
+    return Add([WireRequest(r.request_id, r.prompt_ids, _params_dict(r.params), r.seed, r.images, r.cache_salt,
+                             r.client)
                 for r in requests])
 
 
@@ -249,4 +255,5 @@ def from_wire(req: WireRequest) -> AddRequest | RequestUpdate:
     params, error = params_from_dict(req.params)
     if error is not None:
         return RequestUpdate(req.request_id, finish_reason="error", error=error)
-    return AddRequest(req.request_id, ids, params, seed, images, req.cache_salt)
+    client = req.client if isinstance(req.client, str) else ""  # only a fairness tag: a bad one is no client
+    return AddRequest(req.request_id, ids, params, seed, images, req.cache_salt, client[:200])

@@ -134,13 +134,14 @@ class Scheduler:
         self._finish(req, "abort")
         return RequestUpdate(request_id, finish_reason="abort")
 
-    def fail(self, request_id: int, error: str) -> RequestUpdate | None:
-        """Ends one request with finish_reason="error" (e.g. its grammar did not compile); others go on."""
+    def fail(self, request_id: int, error: str, busy: bool = False) -> RequestUpdate | None:
+        """Ends one request with finish_reason="error" (e.g. its grammar did not compile); others go on. busy:
+        refused for load, not for what it asks (RequestUpdate.busy)."""
         req = self.requests.get(request_id)
         if req is None:
             return None
         self._finish(req, "error", error)
-        return RequestUpdate(request_id, finish_reason="error", error=error)
+        return RequestUpdate(request_id, finish_reason="error", error=error, busy=busy)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -46,6 +46,7 @@ class StreamOutput:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    busy: bool = False  # the error is a refusal for load (RequestUpdate.busy): retry later
 
 
 @dataclass
@@ -82,7 +83,8 @@ class EngineStream:
         prompt_lp = None
         if st.prompt_logprobs is not None and not self._prompt_lp_sent:
             prompt_lp, self._prompt_lp_sent = st.prompt_logprobs, True
-        return StreamOutput(new, text, count, st.finish_reason, st.error, logprobs, prompt_lp, st.num_cached_tokens)
+        return StreamOutput(new, text, count, st.finish_reason, st.error, logprobs, prompt_lp, st.num_cached_tokens,
+                            st.busy)
 
 
 class AsyncEngine:
@@ -139,11 +141,12 @@ class AsyncEngine:
         return streams[0]
 
     def submit_all(self, prompt_ids: list[int], params, images: list | None = None,
-                   cache_salt: str | None = None) -> list[EngineStream]:
+                   cache_salt: str | None = None, client: str = "") -> list[EngineStream]:
         """Queues the params.n samples of one prompt (the input processor's seed rule: sample i draws with
         child_seed(seed, i)); one stream per sample, or one that ends at once with "error". images: the
         messages.ImageInput of each image span in prompt_ids (already expanded: frontend/images.py). cache_salt:
-        the request's prefix-cache salt (InputProcessor.process)."""
+        the request's prefix-cache salt (InputProcessor.process). client: who sent it (AddRequest.client: grammar
+        compilations are shared fairly and bounded per client)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         streams = []
@@ -156,7 +159,7 @@ class AsyncEngine:
                 stream._news.set()
                 continue
             self._adds.append(AddRequest(st.engine_id, inp.prompt_ids, inp.params, inp.seed, inp.images,
-                                         inp.cache_salt))
+                                         inp.cache_salt, client))
         self._wake_loop()
         return streams
 

@@ -34,6 +34,7 @@ class RequestState:
         self.prompt_logprobs = None
         self.finish_reason: str | None = "error" if inp.error is not None else None
         self.error = inp.error
+        self.busy = False  # ended by a refusal for load (RequestUpdate.busy)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_cached_tokens = 0
         now = time.perf_counter()
         self.metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(inp.prompt_ids))
@@ -72,7 +73,7 @@ class RequestState:
                         break
                     checker.append(tok)
         if upd.finish_reason is not None:
-            self.finish_reason, self.error = upd.finish_reason, upd.error
+            self.finish_reason, self.error, self.busy = upd.finish_reason, upd.error, upd.busy
             self.metrics.finish_time = now
             if self._checker is not None and not self._checker.finished:
                 self._checker.flush()  # ended before its checker did: everything generated is text

@@ -3,9 +3,10 @@ turns a request's so_args into a ready GrammarState off the step loop.
 
 Why a pool with its own limits: xgrammar compiles in C++ and cannot be interrupted, so a pathological schema would
 stall whoever waits on it. The step loop never waits: it polls the Future, which settles either with a
-GrammarState or with a GrammarError (bad schema, too large or too deep, queue full, or no result within timeout_s
-of the compilation's start). Scheduling, the time bound and the containment of compilations that overrun are
-CompileQueue's (compile_queue.py, which also says why threads and not processes).
+GrammarState or with a GrammarError (bad schema, too large, too many values or too deep, its client or the queue
+at its bound, or no result within timeout_s of the compilation's start). Scheduling (lanes, fairness between
+clients), the time bound and the containment of compilations that overrun are CompileQueue's (compile_queue.py,
+which also says why threads and not processes).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from contextlib import AbstractContextManager
 
 import xgrammar as xgr
 
-from deepinfer.sampling.compile_queue import CompileQueue, QueueFull
+from deepinfer.sampling.compile_queue import ClientBusy, CompileQueue
 from deepinfer.sampling.grammar_state import GrammarState
 from deepinfer.sampling.json_schema_shim import rewrite_length_capped_strings
 from deepinfer.sampling.params import _validate_so_args
-from deepinfer.sampling.schema_limits import schema_size
+from deepinfer.sampling.schema_limits import limits_error
 from deepinfer.sampling.utf8_guard import Utf8Guard
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -29,11 +30,20 @@ DEFAULT_JSON_MAX_WHITESPACE = 32  # unbounded whitespace lets a weak model pad J
 # Schema text larger than this is refused before compiling: compile time and memory grow with it (a 100,000-value
 # enum, 1.4 MB, took 25 s and ~0.6 GB alone), so one request could otherwise hold a worker and memory for long.
 DEFAULT_MAX_SCHEMA_BYTES = 1 << 20
+# Bytes alone do not bound the cost: a 100,000-value enum of short strings fits in 1 MiB, and compile time grows
+# faster than the number of values (2-core VM, loaded: 20,000 values 8 s, 50,000 values 70 s). So the values of a
+# JSON schema (every enum value, property schema, keyword value: schema_limits.schema_values) are capped too.
+DEFAULT_MAX_SCHEMA_VALUES = 32768
 
 
 class GrammarError(Exception):
     """A request's grammar cannot be used (malformed schema, compile failure or timeout). The message is one line;
-    the engine ends only that request, with finish_reason="error" and this message."""
+    the engine ends only that request, with finish_reason="error" and this message. busy: refused for load (its
+    client or the queue at its bound), not for what it asks: the same request may be taken later (HTTP 429)."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
@@ -101,39 +111,42 @@ class GrammarCompilerPool(AbstractContextManager):
         json_max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE,
         max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES,
         max_queued: int = 64,
+        max_schema_values: int = DEFAULT_MAX_SCHEMA_VALUES,
+        heavy_lanes: int = 2,
+        max_per_client: int = 4,
     ):
         if timeout_s <= 0:
             raise ValueError(f"GrammarCompilerPool.timeout_s={timeout_s!r} is out of range; allowed: (0, inf)")
         self.timeout_s = timeout_s
         self.json_max_whitespace = json_max_whitespace
-        self.max_schema_bytes = max_schema_bytes
+        self.max_schema_bytes, self.max_schema_values = max_schema_bytes, max_schema_values
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=cache_limit_bytes)
         self._utf8_guard = Utf8Guard(info.decoded_vocab, info.vocab_size)
         self._queue = CompileQueue(
             timeout_s, lambda: GrammarError(f"grammar compilation timed out after {timeout_s:g} s"),
-            max_queued=max_queued,
+            max_queued=max_queued, heavy_lanes=heavy_lanes, max_per_client=max_per_client,
         )
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int, **kwargs) -> "GrammarCompilerPool":
         return cls(tokenizer_info(tokenizer, vocab_size, [eos_token_id]), **kwargs)
 
-    def submit(self, so_args: dict, alive=None) -> Future:
+    def submit(self, so_args: dict, alive=None, client: str = "") -> Future:
         """Starts compiling; never blocks and never raises (errors arrive through the Future). alive(): False once
-        the request is gone, so a compilation still waiting for its turn is skipped."""
+        the request is gone, so a compilation still waiting for its turn is skipped. client: who sent it (the
+        server's tag; "" for the offline API), for the queue's fairness and per-client bound."""
         try:
             _validate_so_args(so_args)
-            size = schema_size(so_args["schema"])
-            if size > self.max_schema_bytes:
-                raise GrammarError(
-                    f"so_args['schema'] is {size} bytes; allowed: at most {self.max_schema_bytes} bytes"
-                )
-            job = self._queue.submit(lambda: self._build_state(so_args), cost=size, alive=alive)
-        except (ValueError, GrammarError, QueueFull, RuntimeError) as error:  # RuntimeError: closed
+            size, too_large = limits_error(so_args, self.max_schema_bytes, self.max_schema_values)
+            if too_large is not None:
+                raise GrammarError(f"so_args['schema'] {too_large}")
+            job = self._queue.submit(lambda: self._build_state(so_args), cost=size, alive=alive, client=client)
+        except (ValueError, GrammarError, ClientBusy, RuntimeError) as error:  # RuntimeError: closed
             done: Future = Future()
             done.set_running_or_notify_cancel()
-            prefix = "grammar compilation queue is full: " if isinstance(error, QueueFull) else ""
-            done.set_exception(error if isinstance(error, GrammarError) else GrammarError(prefix + one_line(error)))
+            if isinstance(error, ClientBusy):
+                error = GrammarError(one_line(error), busy=True)
+            done.set_exception(error if isinstance(error, GrammarError) else GrammarError(one_line(error)))
             return done
         result: Future = Future()
         result.set_running_or_notify_cancel()

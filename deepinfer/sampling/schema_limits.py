@@ -3,8 +3,10 @@
 Why: a schema nested a few thousand levels deep makes every recursive walker (json.loads, pickle, json.dumps, the
 JSON-schema shim) raise RecursionError, which used to escape `generate()` and lose the whole call. The depth is
 therefore measured iteratively (no recursion) and, for schema text, by scanning brackets outside JSON strings,
-so the check itself can never recurse. The size limit (bytes of schema text) is the engine's
-(`GrammarCompilerPool.max_schema_bytes`): compile time and memory grow with it, and only the engine knows its budget.
+so the check itself can never recurse. The size limits are the engine's (`GrammarCompilerPool.max_schema_bytes`
+and `max_schema_values`): compile time and memory grow with the schema's bytes and, faster, with its number of
+values (a 100,000-value enum of short strings fits in 1 MiB), and only the engine knows its budget; the server
+checks the same limits first, to name the request's field.
 """
 
 from __future__ import annotations
@@ -66,3 +68,40 @@ def schema_size(schema) -> int:
 
     text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
     return len(text.encode("utf-8", "surrogatepass"))
+
+
+def schema_values(schema) -> int:
+    """JSON values in a JSON schema (dict, or its text): every object, array, string, number, bool and null
+    counts one, keys do not; so an enum of n values counts n + 1. Text that is not JSON counts 0 (the compiler
+    reports it). Call only after depth_error is None (the parse then cannot recurse too deep)."""
+    if isinstance(schema, str):
+        import json
+
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return 0
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
+
+
+def limits_error(so_args: dict, max_bytes: int, max_values: int) -> tuple[int, str | None]:
+    """(the schema's bytes, why it is too large to compile or None) for checked so_args: its bytes against
+    max_bytes, then (JSON schemas) its values against max_values."""
+    schema = so_args["schema"]
+    size = schema_size(schema)
+    if size > max_bytes:
+        return size, f"is {size} bytes; allowed: at most {max_bytes} bytes"
+    if so_args["schema_type"] == "json":
+        values = schema_values(schema)
+        if values > max_values:
+            return size, (f"has {values} values (each enum value, property schema and keyword value counts one); "
+                          f"allowed: at most {max_values}")
+    return size, None

@@ -137,7 +137,7 @@ def _handler(state: ServerState, endpoint: str):
                 raise
             except Exception as exc:  # the client's bytes, whatever the converter raised: never a 500
                 raise unconvertible(exc, endpoint) from None
-            runs = _submit(state, prepared)
+            runs = _submit(state, prepared, client_of(request))
             await _until_disconnect(request, _start_all(runs))
             headers = {"x-deepinfer-ignored-fields": ",".join(prepared.ignored)} if prepared.ignored else {}
             if prepared.stream:
@@ -160,11 +160,19 @@ def _handler(state: ServerState, endpoint: str):
     return handle
 
 
-def _submit(state: ServerState, prepared) -> list:
+def client_of(request: Request) -> str:
+    """Who a request is from, for the fair share of grammar compilations: the peer's address. Not the connection
+    (HTTP/1.1 runs one request at a time on it, so a client wanting more opens more) and not the API key (one per
+    server); behind a proxy every client is the proxy, and the per-client bound becomes a bound for all."""
+    return request.client.host if request.client is not None and request.client.host else "unknown"
+
+
+def _submit(state: ServerState, prepared, client: str = "unknown") -> list:
     """(RequestRun, Job) per engine request: every sample of every prompt, prompt-major."""
     runs = []
     for job in prepared.jobs:
-        for stream in state.engine.submit_all(job.prompt_ids, job.params, job.images, job.cache_salt):
+        for stream in state.engine.submit_all(job.prompt_ids, job.params, job.images, job.cache_salt,
+                                              client=client):
             processor = None
             if prepared.new_sample is not None:
                 processor, response = prepared.new_sample()

@@ -25,6 +25,7 @@ import deepseek_recipe as dr
 from deepinfer.engine.prefix_cache import cache_salt_error
 from deepinfer.frontend.images import ImagePrompts
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.schema_limits import limits_error
 from deepinfer.serving.body import check_prompt_chars
 from deepinfer.serving.constraints import ConstraintError, SpecialIds, after_thinking, so_args_for
 from deepinfer.serving.errors import HTTPError, bad_request, from_conversion
@@ -120,9 +121,17 @@ class Converter:
     not say; model_version: the deepseek_recipe version whose prompt format the loaded model reads."""
 
     def __init__(self, tokenizer, tokenizer_json: str, max_model_len: int, served_names, default_thinking: bool,
-                 model_version=dr.ModelVersion.DeepseekV41Flash, vision=None):
+                 model_version=dr.ModelVersion.DeepseekV41Flash, vision=None, schema_limits=None):
         """vision: the served model's VisionConfig (ModelCard.vision): image content parts become image spans;
-        None: they are refused with a 400."""
+        None: they are refused with a 400. schema_limits: (max bytes, max JSON values) of a structured-output
+        schema (sampling.xgrammar_max_schema_bytes / _values; None: the schema's defaults), checked here to name
+        the request's field; the engine checks them again."""
+        if schema_limits is None:
+            from deepinfer.config.schema import SamplingDefaults
+
+            d = SamplingDefaults()
+            schema_limits = (d.xgrammar_max_schema_bytes, d.xgrammar_max_schema_values)
+        self.max_schema_bytes, self.max_schema_values = schema_limits
         self.tokenizer = tokenizer
         self.images = ImagePrompts(vision)
         self.max_model_len = max_model_len
@@ -144,6 +153,33 @@ class Converter:
     def check_prompt_size(self, body: dict) -> None:
         """A 400 before tokenizing when the prompt has more characters than a prompt that fits can have."""
         check_prompt_chars(body, self.max_model_len, self.longest_token)
+
+    def check_schema(self, field: str, so_args: dict) -> None:
+        """A 400 naming `field` when its schema is over the engine's size limits (bytes, or JSON values: a
+        100,000-value enum of short strings fits in 1 MiB but would hold a compiler for minutes)."""
+        _, why = limits_error(so_args, self.max_schema_bytes, self.max_schema_values)
+        if why is not None:
+            raise bad_request(f"{field} {why}", field)
+
+    def _check_output_schemas(self, body: dict) -> None:
+        """The schemas a grammar would be compiled from, checked before the recipe renders them into the prompt:
+        response_format (chat), text.format (responses), output_config.format (messages), strict tools. Shapes
+        that are wrong are left to the protocol's own checks."""
+        for name, path in (("response_format", ("response_format", "json_schema", "schema")),
+                           ("text.format", ("text", "format", "schema")),
+                           ("output_config.format", ("output_config", "format", "schema"))):
+            node = body
+            for key in path:
+                node = node.get(key) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                self.check_schema(name, {"schema_type": "json", "schema": node})
+        tools = body.get("tools")
+        for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+            fn = tool.get("function", tool) if isinstance(tool, dict) else None
+            if isinstance(fn, dict) and fn.get("strict"):
+                schema = fn.get("parameters", fn.get("input_schema"))
+                if isinstance(schema, dict):
+                    self.check_schema(f"tools[{i}]", {"schema_type": "json", "schema": schema})
 
     def check_model(self, body: dict) -> str:
         """The request's model (the served name when it names none); 404 model_not_found for any other name."""
@@ -250,7 +286,9 @@ class Converter:
                     raise bad_request(f"{name} is not a JSON schema ({exc.msg})", name) from None
             if not isinstance(value, (dict, bool)):
                 raise bad_request(f"{name} must be a JSON schema (an object)", name)
-            return name, {"schema_type": "json", "schema": json.dumps(value)}
+            so = {"schema_type": "json", "schema": json.dumps(value)}
+            self.check_schema(name, so)
+            return name, so
         if kind == "json_object":
             import xgrammar as xgr
 
@@ -258,13 +296,16 @@ class Converter:
         if kind == "regex":
             if not isinstance(value, str):
                 raise bad_request(f"{name} must be a string (a regular expression)", name)
+            self.check_schema(name, {"schema_type": "regex", "schema": value})
             return name, {"schema_type": "regex", "schema": value}
         if kind == "grammar":
             if not isinstance(value, str):
                 raise bad_request(f"{name} must be a string (an EBNF grammar)", name)
+            self.check_schema(name, {"schema_type": "ebnf", "schema": value})
             return name, {"schema_type": "ebnf", "schema": value}
         if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
             raise bad_request(f"{name} must be a non-empty list of strings", name)
+        self.check_schema(name, {"schema_type": "json", "schema": value})  # the choices count as an enum's values
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
         return name, {"schema_type": "ebnf", "schema": f"root ::= {alternatives}"}
 
@@ -275,6 +316,7 @@ class Converter:
         model = self.check_model(body)
         body["model"] = model
         self.check_prompt_size(body)
+        self._check_output_schemas(body)
         ignored = self._ignored(endpoint, body)
         salt = _cache_salt(body.pop(CACHE_SALT, None))
         n, extras, guided = 1, {}, None
@@ -310,6 +352,11 @@ class Converter:
             max_tokens = conv.resolve_max_tokens(len(prompt_ids), self.max_model_len)
         except dr.ConversionError as exc:
             raise from_conversion(exc) from None
+        if constraint is not None and constraint.schema:  # before a strict tools' grammar is built from it
+            output_field = {"chat": "response_format", "responses": "text.format"}.get(endpoint, "output_config")
+            named = output_field if constraint.kind in ("json", "regex") else "tools"
+            self.check_schema(named, {"schema_type": "regex" if constraint.kind == "regex" else "json",
+                                      "schema": constraint.schema})
         try:
             so_args = so_args_for(constraint, thinking, self.ids)
             if guided is not None:

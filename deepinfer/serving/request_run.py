@@ -3,7 +3,8 @@ chunks.
 
 The HTTP status is decided before the first byte is sent: `start()` waits for the engine's first update (of every
 sample of every prompt of the request), and a request the engine refuses at once (prompt too long, more cache than the budget, a schema that does not compile)
-becomes a 400 with the engine's one-line message instead of a stream that starts and then fails.
+becomes a 400 with the engine's one-line message instead of a stream that starts and then fails (a 429 when the
+engine refused it for load: RequestUpdate.busy; a 503 when the engine died meanwhile).
 """
 
 from __future__ import annotations
@@ -44,7 +45,17 @@ class RequestRun:
         if self._first.finish_reason == "error" and not self._first.token_ids:
             self.metrics.on_finish("error", started=False)
             self.finish_reason = "error"
+            self._raise_if_engine_dead()
+            if self._first.busy:  # refused for load (a client's grammar compilations at their bound): retry later
+                raise HTTPError(429, self._first.error or "the engine is busy", "rate_limit_exceeded")
             raise HTTPError(400, self._first.error or "the engine refused the request")
+
+    def _raise_if_engine_dead(self) -> None:
+        """A request ended by the engine's death is the server's unavailability (503, as the admission check
+        answers), not the client's error (400) nor a failure of this request (500)."""
+        dead = getattr(self.engine, "dead", None)
+        if dead is not None:
+            raise HTTPError(503, f"the engine is not serving: {dead}", "service_unavailable")
 
     async def updates(self):
         """Yields the stream's outputs (deepinfer.frontend.StreamOutput) until the request ends; an engine failure
@@ -54,6 +65,7 @@ class RequestRun:
             if upd.finish_reason == "error":
                 self.finish_reason = "error"
                 self.metrics.on_finish("error", started=self._last_token_time is not None)
+                self._raise_if_engine_dead()
                 raise HTTPError(500, f"the request failed in the engine: {upd.error}", "server_error")
             if upd.finish_reason == "abort" and self.drain is not None and self.drain.expired:
                 self._observe(upd)

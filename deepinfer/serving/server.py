@@ -85,7 +85,9 @@ def converter_for(settings, tokenizer, max_model_len: int, vision=None):
 
     names, thinking = served_names(settings), default_thinking(settings)
     version = dr.ModelVersion.DeepseekV4Pro if "DeepSeek-V4-Pro" in names else dr.ModelVersion.DeepseekV41Flash
-    return Converter(tokenizer, tokenizer.to_str(), max_model_len, names, thinking, version, vision=vision)
+    limits = (settings.sampling.xgrammar_max_schema_bytes, settings.sampling.xgrammar_max_schema_values)
+    return Converter(tokenizer, tokenizer.to_str(), max_model_len, names, thinking, version, vision=vision,
+                     schema_limits=limits)
 
 
 def build_state(settings):
