@@ -126,8 +126,8 @@ def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
     T_, G, K = x.shape
     whole = weight.whole
     reason = why_not(x.reshape(T_, G * K)[:, :K], whole) if len(weight) == G else "groups differ from x's"
-    if reason is None and (whole.shape[1] != K or (whole.shape[0] // G) % 32):
-        reason = "group rows not whole 32-row scale blocks"
+    if reason is None and (whole.shape[1] != K or (whole.shape[0] // G) % BLOCK_N):
+        reason = f"group rows not a multiple of {BLOCK_N} (the kernel's row tile never spans two groups)"
     if reason is not None:
         return fall_back("grouped_linear", reason, torch_linear.grouped_linear, x, weight)
     R = whole.shape[0] // G

@@ -137,6 +137,23 @@ def test_the_grouped_projection_runs_every_group_in_one_launch_and_matches_the_g
             assert torch.equal(ops.grouped_linear(x[i:i + 1].clone(), groups)[0], got[i])
 
 
+def test_groups_the_kernel_cannot_tile_go_to_the_torch_op_counted():
+    """Row groups of 32 rows (whole scale blocks, but not whole 64-row tiles: a small model's wo_a) are a counted
+    fallback with the torch op's result, not a failed launch."""
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.registry import OpSet
+    from deepinfer.kernels.torch.linear import grouped_linear as reference
+
+    ops = OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]})
+    codes, scale, _ = fp8_blocks(4 * 32, 128, torch.Generator(device="cuda").manual_seed(3))
+    groups = Fp8BlockWeight(codes, scale).row_groups(4)
+    x = _x(3 * 4, 128, seed=3).view(3, 4, 128)
+    before = sum(registry.fallback_counts().get("grouped_linear", {}).values())
+    got = ops.grouped_linear(x, groups)
+    assert sum(registry.fallback_counts().get("grouped_linear", {}).values()) == before + 1
+    assert torch.equal(got, reference(x, groups))
+
+
 def test_registered_op_takes_the_kernel_for_fp8_and_counts_what_it_cannot_take(monkeypatch):
     from deepinfer.kernels import registry
     from deepinfer.kernels.registry import OpSet
