@@ -12,6 +12,7 @@ block be handed to another request in the very next plan (the step still using i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -311,8 +312,9 @@ class ModelRunner:
                 self._graph_step = out is not None
                 return out
 
-            def eager():
-                return stage(batch) if self.cp is None or decoding else stage(batch, cp=self.cp)
+            # a partial, not a closure: no frame of its own between the step and the model
+            eager = functools.partial(stage, batch) if self.cp is None or decoding else \
+                functools.partial(stage, batch, cp=self.cp)
 
             if self._ep is not None:
                 logits = self._ep_forward(sum(len(t) for t in token_lists), key, replay, eager)
