@@ -31,7 +31,8 @@ from .moe_router_kernel import SCORES, build_router_logits, build_router_topk
 
 INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-invariant mode
 PREP_KERNEL_ASSIGNMENTS = 2048  # routing tables of more (token, expert) pairs are built by torch's sorts
-SHARED_DENSE_TOKENS = 1024  # tokens from which the shared expert runs dequantised through cuBLAS (linear.py's PREFILL_ROWS)
+# tokens from which the shared expert runs dequantised through cuBLAS (as linear.py's projections from PREFILL_ROWS)
+SHARED_DENSE_TOKENS = 1024
 
 
 # ---------------------------------------------------------------------------------------------- router
