@@ -162,11 +162,13 @@ def fill_step(model, batch, gen, chunk: int = 32768, banks: dict | None = None) 
     return torch.randn(n, model.config.vocab_size, generator=gen, device=dev)
 
 
-def engine_backend(model, fill: bool, seed: int = 0, replay=None):
+def engine_backend(model, fill: bool, seed: int = 0, replay=None, same_fill: bool = False):
     """The engine's backend for `model`: the plain one (real prefill and decode), or with `fill` the benchmark's
     (prefill = fill_step, decode = the model). Built from backend_from_model so every other field the runner uses
     (e.g. for CUDA graphs) is the real one. `replay`: the YOCO replay stage (models/replay.py BoundedReplay), which
-    the engine's runner applies to prefill steps as it does the pipeline's (yoco=mask|compact); None: yoco=off."""
+    the engine's runner applies to prefill steps as it does the pipeline's (yoco=mask|compact); None: yoco=off.
+    `same_fill`: every fill starts from `seed` again (bank and draws), so a later generate of the same prompts, all
+    in one prefill step, finds the same context (dspark_gpu.py replays the target's continuation as drafts)."""
     from deepinfer.engine.backend import backend_from_model
     from deepinfer.kernels.registry import batch_invariant
 
@@ -176,7 +178,14 @@ def engine_backend(model, fill: bool, seed: int = 0, replay=None):
     if fill:
         gen = torch.Generator(model.device).manual_seed(seed)
         banks: dict = {}
-        backend = dataclasses.replace(backend, prefill=lambda batch: fill_step(model, batch, gen, banks=banks))
+
+        def prefill(batch):
+            if same_fill:
+                gen.manual_seed(seed)
+                banks.clear()
+            return fill_step(model, batch, gen, banks=banks)
+
+        backend = dataclasses.replace(backend, prefill=prefill)
     return backend
 
 
@@ -203,10 +212,10 @@ class StepTap:
 
 def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: int, graphs: bool, interval: int,
                 batched_tokens: int, zero_overhead: bool = True, block_size: int = 64, num_draft: int = 0,
-                seed: int = 0, replay=None):
+                seed: int = 0, replay=None, same_fill: bool = False):
     """An in-process engine (the model is built once per run and shared) with pools for max_seqs sequences of
     context + max_tokens tokens: cache.memory_budget set from the pools' own layout. `num_draft`: DSpark drafts
-    verified per step (0: plain decoding). `replay`: YOCO's replay stage (engine_backend)."""
+    verified per step (0: plain decoding). `replay`, `same_fill`: engine_backend's."""
     from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions
     from deepinfer.frontend import LLMEngine
@@ -216,7 +225,7 @@ def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: i
     max_len = context + max_tokens + block_size
     blocks = math.ceil(max_len / block_size)
     budget = int(max_seqs * (layout.slot_bytes() + blocks * layout.block_bytes()) * 1.01) + (1 << 20)
-    backend = engine_backend(model, fill, seed, replay)
+    backend = engine_backend(model, fill, seed, replay, same_fill)
     opts = EngineOptions.for_settings(Settings(), max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens,
                                       max_model_len=max_len, memory_budget=budget, block_size=block_size,
                                       process="inproc", zero_overhead_scheduling=zero_overhead,
@@ -383,10 +392,11 @@ def prefill_row(tokens, chunk, steps, error, fallbacks, roof):
 
 
 # ---- model ------------------------------------------------------------------------------------------------------
-def build(model_name: str, device: str, backends, batch_invariant: bool = False):
+def build(model_name: str, device: str, backends, batch_invariant: bool = False, overrides: dict | None = None):
     """`flash` (synthetic FLASH_REDUCED, 6 layers, bf16), `flash40` (synthetic FLASH_FULL: the released 40-layer
     pattern, layers of one kind sharing weights; the roofline is the released model's) or `tiny` (the embedded
-    checkpoint; the CPU test's model)."""
+    checkpoint, with its draft layers; the CPU test's model). `overrides`: config fields for the synthetic models
+    (e.g. synthetic.DSPARK_FLASH: the draft layers)."""
     if model_name == "tiny":
         from deepinfer.embedded import materialize
         from deepinfer.models import load_model
@@ -396,8 +406,8 @@ def build(model_name: str, device: str, backends, batch_invariant: bool = False)
                           batch_invariant=batch_invariant)
     from deepinfer.models import synthetic
 
-    return synthetic.build_model(synthetic.config(full_depth=model_name == "flash40"), device, torch.bfloat16,
-                                 backends=backends, batch_invariant=batch_invariant)
+    cfg = synthetic.config(overrides, full_depth=model_name == "flash40")
+    return synthetic.build_model(cfg, device, torch.bfloat16, backends=backends, batch_invariant=batch_invariant)
 
 
 def ceilings(device: str, roofline):

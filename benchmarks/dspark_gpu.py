@@ -1,24 +1,38 @@
 #!/usr/bin/env python3
-"""DSpark speculative decoding through the real engine: decode tokens/s per user with drafts always accepted
-(copying the target), with drafts (almost) never accepted (the random draft layers), and without drafts, at
-batch 1 and 64, on the V4.1-Flash-width synthetic model of decode_gpu.py with V4.1-Flash's three draft layers.
+"""DSpark speculative decoding through the real engine at a controlled acceptance: per-user speed-up over plain
+decoding against the mean accepted length, at batch 1, 8 and 64, on the V4.1-Flash-width synthetic models of
+decode_gpu.py (`flash`: 6 layers, `flash40`: the released 40-layer pattern) with V4.1-Flash's three draft layers.
 
     source benchmarks/gpu_env.sh
-    python3 benchmarks/dspark_gpu.py --out $OUT/dspark_gpu.json
+    for m in flash flash40; do python3 benchmarks/dspark_gpu.py --model $m --out $OUT/dspark_gpu_${m}_h200.json; done
+    # the JSON copied into benchmarks/results/: the docs table and the Pareto PNG from it (no GPU)
+    python3 benchmarks/dspark_gpu.py --render benchmarks/results/dspark_gpu_flash_h200.json \\
+        benchmarks/results/dspark_gpu_flash40_h200.json --plot benchmarks/results/dspark_gpu_h200.png \\
+        --docs docs/dspark.md
 
-Variants per batch (each its own engine over the same model, the same seed: identical filled contexts):
-  plain   decoding=plain: one token per step.
-  random  decoding=dspark, 5 drafts: the synthetic draft layers' own guesses (random weights: ~0% accepted), so
-          the step pays drafting + verifying 6 tokens per request and gains ~nothing: the overhead.
-  copy    decoding=dspark, 5 drafts replaced (runner.draft_override, after the drafter ran, so its cost is in the
-          step) by the target's own continuation recorded by `random` (whose tokens are the target's by
-          losslessness): every draft the target re-derives the same way is accepted: the speed-up.
-tokens/s per user = (1 + mean accepted drafts per verifying request) / median step time; a step = forward +
-verification + drafting. Context: decode_gpu.py's filled context (random valid cache codes, the draft layers'
-rings too), 4096 tokens. CUDA graphs on (verification steps replay graphs keyed by batch, blocks and 6 tokens).
+Per batch, two engines over the same model (context filled with decode_gpu.py's random valid cache codes, not
+prefilled; greedy; CUDA graphs on; --drafts 5 drafts verified per request and step):
+  plain    decoding=plain, one token per step.
+  j = 0    decoding=dspark, the synthetic draft layers' own guesses (random weights: ~nothing accepted). Its output,
+           the target's own greedy continuation (DSpark is lossless), is the reference of the rows below; it runs
+           long enough to cover them.
+  j >= 1   the same engine (`same_fill`: the same context again), drafts replaced after the drafter ran (the
+           runner's draft_override; the drafter's cost stays in the step): the first j are the reference's next
+           tokens (accepted), the (j+1)-th a token the target does not pick there (rejected), so every verification
+           accepts exactly j drafts: a mean accepted length of 1 + j tokens per step.
+mean accepted length = the engine's own counters over the timed steps (engine.metrics.speculative_summary: 1 +
+accepted drafts per verification), not the intended 1 + j. tok/s per user = that / median step time (forward +
+verification + drafting, the engine's device interval); speed-up = DSpark tok/s per user over plain's, same batch,
+context and run. The `targets` at a mean accepted length of 3.0 take the speed-up linearly interpolated in the
+measured length between the two measured rows around 3.0 (the default j = 2 measures it directly).
 
-Exit status non-zero when a variant did not run as asked (a timed step that did not replay a graph, an error, a
-TileLang kernel falling back to torch, copy's acceptance below 90% or random's above 10%); rows are written first.
+Exit status 1 when a row did not run as asked (a timed step that did not replay a CUDA graph, for the forward or
+for the drafting; a TileLang call falling back to torch; an error; fewer timed steps than asked; a measured mean
+accepted length more than --tolerance from 1 + j); every row is written first. Exit 2: bad arguments.
+
+Budget (H200, defaults: j in 0 1 2 3 5, 2 + 6 decode steps a row, context 4096): per batch ~110 decode steps of
+which ~60 are j=0's (the reference must cover j=5's 6 tokens a step); flash40 at B=64 ~0.25 s a step. Estimated
+~2 min for flash (TileLang JIT cold) and ~1.5 min for flash40 (the JIT cache warm from the first), under 4 min.
 """
 
 from __future__ import annotations
@@ -26,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import re
 import statistics
 import sys
 import time
@@ -36,114 +52,354 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from decode_gpu import STRICT_KINDS, StepTap, _fallback_delta, make_engine, portable_json  # noqa: E402
+from decode_gpu import STRICT_KINDS, _fallback_delta, build, make_engine, portable_json  # noqa: E402
+
+FILLED_NOTE = "decode context filled with random valid cache codes (decode_gpu.py fill), not prefilled"
+MODEL_NAMES = {"flash": "6-layer Flash", "flash40": "40-layer Flash", "tiny": "tiny-random"}
+KEY_PREFIX = 32  # prompt tokens that name a request's reference (random prompts: checked distinct)
+# issue 21's DSpark targets: per-user speed-up at a mean accepted length of 3.0 (B=1, B=64); the step at zero
+# acceptance over a plain step (B=1)
+LENGTH_AT = 3.0
+SPEEDUP_TARGETS = {1: 2.2, 64: 1.5}
+ZERO_STEP_TARGET = 1.25
 
 
-def run_variant(model, name: str, batch: int, context: int, steps: int, warmup: int, reference=None):
+def controlled(j: int, reference: dict, vocab: int):
+    """draft_override: the first j drafts the reference's next tokens, the (j+1)-th one it does not have there (so
+    greedy verification stops after exactly j), the rest the drafter's own guesses."""
+    def override(ids, num_prompt, guesses):
+        ref = reference[tuple(ids[:KEY_PREFIX])]
+        done = len(ids) - num_prompt
+        out = list(guesses)
+        for i in range(min(j + 1, len(out))):
+            if done + i < len(ref):
+                t = ref[done + i]
+                out[i] = t if i < j else (t + 1) % vocab
+        return out
+
+    return override
+
+
+def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int):
+    """One generate of `prompts`: (outputs, timed decode steps of all rows after `warmup`, fallbacks, seconds)."""
     from deepinfer import SamplingParams
     from deepinfer.kernels.registry import kernel_stats
 
-    drafts = 0 if name == "plain" else 5
-    per_step = 1 + drafts
-    max_tokens = per_step * (warmup + steps) + 1
-    engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=context, max_tokens=max_tokens,
-                                 graphs=True, interval=8, batched_tokens=max(batch * context, 8192),
-                                 num_draft=drafts, seed=1)
-    g = torch.Generator().manual_seed(batch * 7919 + context)
-    prompts = torch.randint(3, 500, (batch, context), generator=g).tolist()
-    if name == "copy":
-        want = {tuple(p): out for p, out in zip(prompts, reference)}
-
-        def copy(ids, num_prompt, guesses):
-            out = want[tuple(ids[:num_prompt])]
-            done = len(ids) - num_prompt
-            return (out[done:] + [0] * len(guesses))[: len(guesses)]
-
-        engine.client.core.runner.draft_override = copy
+    t0 = time.time()
     before = kernel_stats()["fallbacks"]
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    try:
-        outs = engine.generate(prompts, sp, use_tqdm=False)
-    finally:
-        engine.close()
-    fallbacks = {k: v for k, v in _fallback_delta(before, kernel_stats()["fallbacks"]).items() if k in STRICT_KINDS}
-    all_steps = tap.take()
-    decode = [s for s in all_steps if s.num_prefill_tokens == 0 and s.num_rows == batch]
-    timed = decode[warmup: warmup + steps]
-    ms = statistics.median((s.device_end - s.device_start) * 1e3 for s in timed) if timed else float("nan")
-    lengths = [m for s in timed for m in s.accepted_lengths]
-    gained = 1 + (sum(lengths) / len(lengths) if lengths else 0.0)
-    drafted = sum(s.num_draft_tokens for s in all_steps)
-    accepted = sum(s.num_accepted_tokens for s in all_steps)
-    row = dict(variant=name, batch=batch, context=context, step_ms=ms, tokens_per_step_per_user=gained,
-               tok_s_per_user=gained * 1e3 / ms, tok_s_total=batch * gained * 1e3 / ms,
-               acceptance=accepted / drafted if drafted else None, drafted=drafted, accepted=accepted,
-               timed_steps=len(timed), graph_steps=sum(s.graph for s in timed),
-               draft_graph_steps=sum(s.draft_graph for s in timed), fallbacks=fallbacks,
-               errors=[o.error for o in outs if o.finish_reason == "error"])
-    return row, [o.token_ids for o in outs]
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                           use_tqdm=False)
+    fallbacks = _fallback_delta(before, kernel_stats()["fallbacks"])
+    decode = [s for s in tap.take() if s.num_prefill_tokens == 0 and s.num_rows == len(prompts)]
+    return outs, decode[warmup: warmup + steps], fallbacks, time.time() - t0
 
 
-def check(row) -> list[str]:
+def make_row(model, batch, context, j, outs, timed, fallbacks, seconds, engine) -> dict:
+    from deepinfer.engine.metrics import speculative_summary
+
+    dur = [s.device_end - s.device_start for s in timed]
+    ms = statistics.median(dur) * 1e3 if dur else float("nan")
+    spec = speculative_summary(timed) if j is not None else None
+    length = spec["mean_accepted_length"] if spec else (1.0 if j is None else float("nan"))
+    whole = (engine.last_metrics or {}).get("speculative") if j is not None else None
+    return dict(model=model, variant="plain" if j is None else "dspark", drafts_accepted=j, batch=batch,
+                context=context, step_ms=ms, step_ms_min=min(dur) * 1e3 if dur else None,
+                mean_accepted_length=length, intended_length=None if j is None else 1 + j,
+                acceptance=spec["acceptance_rate"] if spec else None,
+                verifications=spec["verifications"] if spec else 0, histogram=spec["histogram"] if spec else None,
+                run_mean_accepted_length=whole["mean_accepted_length"] if whole else None,
+                tok_s_per_user=length * 1e3 / ms, tok_s_total=batch * length * 1e3 / ms, timed_steps=len(timed),
+                graph_steps=sum(s.graph for s in timed), draft_graph_steps=sum(s.draft_graph for s in timed),
+                fallbacks=fallbacks, errors=[o.error for o in outs if o.finish_reason == "error"][:3], run_s=seconds)
+
+
+def check(row, steps: int, on_cuda: bool, tolerance: float) -> list[str]:
+    """Why this row is not what it claims to be (empty: it is)."""
+    j = row["drafts_accepted"]
+    tag = f"{row['model']} B={row['batch']} " + ("plain" if j is None else f"j={j}")
     bad = []
-    tag = f"{row['variant']} B={row['batch']}"
-    if row["timed_steps"] == 0 or row["graph_steps"] != row["timed_steps"]:
+    if row["errors"]:
+        bad.append(f"{tag}: requests ended with errors {row['errors']}")
+    if row["timed_steps"] < steps:
+        bad.append(f"{tag}: {row['timed_steps']} timed decode steps of {row['batch']} rows, wanted {steps}")
+    if on_cuda and row["graph_steps"] != row["timed_steps"]:
         bad.append(f"{tag}: {row['graph_steps']} of {row['timed_steps']} timed steps replayed a CUDA graph")
-    if row["variant"] != "plain" and row["draft_graph_steps"] != row["timed_steps"]:
+    if on_cuda and j is not None and row["draft_graph_steps"] != row["timed_steps"]:
         bad.append(f"{tag}: drafting replayed a CUDA graph in {row['draft_graph_steps']} of {row['timed_steps']} "
                    f"timed steps")
-    if row["errors"]:
-        bad.append(f"{tag}: errors {row['errors'][:2]}")
-    if row["fallbacks"]:
-        bad.append(f"{tag}: TileLang calls fell back to torch {row['fallbacks']}")
-    if row["variant"] == "copy" and (row["acceptance"] or 0) < 0.9:
-        bad.append(f"{tag}: acceptance {row['acceptance']:.1%} < 90% with copied drafts")
-    if row["variant"] == "random" and (row["acceptance"] or 0) > 0.1:
-        bad.append(f"{tag}: acceptance {row['acceptance']:.1%} > 10% with random draft layers")
+    strict = {k: v for k, v in row["fallbacks"].items() if k in STRICT_KINDS}
+    if on_cuda and strict:
+        bad.append(f"{tag}: TileLang calls fell back to torch {strict}")
+    if j is not None and not abs(row["mean_accepted_length"] - (1 + j)) <= tolerance:
+        bad.append(f"{tag}: measured mean accepted length {row['mean_accepted_length']:.3f}, intended {1 + j} "
+                   f"(tolerance {tolerance})")
     return bad
 
 
-def main(argv=None) -> int:
+def relate(rows: list[dict]) -> None:
+    """speedup_vs_plain (tok/s per user) and step_vs_plain (step time) of every DSpark row, from its batch's plain."""
+    for r in rows:
+        plain = next((p for p in rows if p["variant"] == "plain" and p["batch"] == r["batch"]
+                      and p["model"] == r["model"]), None)
+        if plain is not None:
+            r["speedup_vs_plain"] = r["tok_s_per_user"] / plain["tok_s_per_user"]
+            r["step_vs_plain"] = r["step_ms"] / plain["step_ms"]
+
+
+def interpolate(points, x: float):
+    """(y at x, how): linear between the measured (x, y) around x; (None, why) outside them."""
+    pts = sorted(points, key=lambda p: p[0])
+    for x0, y0, j0 in pts:
+        if x0 == x:
+            return y0, f"measured at j={j0}"
+    for (x0, y0, j0), (x1, y1, j1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            return y, f"linear in the measured length between j={j0} ({x0:.2f}) and j={j1} ({x1:.2f})"
+    return None, f"no measured lengths around {x} (measured: {[round(p[0], 2) for p in pts]})"
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The JSON's `targets` (issue 21), one per target this run's rows measure, per model."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["variant"] == "dspark" and "speedup_vs_plain" in r]
+        for batch, want in SPEEDUP_TARGETS.items():
+            pts = [(r["mean_accepted_length"], r["speedup_vs_plain"], r["drafts_accepted"]) for r in mine
+                   if r["batch"] == batch and r["mean_accepted_length"] == r["mean_accepted_length"]]
+            if pts:
+                got, how = interpolate(pts, LENGTH_AT)
+                out.append(dict(name=f"{model}: DSpark tok/s per user over plain at a mean accepted length of "
+                                     f"{LENGTH_AT}, B={batch}", measured=None if got is None else round(got, 3),
+                                target=want, unit="x", met=got is not None and got >= want, how=how))
+        zero = next((r for r in mine if r["batch"] == 1 and r["drafts_accepted"] == 0), None)
+        if zero is not None:
+            got = round(zero["step_vs_plain"], 3)
+            out.append(dict(name=f"{model}: DSpark step at zero acceptance over a plain step, B=1", measured=got,
+                            target=ZERO_STEP_TARGET, unit="x", met=got <= ZERO_STEP_TARGET))
+    return out
+
+
+# ---- reading results back: the docs table and the Pareto plot -------------------------------------------------
+def load(path: str) -> dict:
+    """A result file; one of the first runs' format (variants plain / random / copy, 6-layer model, 5 drafts) is
+    read as this one's: random = j 0 (the draft layers' own guesses), copy = j 5 (every draft the target's)."""
+    data = json.loads(Path(path).read_text())
+    rows = data["rows"]
+    if rows and "drafts_accepted" not in rows[0]:
+        model = data["meta"].get("model", "flash")
+        rows = [dict(r, model=model, drafts_accepted={"plain": None, "random": 0, "copy": 5}[r["variant"]],
+                     variant="plain" if r["variant"] == "plain" else "dspark",
+                     mean_accepted_length=r["tokens_per_step_per_user"]) for r in rows]
+        relate(rows)
+        data = dict(data, rows=rows, targets=targets(rows))
+    return data
+
+
+def markdown(datas: list[dict]) -> str:
+    """The docs table of one or more result files, with their targets."""
+    lines = ["| model | batch | drafts accepted | mean accepted length | step ms | tok/s per user | total tok/s "
+             "| vs plain per user | step vs plain |", "|---|---|---|---|---|---|---|---|---|"]
+    for data in datas:
+        for r in sorted(data["rows"], key=lambda r: (r["batch"], -1 if r["drafts_accepted"] is None
+                                                      else r["drafts_accepted"])):
+            j = r["drafts_accepted"]
+            plain = j is None
+            lines.append(
+                f"| {MODEL_NAMES.get(r['model'], r['model'])} | {r['batch']} | {'plain' if plain else j} | "
+                f"{r['mean_accepted_length']:.2f} | {r['step_ms']:.2f} | {r['tok_s_per_user']:.1f} | "
+                f"{r['batch'] * r['tok_s_per_user']:.0f} | "
+                + ("1.00× | 1.00× |" if plain else "– | – |" if "speedup_vs_plain" not in r  # no plain row
+                   else f"{r['speedup_vs_plain']:.2f}× | {r['step_vs_plain']:.2f}× |"))
+    lines.append("")
+    for data in datas:
+        for t in data.get("targets") or []:
+            got = "not measured" if t["measured"] is None else f"{t['measured']:.2f}×"
+            sign = "≤" if t["name"].endswith("plain step, B=1") else "≥"
+            how = f" ({t['how']})" if t.get("how") else ""
+            lines.append(f"- {t['name']}: {got}, target {sign} {t['target']}× — "
+                         f"{'met' if t['met'] else 'missed'}{how}")
+    return "\n".join(lines)
+
+
+DOCS_BEGIN = re.compile(r"<!-- dspark_gpu\.py --render (.+?) -->\n")
+DOCS_END = "<!-- end of the dspark_gpu.py table -->"
+
+
+def docs_block(text: str) -> tuple[int, int, list[str]]:
+    """(start, end, files) of the generated block in a docs page: between its two marker lines."""
+    m = DOCS_BEGIN.search(text)
+    end = text.find(DOCS_END, m.end() if m else 0)
+    if m is None or end < 0:
+        raise SystemExit(f"dspark_gpu: no '<!-- dspark_gpu.py --render FILES -->' ... '{DOCS_END}' block")
+    return m.end(), end, m.group(1).split()
+
+
+def write_docs(page: str, paths: list[str]) -> None:
+    text = Path(page).read_text()
+    start, end, _ = docs_block(text)
+    head = text[:start].rsplit("<!--", 1)[0]
+    block = f"<!-- dspark_gpu.py --render {' '.join(paths)} -->\n{markdown([load(p) for p in paths])}\n"
+    Path(page).write_text(head + block + text[end:])
+
+
+def plot(datas: list[dict], path: str) -> bool:
+    """Pareto per model: total tok/s vs tok/s per user over the batches, plain and DSpark at each j."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written ({path}); --render the JSON where it is", flush=True)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, len(datas), figsize=(7 * len(datas), 5.5), squeeze=False)
+    for ax, data in zip(axes[0], datas):
+        rows = data["rows"]
+        model = rows[0]["model"] if rows else "?"
+        for j in sorted({r["drafts_accepted"] for r in rows}, key=lambda j: -1 if j is None else j):
+            pts = sorted((r["tok_s_per_user"], r["batch"] * r["tok_s_per_user"], r["batch"],
+                          r["mean_accepted_length"]) for r in rows if r["drafts_accepted"] == j)
+            label = "plain" if j is None else f"DSpark, {j} accepted (length {statistics.mean(p[3] for p in pts):.2f})"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "ko-" if j is None else "o--", label=label)
+            for x, y, b, _ in pts:
+                ax.annotate(f"B={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # log minor labels overlap
+        ax.set_xlabel("tokens/s per user (decode)")
+        ax.set_ylabel("total decode tokens/s")
+        ctx = rows[0]["context"] if rows else 0
+        mode = "CUDA graphs" if data["meta"].get("graphs", True) else "eager"  # the first runs: graphs
+        ax.set_title(f"DSpark vs plain, {MODEL_NAMES.get(model, model)}, {data['meta'].get('gpu', '')}\n"
+                     f"context {ctx} (filled), {mode}, greedy")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/dspark_gpu.json")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--model", choices=tuple(MODEL_NAMES), default="flash")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--drafts", type=int, default=5, help="drafts verified per request and step")
+    ap.add_argument("--accepted", type=int, nargs="+", default=[0, 1, 2, 3, 5],
+                    help="j: drafts accepted per verification (0 runs first: its output is the reference)")
+    ap.add_argument("--steps", type=int, default=6, help="timed decode steps per row")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (JIT, graph capture)")
+    ap.add_argument("--tolerance", type=float, default=0.05, help="measured vs intended mean accepted length")
+    ap.add_argument("--plot", default=None, help="Pareto PNG: total tok/s vs tok/s per user")
+    ap.add_argument("--render", nargs="+", default=None,
+                    help="only read these result files: --plot and --docs from them, the table printed (no GPU)")
+    ap.add_argument("--docs", default=None, help="with --render: rewrite this page's generated table block")
     a = ap.parse_args(argv)
+    if a.docs and not a.render:
+        ap.error("--docs: needs --render FILES (the table is written from recorded results)")
+    if a.drafts < 1:
+        ap.error(f"--drafts: {a.drafts}; allowed: 1 or more")
+    if 0 not in a.accepted or any(not 0 <= j <= a.drafts for j in a.accepted):
+        ap.error(f"--accepted: {a.accepted}; allowed: 0..{a.drafts} (--drafts), 0 included (the reference run)")
+    if any(b < 1 for b in a.batches) or a.context < 1 or a.steps < 1 or a.warmup < 0:
+        ap.error("--batches, --context, --steps: 1 or more; --warmup: 0 or more")
+    a.accepted = sorted(set(a.accepted))
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.render:
+        datas = [load(p) for p in a.render]
+        print(markdown(datas))
+        if a.plot and plot(datas, a.plot):
+            print("wrote", a.plot)
+        if a.docs:
+            write_docs(a.docs, a.render)
+            print("wrote the table of", a.docs)
+        return 0
+    from deepinfer.kernels.registry import kernel_stats
     from deepinfer.models import synthetic
 
-    t0 = time.time()
-    model = synthetic.build_model(synthetic.config(synthetic.DSPARK_FLASH), "cuda", torch.bfloat16,
-                                  backends={"default": ["tilelang-sm90", "torch"]})
-    print(f"model built in {time.time() - t0:.0f} s (drafter: {model.drafter.num_layers} layers)", flush=True)
+    t_start = time.time()
+    on_cuda = a.device.startswith("cuda")
+    prefs = {"default": ["tilelang-sm90", "torch"]} if on_cuda else ["torch"]
+    model = build(a.model, a.device, prefs, overrides=synthetic.DSPARK_FLASH)
+    if getattr(model, "drafter", None) is None:
+        raise SystemExit(f"dspark_gpu: model {a.model} has no draft layers")
+    vocab = model.config.vocab_size
+    print(f"model {a.model} built in {time.time() - t_start:.0f} s (drafter: {model.drafter.num_layers} layers)",
+          flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu", torch=torch.__version__,
+                model=a.model, cmd=" ".join(sys.argv), time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                drafts=a.drafts, accepted=a.accepted, steps=a.steps, warmup=a.warmup, tolerance=a.tolerance,
+                graphs=on_cuda, note=FILLED_NOTE)
     rows, failures = [], []
+    per_run = a.warmup + a.steps
+
+    def flush():
+        relate(rows)
+        meta.update(kernels=kernel_stats(), wall_s=time.time() - t_start)
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        Path(a.out).write_text(portable_json(dict(meta=meta, targets=targets(rows), rows=rows, failures=failures)))
+
+    def record(row):
+        rows.append(row)
+        bad = check(row, a.steps, on_cuda, a.tolerance)
+        failures.extend(bad)
+        j = row["drafts_accepted"]
+        print(f"{a.model} B={row['batch']:<3} {'plain' if j is None else f'j={j}':<6} step {row['step_ms']:8.2f} ms, "
+              f"length {row['mean_accepted_length']:.3f}, {row['tok_s_per_user']:8.1f} tok/s/user, "
+              f"{row['tok_s_total']:8.0f} tok/s, graphs {row['graph_steps']}/{row['timed_steps']}, "
+              f"{row['run_s']:.1f} s" + ("  FAILED: " + "; ".join(bad) if bad else ""), flush=True)
+        flush()
+
     for batch in a.batches:
-        for name in ("plain", "random", "copy"):
-            ref = rows[-1]["_outputs"] if name == "copy" else None
-            row, outputs = run_variant(model, name, batch, a.context, a.steps, a.warmup, ref)
-            row["_outputs"] = outputs
-            rows.append(row)
-            failures += check(row)
-            print(f"B={batch:<3} {name:<6} step {row['step_ms']:.2f} ms, {row['tokens_per_step_per_user']:.2f} "
-                  f"tok/step/user, {row['tok_s_per_user']:.1f} tok/s/user, {row['tok_s_total']:.0f} tok/s, "
-                  f"acceptance {row['acceptance']}", flush=True)
-        plain = next(r for r in rows if r["batch"] == batch and r["variant"] == "plain")
-        for r in rows:
-            if r["batch"] == batch and r["variant"] != "plain":
-                r["speedup_vs_plain"] = r["tok_s_per_user"] / plain["tok_s_per_user"]
-    out = [{k: v for k, v in r.items() if k != "_outputs"} for r in rows]
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cmd=" ".join(sys.argv),
-                time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), wall_s=time.time() - t0,
-                note="decode context filled with random valid cache codes (decode_gpu.py FillBackend)")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    Path(a.out).write_text(portable_json({"meta": meta, "rows": out, "failures": failures}))
-    for r in out:
-        print(json.dumps({k: r[k] for k in ("variant", "batch", "step_ms", "tok_s_per_user", "acceptance")}
-                         | {"speedup": r.get("speedup_vs_plain")}))
-    for f in failures:
-        print("FAILED:", f)
-    return 1 if failures else 0
+        g = torch.Generator().manual_seed(batch * 7919 + a.context)
+        prompts = torch.randint(3, min(500, vocab), (batch, a.context), generator=g).tolist()
+        keys = {tuple(p[:KEY_PREFIX]) for p in prompts}
+        if len(keys) != batch:
+            raise SystemExit(f"dspark_gpu: two prompts share their first {KEY_PREFIX} tokens; another seed")
+        batched = max(batch * (a.context + 1), 8192)
+        # plain: one token per step
+        engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=a.context, max_tokens=per_run + 2,
+                                     graphs=on_cuda, interval=8, batched_tokens=batched, seed=1)
+        try:
+            outs, timed, fb, s = run(engine, tap, prompts, per_run + 2, a.warmup, a.steps)
+            record(make_row(a.model, batch, a.context, None, outs, timed, fb, s, engine))
+        finally:
+            engine.close()
+        # DSpark: j = 0 first (the reference: long enough for the largest j's run), then the same context again
+        need = {j: 1 + (j + 1) * per_run + a.drafts + 1 for j in a.accepted}
+        ref_tokens = max(need.values()) + a.drafts + 1
+        engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=a.context, max_tokens=ref_tokens,
+                                     graphs=on_cuda, interval=8, batched_tokens=batched, num_draft=a.drafts, seed=1,
+                                     same_fill=True)
+        try:
+            reference = None
+            for j in a.accepted:
+                engine.client.core.runner.draft_override = None if j == 0 else controlled(j, reference, vocab)
+                outs, timed, fb, s = run(engine, tap, prompts, ref_tokens if j == 0 else need[j], a.warmup, a.steps)
+                if j == 0:
+                    reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
+                record(make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine))
+        finally:
+            engine.close()
+    flush()
+    print("wrote", a.out)
+    print(markdown([dict(meta=meta, rows=rows, targets=targets(rows))]))
+    if a.plot and plot([dict(meta=meta, rows=rows)], a.plot):
+        print("wrote", a.plot)
+    if failures:
+        print("\nFAILED: these rows did not run as asked:\n  " + "\n  ".join(failures), file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
