@@ -5,7 +5,7 @@ span tokens; random weights, bf16), for 1 and 16 images of 1024 x 1024 (a 74 x 7
 652-token span each).
 
     source benchmarks/gpu_env.sh && python3 benchmarks/vision_gpu.py --out $OUT/vision_gpu_h200.json
-    python3 benchmarks/vision_gpu.py --tiny --out /tmp/vision_tiny.json     # the CPU smoke run (tiny configs)
+    python3 benchmarks/vision_gpu.py --tiny --out vision_tiny.json          # the CPU smoke run (tiny configs)
 
 Per image count N (distinct smooth random PNGs, seeded):
 - preprocess: the frontend's host half per image (Pillow decode, plan, resize; frontend/images.py), host clock;

@@ -6,8 +6,8 @@ vision.* / aligner.* / image_* tensors). Nothing is drawn or invented: tiny-vit2
 come from their tokenizer), so the two fit as they are. The placeholder is id 511 (the text fixtures' tokenizer has no
 image token: 511 is the ordinary piece "ation", so write prompts as token ids).
 
-    python tools/vision_fixture_model.py /tmp/tiny-vision                          # text of tiny-swa-csa2
-    python tools/vision_fixture_model.py /tmp/tiny-vision-engram --text tiny-engram-hc4
+    python tools/vision_fixture_model.py ./tiny-vision                              # text of tiny-swa-csa2
+    python tools/vision_fixture_model.py ./tiny-vision-engram --text tiny-engram-hc4
 
 The fixtures are not in the installed package (tests/ is not shipped), so this runs from a checkout.
 """
