@@ -31,18 +31,25 @@ def model_dir(request):
     return str(FIXTURES / request.param)
 
 
+def engine_layout(model_dir, block_size=16) -> CacheLayout:
+    """The cache layout the engine uses with prefix caching on (the default): its rings keep a block's rows more,
+    so a checkpoint can be taken after the step that runs past its boundary."""
+    return CacheLayout(ModelConfig.from_file(Path(model_dir) / "config.json"), torch.float32, block_size,
+                       checkpoint_lag=block_size - 1)
+
+
 def small_budget(model_dir, slots=16, blocks=24, block_size=16, checkpoints=2) -> int:
     """Bytes for `slots` sequences' fixed state and `blocks` blocks of context (a 300-token prompt and a few more),
     plus `checkpoints` slots' worth: prefix caching (on by default) keeps its window checkpoints in a tenth of the
     budget, which is 2 slots here (test_small_budget_... checks it)."""
-    layout = CacheLayout(ModelConfig.from_file(Path(model_dir) / "config.json"), torch.float32, block_size)
+    layout = engine_layout(model_dir, block_size)
     return (slots + checkpoints) * layout.slot_bytes() + blocks * layout.block_bytes()
 
 
 def test_small_budget_holds_16_sequences_24_blocks_and_2_window_checkpoints(model_dir):
     from deepinfer.engine.cache_manager import CacheManager
 
-    layout = CacheLayout(ModelConfig.from_file(Path(model_dir) / "config.json"), torch.float32, 16)
+    layout = engine_layout(model_dir)
     cache = CacheManager.from_budget(small_budget(model_dir), layout.slot_bytes(), layout.block_bytes(), 16, 16,
                                      1024, prefix_caching=True, checkpoint_fraction=0.1)
     assert (cache.num_slots, cache.num_blocks, cache.checkpoint_slots) == (16, 24, 2)

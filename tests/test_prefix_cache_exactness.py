@@ -29,23 +29,24 @@ BLOCK = 16
 
 def engine(model: str, prefix_caching: bool, zero_overhead: bool, *overrides: str) -> LLMEngine:
     """A chunking (32-token steps), preempting engine: 4 sequences' state and 11 blocks of context, and (with prefix
-    caching) 6 window checkpoints; the same budget without."""
+    caching) 6 window checkpoints; the same budget without. Slots as prefix caching lays them out (the rings keep
+    a block's worth of rows more: the end-of-prompt checkpoint is taken up to a block past its boundary)."""
     kw = dict(process="inproc", zero_overhead_scheduling=zero_overhead, max_num_batched_tokens=32, max_num_seqs=4,
               block_size=BLOCK)
-    slot, block = layout_bytes(settings_for(model, **kw))
+    slot, block = layout_bytes(settings_for(model, **kw), checkpoint_lag=BLOCK - 1)
     budget = 10 * slot + 11 * block
     return LLMEngine.for_settings(settings_for(
         model, f"cache.prefix_caching={str(prefix_caching).lower()}", "cache.prefix_checkpoint_interval=4",
         f"cache.prefix_checkpoint_fraction={6.5 * slot / budget}", *overrides, memory_budget=budget, **kw))
 
 
-def layout_bytes(settings) -> tuple[int, int]:
+def layout_bytes(settings, checkpoint_lag: int = 0) -> tuple[int, int]:
     from deepinfer.models import ModelConfig
     from deepinfer.models.cache import CacheLayout
     from deepinfer.pipeline.build import model_location
 
     cfg = ModelConfig.from_file(Path(model_location(settings.model.path)) / "config.json")
-    layout = CacheLayout(cfg, getattr(torch, settings.model.dtype), BLOCK)
+    layout = CacheLayout(cfg, getattr(torch, settings.model.dtype), BLOCK, checkpoint_lag=checkpoint_lag)
     return layout.slot_bytes(), layout.block_bytes()
 
 
@@ -107,3 +108,20 @@ def test_a_chat_served_with_prefix_hits_gives_bitwise_the_tokens_and_logprobs_of
     assert m1["prefix_cache"]["hit_tokens"] > 0 and m2["prefix_cache"]["hit_tokens"] >= sum(cached[7:])
     assert m1["prefill_tokens"] + m2["prefill_tokens"] < n1["prefill_tokens"] + n2["prefill_tokens"]
     assert m1["preemptions"] + m2["preemptions"] > 0, "the small cache preempted requests served with hits"
+
+
+def test_the_end_of_prompt_checkpoint_costs_no_step_and_the_next_turn_still_starts_from_it():
+    """A prompt that ends inside a block is not cut at its last block boundary to checkpoint the window there: the
+    slot is copied after the step that ends the prompt (the rings keep a block's rows more), so the first turn takes
+    as many steps as with the cache off, and the second turn starts at that boundary with the same outputs."""
+    prompt = [(i * 7) % 200 + 3 for i in range(150)]  # 32-token chunks, 16-token blocks: the boundary at 144
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs = {}
+    for on in (False, True):
+        with engine("embedded:tiny", on, False) as eng:
+            first = eng.generate([prompt], greedy, use_tqdm=False)[0]
+            steps = eng.last_metrics["steps"]
+            second = eng.generate([prompt + first.token_ids + [5, 6, 7]], greedy, use_tqdm=False)[0]
+        runs[on] = (first.token_ids, steps, second.token_ids, second.num_cached_tokens)
+    assert runs[True][:3] == runs[False][:3]
+    assert runs[True][3] == 144 and runs[False][3] == 0  # block 16: 150 tokens hold nine whole blocks

@@ -62,6 +62,11 @@ class EngineCore:
         extra = {"max_rollback": options.max_rollback} if options.max_rollback else {}
         if speculative:
             extra["drafts"] = True
+        # prefix caching: a prompt's end-of-prompt checkpoint is taken after the step that ends the prompt, up to a
+        # block past its boundary, instead of cutting the prompt there (a cut costs its request one more step)
+        lag = options.block_size - 1 if options.prefix_caching else 0
+        if lag:
+            extra["checkpoint_lag"] = lag
         layout = backend.cache_layout(options.block_size, **extra)
         self.cache = CacheManager.from_budget(budget, layout.slot_bytes(), layout.block_bytes(), options.block_size,
                                               options.max_num_seqs, max_len, options.prefix_caching,
@@ -69,7 +74,7 @@ class EngineCore:
         # the runner owns the memory: every pool is allocated here, once, on the thread that runs the model
         alloc = (self.runner.allocate, self.cache.num_slots, self.cache.num_blocks, options.block_size, max_len,
                  not options.enforce_eager, options.cudagraph_batch_size_interval, options.max_rollback,
-                 self.cache.checkpoint_slots)
+                 self.cache.checkpoint_slots, lag)
         try:
             self._worker.call(*alloc) if self._worker else alloc[0](*alloc[1:])
         except BaseException:
@@ -86,6 +91,7 @@ class EngineCore:
             num_draft_tokens=self.runner.num_draft,
             planner=self._varlen_planner(options) if speculative and options.spec_varlen else None,
             checkpoint_interval=options.prefix_checkpoint_interval,
+            checkpoint_lag=lag,
         )
         self._inflight: tuple[StepPlan, Future, float] | None = None
         self.grammars = GrammarCompilations(backend, options)

@@ -83,7 +83,7 @@ class ModelRunner:
 
     def allocate(self, num_slots: int, num_blocks: int, block_size: int, max_model_len: int = 0,
                  graphs: bool = False, graph_interval: int = 8, max_rollback: int = 0,
-                 checkpoint_slots: int = 0) -> None:
+                 checkpoint_slots: int = 0, checkpoint_lag: int = 0) -> None:
         """The cache pools for the whole run, sized by the CacheManager from the budget (`checkpoint_slots`:
         prefix caching's window checkpoints, slots after the sequences'); with `graphs` (CUDA, a model that can run
         from step metadata), decode steps of up to num_slots sequences replay CUDA graphs."""
@@ -93,6 +93,8 @@ class ModelRunner:
         extra = {"max_rollback": max_rollback} if max_rollback else {}
         if self.drafter is not None:
             extra["drafts"] = True
+        if checkpoint_lag:
+            extra["checkpoint_lag"] = checkpoint_lag
         self.pools = self.backend.allocate_cache(num_slots + checkpoint_slots, num_blocks, block_size, **extra)
         model = self.backend.model
         ep = getattr(model, "expert_parallel", None)

@@ -16,9 +16,11 @@ including, its last known token, which waits (as a one-token row) until the gram
 is admitted only then, and later requests are admitted past it.
 
 Prefix caching (engine/prefix_cache.py): a request admitted with cached prefix blocks and a window checkpoint at
-boundary b starts at b (its first row restores the checkpoint into its slot). Prefill chunks end at the request's
-checkpoint boundaries (its prompt's end rounded down to a block, and every `checkpoint_interval` blocks) that have
-no checkpoint yet, and the runner copies the slot right after such a step. Chunk splits never change outputs.
+boundary b starts at b (its first row restores the checkpoint into its slot). The request's checkpoint boundaries
+(its prompt's end rounded down to a block, where it leaves a cached prefix, every `checkpoint_interval` blocks)
+that have no checkpoint yet are copied from its slot right after the step whose row reaches them, or runs at most
+`checkpoint_lag` tokens past them (the pools keep that many rows behind a sequence, so the slot still holds the
+window at the boundary); a chunk that would run further past one ends there. Chunk splits never change outputs.
 
 Async scheduling plans step N+1 before step N's tokens are back: a request that step N samples for counts one
 placeholder token (`num_pending`), which the next decode row feeds without knowing its id.
@@ -57,6 +59,7 @@ class Scheduler:
         num_draft_tokens: int = 0,
         planner=None,
         checkpoint_interval: int = 0,
+        checkpoint_lag: int = 0,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 2:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2")
@@ -76,6 +79,9 @@ class Scheduler:
         self.num_draft_tokens = num_draft_tokens
         self.planner = planner  # deepinfer.engine.spec_schedule.VarlenPlanner, or None: verify every draft
         self.checkpoint_interval = checkpoint_interval  # blocks between a long prompt's window checkpoints (0: none)
+        # tokens a row may run past a checkpoint boundary and still leave the window at it in its slot (the pools
+        # keep that many rows behind each sequence: CacheLayout's checkpoint_lag); more than that cuts the chunk
+        self.checkpoint_lag = checkpoint_lag
         self._root = root_key()
         self._lost: set[int] = set()  # requests whose state a failed step dropped (their later rows were skipped)
 
@@ -184,7 +190,7 @@ class Scheduler:
             plan.rows.append(self._row(req, 1, num_drafts=k))
             plan.num_decode_tokens += 1 + k
             budget -= 1 + k
-            self._name_prefix(req, plan)
+            self._name_prefix(req, plan, plan.rows[-1].start)
 
         for req in self.running:  # 2. prefill chunks of admitted requests (their cache is reserved already)
             if budget == 0:
@@ -195,7 +201,7 @@ class Scheduler:
                 plan.rows.append(self._row(req, n))
                 plan.num_prefill_tokens += n
                 budget -= n
-                self._name_prefix(req, plan)
+                self._name_prefix(req, plan, plan.rows[-1].start)
 
         i = 0
         while i < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -232,7 +238,7 @@ class Scheduler:
             plan.rows.append(self._row(req, n, new))
             plan.num_prefill_tokens += n
             budget -= n
-            self._name_prefix(req, plan)
+            self._name_prefix(req, plan, plan.rows[-1].start)
 
         plan.release = self.take_release()
         return plan
@@ -249,25 +255,30 @@ class Scheduler:
         out.update(b for b in (req.branch_point, end) if b)
         return sorted(out)
 
-    def _is_boundary(self, req: Request, b: int) -> bool:
-        bs, end = self.cache.block_size, len(req.prompt_ids) // self.cache.block_size * self.cache.block_size
-        step = self.checkpoint_interval * bs
-        return 0 < b <= end and (b == end or b == req.branch_point or (step > 0 and b % step == 0))
-
     def _cut(self, req: Request, n: int) -> int:
         """A prefill chunk of n tokens, shortened to end at the first checkpoint boundary inside it that has no
-        checkpoint yet (the runner copies the window right after the step)."""
+        checkpoint yet, unless the chunk ends at most checkpoint_lag tokens past it (the runner copies the window
+        right after the step: the pools still hold it then). With the lag a block, a prompt's end never cuts."""
         if self.cache.prefix is None or not self.cache.checkpoint_slots:
             return n
-        start = req.num_computed
+        start, bs = req.num_computed, self.cache.block_size
         for b in self._boundaries(req):
-            if start < b < start + n and not self.cache.has_checkpoint(req.block_hashes[b // self.cache.block_size - 1]):
+            if (start < b < start + n and start + n - b > self.checkpoint_lag
+                    and not self.cache.has_checkpoint(req.block_hashes[b // bs - 1])):
                 return b - start
         return n
 
-    def _name_prefix(self, req: Request, plan: StepPlan) -> None:
-        """After a row is planned: its blocks that are now full of known tokens join the prefix index, and a
-        sequence that now holds exactly a checkpoint boundary has its window copied after the step."""
+    def _checkpoint_boundary(self, req: Request, start: int, done: int) -> int:
+        """The checkpoint boundary whose window a row over [start, done) leaves in the slot: one in (start, done]
+        at most checkpoint_lag tokens behind `done` (at most one: boundaries are whole blocks apart), or 0."""
+        lo = max(start, done - self.checkpoint_lag - 1)
+        return next((b for b in self._boundaries(req) if lo < b <= done), 0)
+
+    def _name_prefix(self, req: Request, plan: StepPlan, start: int) -> None:
+        """After a row over [start, ...) is planned: its blocks that are now full of known tokens join the prefix
+        index, and a sequence that now holds a checkpoint boundary (exactly, or up to checkpoint_lag tokens past
+        it) has its slot copied after the step: the window at the boundary, as a restore finds it (every slot
+        row is addressed by position; the rows past the boundary are overwritten before any read)."""
         if self.cache.prefix is None:
             return
         bs, done = self.cache.block_size, min(req.num_computed, req.num_known)
@@ -275,8 +286,9 @@ class Scheduler:
             extend_hashes(req.block_hashes, req.hash_root, req.all_ids()[:done], bs)
         rid = req.request_id
         plan.named_blocks += [(rid, h) for h in self.cache.name_blocks(rid, req.block_hashes, done)]
-        if done == req.num_computed and self._is_boundary(req, done):
-            h = req.block_hashes[done // bs - 1]
+        b = self._checkpoint_boundary(req, start, done) if done == req.num_computed else 0
+        if b:
+            h = req.block_hashes[b // bs - 1]
             slot = self.cache.take_checkpoint(h)
             if slot >= 0:
                 plan.snapshots.append((self.cache.slot_of(rid), slot))

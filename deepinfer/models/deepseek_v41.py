@@ -135,17 +135,21 @@ class DeepseekV41Model:
         return held_bytes([lw.ffn.experts for lw in self.layers])
 
     # ---- caches ----------------------------------------------------------------------------
-    def cache_layout(self, block_size: int = 64, max_rollback: int = 0, drafts: bool = False) -> CacheLayout:
-        """`drafts`: with the DSpark draft layers' rings (the model must have them: load_model(draft_layers=True))."""
+    def cache_layout(self, block_size: int = 64, max_rollback: int = 0, drafts: bool = False,
+                     checkpoint_lag: int = 0) -> CacheLayout:
+        """`drafts`: with the DSpark draft layers' rings (the model must have them: load_model(draft_layers=True)).
+        `checkpoint_lag`: prefix caching's (CacheLayout)."""
         if drafts and self.drafter is None:
             raise ValueError("cache_layout(drafts=True): this model was loaded without DSpark draft layers")
-        return CacheLayout(self.config, self.dtype, block_size, max_rollback, self.drafter.num_layers if drafts else 0)
+        return CacheLayout(self.config, self.dtype, block_size, max_rollback, self.drafter.num_layers if drafts else 0,
+                           checkpoint_lag)
 
     def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int = 64, max_rollback: int = 0,
-                       drafts: bool = False) -> CachePools:
+                       drafts: bool = False, checkpoint_lag: int = 0) -> CachePools:
         """The pools for `num_slots` sequences and `num_blocks` blocks of context (the engine's runner calls this
         once, sized from the cache budget)."""
-        return CachePools(self.cache_layout(block_size, max_rollback, drafts), num_slots, num_blocks, self.device)
+        return CachePools(self.cache_layout(block_size, max_rollback, drafts, checkpoint_lag), num_slots, num_blocks,
+                          self.device)
 
     def new_state(self, max_rollback: int = 0, drafts: bool = False) -> SequenceCache:
         """A sequence in standalone pools (no engine): its blocks are taken as it grows, and come back when it is

@@ -2,7 +2,9 @@
 
 Per sequence *slot* (a fixed amount, whatever the context length):
   - each layer's sliding-window ring: `ring` rows of window KV (FP8), row of position p = slot * ring + p % ring;
-    `ring` = window + max_rollback, so a query always finds its window and a rollback finds what it undoes;
+    `ring` = window + max(max_rollback, checkpoint_lag), so a query always finds its window, a rollback finds what
+    it undoes, and (prefix caching) a step that ran up to `checkpoint_lag` tokens past a block boundary still holds
+    the window at that boundary (the slot copied after the step is the state at the boundary, rolled forward);
   - one shared ring of the positions held (`win_pos`, the decode kernel's visibility test; -1 = empty);
   - per ratio > 1 KV source, the raw fp32 (kv, gate) rows of the still-open compression group (+ rollback);
   - the compressed token ids the Engram hash looks back over (+ rollback);
@@ -38,13 +40,18 @@ class SourceLayout:
 class CacheLayout:
     """Shapes and formats of every cache, from the model config (no tensors)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, block_size: int, max_rollback: int = 0, draft_layers: int = 0):
+    def __init__(self, cfg, dtype: torch.dtype, block_size: int, max_rollback: int = 0, draft_layers: int = 0,
+                 checkpoint_lag: int = 0):
         self.cfg, self.dtype, self.block_size, self.max_rollback = cfg, dtype, block_size, max_rollback
+        self.checkpoint_lag = checkpoint_lag
         self.num_layers = cfg.num_hidden_layers
         self.draft_layers = draft_layers
         self.window = cfg.sliding_window
-        self.ring = cfg.sliding_window + max_rollback
-        if max_rollback and self.window % 64 == 0:  # the decode kernel reads whole 64-row blocks of the ring
+        # rows kept behind a sequence's newest token, beyond its window: what a rollback undoes, or how far a step
+        # may run past a checkpoint boundary (positions addressed mod `ring`: the reads never depend on its width)
+        behind = max(max_rollback, checkpoint_lag)
+        self.ring = cfg.sliding_window + behind
+        if behind and self.window % 64 == 0:  # the decode kernel reads whole 64-row blocks of the ring
             self.ring = -(-self.ring // 64) * 64
         self.head_dim, self.index_dim = cfg.head_dim, cfg.index_head_dim
         self.win_codec = window_codec(cfg.head_dim, dtype)
@@ -59,7 +66,8 @@ class CacheLayout:
                 raise ValueError(f"cache.block_size={block_size} must be a multiple of every compress ratio ({r})")
             self.sources[layer] = SourceLayout(layer, r, block_size // r, r - 1 + max_rollback if r > 1 else 0,
                                                layer in cfg.index_source_layer_ids)
-        self.ngram_rows = cfg.engram_max_ngram_size - 1 + max_rollback if cfg.engram_layer_ids else 0
+        # open groups need no lag: a checkpoint boundary is block-aligned, so no group is open there
+        self.ngram_rows = cfg.engram_max_ngram_size - 1 + behind if cfg.engram_layer_ids else 0
 
     # ---- bytes ------------------------------------------------------------------------------------------------
     def bytes_per_token(self) -> float:
