@@ -156,6 +156,24 @@ def test_a_row_with_no_allowed_token_reports_an_error_and_others_still_sample():
     assert out[1].error is None and out[1].token_id == 0
 
 
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_logits_end_their_row_with_an_error_that_says_so_not_a_token(bad):
+    """A NaN row has no meaningful argmax: it must not come back as a token, nor as a grammar message."""
+    from deepinfer.sampling import VerifyRequest
+
+    sampler = Sampler(vocab_size=3, eos_token_id=2)
+    logits = torch.tensor([[0.0, bad, 1.0], [0.0, 5.0, 1.0]])
+    out = sampler.sample(logits, [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=0.8))])
+    assert out[0].error is not None and "not finite" in out[0].error
+    assert out[1].error is None
+    # a verification whose last chosen row is non-finite: the drafts before it are accepted, then the error
+    greedy = SamplingParams(temperature=0.0)
+    rows = torch.tensor([[0.0, 9.0, 1.0], [bad, 0.0, 0.0]])
+    (outs,) = sampler.verify(rows, [VerifyRequest(row(greedy), [1])])
+    assert outs[0].token_id == 1 and outs[-1].error is not None and "not finite" in outs[-1].error
+
+
 # ---- logprobs ---------------------------------------------------------------------------------------------------
 
 

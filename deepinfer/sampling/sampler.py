@@ -150,8 +150,8 @@ class Sampler:
                     advanced[i] += 1
         logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
         # a few whole-step reads instead of per-request ones: every row's argmax (greedy rows choose it; an
-        # accepted greedy draft equals it) and whether any token is allowed at all
-        allowed = (x.max(dim=-1).values > float("-inf")).tolist()
+        # accepted greedy draft equals it) and why no token can be chosen, if none can
+        blocked = row_blocked(x)
         greedy_target = x.argmax(dim=-1).tolist()
         verdicts = []
         for req, (start, k) in zip(requests, spans):
@@ -170,8 +170,8 @@ class Sampler:
         for i, (req, v) in enumerate(zip(requests, verdicts)):
             n = len(v.tokens)
             outs = [SampleOutput(t, lp, top) for t, lp, top in zip(v.tokens, lps[at : at + n], tops[at : at + n])]
-            if not allowed[chosen[at + n - 1]]:
-                outs[-1].error = "no token is allowed: the grammar and min_tokens exclude every token"
+            if blocked[chosen[at + n - 1]]:
+                outs[-1].error = blocked[chosen[at + n - 1]]
             at += n
             state = req.row.grammar_state
             if state is not None:
@@ -194,7 +194,7 @@ class Sampler:
     ) -> list[SampleOutput]:
         vocab = min(self.vocab_size, logits.shape[1])
         logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
-        stuck = (x.max(dim=-1).values == float("-inf")).tolist()
+        stuck = row_blocked(x)
 
         tokens = [0] * len(rows)
         greedy = [r for r, row in enumerate(rows) if row.params.greedy]
@@ -212,8 +212,7 @@ class Sampler:
         tops = top_n(logprobs, [row.params.top_logprobs for row in rows])
         outputs = []
         for r, (t, lp, top) in enumerate(zip(tokens, chosen.squeeze(1).tolist(), tops)):
-            error = "no token is allowed: the grammar and min_tokens exclude every token" if stuck[r] else None
-            error = forced.get(r, error)  # a forced token needs no allowed one, only a valid id
+            error = forced.get(r, stuck[r])  # a forced token needs no allowed one, only a valid id
             outputs.append(SampleOutput(t, lp if rows[r].params.reports_logprobs else None, top, error))
         return outputs
 
@@ -310,3 +309,16 @@ class Sampler:
                 continue
             if not row.grammar_state.accept_token(out.token_id):
                 out.error = f"the grammar rejected token {out.token_id}"
+
+
+NO_TOKEN_ALLOWED = "no token is allowed: the grammar and min_tokens exclude every token"
+NOT_FINITE = "the model's logits are not finite (NaN or infinity) for this token: the step's numerics failed"
+
+
+def row_blocked(x: torch.Tensor) -> list[str | None]:
+    """Per row of processed logits x: why no token can be chosen (every token masked, or the model's logits NaN or
+    +inf where tokens are allowed: a masked position holds -inf whatever the model gave), else None. One
+    whole-step max; a NaN row would otherwise yield an arbitrary argmax as if it were a token."""
+    top = x.max(dim=-1).values
+    masked, broken = (top == float("-inf")).tolist(), (torch.isnan(top) | (top == float("inf"))).tolist()
+    return [NOT_FINITE if b else NO_TOKEN_ALLOWED if m else None for m, b in zip(masked, broken)]
