@@ -1,9 +1,14 @@
 """Shared helpers for the GPU kernel tests: random quantised tensors in the released formats, their exact
 dequantisation through the torch reference ops, relative error, and allocator poisoning."""
 
+import pytest
 import torch
 
 from deepinfer.kernels.torch import quant
+
+# Files that build a Flash-width model (40-70 GiB each on the H200): with pytest-xdist's `--dist loadgroup` they run
+# one at a time in one worker while the kernel tests share the others (two such models at once filled the GPU).
+FLASH_WIDTH = pytest.mark.xdist_group("flash-width")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -10,7 +10,10 @@ once with the batch-invariant op set (OpSet.build(batch_invariant=True): the pro
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from ._helpers import FLASH_WIDTH
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              FLASH_WIDTH]
 
 TARGET_LEN, MAX_TOKENS = 200, 10
 VOCAB_HI = 500  # prompt ids inside the package tokenizer's vocabulary (Engram's token map)

@@ -15,7 +15,10 @@ import socket
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from ._helpers import FLASH_WIDTH
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              FLASH_WIDTH]
 
 MAX_SEQS = 16
 VOCAB_HI = 500

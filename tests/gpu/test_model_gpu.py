@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.gpu
+from ._helpers import FLASH_WIDTH
+
+pytestmark = [pytest.mark.gpu, FLASH_WIDTH]
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "deepseek_v41"
 

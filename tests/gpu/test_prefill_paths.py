@@ -8,9 +8,9 @@ import torch
 from deepinfer.kernels.packed_experts import _dequant, pack_experts
 from deepinfer.kernels.torch import moe as torch_moe
 
-from ._helpers import fp4_rows, fp8_blocks, poison_allocator, rel_err
+from ._helpers import FLASH_WIDTH, fp4_rows, fp8_blocks, poison_allocator, rel_err
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, FLASH_WIDTH]
 
 
 @pytest.mark.parametrize("rows,cols", [(7, 5120), (4608, 5120), (33, 2304), (5, 256)])
