@@ -6,9 +6,10 @@ Two dispatch paths, one expert computation:
   * static (deepinfer.distributed.ep_dispatch: fixed-size per-peer buffers allocated once, equal-split
     all-to-alls, the counts carried on the device as unused-row markers). Taken when the ranks agreed, once per
     forward (`ExpertParallel.begin_forward`), that every rank's step fits the buffers: decode steps. Each forward
-    uses views of the buffers sized for the largest rank's tokens rounded up to a bucket (the agreed capacity). Nothing is read
-    back to the host, so such a step is captured as a CUDA graph (deepinfer.engine.cuda_graphs): the engine agrees
-    the path once per step, outside any graph (`ExpertParallel.agree_step`), and pins it for the step's forwards.
+    uses views of the buffers sized for the largest rank's tokens rounded up to a bucket (the agreed capacity).
+    Nothing is read back to the host, so such a step is captured as a CUDA graph (deepinfer.engine.cuda_graphs): the
+    engine agrees the path and capacity once per step, outside any graph (`ExpertParallel.agree_step`), and pins
+    them for the step's forwards.
   * variable: `all_to_all_single` with data-dependent splits; the per-peer row counts are exchanged first (a
     [world] all-to-all) and read on the host (one device sync per layer). Prefill steps, and every step of a model
     without static buffers. Why all-to-all: every rank sends a different number of rows to every other rank and
@@ -196,12 +197,12 @@ def ep_moe_experts(
     logical expert ids from the router, `experts` this rank's physical slots (`local_experts`), `shared` the
     shared expert (every rank holds it). Returns [T, D] in x's dtype, bitwise equal on the CPU to `moe_experts`
     over the same tokens with all logical experts. Every rank of `group` must call it at each MoE layer, with
-    T = 0 when it has no tokens, and every rank with `buffers` of one size or every rank without. `load` ([per_rank] int64,
-    optional) gets += the rows each local slot computed: the per-physical-expert counts EPLB measures (added on
-    the device: no host read). `replicas`: the placement's `replica_table` on x's device (EPLB's prebuilt table),
-    else built per call. `experts_op`: the registered moe_experts op (default: the torch reference). `buffers`:
-    the static path (ep_dispatch.StaticBuffers, or its views for the agreed tokens: `at`; T must fit them), else
-    the variable-size path."""
+    T = 0 when it has no tokens, and every rank with `buffers` of one size or every rank without. `load`
+    ([per_rank] int64, optional) gets += the rows each local slot computed: the per-physical-expert counts EPLB
+    measures (added on the device: no host read). `replicas`: the placement's `replica_table` on x's device
+    (EPLB's prebuilt table), else built per call. `experts_op`: the registered moe_experts op (default: the torch
+    reference). `buffers`: the static path (ep_dispatch.StaticBuffers, or its views for the agreed tokens: `at`; T
+    must fit them), else the variable-size path."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if placement.num_ranks != world:
         raise ValueError(f"placement is for {placement.num_ranks} ranks; the group has {world}")

@@ -83,8 +83,9 @@ class DecodeGraphs:
         # per length L: which sequence each token belongs to, and every sequence's length (static)
         self._tok_seq = {L: torch.arange(n, device=dev).repeat_interleave(L) for L in range(1, max_length + 1)}
         self._lengths = {L: torch.full((n,), L, dtype=torch.int64, device=dev) for L in range(1, max_length + 1)}
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._failed: dict[tuple[int, int, int], str] = {}
+        # keyed (batch bucket, width bucket, length), under expert parallel with the capacity after them (`sized`)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._failed: dict[tuple, str] = {}
         self.replays = 0
 
     def bucket(self, batch: int, blocks: int = 1, length: int = 1) -> tuple[int, int, int] | None:
@@ -161,7 +162,7 @@ class DecodeGraphs:
         return graph, out
 
     @torch.inference_mode()
-    def _capture(self, key: tuple[int, int, int]):
+    def _capture(self, key: tuple):
         size, width, length = key[:3]
         self._pad(0, size, length)
         host = self._host(size, width, length)
