@@ -10,29 +10,33 @@ step with EP and with the Engram tables in host memory, and the dep8 prediction 
 Model: `flash40` (deepinfer.models.synthetic FLASH_FULL: the released 40-layer pattern, layers of one kind sharing
 weights, 384 FP4 experts top-6, hidden 5120; random weights in the released formats, bf16, TileLang kernels; the
 default) or `tiny` (the embedded test checkpoint, fp32 on the CPU). Expert parallel runs in a process group of one
-rank (NCCL on CUDA, gloo on the CPU) with static-capacity buffers sized for --max-seqs tokens a rank (a deployment's
-max_num_seqs: the buffers do not shrink with the batch).
+rank (NCCL on CUDA, gloo on the CPU) with static-capacity buffers allocated for --max-seqs tokens a rank (a
+deployment's max_num_seqs), of which each step uses views sized for its batch's CUDA-graph bucket, as the engine does
+(deepinfer.distributed.ep_dispatch: the capacity per step).
 
 1. MoE step, EP vs single (B = --batches): the router and experts of every layer (model._moe) on a [B, hidden]
    input, captured as ONE CUDA graph per variant and replayed (CUDA events, median of --iters). `single`: the
    registered moe_experts op (TileLang grouped GEMM + shared expert on a side stream). `ep`: ep_moe_experts on its
-   static path, pinned (send-row layout, send buffer, equal-split all_to_all_single of one rank (a local copy), the
-   same op over the receive buffer, the shared expert on a side stream, combine, per-token sum). Also `ep_sized`: the
-   buffers sized for B itself (what the buffers' size costs). Checks: the EP layer's output matches single's (rel.
-   error < 2e-2: without the batch-invariant mode the fp32 atomics' order differs), every EP call took the static
-   path, no moe kernel fell back to torch. Target: single_ms / ep_ms >= 0.9 at B = 64 and 256.
+   static path as the engine runs it: the step's path agreed (ExpertParallel.agree_step, the buffers' buckets the
+   engine's graph buckets, in tokens) and pinned, so its capacity is B's bucket (send-row layout, send buffer,
+   equal-split all_to_all_single of one rank (a local copy), the same op over the receive buffer, the shared expert
+   on a side stream, combine, per-token sum). Checks: the EP layer's output matches single's (rel. error < 2e-2:
+   without the batch-invariant mode the fp32 atomics' order differs), every EP call took the static path with the
+   bucket's capacity, no moe kernel fell back to torch. Target: single_ms / ep_ms >= 0.9 at B = 64 and 256.
 2. dep8 rank emulation (B = --dep8-batches): rank 0 of 8 holds its 48 of 384 experts; its receive buffer (8 peers x
-   capacity rows) holds, per layer, the rows 8 ranks x B tokens routed by that layer's router send it; a stand-in
-   for torch.distributed in the EP modules fills the metadata at the all-to-all and moves no row (the transfer is the
-   prediction's, below); the rest is ep_moe_experts as it runs. Timed like 1: rank 0's MoE-step local work at dep8.
+   the capacity of B's bucket: every rank B tokens) holds, per layer, the rows 8 ranks x B tokens routed by that
+   layer's router send it; a stand-in for torch.distributed in the EP modules fills the metadata at the all-to-all
+   and moves no row (the transfer is the prediction's, below); the rest is ep_moe_experts as it runs. Timed like 1:
+   rank 0's MoE-step local work at dep8.
 3. Engine decode steps (the real engine, FillBackend's filled context of --context tokens, graphs on, medians of the
    engine's own step intervals; benchmarks/decode_gpu.py): single at --dep8-batches; EP (world 1) at the same
    batches, where every timed step must replay a graph (the summary's graph_steps counts them); then, with
    model.keep_engram_on_host(), single at --engram-batch: host Engram's cost = host / device step - 1 (target <= 5%).
 4. The dep8 prediction, per rank at batch B: step = (single decode step at B - single MoE step at B) + the dep8
    rank's MoE local work at B (2.) + the all-to-all time, no overlap. All-to-all bytes per step per rank (sent; as
-   many received): per MoE layer, 7 peers x capacity rows x (hidden x 2 B for the dispatched rows + 8 B metadata
-   + hidden x 2 B for the outputs back): equal splits move the whole static buffers, used or not; beside it the
+   many received): per MoE layer, 7 peers x capacity rows (B's bucket x min(top-k, experts a rank)) x (hidden x 2 B
+   for the dispatched rows + 8 B metadata + hidden x 2 B for the outputs back): equal splits move the step's whole
+   buffer segments, used or not; beside it the
    bytes of the rows actually used (B x top-k x 7/8 a layer each way: what DeepEP's low-latency kernels move).
    Bandwidth --link-gbs per direction (450 GB/s: H200 NVLink 4's 900 GB/s is both directions together; the issue
    quotes 900 per direction, also reported) and --a2a-latency-us per all-to-all (3 a layer). tok/s per GPU = B /
@@ -109,19 +113,37 @@ def join_world_of_one(device: str):
     return group, (dist.new_group(backend="gloo") if device.startswith("cuda") else None)
 
 
+def graph_interval() -> int:
+    """The engine's CUDA-graph batch bucket spacing (its default setting)."""
+    from deepinfer.config.schema import Settings
+
+    return Settings().runtime.cudagraph_batch_size_interval
+
+
 def make_ep(model, placement, rank: int, group, agree, max_tokens: int):
+    """EP with static buffers for `max_tokens` tokens a rank whose steps' capacity follows the engine's graph
+    buckets (what ModelRunner.decode_graphs sets)."""
     from deepinfer.distributed.expert_parallel import ExpertParallel
+    from deepinfer.engine.cuda_graphs import graph_batch_sizes
 
     cfg = model.config
     ep = ExpertParallel(placement, rank, group)
     ep.plan_static(max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, model.dtype, model.device, agree)
+    ep.buffers.set_buckets(graph_batch_sizes(max_tokens, graph_interval()))
     return ep
+
+
+def bucket(a, B: int) -> int:
+    """The tokens a step of B tokens a rank sizes its static buffers for (StaticBuffers.bucket under make_ep)."""
+    from deepinfer.engine.cuda_graphs import graph_batch_sizes
+
+    return next(b for b in graph_batch_sizes(a.max_seqs, graph_interval()) if b >= B)
 
 
 def precompile(model, a) -> float:
     """Every MoE kernel variant the runs below launch, compiled in parallel first (moe.precompile; each variant
-    compiled on first use would be serial): single's op, EP's receive buffers (one rank, sized for --max-seqs and
-    for each batch; a dep8 rank's), and the shared-expert-only calls. Returns the seconds it took."""
+    compiled on first use would be serial): single's op, EP's receive buffers (one rank and a dep8 rank's, at each
+    batch's bucket), and the shared-expert-only calls. Returns the seconds it took."""
     from deepinfer.distributed.expert_parallel import local_experts
     from deepinfer.distributed.placement import ExpertPlacement
     from deepinfer.kernels.tilelang import moe
@@ -136,9 +158,8 @@ def precompile(model, a) -> float:
         specs += moe.experts_specs(routed, shared, B, k)  # single
         specs += moe.experts_specs(routed, shared, B, 1)  # EP's shared expert (its routed pass empty)
         specs += moe.experts_specs(local, shared, B, 1)  # a dep8 rank's shared expert
-        specs += moe.experts_specs(routed, None, B * k, 1)  # EP, buffers sized for B
-    specs += moe.experts_specs(routed, None, a.max_seqs * k, 1)  # EP, buffers for --max-seqs
-    specs += moe.experts_specs(local, None, a.world * a.max_seqs * min(k, local.n_experts), 1)  # a dep8 rank's
+        specs += moe.experts_specs(routed, None, bucket(a, B) * k, 1)  # EP, the capacity of B's bucket
+        specs += moe.experts_specs(local, None, a.world * bucket(a, B) * min(k, local.n_experts), 1)  # a dep8 rank's
     moe.precompile(specs)
     return time.time() - t0
 
@@ -171,13 +192,13 @@ def moe_step(model, g: torch.Tensor) -> torch.Tensor:
 
 
 def static_calls(calls: list):
-    """Records, per ep_moe_experts call, whether it took the static path."""
+    """Records, per ep_moe_experts call, the tokens its static buffers were sized for (0: the variable path)."""
     from deepinfer.models import deepseek_v41
 
     inner = deepseek_v41.ep_moe_experts
 
     def spy(*args, buffers=None, **kwargs):
-        calls.append(buffers is not None)
+        calls.append(buffers.max_tokens if buffers is not None else 0)
         return inner(*args, buffers=buffers, **kwargs)
 
     deepseek_v41.ep_moe_experts = spy
@@ -211,34 +232,34 @@ def moe_rows(model, a, cuda: bool, group, agree, failures: list) -> list[dict]:
         single_ms = time_ms(lambda: moe_step(model, g), cuda, a.iters)
         want = model._moe(g, model.layers[0].ffn, 0)
         row = dict(batch=B, single_ms=single_ms, max_seqs=a.max_seqs)
-        for name, e in (("ep", ep), ("ep_sized", make_ep(model, place, 0, group, agree, B))):
-            calls: list = []
-            undo = static_calls(calls)
-            model.expert_parallel = e
-            try:
-                with e.pin(True):
-                    e.begin_forward(B)
-                row[f"{name}_ms"] = time_ms(lambda: moe_step(model, g), cuda, a.iters)
-                got = model._moe(g, model.layers[0].ffn, 0)
-            finally:
-                undo()
-                model.expert_parallel = None
-            row[f"{name}_rel_err"] = err = rel_err(got, want)
-            if not calls or not all(calls):
-                failures.append(f"MoE B={B} {name}: {calls.count(False)} of {len(calls)} EP calls not on the "
-                                "static path")
-            if err > 2e-2:
-                failures.append(f"MoE B={B} {name}: output differs from single's (relative error {err:.2e})")
-            row[f"{name}_buffer_rows"] = e.buffers.world * e.buffers.capacity
+        calls: list = []
+        undo = static_calls(calls)
+        model.expert_parallel = ep
+        try:
+            path = ep.agree_step(B, [])  # the engine's agreement (one rank): static, sized for B's bucket
+            with ep.pin(path):
+                ep.begin_forward(B)
+            row["ep_ms"] = time_ms(lambda: moe_step(model, g), cuda, a.iters)
+            got = model._moe(g, model.layers[0].ffn, 0)
+        finally:
+            undo()
+            model.expert_parallel = None
+        row["ep_rel_err"] = err = rel_err(got, want)
+        row["ep_capacity_tokens"] = path.tokens
+        row["ep_buffer_rows"] = ep.step_buffers.world * ep.step_buffers.capacity
+        wrong = [c for c in calls if c != bucket(a, B)]
+        if not calls or wrong:
+            failures.append(f"MoE B={B} ep: {len(wrong)} of {len(calls)} EP calls not on the static path sized for "
+                            f"B's bucket ({bucket(a, B)} tokens; got {sorted(set(wrong))}, 0: variable)")
+        if err > 2e-2:
+            failures.append(f"MoE B={B} ep: output differs from single's (relative error {err:.2e})")
         fell = {k: v - before.get(k, 0) for k, v in fallbacks().items() if v - before.get(k, 0)}
         if cuda and fell:
             failures.append(f"MoE B={B}: moe kernels fell back to torch: {fell}")
         row["ratio"] = single_ms / row["ep_ms"]  # >= 1: EP as fast as single
-        row["ratio_sized"] = single_ms / row["ep_sized_ms"]
         rows.append(row)
         print(f"MoE step B={B:<4d} single {single_ms:8.3f} ms | ep {row['ep_ms']:8.3f} ms ({row['ratio']:.3f}x of "
-              f"single's speed, {row['ep_buffer_rows']} buffer rows) | ep sized for B {row['ep_sized_ms']:8.3f} ms "
-              f"({row['ratio_sized']:.3f}x)", flush=True)
+              f"single's speed, {row['ep_buffer_rows']} buffer rows: capacity of {path.tokens} tokens)", flush=True)
     return rows
 
 
@@ -265,11 +286,12 @@ class RankOfMany:
 
 
 def layer_meta(model, moe, placement, ep, B: int, gen) -> torch.Tensor:
-    """The receive-buffer metadata rank 0 gets at one MoE layer from `world` ranks of B tokens each."""
+    """The receive-buffer metadata rank 0 gets at one MoE layer from `world` ranks of B tokens each (the buffers'
+    views of the step: ep.step_buffers)."""
     from deepinfer.distributed.ep_dispatch import UNUSED_META, send_rows
     from deepinfer.distributed.expert_parallel import _pack, choose_copies
 
-    cfg, b = model.config, ep.buffers
+    cfg, b = model.config, ep.step_buffers
     recv = torch.full((b.world * b.capacity,), UNUSED_META, dtype=torch.int64, device=model.device)
     for r in range(b.world):
         x = torch.randn(B, cfg.hidden_size, generator=gen, device=model.device).to(model.dtype)
@@ -285,6 +307,7 @@ def layer_meta(model, moe, placement, ep, B: int, gen) -> torch.Tensor:
 
 def dep8_rows(model, a, cuda: bool) -> list[dict]:
     from deepinfer.distributed import ep_dispatch, expert_parallel
+    from deepinfer.distributed.ep_dispatch import StepPath
     from deepinfer.distributed.expert_parallel import local_experts
     from deepinfer.distributed.placement import ExpertPlacement
 
@@ -302,14 +325,18 @@ def dep8_rows(model, a, cuda: bool) -> list[dict]:
     rows = []
     try:
         for B in a.dep8_batches:
+            with ep.pin(StepPath(True, 0, ep.buffers.bucket(B))):  # every rank B tokens: B's bucket, agreed
+                ep.begin_forward(B)
             stand_in = RankOfMany(a.world, [layer_meta(model, lw.ffn, placement, ep, B, gen) for lw in model.layers])
             used = int(sum((m >= 0).sum() for m in stand_in.metas)) / len(model.layers)
             expert_parallel.dist = ep_dispatch.dist = stand_in
-            model.expert_parallel, ep.static = ep, True
+            model.expert_parallel = ep
             g = torch.randn(B, cfg.hidden_size, generator=gen, device=model.device).to(model.dtype)
             ms = time_ms(lambda: moe_step(model, g), cuda, a.iters)
+            b = ep.step_buffers
             rows.append(dict(batch=B, world=a.world, experts_per_rank=placement.per_rank, moe_local_ms=ms,
-                             buffer_rows=ep.buffers.world * ep.buffers.capacity, rows_received_per_layer=used))
+                             capacity_tokens=b.max_tokens, buffer_rows=b.world * b.capacity,
+                             rows_received_per_layer=used))
             print(f"dep{a.world} rank MoE step B={B:<4d} {ms:8.3f} ms (local work; {used:.0f} of "
                   f"{rows[-1]['buffer_rows']} receive rows used a layer)", flush=True)
     finally:
@@ -326,7 +353,7 @@ def engine_rows(model, a, cuda: bool, variant: str, batches: list[int], failures
 
     max_tokens = 1 + a.warmup + a.steps
     engine, tap, _ = make_engine(model, fill=True, max_seqs=max(batches),
-                                 context=a.context, max_tokens=max_tokens, graphs=cuda, interval=8,
+                                 context=a.context, max_tokens=max_tokens, graphs=cuda, interval=graph_interval(),
                                  batched_tokens=max(batches) * (a.context + 1))
     rows = []
     try:
@@ -365,7 +392,7 @@ def engine_rows(model, a, cuda: bool, variant: str, batches: list[int], failures
 def predict(cfg, a, B: int, non_moe_ms: float, moe_local_ms: float, link_gbs: float) -> dict:
     world, k, D, L = a.world, cfg.num_experts_per_tok, cfg.hidden_size, cfg.num_hidden_layers
     per_rank = cfg.n_routed_experts // world
-    capacity = a.max_seqs * min(k, per_rank)  # rows a rank's buffers hold per peer (ep_dispatch.capacity_rows)
+    capacity = bucket(a, B) * min(k, per_rank)  # rows per peer of a step of B tokens on every rank (ep_dispatch)
     row = D * 2  # bf16 hidden state
     static_bytes = L * (world - 1) * capacity * (2 * row + 8)
     used_bytes = L * B * k * (world - 1) / world * (2 * row + 8)

@@ -26,18 +26,19 @@ def test_ep_bench_runs_on_the_cpu(tmp_path):
     assert res["failures"] == []
     assert [r["batch"] for r in res["moe"]] == [1, 4]
     for r in res["moe"]:
-        assert r["ep_buffer_rows"] == 8 * 2  # 8 tokens x min(top-2, 8 experts) rows, one peer
-        assert r["ep_rel_err"] == 0.0 and r["ep_sized_rel_err"] == 0.0  # the CPU path is bitwise
+        # the capacity of the batch's graph bucket (1 and 4 are buckets): B tokens x min(top-2, 8 experts), one peer
+        assert r["ep_capacity_tokens"] == r["batch"] and r["ep_buffer_rows"] == r["batch"] * 2
+        assert r["ep_rel_err"] == 0.0  # the CPU path is bitwise
     (d8,) = res["dep8_rank"]
-    assert d8["experts_per_rank"] == 1 and d8["buffer_rows"] == 8 * 8  # 8 peers x 8 tokens x min(2, 1)
+    assert d8["experts_per_rank"] == 1 and d8["buffer_rows"] == 8 * 4  # 8 peers x B=4's bucket x min(2, 1)
     assert 0 < d8["rows_received_per_layer"] <= 8 * 4 * 2
     variants = {(r["variant"], r["batch"]) for r in res["engine"]}
     assert variants == {("single", 4), ("ep", 4), ("single_host_engram", 4)}
     assert res["engram"]["host_table_bytes"] > 0
     cfg = bench.build("tiny", "cpu").config
     for p in res["prediction"]:
-        # per layer, 7 peers x 8 rows (8 tokens x 1 expert a rank) x (hidden x 2 B twice + 8 B), every layer
-        assert p["a2a_bytes_per_step_static"] == cfg.num_hidden_layers * 7 * 8 * (4 * cfg.hidden_size + 8)
+        # per layer, 7 peers x 4 rows (B=4's bucket x 1 expert a rank) x (hidden x 2 B twice + 8 B), every layer
+        assert p["a2a_bytes_per_step_static"] == cfg.num_hidden_layers * 7 * 4 * (4 * cfg.hidden_size + 8)
         assert p["static"]["tok_s_per_gpu"] > 0 and p["used_rows"]["step_ms"] <= p["static"]["step_ms"]
     names = [t["name"] for t in res["targets"]]
     assert any(n.startswith("host Engram's cost") for n in names)

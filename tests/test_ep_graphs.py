@@ -50,6 +50,7 @@ def _spy_worker(_rank: int) -> None:
 
     from deepinfer.distributed import expert_parallel as ep_mod
     from deepinfer.distributed import groups
+    from deepinfer.distributed.ep_dispatch import StepPath
     from deepinfer.models.step import prepare_step
 
     torch.set_num_threads(1)
@@ -69,7 +70,7 @@ def _spy_worker(_rank: int) -> None:
             step = prepare_step(ForwardBatch([[token], [token + 1], [token + 2]], states), model.device,
                                 model.config.compress_ratios)
             spy.reads.clear()
-            with model.expert_parallel.pin(pinned), spy:
+            with model.expert_parallel.pin(StepPath(pinned, 0, 3 if pinned else 0)), spy:
                 model.run(step.meta, step.pools)
             step.advance()
             assert model.expert_parallel.static == pinned
@@ -141,8 +142,10 @@ def _engine_worker(_rank: int, out: str) -> None:
                                               enforce_eager=not graphs, seed=0)
             with LLMEngine(lambda: backend_from_model(model), opts) as engine:
                 outs = engine.generate(PROMPTS, sp, use_tqdm=False)
+                runner = engine.client.core.runner
                 runs[name] = dict(tokens=[o.token_ids for o in outs], metrics=engine.last_metrics,
-                                  records=engine.client.core.runner.graphs.records if graphs else 0)
+                                  records=runner.graphs.records if graphs else 0,
+                                  keys=sorted(runner.graphs._graphs) if graphs else [])
     finally:
         groups.destroy()
     Path(out).write_text(json.dumps(runs))
@@ -156,6 +159,8 @@ def test_the_engine_replays_ep_decode_graphs_and_returns_the_tokens_without_ep(t
     assert runs["ep"]["tokens"] == runs["single"]["tokens"]
     m = runs["ep"]["metrics"]
     assert runs["ep"]["records"] == 3 and m["graph_steps"] == 7, m  # every decode-only step replayed
+    # one rank: each graph bakes in the capacity of its own bucket (batch bucket, blocks, length, capacity tokens)
+    assert runs["ep"]["keys"] == [[1, 1, 1, 1], [2, 1, 1, 2], [4, 1, 1, 4]], runs["ep"]["keys"]
     logged = [line.split() for f in tmp_path.glob("*.txt") for line in f.read_text().splitlines()]
     replays = [l for l in logged if l[4] == "replay=1"]
     assert len(replays) == m["graph_steps"] and all(l[5] == "static=1" for l in replays)

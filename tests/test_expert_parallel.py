@@ -2,7 +2,8 @@
 with gloo: 2 and 4 processes spawned with torch.multiprocessing, each owning some tokens (one rank none) and its
 experts' weights, with experts no token picks and with redundant (replicated, shuffled) physical experts; both the
 variable-size dispatch and the static-capacity one (deepinfer/distributed/ep_dispatch.py), where every rank's rows
-may all go to one peer (the worst case the buffers are sized for); and the engine's per-step agreement (agree_step)."""
+may all go to one peer (the worst case the buffers are sized for), and with the buffers' views sized for the agreed
+bucket of the largest rank's tokens (the capacity a step uses); and the engine's per-step agreement (agree_step)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from deepinfer.distributed import groups
 from deepinfer.distributed.eplb import rebalance
 from deepinfer.distributed.ep_dispatch import (UNUSED_META, StaticBuffers, StepPath, agree_static, agree_step,
                                               capacity_rows, send_rows)
-from deepinfer.distributed.expert_parallel import _pack, _unpack, choose_copies, ep_moe_experts, local_experts
+from deepinfer.distributed.expert_parallel import (ExpertParallel, _pack, _unpack, choose_copies, ep_moe_experts,
+                                                   local_experts)
 from deepinfer.distributed.placement import ExpertPlacement
 from deepinfer.models.random_weights import _fp4_rows
 
@@ -80,12 +82,64 @@ def run_case(rank: int, world: int, split: list[int], placement: ExpertPlacement
 
 
 def check_agree_step(rank: int, world: int) -> None:
-    """The engine's per-step agreement: static while every rank's tokens fit (the largest decides), and a capture on
-    any rank is every rank's to pair; a step that is not static captures nothing."""
+    """The engine's per-step agreement: static while every rank's tokens fit (the largest decides), sized for the
+    largest rank's tokens rounded up to a bucket, and a capture on any rank at that capacity is every rank's to
+    pair (one at another capacity is not); a step that is not static captures nothing."""
     buffers = StaticBuffers.allocate(4, TOP_K, 2, world, D, torch.float32, "cpu")
-    assert agree_step(buffers, 1 + rank, rank == 0, None) == StepPath(True, 1)
-    assert agree_step(buffers, 3, False, None) == StepPath(True, 0)
-    assert agree_step(buffers, 5 if rank == world - 1 else 1, True, None) == StepPath(False, 0)
+    assert agree_step(buffers, 1 + rank, [], None) == StepPath(True, 0, world)  # no buckets: the largest itself
+    buffers.set_buckets([1, 2, 4])
+    assert agree_step(buffers, 1 + rank, [False, rank == 0, rank == 0], None) == StepPath(True, 1, min(4, world))
+    assert agree_step(buffers, 1, [False, False, True], None) == StepPath(True, 0, 1)
+    assert agree_step(buffers, 3, [], None) == StepPath(True, 0, 4)
+    assert agree_step(buffers, 5 if rank == world - 1 else 1, [True] * 3, None) == StepPath(False, 0)
+
+
+class RowsMoved:
+    """Stands in for torch.distributed in ep_dispatch: records the rows of every all-to-all, forwards the rest."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    def all_to_all_single(self, output, input, *args, **kwargs):
+        self.rows.append(input.shape[0])
+        return torch.distributed.all_to_all_single(output, input, *args, **kwargs)
+
+
+def check_bucketed_capacity(rank: int, world: int) -> None:
+    """Ranks of 1, 3, 5, ... tokens: every rank's forward uses views of the buffers sized for the bucket of the
+    largest rank's tokens (the all-to-alls move that many rows), and its output is bitwise the op's and the
+    max-capacity forward's."""
+    from deepinfer.distributed import ep_dispatch
+
+    split = [1 + 2 * r for r in range(world)]
+    largest = split[-1]
+    bucket = 1 << (largest - 1).bit_length()  # the buckets below are powers of two
+    x, w, idx, experts, shared = problem(9, sum(split), torch.float32)
+    want = moe_experts(x, w, idx, experts, shared, LIMIT)
+    placement = ExpertPlacement.initial(N_EXP, world)
+    ep = ExpertParallel(placement, rank)
+    ep.plan_static(16, TOP_K, D, x.dtype, "cpu")
+    ep.buffers.set_buckets([1, 2, 4, 8, 16])
+    lo, hi = sum(split[:rank]), sum(split[:rank + 1])
+    assert ep.begin_forward(hi - lo)  # agree_static over the world group
+    view, cap = ep.step_buffers, bucket * min(TOP_K, placement.per_rank)
+    assert (view.max_tokens, view.capacity, view.recv_x.shape[0]) == (bucket, cap, world * cap)
+    assert view.recv_x.data_ptr() == ep.buffers.recv_x.data_ptr() and cap < ep.buffers.capacity  # a view
+    with ep.pin(ep.agree_step(hi - lo, [])):  # the engine's agreement sizes the same
+        ep.begin_forward(hi - lo)
+        assert ep.step_buffers is view
+    args = (x[lo:hi], w[lo:hi], idx[lo:hi], local_experts(experts, placement, rank), shared, LIMIT, placement)
+    moved, saved = RowsMoved(), ep_dispatch.dist
+    ep_dispatch.dist = moved
+    try:
+        got = ep_moe_experts(*args, buffers=view)
+    finally:
+        ep_dispatch.dist = saved
+    assert moved.rows == [world * cap] * 3  # rows, metadata, outputs back
+    assert torch.equal(got, want[lo:hi]) and torch.equal(got, ep_moe_experts(*args, buffers=ep.buffers))
 
 
 def _worker(rank: int, world: int, init: str, cases: list) -> None:
@@ -93,6 +147,7 @@ def _worker(rank: int, world: int, init: str, cases: list) -> None:
     groups.init_group(rank, world, init, "cpu", timeout_s=60)
     try:
         check_agree_step(rank, world)
+        check_bucketed_capacity(rank, world)
         for case in cases:
             run_case(rank, world, *case)
     finally:
@@ -209,14 +264,32 @@ def test_static_buffers_hold_the_worst_case_per_peer_and_place_rows_in_order():
     assert capacity_rows(max_tokens=256, top_k=6, per_rank=48) == 1536
     assert capacity_rows(max_tokens=4, top_k=6, per_rank=2) == 8
     b = StaticBuffers.allocate(4, 3, 4, 2, D, torch.bfloat16, "cpu")
-    assert b.capacity == 12 and b.recv_x.shape == (24, D) and b.send_x.shape == (25, D)
+    assert b.capacity == 12 and b.recv_x.shape == (24, D) and b.send_x.shape == (24, D)
     assert b.fits(4) and not b.fits(5)
     dest = torch.tensor([1, 0, 1, 1, 0])
     assert send_rows(dest, 2, 12).tolist() == [12, 0, 13, 14, 1]  # each peer's rows at the front of its segment
 
 
+def test_a_step_uses_views_of_the_buffers_sized_for_its_bucket():
+    b = StaticBuffers.allocate(8, 3, 4, 2, D, torch.bfloat16, "cpu")
+    assert [b.bucket(t) for t in (0, 1, 3, 8, 9)] == [1, 1, 3, 8, 0]  # no buckets: the tokens themselves
+    with pytest.raises(ValueError, match="the largest 8"):
+        b.set_buckets([1, 2, 4])
+    b.set_buckets([4, 1, 8, 2])
+    assert b.buckets == (1, 2, 4, 8) and [b.bucket(t) for t in (0, 1, 3, 5, 8, 9)] == [1, 1, 4, 8, 8, 0]
+    v = b.at(2)
+    assert (v.max_tokens, v.capacity, v.world) == (2, 6, 2) and v is b.at(2) and b.at(8) is b
+    for name in ("send_x", "recv_x", "send_meta", "recv_meta", "back"):
+        part, whole = getattr(v, name), getattr(b, name)
+        assert part.shape[0] == 12 and part.data_ptr() == whole.data_ptr() and part.is_contiguous()
+    assert v.fits(2) and not v.fits(3)
+    with pytest.raises(ValueError, match="hold 1..8"):
+        b.at(9)
+
+
 def test_static_path_refuses_a_step_larger_than_its_buffers():
-    """An overflow is never dropped: a step that does not fit must have been sent down the variable path."""
+    """An overflow is never dropped: a step that does not fit must have been sent down the variable path, and a
+    forward larger than the capacity its ranks agreed (a view) is refused too."""
     x, w, idx, experts, shared = problem(0, 5, torch.float32)
     pl = ExpertPlacement.initial(N_EXP, 1)
     b = StaticBuffers.allocate(4, TOP_K, pl.per_rank, 1, D, x.dtype, "cpu")
@@ -225,9 +298,17 @@ def test_static_path_refuses_a_step_larger_than_its_buffers():
         assert not agree_static(b, 5, None)
         with pytest.raises(ValueError, match="5 tokens on the static path"):
             ep_moe_experts(x, w, idx, experts, shared, LIMIT, pl, buffers=b)
+        with pytest.raises(ValueError, match="4 tokens on the static path, whose buffers hold 2"):
+            ep_moe_experts(x[:4], w[:4], idx[:4], experts, shared, LIMIT, pl, buffers=b.at(2))
+        ep = ExpertParallel(pl, 0)
+        ep.plan_static(4, TOP_K, D, x.dtype, "cpu")
+        with ep.pin(StepPath(True, 0, 2)), pytest.raises(ValueError, match="3 tokens under a pinned static path"):
+            ep.begin_forward(3)
         # one rank owning every expert: both paths equal the op
         want = moe_experts(x, w, idx, experts, shared, LIMIT)
         assert torch.equal(ep_moe_experts(x, w, idx, experts, shared, LIMIT, pl), want)
         assert torch.equal(ep_moe_experts(x[:4], w[:4], idx[:4], experts, shared, LIMIT, pl, buffers=b), want[:4])
+        assert torch.equal(ep_moe_experts(x[:2], w[:2], idx[:2], experts, shared, LIMIT, pl, buffers=b.at(2)),
+                           want[:2])
     finally:
         groups.destroy()

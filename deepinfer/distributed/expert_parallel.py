@@ -5,9 +5,11 @@ experts it chose, is computed there, and comes back to be summed on its own rank
 Two dispatch paths, one expert computation:
   * static (deepinfer.distributed.ep_dispatch: fixed-size per-peer buffers allocated once, equal-split
     all-to-alls, the counts carried on the device as unused-row markers). Taken when the ranks agreed, once per
-    forward (`ExpertParallel.begin_forward`), that every rank's step fits the buffers: decode steps. Nothing is read
-    back to the host, so such a step is captured as a CUDA graph (deepinfer.engine.cuda_graphs): the engine agrees
-    the path once per step, outside any graph (`ExpertParallel.agree_step`), and pins it for the step's forwards.
+    forward (`ExpertParallel.begin_forward`), that every rank's step fits the buffers: decode steps. Each forward
+    uses views of the buffers sized for the largest rank's tokens rounded up to a bucket (the agreed capacity).
+    Nothing is read back to the host, so such a step is captured as a CUDA graph (deepinfer.engine.cuda_graphs): the
+    engine agrees the path and capacity once per step, outside any graph (`ExpertParallel.agree_step`), and pins
+    them for the step's forwards.
   * variable: `all_to_all_single` with data-dependent splits; the per-peer row counts are exchanged first (a
     [world] all-to-all) and read on the host (one device sync per layer). Prefill steps, and every step of a model
     without static buffers. Why all-to-all: every rank sends a different number of rows to every other rank and
@@ -76,14 +78,15 @@ class ExpertParallel:
     replicas: torch.Tensor | None = None  # [L, E, C] int64: physical slots of each logical expert (choose_copies)
     copies: torch.Tensor | None = None  # [L, E] int64: how many of those are real
     load: torch.Tensor | None = None  # [L, per_rank] int64: rows each local slot computed in the current step
-    # static-capacity dispatch (plan_static): the buffers, the CPU (gloo) group of these ranks the per-forward
-    # agreement runs on (None: `group`, which is then gloo), and this forward's agreed path
+    # static-capacity dispatch (plan_static): the buffers (allocated at the maximum), the CPU (gloo) group of these
+    # ranks the per-forward agreement runs on (None: `group`, which is then gloo), and this forward's views of the
+    # buffers, sized for the agreed tokens (None: this forward takes the variable path)
     buffers: StaticBuffers | None = None
     agree_group: dist.ProcessGroup | None = None
-    static: bool = False
+    step_buffers: StaticBuffers | None = None
     # the path the engine agreed for the current step (agree_step + pin): the step's forwards take it without a
     # collective of their own (a replayed graph runs none); None: each forward agrees (begin_forward)
-    pinned: bool | None = None
+    pinned: StepPath | None = None
     # `placement`'s replica table on the device (plan_static): a graph cannot copy a host-built one in
     static_replicas: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -96,18 +99,24 @@ class ExpertParallel:
         self.static_replicas = tuple(t.to(device) for t in replica_table(self.placement))
 
     @property
+    def static(self) -> bool:
+        """Whether this forward's MoE layers take the static path."""
+        return self.step_buffers is not None
+
+    @property
     def _agree_on(self) -> dist.ProcessGroup | None:
         return self.agree_group if self.agree_group is not None else self.group
 
-    def agree_step(self, tokens: int, capture: bool) -> StepPath:
+    def agree_step(self, tokens: int, captures: list[bool]) -> StepPath:
         """Every rank, once per engine step before its forwards (outside any graph; needs `buffers`): the path of
-        the step's forwards and whether some rank captures a decode graph in it (ep_dispatch.agree_step)."""
-        return agree_step(self.buffers, tokens, capture, self._agree_on)
+        the step's forwards, the tokens its static buffers are sized for, and whether some rank captures a decode
+        graph in it (`captures`: this rank's need per bucket of `buffers.buckets`; ep_dispatch.agree_step)."""
+        return agree_step(self.buffers, tokens, captures, self._agree_on)
 
     @contextmanager
-    def pin(self, static: bool):
-        """The step's forwards take `static` (agreed by agree_step) without agreeing again."""
-        self.pinned = static
+    def pin(self, path: StepPath):
+        """The step's forwards take `path` (agreed by agree_step) without agreeing again."""
+        self.pinned = path
         try:
             yield
         finally:
@@ -115,18 +124,20 @@ class ExpertParallel:
 
     def begin_forward(self, tokens: int) -> bool:
         """Every rank, once per model forward (backbone step or draft pass), before its first MoE layer, with its
-        own token count: the ranks agree whether this forward's MoE layers take the static path; under `pin`, the
-        pinned path (no collective)."""
+        own token count: the ranks agree whether this forward's MoE layers take the static path and the tokens its
+        buffers are sized for (the largest rank's, rounded up to a bucket); under `pin`, the pinned path (no
+        collective)."""
         if self.pinned is not None:
-            if self.pinned and not self.buffers.fits(tokens):
-                raise ValueError(f"a forward of {tokens} tokens under a pinned static path, whose buffers hold "
-                                 f"{self.buffers.max_tokens} per rank: agree_step was given fewer tokens")
-            self.static = self.pinned
-            return self.static
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("an expert-parallel forward under CUDA-graph capture needs its path pinned first "
-                               "(ExpertParallel.agree_step + pin): a replay runs no agreement")
-        self.static = agree_static(self.buffers, tokens, self._agree_on)
+            sized = self.pinned.tokens if self.pinned.static else 0
+            if self.pinned.static and tokens > sized:
+                raise ValueError(f"a forward of {tokens} tokens under a pinned static path sized for {sized} per "
+                                 "rank: agree_step was given fewer tokens")
+        else:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("an expert-parallel forward under CUDA-graph capture needs its path pinned first "
+                                   "(ExpertParallel.agree_step + pin): a replay runs no agreement")
+            sized = agree_static(self.buffers, tokens, self._agree_on)
+        self.step_buffers = self.buffers.at(sized) if sized else None
         return self.static
 
     def for_layer(self, layer: int | None):
@@ -186,11 +197,12 @@ def ep_moe_experts(
     logical expert ids from the router, `experts` this rank's physical slots (`local_experts`), `shared` the
     shared expert (every rank holds it). Returns [T, D] in x's dtype, bitwise equal on the CPU to `moe_experts`
     over the same tokens with all logical experts. Every rank of `group` must call it at each MoE layer, with
-    T = 0 when it has no tokens, and every rank with `buffers` or every rank without. `load` ([per_rank] int64,
-    optional) gets += the rows each local slot computed: the per-physical-expert counts EPLB measures (added on
-    the device: no host read). `replicas`: the placement's `replica_table` on x's device (EPLB's prebuilt table),
-    else built per call. `experts_op`: the registered moe_experts op (default: the torch reference). `buffers`:
-    the static path (ep_dispatch.StaticBuffers; T must fit them), else the variable-size path."""
+    T = 0 when it has no tokens, and every rank with `buffers` of one size or every rank without. `load`
+    ([per_rank] int64, optional) gets += the rows each local slot computed: the per-physical-expert counts EPLB
+    measures (added on the device: no host read). `replicas`: the placement's `replica_table` on x's device
+    (EPLB's prebuilt table), else built per call. `experts_op`: the registered moe_experts op (default: the torch
+    reference). `buffers`: the static path (ep_dispatch.StaticBuffers, or its views for the agreed tokens: `at`; T
+    must fit them), else the variable-size path."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if placement.num_ranks != world:
         raise ValueError(f"placement is for {placement.num_ranks} ranks; the group has {world}")

@@ -17,15 +17,19 @@ by the step can be rewritten by it).
 
 Expert parallel (a model with static-capacity dispatch buffers, deepinfer.distributed.ep_dispatch): every MoE layer
 is an all-to-all, so every rank must run the same collectives in the same order. A decode step's collectives do
-not depend on its batch (the buffers have fixed sizes), so a replay on one rank pairs with a replay or an eager
-static step on another. What needs the other ranks is a capture: its warm-up is a real forward, whose all-to-alls
-they must join (the capture itself only records them). The runner agrees every step with the other ranks first
-(ExpertParallel.agree_step: one host all-reduce of [tokens, "I capture"]) and a rank without a capture runs one
-extra static forward beside a capturing rank's warm-up (model_runner). Here that means: `key_for` decides before
-the step whether a graph serves it (a bucket whose tokens exceed the buffers' never does: those steps are not
-static), `needs_capture` says whether that takes a capture, and under expert parallel (`collective`) a warm-up that
-fails raises instead of falling back (its collectives are half done: the ranks cannot be matched any more); a
-capture that fails after its warm-up still falls back to eager steps, which join the same collectives.
+not depend on its batch but on the step's capacity, which the ranks agree (the buffers' views sized for the largest
+rank's tokens rounded up to a bucket of `graph_batch_sizes` in tokens), so a replay on one rank pairs with a
+replay or an eager static step of the same capacity on another. A graph bakes in the capacity it was captured with:
+under expert parallel a graph's key carries it (`sized`: (batch bucket, width bucket, length, capacity tokens)),
+and a rank whose batch is smaller than another's replays its own batch bucket with the larger capacity. What needs
+the other ranks is a capture: its warm-up is a real forward, whose all-to-alls they must join (the capture itself
+only records them). The runner agrees every step with the other ranks first (ExpertParallel.agree_step: one host
+all-reduce of [tokens, "I capture" per candidate capacity]) and a rank without a capture runs one extra static
+forward beside a capturing rank's warm-up (model_runner). Here that means: `key_for` decides before the step
+whether a graph serves it (a bucket whose tokens exceed the buffers' never does: those steps are not static),
+`needs_capture` says whether that takes a capture, and under expert parallel (`collective`) a warm-up that fails
+raises instead of falling back (its collectives are half done: the ranks cannot be matched any more); a capture
+that fails after its warm-up still falls back to eager steps, which join the same collectives.
 """
 
 from __future__ import annotations
@@ -79,8 +83,9 @@ class DecodeGraphs:
         # per length L: which sequence each token belongs to, and every sequence's length (static)
         self._tok_seq = {L: torch.arange(n, device=dev).repeat_interleave(L) for L in range(1, max_length + 1)}
         self._lengths = {L: torch.full((n,), L, dtype=torch.int64, device=dev) for L in range(1, max_length + 1)}
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._failed: dict[tuple[int, int, int], str] = {}
+        # keyed (batch bucket, width bucket, length), under expert parallel with the capacity after them (`sized`)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._failed: dict[tuple, str] = {}
         self.replays = 0
 
     def bucket(self, batch: int, blocks: int = 1, length: int = 1) -> tuple[int, int, int] | None:
@@ -101,6 +106,12 @@ class DecodeGraphs:
 
     def needs_capture(self, key) -> bool:
         return key is not None and key not in self._graphs
+
+    @staticmethod
+    def sized(key, tokens: int) -> tuple:
+        """`key` (batch bucket, width bucket, length) with the expert-parallel capacity its graph bakes in: the
+        tokens a rank's static buffers are sized for (ExpertParallel.agree_step), a graph per capacity."""
+        return (*key[:3], tokens)
 
     @staticmethod
     def tokens(key) -> int:
@@ -151,8 +162,8 @@ class DecodeGraphs:
         return graph, out
 
     @torch.inference_mode()
-    def _capture(self, key: tuple[int, int, int]):
-        size, width, length = key
+    def _capture(self, key: tuple):
+        size, width, length = key[:3]
         self._pad(0, size, length)
         host = self._host(size, width, length)
         self._warm_up(host)
@@ -164,7 +175,7 @@ class DecodeGraphs:
     def run(self, token_ids: list[list[int]], states, key=None) -> torch.Tensor | None:
         """Logits [B * L, vocab] of one decode (L = 1) or verification step (every sequence L tokens) by graph
         replay, or None when no graph serves this batch (then the caller runs it eagerly). `key`: key_for's
-        answer, when the caller asked it first (expert parallel agrees on it with the other ranks)."""
+        answer, when the caller asked it first (expert parallel: `sized` with the capacity the ranks agreed)."""
         B, L = len(states), len(token_ids[0])
         key = self.key_for(token_ids, states) if key is None else key
         if key is None:
@@ -179,9 +190,9 @@ class DecodeGraphs:
                 self._failed[key] = (str(exc) if isinstance(exc, CaptureFailed)
                                      else f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
                 log.warning("CUDA graph capture failed for batch %d x %d blocks x %d tokens; every decode step runs "
-                            "eagerly from now on: %s", *key, self._failed[key])
+                            "eagerly from now on: %s", *key[:3], self._failed[key])
                 return None
-        size, mb, _ = key
+        size, mb = key[0], key[1]
         i, spare = self.inputs, self.pools.spare_block
         dev = i["ids"].device
         toks = to_device([[t, s.num_tokens + j] for ids, s in zip(token_ids, states) for j, t in enumerate(ids)], dev)

@@ -113,12 +113,17 @@ class ModelRunner:
     def decode_graphs(self, num_slots: int, interval: int, max_model_len: int, block_size: int, cls=None):
         """The decode steps' graphs (deepinfer.engine.cuda_graphs.DecodeGraphs, or `cls` with its signature): batch
         buckets up to num_slots, block-table widths up to max_model_len, 1 + drafts tokens a sequence; under expert
-        parallel only buckets within the static buffers, and a failed warm-up raises (its collectives)."""
-        from deepinfer.engine.cuda_graphs import DecodeGraphs
+        parallel only buckets within the static buffers, a failed warm-up raises (its collectives), and the static
+        capacity of every step is rounded up to the same spacing in tokens (a graph bakes in the capacity it was
+        captured with, so the ranks must agree one that a graph can have been captured for)."""
+        from deepinfer.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
         cls = cls or DecodeGraphs
         max_blocks = -(-max_model_len // block_size)
-        ep_bound = self._ep.buffers.max_tokens if self._ep is not None else None
+        ep_bound = None
+        if self._ep is not None:
+            ep_bound = self._ep.buffers.max_tokens
+            self._ep.buffers.set_buckets(graph_batch_sizes(ep_bound, interval))
         return cls(self.backend.model, self.pools, num_slots, interval, max_blocks, 1 + self.num_draft,
                    max_tokens=ep_bound, collective=self._ep is not None)
 
@@ -150,19 +155,26 @@ class ModelRunner:
 
     def _ep_forward(self, tokens: int, key, replay, eager):
         """One step's forward under expert parallel with static buffers: the ranks agree on the step first (one host
-        all-reduce: the static path if every rank's step fits the buffers, and whether some rank captures a decode
-        graph), then every forward of the step runs under that path, pinned. `key`: the decode graph that serves
-        this step (DecodeGraphs.key_for) or None; `replay()`: its logits by replay (capturing first if needed) or
-        None; `eager()`: the step run eagerly. A rank without a capture runs one extra static forward while a
-        capturing rank runs its warm-up, so the collectives pair up (deepinfer.engine.cuda_graphs)."""
-        ep = self._ep
-        capture = key is not None and self.graphs.needs_capture(key)
-        path = ep.agree_step(self.graphs.tokens(key) if key is not None else tokens, capture)
-        with ep.pin(path.static):
+        all-reduce: the static path if every rank's step fits the buffers, the tokens its buffers are sized for (the
+        largest rank's, rounded up to a graph bucket), and whether some rank captures a decode graph), then every
+        forward of the step runs under that path, pinned. `key`: the decode graph that serves this step
+        (DecodeGraphs.key_for) or None; `replay(key)`: its logits by replay of the graph of `key` with the agreed
+        capacity (capturing first if needed) or None; `eager()`: the step run eagerly. A rank without a capture runs
+        one extra static forward while a capturing rank runs its warm-up, so the collectives pair up
+        (deepinfer.engine.cuda_graphs)."""
+        ep, graphs = self._ep, self.graphs
+        own = graphs.tokens(key) if key is not None else tokens
+        # a graph bakes in its capacity, which the agreement decides: whether this rank would capture, per capacity
+        needs = [key is not None and b >= own and graphs.needs_capture(graphs.sized(key, b))
+                 for b in ep.buffers.buckets or ()]
+        path = ep.agree_step(own, needs)
+        sized = graphs.sized(key, path.tokens) if key is not None and path.static else None
+        capture = sized is not None and graphs.needs_capture(sized)
+        with ep.pin(path):
             if path.captures and not capture:
                 self.ep_pairing_forwards += 1
                 self._dummy_forward()
-            out = replay() if path.static and key is not None else None
+            out = replay(sized) if sized is not None else None
             return out if out is not None else eager()
 
     def release(self, request_ids) -> None:
@@ -309,7 +321,7 @@ class ModelRunner:
                     decode_only or num_logits is not None):
                 key = self.graphs.key_for(token_lists, states)
 
-            def replay():
+            def replay(key):
                 out = self.graphs.run(token_lists, states, key)
                 self._graph_step = out is not None
                 return out
@@ -321,7 +333,7 @@ class ModelRunner:
             if self._ep is not None:
                 logits = self._ep_forward(sum(len(t) for t in token_lists), key, replay, eager)
             else:
-                logits = replay() if key is not None else None
+                logits = replay(key) if key is not None else None
                 if logits is None:
                     logits = eager()
             for src, dst in plan.snapshots:  # prefix caching: windows at a checkpoint boundary, before drafting

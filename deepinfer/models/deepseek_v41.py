@@ -277,7 +277,7 @@ class DeepseekV41Model:
             placement, replicas, load = ep.for_layer(layer)
             return ep_moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit, placement,
                                   ep.group, load=load, replicas=replicas, experts_op=ops.moe_experts,
-                                  buffers=ep.buffers if ep.static else None)
+                                  buffers=ep.step_buffers)
         return ops.moe_experts(g, weights, idx, moe.experts, moe.shared_experts, cfg.swiglu_limit)
 
     # ---- engram ----------------------------------------------------------------------------

@@ -109,6 +109,8 @@ def _static_captures(monkeypatch):
 
 def test_an_ep_moe_layer_is_bitwise_the_op_in_the_batch_invariant_mode(setup):
     """The layer alone, both dispatch paths (the engine test below needs this to hold in every layer)."""
+    from deepinfer.distributed.ep_dispatch import StepPath
+
     model, ep = setup
     g = torch.randn(37, model.config.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     g = g.bfloat16()
@@ -117,7 +119,7 @@ def test_an_ep_moe_layer_is_bitwise_the_op_in_the_batch_invariant_mode(setup):
     try:
         got = {}
         for static in (True, False):
-            with ep.pin(static):
+            with ep.pin(StepPath(static, 0, g.shape[0] if static else 0)):
                 ep.begin_forward(g.shape[0])
             got[static] = model._moe(g, model.layers[0].ffn, 0)
     finally:
