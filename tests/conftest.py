@@ -52,6 +52,7 @@ SLOW_CELLS = [
     ("test_prefix_cache_exactness.py", "[csa2-seeded-async]"),
     ("test_prefix_cache_features.py", "dspark_drafting_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache[seeded]"),
     ("test_prefix_cache_features.py", "yoco_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache[mask]"),
+    ("test_prefix_cache_features.py", "yoco_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache[compact-dspark"),
     ("test_prefix_cache_parallel.py", "[cp2]"),  # multi-process: the fast tier keeps the dep2 launch
 ]
 

@@ -61,15 +61,17 @@ def test_structured_outputs_with_prefix_hits_give_the_tokens_and_logprobs_of_no_
                                      finish=("length", "stop")))
 
 
-@pytest.mark.parametrize("mode", ["mask", "compact"])
-def test_yoco_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache(mode):
+@pytest.mark.parametrize("mode, sampled, extra", [("mask", False, ()), ("compact", False, ()),
+                                                   ("compact", True, ("decoding=dspark", "decoding.num_draft_tokens=3"))],
+                         ids=["mask", "compact", "compact-dspark-seeded"])
+def test_yoco_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache(mode, sampled, extra):
     """Under YOCO the decoder layers' window rows before a request's rectangle (its known length - keep_tokens) are
     cut (mask) or never written (compact), so a checkpoint holds them truncated; a request hits only at a boundary
     at or before its own rectangle, where its decoder layers read nothing from before the boundary. (Hitting
     further, at the prompt's end, changed requests' outputs here.) No preemption: a YOCO recompute's rectangle
     moves (docs/yoco.md), so YOCO's outputs depend on preemption with or without the prefix cache."""
-    yoco = (f"yoco={mode}", f"yoco.keep_tokens={K}")
-    on = serve("embedded:tiny-random", True, False, False, *yoco, blocks=40)
-    off = serve("embedded:tiny-random", False, False, False, *yoco, blocks=40)
+    yoco = (f"yoco={mode}", f"yoco.keep_tokens={K}", *extra)
+    on = serve("embedded:tiny-random", True, False, sampled, *yoco, blocks=40)
+    off = serve("embedded:tiny-random", False, False, sampled, *yoco, blocks=40)
     assert_exact_with_hits(on, off, first_round_hits=2)
     assert on[2][0]["preemptions"] + on[2][1]["preemptions"] + off[2][0]["preemptions"] == 0
