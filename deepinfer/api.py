@@ -38,6 +38,7 @@ ALIASES = {
     "memory_budget": "cache.memory_budget",
     "memory_fraction": "cache.memory_fraction",
     "block_size": "cache.block_size",
+    "enable_prefix_caching": "cache.prefix_caching",  # vLLM's name; None: on where a hit is exact (all layouts)
 }
 
 
@@ -56,6 +57,8 @@ def overrides_for(model: str | None = None, overrides: Iterable[str] = (), **kwa
             out.append(f"{key}={value}")
         elif key in SECTIONS and isinstance(value, dict):
             out.extend(f"{key}.{k}={_value(v)}" for k, v in _flatten(value))
+        elif key == "enable_prefix_caching" and value is not None and type(value) is not bool:
+            raise ConfigError(f"LLM(enable_prefix_caching={value!r}) is not allowed; allowed: True, False or None")
         elif key in ALIASES:
             out.append(f"{ALIASES[key]}={_value(value)}")
         else:

@@ -50,6 +50,10 @@ SLOW_CELLS = [
     ("test_reliability_grammar.py", "test_four_100k_value_enums_do_not_delay_a_regex_request"),
     ("test_dspark_bench.py", "test_a_controlled_run_on_the_cpu"),
     ("test_prefix_cache_exactness.py", "[csa2-seeded-async]"),
+    ("test_prefix_cache_features.py", "dspark_drafting_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache[seeded]"),
+    ("test_prefix_cache_features.py", "yoco_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache[mask]"),
+    ("test_prefix_cache_features.py", "yoco_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache[compact-dspark"),
+    ("test_prefix_cache_parallel.py", "[cp2]"),  # multi-process: the fast tier keeps the dep2 launch
 ]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -79,7 +80,9 @@ def test_dep2_from_the_cli_returns_the_tokens_of_single(tmp_path, requests, sing
     for rank in (0, 1):
         line = next(l for l in proc.stderr.splitlines() if l.startswith(f"deepinfer: rank {rank} of 2 "))
         assert "GB, of which routed experts" in line and "(4 of 8 physical expert slots per MoE layer)" in line
-    assert "parallel  dep2: 2 ranks (data 2 x expert 2 x context 1)" in proc.stdout  # the run summary
+    # the run summary (its labels padded to the longest: "prefix cache", on by default in every layout)
+    assert re.search(r"\nparallel +dep2: 2 ranks \(data 2 x expert 2 x context 1\)", proc.stdout), proc.stdout
+    assert "\nprefix cache " in proc.stdout
     outputs = [json.loads(l) for l in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
     assert [o["request_id"] for o in outputs] == list(range(40))  # submission order
     assert [o["token_ids"] for o in outputs] == single

@@ -27,26 +27,29 @@ MODELS = {"embedded": "embedded:tiny", "csa2": str(FIXTURES / "tiny-swa-csa2"),
 BLOCK = 16
 
 
-def engine(model: str, prefix_caching: bool, zero_overhead: bool, *overrides: str) -> LLMEngine:
-    """A chunking (32-token steps), preempting engine: 4 sequences' state and 11 blocks of context, and (with prefix
-    caching) 6 window checkpoints; the same budget without. Slots as prefix caching lays them out (the rings keep
+def engine(model: str, prefix_caching: bool, zero_overhead: bool, *overrides: str, blocks: int = 11) -> LLMEngine:
+    """A chunking (32-token steps), preempting engine: 4 sequences' state and 11 blocks of context (`blocks`), and
+    (with prefix caching) 6 window checkpoints; the same budget without. Slots as prefix caching lays them out (the rings keep
     a block's worth of rows more: the end-of-prompt checkpoint is taken up to a block past its boundary)."""
     kw = dict(process="inproc", zero_overhead_scheduling=zero_overhead, max_num_batched_tokens=32, max_num_seqs=4,
               block_size=BLOCK)
-    slot, block = layout_bytes(settings_for(model, **kw), checkpoint_lag=BLOCK - 1)
-    budget = 10 * slot + 11 * block
+    slot, block = layout_bytes(settings_for(model, *overrides, **kw), checkpoint_lag=BLOCK - 1)
+    budget = 10 * slot + blocks * block
     return LLMEngine.for_settings(settings_for(
         model, f"cache.prefix_caching={str(prefix_caching).lower()}", "cache.prefix_checkpoint_interval=4",
         f"cache.prefix_checkpoint_fraction={6.5 * slot / budget}", *overrides, memory_budget=budget, **kw))
 
 
 def layout_bytes(settings, checkpoint_lag: int = 0) -> tuple[int, int]:
+    """Slot and block bytes as the engine lays them out for `settings` (DSpark: its draft rings and rollback rows)."""
     from deepinfer.models import ModelConfig
     from deepinfer.models.cache import CacheLayout
     from deepinfer.pipeline.build import model_location
 
     cfg = ModelConfig.from_file(Path(model_location(settings.model.path)) / "config.json")
-    layout = CacheLayout(cfg, getattr(torch, settings.model.dtype), BLOCK, checkpoint_lag=checkpoint_lag)
+    drafts = cfg.num_nextn_predict_layers if settings.decoding.name == "dspark" else 0
+    layout = CacheLayout(cfg, getattr(torch, settings.model.dtype), BLOCK, settings.decoding.max_rollback, drafts,
+                         checkpoint_lag=checkpoint_lag)
     return layout.slot_bytes(), layout.block_bytes()
 
 
@@ -64,19 +67,22 @@ def params(sampled: bool, i: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, top_logprobs=2)
 
 
-def serve(model: str, prefix_caching: bool, zero_overhead: bool, sampled: bool, *overrides: str):
-    """Both rounds of the chat on one engine: outputs as (tokens, logprobs) per request, cached tokens, metrics."""
-    with engine(model, prefix_caching, zero_overhead, *overrides) as eng:
+def serve(model: str, prefix_caching: bool, zero_overhead: bool, sampled: bool, *overrides: str,
+          make_params=params, finish=("length",), blocks: int = 11):
+    """Both rounds of the chat on one engine: outputs as (tokens, logprobs) per request, cached tokens, metrics.
+    make_params(sampled, i): request i's SamplingParams; finish: the finish reasons every request must end with;
+    blocks: the engine's blocks of context (11 preempts)."""
+    with engine(model, prefix_caching, zero_overhead, *overrides, blocks=blocks) as eng:
         system, first, follow_ups = chat(eng.info.vocab_size)
-        warm = eng.generate([system + [5, 6, 7]], [params(sampled, 99)], use_tqdm=False)
-        one = eng.generate(first, [params(sampled, i) for i in range(len(first))], use_tqdm=False)
+        warm = eng.generate([system + [5, 6, 7]], [make_params(sampled, 99)], use_tqdm=False)
+        one = eng.generate(first, [make_params(sampled, i) for i in range(len(first))], use_tqdm=False)
         m1 = eng.last_metrics
         second = [first[i] + one[i].token_ids + q for i, q in enumerate(follow_ups)]
-        two = eng.generate(second, [params(sampled, 10 + i) for i in range(len(second))], use_tqdm=False)
+        two = eng.generate(second, [make_params(sampled, 10 + i) for i in range(len(second))], use_tqdm=False)
         m2 = eng.last_metrics
     outs = warm + one + two
     got = [(o.token_ids, [(t.token_id, t.logprob, t.top_logprobs) for t in o.logprobs]) for o in outs]
-    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    assert all(o.finish_reason in finish for o in outs), [(o.finish_reason, o.error) for o in outs]
     return got, [o.num_cached_tokens for o in outs], (m1, m2)
 
 

@@ -16,6 +16,7 @@ log = logging.getLogger("deepinfer.config")
 # name -> where it is honoured
 HONOURED = {
     "DEEPINFER_BATCH_INVARIANT": "runtime.batch_invariant",
+    "DEEPINFER_PREFIX_CACHING": "cache.prefix_caching (this project's: 1/true on, 0/false off)",
     "DEEPINFER_ZERO_OVERHEAD_SCHEDULING": "engine.zero_overhead_scheduling",
     "DEEPINFER_ENFORCE_EAGER": "runtime.enforce_eager",
     "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL": "runtime.cudagraph_batch_size_interval",

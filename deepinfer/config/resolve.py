@@ -8,7 +8,7 @@ order, before any weight is read:
   4. dtypes: model.dtype `auto` becomes the hardware's dtype;
   5. memory: cache.memory_limit null becomes memory_fraction of the device's total memory (weights included);
   6. the parallel layout: data_parallel_size 0 becomes EP / CP, and the layout's rules (EP divides CP x DP);
-  7. cache.prefix_caching null becomes on where a prefix hit is exact (yoco=off, one rank), else off;
+  7. cache.prefix_caching null becomes on (a prefix hit is exact in every layout the engine runs);
   8. the pipeline names only registered components, in stage order.
 What needs the model itself (engine.max_model_len null -> max_position_embeddings) is `with_model_limits`, called
 by the program builder right after the model's config.json is read.
@@ -93,20 +93,14 @@ def _resolve_parallel(s: Settings) -> Settings:
 
 
 def _resolve_prefix_caching(s: Settings) -> Settings:
-    """cache.prefix_caching null -> on where a cache hit is exact: without YOCO (its prefill leaves the decoder
-    layers' state truncated, which must not be stored as if it were full) and on one rank (the multi-rank layouts
-    have no exactness test with a prefix hit yet). An explicit true where it is not exact is refused."""
+    """cache.prefix_caching null -> on: a cache hit is exact in every layout the engine runs. Under YOCO a hit ends
+    at or before the request's rectangle (the scheduler's replay_keep), so the truncated decoder-layer rows a
+    checkpoint holds are never read; with data parallelism each rank's engine core keeps its own cache (a hit is
+    local to the rank a request lands on); with context parallelism every rank of a replica runs the same scheduler
+    on the same requests, so they make the same hits, and every rank's pools hold every chunk."""
     c = s.cache
-    why = None
-    if s.yoco.mode != "off":
-        why = (f"yoco={s.yoco.mode} prefills the decoder layers over the last yoco.keep_tokens rows only, so the "
-               "cached state would be truncated")
-    elif s.parallel.world_size > 1:
-        why = f"parallel={s.parallel.name} ({s.parallel.world_size} ranks) has no prefix-cache exactness test yet"
-    if c.prefix_caching and why is not None:
-        raise ConfigError(f"cache.prefix_caching=true: {why}; allowed: false (or null: on where it is exact)")
     if c.prefix_caching is None:
-        c = dataclasses.replace(c, prefix_caching=why is None)
+        c = dataclasses.replace(c, prefix_caching=True)
     return dataclasses.replace(s, cache=c)
 
 

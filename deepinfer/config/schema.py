@@ -264,8 +264,8 @@ class CacheSettings:
     block_size: int = setting(64, allowed=up_to(8, MAX_BLOCK_SIZE))  # below 8 the per-block bookkeeping dominates
     # Prefix caching (docs/prefix-cache.md): full blocks of compressed KV and indexer keys are reused by their
     # token-prefix hash, and the window rings are checkpointed at block boundaries, so a request starts prefill at
-    # the longest cached boundary of its prompt. null: on where it is exact (yoco=off, one rank), resolved once in
-    # the resolve step; true where it is not exact (YOCO truncates the cached state) is an error.
+    # the longest cached boundary of its prompt (under YOCO, at most its known length - yoco.keep_tokens). null: on
+    # where it is exact (one rank), resolved once in the resolve step; true where it is not exact is an error.
     prefix_caching: Optional[bool] = None
     # the share of the cache budget held by window checkpoints (each one slot's fixed state: rings, open groups,
     # Engram history); at least one checkpoint whenever prefix caching is on

@@ -92,6 +92,7 @@ class EngineCore:
             planner=self._varlen_planner(options) if speculative and options.spec_varlen else None,
             checkpoint_interval=options.prefix_checkpoint_interval,
             checkpoint_lag=lag,
+            replay_keep=backend.replay.keep if backend.replay is not None else 0,
         )
         self._inflight: tuple[StepPlan, Future, float] | None = None
         self.grammars = GrammarCompilations(backend, options)

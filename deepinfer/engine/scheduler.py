@@ -60,6 +60,7 @@ class Scheduler:
         planner=None,
         checkpoint_interval: int = 0,
         checkpoint_lag: int = 0,
+        replay_keep: int = 0,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 2:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2")
@@ -82,6 +83,10 @@ class Scheduler:
         # tokens a row may run past a checkpoint boundary and still leave the window at it in its slot (the pools
         # keep that many rows behind each sequence: CacheLayout's checkpoint_lag); more than that cuts the chunk
         self.checkpoint_lag = checkpoint_lag
+        # YOCO (models/replay.py): the decoder layers' window rows of a sequence before its rectangle (known length
+        # - keep) are cut or never written, in the sequence and so in its checkpoints; a hit ends at or before the
+        # request's own rectangle, where its decoder layers read nothing from before the boundary
+        self.replay_keep = replay_keep
         self._root = root_key()
         self._lost: set[int] = set()  # requests whose state a failed step dropped (their later rows were skipped)
 
@@ -213,8 +218,9 @@ class Scheduler:
             want_lp = bool(getattr(req.params, "prompt_logprobs", False)) and not req.prompt_logprobs_sent
             # a cached prefix, never the whole known sequence (the last token computes the logits) nor, before
             # its grammar is ready, the last two (the row before the sampling one needs a token); prompt logprobs
-            # need every prompt row's logits
-            hit = NO_HIT if want_lp else self.cache.match(req.block_hashes, need - (1 if req.may_sample else 2))
+            # need every prompt row's logits; under YOCO, never past the request's rectangle (need - keep)
+            hit = NO_HIT if want_lp else self.cache.match(
+                req.block_hashes, need - max(1 if req.may_sample else 2, self.replay_keep))
             if not self.cache.can_hold(req.request_id, need, hit):
                 break
             self.cache.reserve(req.request_id, need, hit)
