@@ -172,6 +172,9 @@ class CompileQueue:
                     _settle(job.result, error=self._on_timeout())
                 else:
                     _settle(job.result, value=value, error=error)
+                # An idle worker must not keep its last result alive: a heavy grammar is tens of MB, freed (and the
+                # heap trimmed) only when its request drops the last reference.
+                value = error = job = None
                 self._lock.notify_all()  # the client's next job may start now
                 if me in self._abandoned:  # a fresh worker took over the lane meanwhile
                     self._abandoned.discard(me)
@@ -194,6 +197,7 @@ class CompileQueue:
                     self._abandoned.add(thread)
                     job.lane.workers -= 1
                     self._staff(job.lane)
+                job = None  # nor may the watchdog, waiting, keep the last job it looked at (and its result)
                 pending = [d for d in deadlines if d > now]
                 self._lock.wait(timeout=(min(pending) - now) if pending else None)
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 
 import xgrammar as xgr
 
+from deepinfer.sampling import heap_trim
 from deepinfer.sampling.compile_queue import ClientBusy, CompileQueue
 from deepinfer.sampling.grammar_state import GrammarState
 from deepinfer.sampling.json_schema_shim import rewrite_length_capped_strings
@@ -94,8 +96,18 @@ def one_line(error: BaseException, limit: int = 300) -> str:
 
 class GrammarCompilerPool(AbstractContextManager):
     """Compiles so_args off the caller's thread. ``submit(so_args)`` returns a Future that settles with a fresh
-    GrammarState for the request, or with a GrammarError. Compiled grammars are cached by xgrammar (keyed by the
-    schema text) up to cache_limit_bytes (-1: unbounded); every request still gets its own matcher.
+    GrammarState for the request, or with a GrammarError. Light grammars (the light lane's, schema text up to
+    CompileQueue.light_cost) are cached by xgrammar (keyed by the schema text) up to cache_limit_bytes (-1:
+    unbounded); every request still gets its own matcher.
+
+    Heavy grammars are compiled without the cache, and the heap is trimmed once each is released (heap_trim):
+    measured on the embedded tokenizer, a 10,000-value enum compiled through the cache took ~6 s and kept +120 MB
+    of RSS each (four: +469 MB after they were freed and trimmed, the cache holding them), and without it 0.8 s and
+    +48 MB for all four after they were freed and trimmed. The cache would hold each heavy grammar until
+    cache_limit_bytes evicts it (1 GiB by default), for a schema that is rarely sent twice; a repeated one is
+    compiled again (0.8 s for this one, in its lane). Compiling in a child process was measured too and is no
+    better: a deserialized grammar costs the core as much as compiling it, and serialize_json is 115 MB of text
+    for this enum (~1 GB of transient RSS in the core to read it back).
 
     cache_limit_bytes: config value (env DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES). timeout_s: config value (env
     DEEPINFER_XGRAMMAR_TIMEOUT, 20 s), counted from the compilation's start. max_schema_bytes: larger schemas are
@@ -121,6 +133,7 @@ class GrammarCompilerPool(AbstractContextManager):
         self.json_max_whitespace = json_max_whitespace
         self.max_schema_bytes, self.max_schema_values = max_schema_bytes, max_schema_values
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=cache_limit_bytes)
+        self._heavy_compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._utf8_guard = Utf8Guard(info.decoded_vocab, info.vocab_size)
         self._queue = CompileQueue(
             timeout_s, lambda: GrammarError(f"grammar compilation timed out after {timeout_s:g} s"),
@@ -140,7 +153,8 @@ class GrammarCompilerPool(AbstractContextManager):
             size, too_large = limits_error(so_args, self.max_schema_bytes, self.max_schema_values)
             if too_large is not None:
                 raise GrammarError(f"so_args['schema'] {too_large}")
-            job = self._queue.submit(lambda: self._build_state(so_args), cost=size, alive=alive, client=client)
+            heavy = size > self._queue.light_cost
+            job = self._queue.submit(lambda: self._build_state(so_args, heavy), cost=size, alive=alive, client=client)
         except (ValueError, GrammarError, ClientBusy, RuntimeError) as error:  # RuntimeError: closed
             done: Future = Future()
             done.set_running_or_notify_cancel()
@@ -163,22 +177,29 @@ class GrammarCompilerPool(AbstractContextManager):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _build_state(self, so_args: dict) -> GrammarState:
-        compiled = self._compile(so_args["schema_type"], so_args["schema"])
+    def _build_state(self, so_args: dict, heavy: bool = False) -> GrammarState:
+        compiler = self._heavy_compiler if heavy else self._compiler
+        compiled = self._compile(compiler, so_args["schema_type"], so_args["schema"])
         trigger, bound = so_args.get("trigger_token_ids"), so_args.get("bound_token_id")
-        return GrammarState(compiled, trigger, bound, self._utf8_guard)
+        state = GrammarState(compiled, trigger, bound, self._utf8_guard)
+        if heavy:
+            # The state holds the only reference to an uncached grammar: once the request drops it, the grammar
+            # is freed, and its pages can go back to the OS.
+            del compiled
+            weakref.finalize(state, heap_trim.request).atexit = False  # no thread started at interpreter exit
+        return state
 
-    def _compile(self, schema_type: str, schema) -> xgr.CompiledGrammar:
+    def _compile(self, compiler: xgr.GrammarCompiler, schema_type: str, schema) -> xgr.CompiledGrammar:
         if schema_type == "json":
             parsed = json.loads(schema) if isinstance(schema, str) else schema  # clear "invalid JSON" errors
             # Not sort_keys: the order of "properties" is the order the fields are generated in.
             text = json.dumps(rewrite_length_capped_strings(parsed))
-            return self._compiler.compile_json_schema(
+            return compiler.compile_json_schema(
                 text, any_whitespace=True, max_whitespace_cnt=self.json_max_whitespace
             )
         if schema_type == "regex":
-            return self._compiler.compile_regex(schema)
-        return self._compiler.compile_grammar(schema)
+            return compiler.compile_regex(schema)
+        return compiler.compile_grammar(schema)
 
 
 def _relay(job: Future, result: Future) -> None:

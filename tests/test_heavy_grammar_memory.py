@@ -1,0 +1,87 @@
+"""Heavy grammars (schema text past the light lane's bound) are compiled without xgrammar's cache and the heap is
+trimmed once each is released, so a grammar flood leaves the engine core's RSS where it was (issue 25's soak: +760
+MB in the core after four 10,000-value enums, all of it kept)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from deepinfer import LLM
+from deepinfer.sampling import SamplingParams
+from deepinfer.sampling.bitmask import allocate_bitmask, unpack_bitmask
+from deepinfer.sampling.grammar import GrammarCompilerPool
+
+TOKENIZER = Path(__file__).parent / "fixtures/deepseek_v41/tiny-engram-hc4/tokenizer.json"
+VOCAB, EOS = 512, 1
+
+
+def enum_schema(n: int, tag: str) -> dict:
+    return {"type": "object", "properties": {"x": {"enum": [f"{tag}v{i}" for i in range(n)]}}, "required": ["x"]}
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def masks(state, tok, text: str) -> list[torch.Tensor]:
+    """The allowed tokens before each token of `text`, and after the last."""
+    out = []
+    for token in tok.encode(text, add_special_tokens=False).ids + [None]:
+        mask = allocate_bitmask(1, VOCAB)
+        state.fill_bitmask(mask, 0)
+        out.append(unpack_bitmask(mask, VOCAB)[0])
+        if token is not None:
+            assert state.accept_token(token)
+    return out
+
+
+def test_a_heavy_grammar_compiled_without_the_cache_allows_the_same_tokens_and_is_not_cached():
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    so_args = {"schema_type": "json", "schema": json.dumps(enum_schema(2000, "k"))}
+    assert len(so_args["schema"]) > 16 * 1024  # the heavy lane's
+    with GrammarCompilerPool.for_tokenizer(tok, VOCAB, EOS) as pool:
+        heavy = pool.compile(so_args)
+        assert pool._compiler.get_cache_size_bytes() == 0
+        cached = pool._build_state(so_args, heavy=False)
+        assert pool._compiler.get_cache_size_bytes() > 0
+        text = '{"x": "kv1234"}'
+        got, want = masks(heavy, tok, text), masks(cached, tok, text)
+    assert len(got) == len(want) > 3
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}"
+    assert not bool(got[-1][:EOS].any()) and bool(got[-1][EOS])  # the end: only EOS
+
+
+def wait_for(condition, what: str, limit_s: float = 60.0) -> None:
+    """Polls a condition the code under test makes true; the limit only turns a bug into a failure, not a hang."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_the_engine_cores_rss_does_not_keep_heavy_grammars_after_their_requests_end():
+    """Two rounds of four 10,000-value enums (30 MB each as compiled grammars), as the soak's two floods, in a core
+    process like the server's. Before: through xgrammar's cache, and with the compile queue's idle threads holding
+    their last result, the core kept +770 MB (the soak's +760 MB). Now, once their requests end and the heap is
+    trimmed, less than two grammars' worth."""
+    def params(tag: str, seed: int) -> SamplingParams:
+        so_args = {"schema_type": "json", "schema": enum_schema(10_000, tag)}
+        return SamplingParams(temperature=0.8, max_tokens=8, seq_seed=seed, so_args=so_args)
+
+    with LLM(process="subprocess") as llm:
+        pid = llm._engine.client.process.pid
+        llm.generate(["x"], [params("warm", 0)], use_tqdm=False)  # one-time costs: threads, the compilers
+        before = rss_bytes(pid)
+        for r in range(2):
+            outs = llm.generate(["x"] * 4, [params(f"r{r}k{k}", k) for k in range(4)], use_tqdm=False)
+            assert all(o.finish_reason != "error" for o in outs)
+        # The trim runs on the core's own thread after the requests end: wait for it, bounded.
+        grown = lambda: rss_bytes(pid) - before  # noqa: E731
+        wait_for(lambda: grown() < 60 * 2**20, "the core's RSS to come back", limit_s=30.0)
