@@ -56,6 +56,7 @@ SLOW_CELLS = [
     ("test_prefix_cache_features.py", "dspark_drafting_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache[gr"),
     ("test_prefix_cache_features.py", "test_structured_outputs_with_prefix_hits"),
     ("test_prefix_cache_parallel.py", "[cp2]"), ("test_prefix_cache_parallel.py", "[dep2]"),  # multi-process
+    ("test_heavy_grammar_memory.py", "rss_does_not_keep"),  # a subprocess core and eight heavy grammars
 ]  # the fast tier keeps one prefix-cache case beyond the chat's: YOCO compact with hits
 
 
