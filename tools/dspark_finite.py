@@ -1,0 +1,83 @@
+"""Where DSpark verification goes non-finite: the benchmark's B=8 setting (decode_gpu.py's filled context, greedy,
+the draft layers' own guesses) served once, every verification step's target logits checked for NaN / infinity.
+On the 40-layer Flash model at B=8 on the H200 (2026-12-02) a whole step's logits went non-finite after ~21 tokens,
+eager and graphed alike (docs/dspark.md); this prints, per run, the steps whose logits were not finite, which rows,
+NaN and infinity counts, and the drafts being verified, to narrow the cause down.
+
+    # H200 (device tool, carry [".devpack"]), from the repo root; ~1 min with a warm TileLang cache, 4 cold:
+    source benchmarks/gpu_env.sh && python3 tools/dspark_finite.py --model flash40 --graphs on off
+    python tools/dspark_finite.py --model tiny --context 256    # CPU smoke (tests/test_dspark_finite.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from decode_gpu import build, make_engine  # noqa: E402
+
+
+def serve(model, graphs: bool, batch: int, context: int, tokens: int, drafts: int) -> dict:
+    """One generate with every verification's logits checked. Returns {"bad": [...], "errors": [...]}."""
+    from deepinfer import SamplingParams
+
+    g = torch.Generator().manual_seed(batch * 7919 + context)  # dspark_gpu.py's prompts
+    prompts = torch.randint(3, 500, (batch, context), generator=g).tolist()
+    engine, _, _ = make_engine(model, fill=True, max_seqs=batch, context=context, max_tokens=tokens + 8,
+                               graphs=graphs, interval=8, batched_tokens=max(batch * (context + 1), 8192),
+                               num_draft=drafts, seed=1, same_fill=True)
+    sampler = engine.client.core.runner.backend.sampler
+    inner, bad, seen = sampler.verify, [], [0]
+
+    def verify(logits, requests):
+        seen[0] += 1
+        broken = ~torch.isfinite(logits)
+        if broken.any():
+            rows = broken.any(-1).nonzero().flatten().tolist()
+            bad.append(dict(step=seen[0], rows=len(rows), of=logits.shape[0], first_rows=rows[:8],
+                            nan=int(logits.isnan().sum()), inf=int(logits.isinf().sum()),
+                            drafts=[list(r.drafts) for r in requests][:4]))
+        return inner(logits, requests)
+
+    sampler.verify = verify
+    try:
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        engine.close()
+    return dict(verifications=seen[0], bad=bad, errors=[o.error for o in outs if o.error])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("flash", "flash40", "tiny"), default="flash40")
+    ap.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--drafts", type=int, default=5)
+    ap.add_argument("--graphs", choices=("on", "off"), nargs="+", default=["on"])
+    a = ap.parse_args(argv)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from deepinfer.models import synthetic
+
+    prefs = {"default": ["tilelang-sm90", "torch"]} if device == "cuda" else ["torch"]
+    model = build(a.model, device, prefs, overrides=None if a.model == "tiny" else synthetic.DSPARK_FLASH)
+    found = False
+    for graphs in a.graphs:
+        got = serve(model, graphs == "on" and device == "cuda", a.batch, a.context, a.tokens, a.drafts)
+        found |= bool(got["bad"])
+        print(f"{a.model} B={a.batch} graphs {graphs}: {len(got['bad'])} of {got['verifications']} verifications "
+              f"non-finite; {len(got['errors'])} requests ended with an error", flush=True)
+        for b in got["bad"][:6]:
+            print("   ", b, flush=True)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
