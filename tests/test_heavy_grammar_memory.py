@@ -5,7 +5,6 @@ MB in the core after four 10,000-value enums, all of it kept)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ from deepinfer import LLM
 from deepinfer.sampling import SamplingParams
 from deepinfer.sampling.bitmask import allocate_bitmask, unpack_bitmask
 from deepinfer.sampling.grammar import GrammarCompilerPool
+from serving_helpers import wait_for
 
 TOKENIZER = Path(__file__).parent / "fixtures/deepseek_v41/tiny-engram-hc4/tokenizer.json"
 VOCAB, EOS = 512, 1
@@ -58,14 +58,6 @@ def test_a_heavy_grammar_compiled_without_the_cache_allows_the_same_tokens_and_i
     assert not bool(got[-1][:EOS].any()) and bool(got[-1][EOS])  # the end: only EOS
 
 
-def wait_for(condition, what: str, limit_s: float = 60.0) -> None:
-    """Polls a condition the code under test makes true; the limit only turns a bug into a failure, not a hang."""
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_the_engine_cores_rss_does_not_keep_heavy_grammars_after_their_requests_end():
     """Two rounds of four 10,000-value enums (30 MB each as compiled grammars), as the soak's two floods, in a core
     process like the server's. Before: through xgrammar's cache, and with the compile queue's idle threads holding
@@ -84,4 +76,4 @@ def test_the_engine_cores_rss_does_not_keep_heavy_grammars_after_their_requests_
             assert all(o.finish_reason != "error" for o in outs)
         # The trim runs on the core's own thread after the requests end: wait for it, bounded.
         grown = lambda: rss_bytes(pid) - before  # noqa: E731
-        wait_for(lambda: grown() < 60 * 2**20, "the core's RSS to come back", limit_s=30.0)
+        assert wait_for(lambda: grown() < 60 * 2**20, timeout=30.0), "the core's RSS did not come back"

@@ -265,7 +265,7 @@ class CacheSettings:
     # Prefix caching (docs/prefix-cache.md): full blocks of compressed KV and indexer keys are reused by their
     # token-prefix hash, and the window rings are checkpointed at block boundaries, so a request starts prefill at
     # the longest cached boundary of its prompt (under YOCO, at most its known length - yoco.keep_tokens). null: on
-    # where it is exact (one rank), resolved once in the resolve step; true where it is not exact is an error.
+    # (a hit is exact in every layout and YOCO mode), resolved once in the resolve step.
     prefix_caching: Optional[bool] = None
     # the share of the cache budget held by window checkpoints (each one slot's fixed state: rings, open groups,
     # Engram history); at least one checkpoint whenever prefix caching is on

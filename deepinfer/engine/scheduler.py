@@ -82,6 +82,8 @@ class Scheduler:
         self.checkpoint_interval = checkpoint_interval  # blocks between a long prompt's window checkpoints (0: none)
         # tokens a row may run past a checkpoint boundary and still leave the window at it in its slot (the pools
         # keep that many rows behind each sequence: CacheLayout's checkpoint_lag); more than that cuts the chunk
+        if not 0 <= checkpoint_lag < cache.block_size:
+            raise ValueError(f"checkpoint_lag={checkpoint_lag}; allowed: 0..{cache.block_size - 1} (under a block)")
         self.checkpoint_lag = checkpoint_lag
         # YOCO (models/replay.py): the decoder layers' window rows of a sequence before its rectangle (known length
         # - keep) are cut or never written, in the sequence and so in its checkpoints; a hit ends at or before the
@@ -274,11 +276,18 @@ class Scheduler:
                 return b - start
         return n
 
+    def _is_boundary(self, req: Request, b: int) -> bool:
+        """Whether b is one of `_boundaries(req)`, in constant time (asked for every row of every step)."""
+        bs = self.cache.block_size
+        end, step = len(req.prompt_ids) // bs * bs, self.checkpoint_interval * bs
+        return b > 0 and (b == end or b == req.branch_point or (step > 0 and b % step == 0 and b < end))
+
     def _checkpoint_boundary(self, req: Request, start: int, done: int) -> int:
         """The checkpoint boundary whose window a row over [start, done) leaves in the slot: one in (start, done]
-        at most checkpoint_lag tokens behind `done` (at most one: boundaries are whole blocks apart), or 0."""
-        lo = max(start, done - self.checkpoint_lag - 1)
-        return next((b for b in self._boundaries(req) if lo < b <= done), 0)
+        at most checkpoint_lag tokens behind `done`, or 0. Boundaries are block-aligned and the lag is under a
+        block, so the only candidate is the last block boundary at or before `done`."""
+        b = done // self.cache.block_size * self.cache.block_size
+        return b if b > max(start, done - self.checkpoint_lag - 1) and self._is_boundary(req, b) else 0
 
     def _name_prefix(self, req: Request, plan: StepPlan, start: int) -> None:
         """After a row over [start, ...) is planned: its blocks that are now full of known tokens join the prefix

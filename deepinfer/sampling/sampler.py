@@ -318,7 +318,7 @@ NOT_FINITE = "the model's logits are not finite (NaN or infinity) for this token
 def row_blocked(x: torch.Tensor) -> list[str | None]:
     """Per row of processed logits x: why no token can be chosen (every token masked, or the model's logits NaN or
     +inf where tokens are allowed: a masked position holds -inf whatever the model gave), else None. One
-    whole-step max; a NaN row would otherwise yield an arbitrary argmax as if it were a token."""
+    whole-step max and one host read; a NaN row would otherwise yield an arbitrary argmax as if it were a token."""
     top = x.max(dim=-1).values
-    masked, broken = (top == float("-inf")).tolist(), (torch.isnan(top) | (top == float("inf"))).tolist()
-    return [NOT_FINITE if b else NO_TOKEN_ALLOWED if m else None for m, b in zip(masked, broken)]
+    code = (top == float("-inf")).to(torch.int8) + 2 * (torch.isnan(top) | (top == float("inf"))).to(torch.int8)
+    return [(None, NO_TOKEN_ALLOWED, NOT_FINITE)[c] for c in code.tolist()]
