@@ -32,3 +32,36 @@ def test_a_verification_with_nan_logits_is_reported(monkeypatch, capsys):
     assert dspark_finite.main(["--model", "tiny", "--context", "64", "--tokens", "4", "--batch", "2",
                                "--graphs", "off"]) == 1
     assert "non-finite" in capsys.readouterr().out
+
+
+def test_the_trace_names_the_first_op_that_made_a_nan(monkeypatch, capsys):
+    real_build = dspark_finite.build
+
+    def build(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        inner, calls = model.ops._fns["mhc_expand"], [0]
+
+        def expand(*a, **k):  # from the 40th call on (the prefill's are the first), a NaN in one row
+            out = inner(*a, **k)
+            calls[0] += 1
+            if calls[0] >= 40:
+                out = out.clone()
+                out[0] = float("nan")
+            return out
+
+        model.ops._fns["mhc_expand"] = expand
+        return model
+
+    monkeypatch.setattr(dspark_finite, "build", build)
+    assert dspark_finite.main(["--model", "tiny", "--context", "64", "--tokens", "4", "--batch", "2",
+                               "--graphs", "off", "--trace"]) == 1
+    first = [line for line in capsys.readouterr().out.splitlines() if "first NaN from NaN-free inputs" in line]
+    assert first and "'op': 'mhc_expand'" in first[0]
+
+
+def test_the_trace_refuses_cuda_graphs():
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        dspark_finite.main(["--model", "tiny", "--graphs", "on", "--trace"])
+    assert exc.value.code == 2
