@@ -37,3 +37,17 @@ def test_the_prefix_cache_benchmark_runs_on_the_cpu_and_reports_its_targets(tmp_
     assert all(set(t) == {"name", "measured", "target", "unit", "met"} for t in data["targets"])
     assert data["targets"][3]["measured"] == 0 and data["targets"][3]["met"]
     assert data["targets"][1]["measured"] == round(W["chat"]["prefill_ratio"], 4)
+
+
+def test_workloads_runs_only_those_named_and_their_targets(tmp_path):
+    spec = importlib.util.spec_from_file_location("prefix_cache_bench", ROOT / "benchmarks" / "prefix_cache.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["prefix_cache_bench"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "prefix_cache.json"
+    rc = bench.main(["--workloads", "unshared", "--unshared-requests", "2", "--rounds", "1", "--max-tokens", "2",
+                     "--shared-tokens", "64", "--shared-requests", "2", "--turns", "2", "--turn-tokens", "8",
+                     "--block-size", "16", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["failures"] == [] and list(data["workloads"]) == ["unshared"]
+    assert [t["name"][:3] for t in data["targets"]] == ["(c)", "exa"]

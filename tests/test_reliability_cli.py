@@ -123,8 +123,9 @@ def _start_long_run(tmp_path, inputs):
     path = inputs("long.jsonl", ("\n".join(lines) + "\n").encode())
     args = [f"input_path={path}", "engine.max_model_len=4096", "sampling.max_tokens=4000",
             "sampling.ignore_eos=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    # faulthandler on: a CLI that does not end is sent SIGABRT by _ended, which then prints every thread's stack
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     for line in proc.stdout:  # a hang here is bounded by the test's timeout
         if b"engine ready" in line:
             break
@@ -138,10 +139,22 @@ def _start_long_run(tmp_path, inputs):
     return proc, core[0]
 
 
+def _ended(proc, timeout: float = 30.0) -> tuple[bytes, bytes]:
+    """proc's output once it exits; past `timeout`, the test fails with the stacks of its threads (a fast-tier run
+    under load once saw the Ctrl-C run not end within 30 s, with nothing to show why)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _out, err = proc.communicate(timeout=30)
+        pytest.fail(f"the CLI did not end within {timeout} s of the fault; its threads at SIGABRT:\n"
+                    f"{err.decode(errors='replace')[-8000:]}")
+
+
 def test_ctrl_c_writes_the_finished_outputs_and_exits_130_with_one_line(tmp_path, inputs):
     proc, _core = _start_long_run(tmp_path, inputs)
     proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=30)
+    _out, err = _ended(proc)
     assert proc.returncode == 130, err
     lines = [line for line in err.decode().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("deepinfer: interrupted"), err
@@ -152,7 +165,7 @@ def test_ctrl_c_writes_the_finished_outputs_and_exits_130_with_one_line(tmp_path
 def test_an_engine_core_that_dies_under_the_cli_is_one_line_and_exit_2(tmp_path, inputs):
     proc, core = _start_long_run(tmp_path, inputs)
     os.kill(core, signal.SIGKILL)
-    _out, err = proc.communicate(timeout=30)
+    _out, err = _ended(proc)
     assert proc.returncode == 2
     line = one_error_line(err.decode())
     assert f"the engine core process (pid {core}) exited with code -9" in line
