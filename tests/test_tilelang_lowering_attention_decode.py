@@ -61,6 +61,21 @@ def test_default_splits_fill_the_sms_with_at_least_one_block_per_split():
     assert default_splits(4, 10, 78) == 10 and default_splits(16, 10, 78) == 4  # a GPU with fewer SMs
 
 
+def test_default_splits_leave_no_split_empty_and_keep_the_blocks_per_split():
+    """A split count whose last splits get no block runs as the count that does the same: the same blocks per
+    split (hence the same partial sums), no empty CTA; e.g. 16 queries of 10 blocks: 5 splits of 2, not 8."""
+    from deepinfer.kernels.tilelang.attention import default_splits
+
+    assert default_splits(16, 10, 132) == 5 and default_splits(20, 10, 132) == 5 and default_splits(40, 10, 132) == 3
+    for sms in (78, 132):
+        for n_blocks in range(1, 40):
+            for n_q in range(1, 300):
+                s = default_splits(n_q, n_blocks, sms)
+                want = max(1, min(n_blocks, sms // n_q))  # the CTA count aimed at
+                per = -(-n_blocks // s)
+                assert 1 <= s <= want and (s - 1) * per < n_blocks and per == -(-n_blocks // want)
+
+
 def test_decode_kernel_reads_a_ring_wider_than_the_window():
     """Speculative decoding keeps rollback rows: a ring of 192 rows is read whole (3 window blocks + 8 pool
     blocks), while a key stays visible only within the 128 positions up to the query's."""

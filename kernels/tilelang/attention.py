@@ -28,8 +28,14 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
     """Key splits per query: about one CTA per SM over the batch (n_q * splits ~ SMs; the decode kernel takes a
-    whole SM per CTA), at least one key block per split. Only speed depends on it (and the last bits of the sum)."""
-    return max(1, min(n_blocks, sms // max(n_q, 1)))
+    whole SM per CTA), at least one key block per split. Only speed depends on it (and the last bits of the sum).
+    The count is then cut to the splits that get blocks: each split takes ceil(n_blocks / splits) blocks, so 8
+    splits of 10 blocks leave the last three empty; 5 do the same work with the same sums (an empty split adds
+    exact zeros to the combine) without the empty CTAs, and fewer distinct counts mean fewer kernels to compile
+    (10 blocks: 1, 2, 3, 4, 5 or 10 splits)."""
+    want = max(1, min(n_blocks, sms // max(n_q, 1)))
+    per = -(-n_blocks // want)
+    return -(-n_blocks // per)
 
 
 def _splits(n_q: int, n_blocks: int, device) -> int:
