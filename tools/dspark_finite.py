@@ -5,7 +5,7 @@ eager and graphed alike (docs/dspark.md); this prints, per run, the steps whose 
 NaN and infinity counts, and the drafts being verified, to narrow the cause down. With --trace (graphs off only:
 it reads every op's output on the host) every op call of the model is checked as it returns, and the first calls
 whose floating-point inputs held no NaN but whose output did are printed: the op kind, its arguments'
-shapes and dtypes, and the verification step it ran in (0: before the first).
+shapes and dtypes, and how many verifications had run before it (the forward of verification n runs at n - 1).
 
 The H200 runs of 2026-12-02 narrowed it to the last verification steps of a run, where the drafts are capped by
 max_tokens (B = 4: 4 tokens a sequence; B = 8: 2), at B >= 4 with 16 rows (B = 1 and 2 stay finite):
@@ -54,7 +54,9 @@ def _no_nan(x) -> bool:
 
 def trace_ops(ops, step, found: list, most: int = 8):
     """Wraps every op of `ops` (kernels/registry.py OpSet): a call whose floating inputs hold no NaN and whose output
-    does (the bad logits were NaN; -inf is a masked score's legitimate value) is recorded in `found` (kind, arguments, step[0] at the time), the first `most` of them."""
+    does (the bad logits were NaN; -inf is a masked score's legitimate value) is recorded in `found`, the first
+    `most` of them: its kind, arguments, and step[0] at the time (the verifications done before it: the forward
+    that verification n checks runs at n - 1)."""
     def wrap(kind, fn):
         def traced(*args, **kwargs):
             out = fn(*args, **kwargs)
@@ -129,6 +131,8 @@ def main(argv=None) -> int:
             print("   ", b, flush=True)
         for f in got["first"]:
             print("    first NaN from NaN-free inputs:", f, flush=True)
+        if a.trace and got["bad"] and not got["first"]:
+            print("    no op made a NaN from NaN-free inputs: it came from the code between the ops", flush=True)
     return 1 if found else 0
 
 
