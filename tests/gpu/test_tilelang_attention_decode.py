@@ -70,31 +70,34 @@ def _ref64(q, keys, vis, sink, scale):
     return torch.einsum("shk,skd->shd", e / den, keys)
 
 
-def _case(B, seed, dev="cuda"):
+def _case(B, seed, dev="cuda", ring=W, q_per_seq=None):
     """Random decode batch: per sequence a length (some shorter than the window), 1..6 query tokens at its
-    last positions, its ring, per-query sel rows into one shared pool."""
+    last positions (or `q_per_seq`), its ring of `ring` rows (wider than the window: speculative decoding's
+    rollback rows), per-query sel rows into one shared pool."""
     g = torch.Generator().manual_seed(seed)
-    q_per_seq = torch.randint(1, 7, (B,), generator=g).tolist()
-    if B > 1:
-        q_per_seq[0] = 6
+    R = ring
+    if q_per_seq is None:
+        q_per_seq = torch.randint(1, 7, (B,), generator=g).tolist()
+        if B > 1:
+            q_per_seq[0] = 6
     n_q = sum(q_per_seq)
     pool = max(1024, 300 * B)
-    win_kv, win_sc, win_deq = fp8_rows32(B * W, D, g)
-    win_kv, win_sc, win_deq = win_kv.view(B, W, D), win_sc.view(B, W, D // 32), win_deq.view(B, W, D)
+    win_kv, win_sc, win_deq = fp8_rows32(B * R, D, g)
+    win_kv, win_sc, win_deq = win_kv.view(B, R, D), win_sc.view(B, R, D // 32), win_deq.view(B, R, D)
     cmp_kv, cmp_sc, cmp_deq = fp4_rows16_e4m3(pool, D, g)
     # sequence lengths after this step's tokens: short ones leave ring slots empty
     lengths = torch.randint(W + 1, 40000, (B,), generator=g)
     short = torch.rand(B, generator=g) < 0.4
     lengths = torch.where(short, torch.randint(1, W, (B,), generator=g), lengths)
     lengths = torch.maximum(lengths, torch.tensor(q_per_seq))
-    win_pos = torch.full((B, W), -1, dtype=torch.int32)
+    win_pos = torch.full((B, R), -1, dtype=torch.int32)
     for b in range(B):
         L = int(lengths[b])
-        pos = torch.arange(max(0, L - W), L)
-        win_pos[b, pos % W] = pos.int()
-        if L > W + 8 and b % 3 == 1:  # a few slots not yet overwritten: stale positions, must be invisible
-            stale = torch.randperm(W, generator=g)[:5]
-            win_pos[b, stale] -= W
+        pos = torch.arange(max(0, L - R), L)
+        win_pos[b, pos % R] = pos.int()
+        if L > R + 8 and b % 3 == 1:  # a few slots not yet overwritten: stale positions, must be invisible
+            stale = torch.randperm(R, generator=g)[:5]
+            win_pos[b, stale] -= R
     empty = win_pos < 0
     # empty slots: bytes whose dequantisation is inf/NaN (ue8m0 135 makes the bf16 scale +inf)
     win_kv[empty] = torch.randint(0, 256, (int(empty.sum()), D), dtype=torch.uint8, generator=g)
@@ -122,15 +125,7 @@ def _case(B, seed, dev="cuda"):
     return args, (q.to(dev), keys, vis, sink.to(dev))
 
 
-@pytest.mark.parametrize("B,splits", [(1, None), (1, 3), (5, None), (5, 1), (5, 3), (5, 6), (64, None), (64, 2)])
-def test_decode_matches_float64(B, splits):
-    from deepinfer.kernels.tilelang.attention import sink_attention_decode
-
-    args, (q, keys, vis, sink) = _case(B, seed=1000 + 17 * B + (splits or 0))
-    scale = D ** -0.5
-    poison_allocator()
-    out = sink_attention_decode(*args, scale, splits=splits)
-    torch.cuda.synchronize()
+def _check(out, q, keys, vis, sink, scale):
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()
     expect = torch.cat([_ref64(q[i:i + 32].float(), keys[i:i + 32], vis[i:i + 32], sink, scale)
@@ -141,6 +136,35 @@ def test_decode_matches_float64(B, splits):
     # every query on its own too: a wrong mask for one query hides in the batch norm
     per_q = [rel_err(out[i], expect[i]) for i in range(q.shape[0])]
     assert max(per_q) < 2e-2, max(per_q)
+
+
+@pytest.mark.parametrize("q_per_seq", [[4] * 4, [2] * 8], ids=["4x4", "8x2"])
+@pytest.mark.parametrize("splits", [None, 8])
+def test_verification_rows_over_a_ring_with_rollback_rows(q_per_seq, splits):
+    """The shapes of the DSpark verification steps whose logits went NaN on the H200 (docs/dspark.md): 16 query
+    tokens (4 sequences x 4, 8 x 2) over 192-row rings (5 drafts' rollback rows), with the default split count and
+    with 8 splits of 10 key blocks (what the default gave 16 queries before it left no split empty: three split
+    CTAs without a block)."""
+    from deepinfer.kernels.tilelang.attention import sink_attention_decode
+
+    args, (q, keys, vis, sink) = _case(len(q_per_seq), seed=77 + len(q_per_seq), ring=192, q_per_seq=q_per_seq)
+    scale = D ** -0.5
+    poison_allocator()
+    out = sink_attention_decode(*args, scale, splits=splits)
+    torch.cuda.synchronize()
+    _check(out, q, keys, vis, sink, scale)
+
+
+@pytest.mark.parametrize("B,splits", [(1, None), (1, 3), (5, None), (5, 1), (5, 3), (5, 6), (64, None), (64, 2)])
+def test_decode_matches_float64(B, splits):
+    from deepinfer.kernels.tilelang.attention import sink_attention_decode
+
+    args, (q, keys, vis, sink) = _case(B, seed=1000 + 17 * B + (splits or 0))
+    scale = D ** -0.5
+    poison_allocator()
+    out = sink_attention_decode(*args, scale, splits=splits)
+    torch.cuda.synchronize()
+    _check(out, q, keys, vis, sink, scale)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
