@@ -145,9 +145,11 @@ def _ended(proc, timeout: float = 30.0) -> tuple[bytes, bytes]:
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        with open(f"/proc/{proc.pid}/status") as f:  # the CLI's signal masks: blocked, ignored, caught
+            masks = " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
         proc.send_signal(signal.SIGABRT)
         _out, err = proc.communicate(timeout=30)
-        pytest.fail(f"the CLI did not end within {timeout} s of the fault; its threads at SIGABRT:\n"
+        pytest.fail(f"the CLI did not end within {timeout} s of the fault ({masks}); its threads at SIGABRT:\n"
                     f"{err.decode(errors='replace')[-8000:]}")
 
 
