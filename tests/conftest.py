@@ -1,5 +1,3 @@
-import signal
-
 import pytest
 import torch
 
@@ -90,33 +88,3 @@ def server():
     srv = ThreadServer(["engine.max_num_seqs=16"])
     yield srv
     srv.close()
-
-
-# ---- SIGINT's disposition: put back after each test --------------------------------------------------------------
-_SIGINT_LEAKS: list[str] = []
-
-
-def _sigint_ignored() -> bool:
-    """Whether this process ignores SIGINT at the OS level (what a child inherits across exec), as /proc shows it:
-    C code can set it without Python's signal module knowing."""
-    with open("/proc/self/status") as f:
-        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
-    return bool(mask >> (signal.SIGINT - 1) & 1)
-
-
-@pytest.fixture(autouse=True)
-def _sigint_restored(request):
-    """A test that leaves SIGINT ignored in this process hands that to every CLI a later test starts (an ignored
-    signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler): the Ctrl-C test's CLI
-    went on generating after its SIGINT, twice in full fast-tier runs and never alone. After each test the
-    disposition is put back, and the tests that changed it are named at the end of the run."""
-    before = signal.getsignal(signal.SIGINT), _sigint_ignored()
-    yield
-    if (signal.getsignal(signal.SIGINT), _sigint_ignored()) != before:
-        _SIGINT_LEAKS.append(request.node.nodeid)
-        signal.signal(signal.SIGINT, before[0] if before[0] is not None else signal.default_int_handler)
-
-
-def pytest_terminal_summary(terminalreporter):
-    if _SIGINT_LEAKS:
-        terminalreporter.write_line(f"SIGINT's disposition changed by (put back after each): {', '.join(_SIGINT_LEAKS)}")
