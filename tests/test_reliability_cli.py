@@ -123,9 +123,14 @@ def _start_long_run(tmp_path, inputs):
     path = inputs("long.jsonl", ("\n".join(lines) + "\n").encode())
     args = [f"input_path={path}", "engine.max_model_len=4096", "sampling.max_tokens=4000",
             "sampling.ignore_eos=true", f"hydra.run.dir={tmp_path / 'run'}"]
-    # faulthandler on: a CLI that does not end is sent SIGABRT by _ended, which then prints every thread's stack
+    # faulthandler on: a CLI that does not end is sent SIGABRT by _ended, which then prints every thread's stack.
+    # SIGINT back to its default in the CLI, as a terminal's foreground job has it: pytest started as a background
+    # job of a script (`.ci/run &`) ignores SIGINT and SIGQUIT (POSIX, for asynchronous lists), an ignored signal
+    # stays ignored across exec, and the CLI then rightly ignores Ctrl-C too (SigIgn 0x1001006 in its
+    # /proc status when this test timed out so; never in the foreground)
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:  # a hang here is bounded by the test's timeout
         if b"engine ready" in line:
             break
