@@ -263,15 +263,21 @@ def run_decode(engine, tap, batch: int, context: int, warmup: int, steps: int, v
     return decode[warmup: warmup + steps], all_steps, engine.last_metrics, fallbacks, errors
 
 
-def portable_json(obj) -> str:
-    """JSON for benchmarks/results/: the machine's own paths (the device's $OUT, the JIT cache, the checkout)
+def portable(text: str) -> str:
+    """`text` with the machine's own paths (the device's $OUT, the JIT cache, the checkout, the working directory)
     written as the names the README's commands use, so a result reads the same wherever it was made."""
-    text = json.dumps(obj, indent=1, default=str)
     for var in ("OUT", "DEEPINFER_JIT_CACHE_DIR", "TILELANG_CACHE_DIR"):
         value = os.environ.get(var)
         if value and len(value) > 1:
             text = text.replace(value.rstrip("/"), f"${var}")
-    return text.replace(os.getcwd().rstrip("/") + "/", "")
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):  # the checkout: the device runs from a copy
+        text = text.replace(str(root).rstrip("/") + "/", "")
+    return text
+
+
+def portable_json(obj) -> str:
+    """JSON for benchmarks/results/, its paths portable()."""
+    return portable(json.dumps(obj, indent=1, default=str))
 
 
 def profile_decode(engine, tap, batch: int, context: int, vocab: int, steps: int = 4) -> dict:

@@ -516,7 +516,9 @@ def main(argv=None) -> int:
     print("targets:")
     for t in result["targets"]:
         print(f"  {t['name']}: {t['measured']} (target {t['target']} {t['unit']}) {'met' if t['met'] else 'MISSED'}")
-    print("wrote", a.out)
+    from decode_gpu import portable
+
+    print("wrote", portable(a.out))
     if failures:
         print("\nFAILED: not measured as claimed:\n  " + "\n  ".join(failures), file=sys.stderr, flush=True)
         return 1

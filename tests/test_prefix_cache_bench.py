@@ -13,12 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_the_prefix_cache_benchmark_runs_on_the_cpu_and_reports_its_targets(tmp_path):
+def _bench():
+    """benchmarks/prefix_cache.py as a module."""
     spec = importlib.util.spec_from_file_location("prefix_cache_bench", ROOT / "benchmarks" / "prefix_cache.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules["prefix_cache_bench"] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.slow
+def test_the_prefix_cache_benchmark_runs_on_the_cpu_and_reports_its_targets(tmp_path):
+    bench = _bench()
     out = tmp_path / "prefix_cache.json"
     # a 256-token system prompt: a checkpoint boundary of the first request (16 blocks of 16 tokens)
     rc = bench.main(["--shared-tokens", "256", "--shared-requests", "3", "--turns", "3", "--turn-tokens", "20",
@@ -40,10 +46,7 @@ def test_the_prefix_cache_benchmark_runs_on_the_cpu_and_reports_its_targets(tmp_
 
 
 def test_workloads_runs_only_those_named_and_their_targets(tmp_path):
-    spec = importlib.util.spec_from_file_location("prefix_cache_bench", ROOT / "benchmarks" / "prefix_cache.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["prefix_cache_bench"] = bench
-    spec.loader.exec_module(bench)
+    bench = _bench()
     out = tmp_path / "prefix_cache.json"
     rc = bench.main(["--workloads", "unshared", "--unshared-requests", "2", "--rounds", "1", "--max-tokens", "2",
                      "--shared-tokens", "64", "--shared-requests", "2", "--turns", "2", "--turn-tokens", "8",
