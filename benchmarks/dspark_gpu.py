@@ -182,18 +182,8 @@ def targets(rows: list[dict]) -> list[dict]:
 
 # ---- reading results back: the docs table and the Pareto plot -------------------------------------------------
 def load(path: str) -> dict:
-    """A result file; one of the first runs' format (variants plain / random / copy, 6-layer model, 5 drafts) is
-    read as this one's: random = j 0 (the draft layers' own guesses), copy = j 5 (every draft the target's)."""
-    data = json.loads(Path(path).read_text())
-    rows = data["rows"]
-    if rows and "drafts_accepted" not in rows[0]:
-        model = data["meta"].get("model", "flash")
-        rows = [dict(r, model=model, drafts_accepted={"plain": None, "random": 0, "copy": 5}[r["variant"]],
-                     variant="plain" if r["variant"] == "plain" else "dspark",
-                     mean_accepted_length=r["tokens_per_step_per_user"]) for r in rows]
-        relate(rows)
-        data = dict(data, rows=rows, targets=targets(rows))
-    return data
+    """A result file this script wrote."""
+    return json.loads(Path(path).read_text())
 
 
 def markdown(datas: list[dict]) -> str:

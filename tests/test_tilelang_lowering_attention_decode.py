@@ -86,3 +86,20 @@ def test_decode_kernel_reads_a_ring_wider_than_the_window():
     plain = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a"), "sm_90a")
     assert "__global__" in wide and wide != plain
     assert "192" in wide and "128" in wide  # the ring's row stride and the window's visibility bound
+
+
+def test_a_requested_split_count_is_cut_to_the_splits_that_get_blocks():
+    """8 splits of 10 blocks take 2 blocks each and leave splits 5..7 past the end; the kernel runs 5 (the same
+    sums). On the H200 a split starting past the last block read another query's selection (TileLang folded its
+    clamped block count), which turned DSpark's 16-row verification steps into NaN."""
+    from deepinfer.kernels.tilelang.attention import used_splits
+
+    assert [used_splits(s, 10) for s in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16)] == [1, 2, 3, 4, 5, 5, 5, 5, 5, 10, 10]
+
+
+def test_the_builder_refuses_a_split_past_the_last_block():
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    with pytest.raises(AssertionError, match="past the end"):
+        build_sink_attention_decode(splits=8, arch="sm_90a")
+    build_sink_attention_decode(splits=5, arch="sm_90a")  # 5 x 2 blocks: every split starts inside the keys

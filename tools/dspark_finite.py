@@ -8,8 +8,10 @@ whose floating-point inputs held no NaN but whose output did are printed: the op
 shapes and dtypes, and how many verifications had run before it (the forward of verification n runs at n - 1).
 
 The H200 runs of 2026-12-02 narrowed it to the last verification steps of a run, where the drafts are capped by
-max_tokens (B = 4: 4 tokens a sequence; B = 8: 2), at B >= 4 with 16 rows (B = 1 and 2 stay finite):
+max_tokens (B = 4: 4 tokens a sequence; B = 8: 2), at B >= 4 with 16 rows: the decode attention kernel was given
+8 key splits of 10 blocks, two of them past the last block (docs/dspark.md: found and fixed). Kept as the check:
     python3 tools/dspark_finite.py --model flash40 --graphs off --batch 4 --tokens 24 --context 1024 --trace
+    (after the fix: "0 of 22 verifications non-finite")
 
     # H200 (device tool, carry [".devpack"]), from the repo root; ~1 min with a warm TileLang cache, 4 cold:
     source benchmarks/gpu_env.sh && python3 tools/dspark_finite.py --model flash40 --graphs on off

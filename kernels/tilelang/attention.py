@@ -42,6 +42,15 @@ def _splits(n_q: int, n_blocks: int, device) -> int:
     return 1 if registry.batch_invariant() else default_splits(n_q, n_blocks, sm_count(str(device)))
 
 
+def used_splits(splits: int, n_blocks: int) -> int:
+    """The splits of `splits` that get key blocks (each takes ceil(n_blocks / splits)): the decode kernel is
+    built for those only. A split starting past the last block is not an empty split to that kernel: TileLang
+    folds its clamped block count max(min(NB - start, PER), 0) to PER, so it read another query's selection and
+    its garbage reached the combine as NaN (the H200's DSpark NaN, docs/dspark.md)."""
+    per = -(-n_blocks // max(1, splits))
+    return -(-n_blocks // per)
+
+
 def _run(kernel, n_q, splits, heads, dim, sink, out, args, permuted):
     dev = out.device
     # with one split the kernel normalises in place and never touches the partial buffers (allocated, unused)
@@ -108,7 +117,8 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     n_q, H, D = q.shape
     R, topk = win_kv.shape[1], sel.shape[1]
     assert R >= window and H == 64 and D == 512 and n_q > 0
-    splits = splits or _splits(n_q, (window + topk) // BLOCK_KEYS, q.device)
+    n_blocks = (window + topk) // BLOCK_KEYS
+    splits = used_splits(splits or _splits(n_q, n_blocks, q.device), n_blocks)
     # a ring wider than the window (rollback rows for speculative decoding): its width is a compile-time shape
     extra = (None, (192, 160, 152), R) if R != window else ()
     kernel = jit(build_sink_attention_decode, H, D, window, topk, splits, *extra)

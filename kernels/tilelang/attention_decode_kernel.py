@@ -62,7 +62,10 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0 and W >= window and window % BK == 0
     NWB = window // BK             # window key blocks per query
     NB = NWB + topk // BK          # key blocks per query
-    PER = -(-NB // splits)         # blocks per split (the last may have fewer, or none)
+    PER = -(-NB // splits)         # blocks per split (the last may have fewer)
+    # every split starts inside the keys (attention.used_splits): nmine's clamp at 0 below is folded away by
+    # TileLang, so a split past the end would read beyond its query's selection
+    assert (splits - 1) * PER < NB, f"{splits} splits of {NB} blocks leave a split past the end: use used_splits"
     DH = D // 2
     n_prod = 128  # one producer warpgroup (two: ptxas cannot fit WG0's wgmma in 128 launch registers)
     threads = 256 + n_prod
