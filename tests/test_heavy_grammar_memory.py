@@ -58,6 +58,31 @@ def test_a_heavy_grammar_compiled_without_the_cache_allows_the_same_tokens_and_i
     assert not bool(got[-1][:EOS].any()) and bool(got[-1][EOS])  # the end: only EOS
 
 
+def test_a_heavy_grammar_waits_while_the_live_ones_hold_the_limit_and_compiles_once_they_are_released():
+    """live_limit_bytes=0: one heavy grammar alive at a time. The second compiles only after the first's state is
+    released, and the live bytes are xgrammar's own count of each grammar, back to 0 at the end."""
+    import gc
+
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    so_args = [{"schema_type": "json", "schema": json.dumps(enum_schema(2000, tag))} for tag in "ab"]
+    with GrammarCompilerPool.for_tokenizer(tok, VOCAB, EOS, live_limit_bytes=0) as pool:
+        looks = []
+        room = pool._queue._lanes["heavy"].room
+        pool._queue._lanes["heavy"].room = lambda: looks.append(pool.live_bytes) or room()
+        first = pool.submit(so_args[0]).result(60)
+        assert pool.live_bytes > 0
+        second = pool.submit(so_args[1])
+        assert wait_for(lambda: len(looks) >= 2, timeout=60.0)  # the worker looked with the first alive
+        assert not second.done() and looks[-1] == pool.live_bytes > 0
+        del first
+        gc.collect()
+        state = second.result(60)
+        assert pool.live_bytes > 0 and masks(state, tok, '{"x": "bv7"}')[-1][EOS]
+        del state, second  # the Future holds its result too
+        gc.collect()
+        assert pool.live_bytes == 0
+
+
 def test_the_engine_cores_rss_does_not_keep_heavy_grammars_after_their_requests_end():
     """Eight rounds of four 10,000-value enums (30 MB each as compiled grammars), as the soak's floods, in a core
     process like the server's. Before: through xgrammar's cache, and with the compile queue's idle threads holding

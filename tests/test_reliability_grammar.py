@@ -145,6 +145,32 @@ def test_one_clients_heavy_grammars_do_not_hold_another_clients_behind_them():
     q.close()
 
 
+def test_heavy_jobs_wait_for_room_and_start_when_it_is_freed():
+    """heavy_room() False: a heavy job stays waiting (the worker looked and declined) while light jobs run; once room
+    is freed and wake() called, it starts."""
+    room, looked, started = [False], threading.Event(), []
+
+    def heavy_room():
+        looked.set()
+        return room[0]
+
+    def job(name):
+        def run():
+            started.append(name)
+            return name
+        return run
+
+    q = CompileQueue(timeout_s=60, on_timeout=timeout_error, light_cost=10, heavy_room=heavy_room)
+    big = q.submit(job("big"), cost=1000, client="a")
+    assert looked.wait(60)
+    assert q.submit(job("small"), cost=5, client="a").result(60) == "small"
+    assert not big.done() and started == ["small"] and q._lanes["heavy"].num_waiting() == 1
+    room[0] = True
+    q.wake()
+    assert big.result(60) == "big" and started == ["small", "big"]
+    q.close()
+
+
 def test_a_client_at_its_bound_is_refused_and_others_are_not():
     release = threading.Event()
     q = CompileQueue(timeout_s=60, on_timeout=timeout_error, light_cost=10, heavy_lanes=2, max_per_client=2)

@@ -328,6 +328,9 @@ class SamplingDefaults:
     xgrammar_heavy_lanes: int = setting(2, allowed=up_to(1, 64))
     # a server client's compilations waiting or running per lane; beyond: 429 (sampling/compile_queue.py)
     xgrammar_max_per_client: int = setting(4, allowed=up_to(1, 1024))
+    # heavy grammars alive (compiled, held by their requests) past this many bytes: the next heavy compilation waits
+    # for one to be released (0: one at a time); bounds the core's memory in a flood (a 10,000-value enum: 31 MiB)
+    xgrammar_live_limit_bytes: int = setting(16 << 20, allowed=up_to(0, MAX_CACHE_BYTES))
 
     def params(self, **changes):
         """A SamplingParams from these defaults (grammar limits are engine-wide, not per request)."""

@@ -208,7 +208,7 @@ class EngineCore:
         self.lockstep = self.runner.lockstep = True
         if cp is not None:
             self.runner.cp = cp
-            self._sync_grammars = True
+            self._sync_grammars = self.grammars.synchronous = True
 
     def idle_step(self) -> CoreOutputs:
         """Lockstep: one forward without any sequence (ModelRunner.dummy_step), so that a rank with nothing to run

@@ -8,8 +8,11 @@ The step loop only polls: `settle()` returns the requests whose compilation ende
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class GrammarCompilations:
@@ -21,6 +24,9 @@ class GrammarCompilations:
         self._options = options
         self._pool = None
         self._pending: dict[int, Future] = {}
+        # Set by a context-parallel core, which waits for each grammar as its request arrives: a compilation waiting
+        # for live grammars to be released would wait for requests that cannot run meanwhile, so no live bound
+        self.synchronous = False
 
     def submit(self, request_id: int, so_args: dict, alive=None, client: str = "") -> str | None:
         """Starts compiling; returns why structured outputs are impossible here (no tokenizer), else None.
@@ -30,6 +36,10 @@ class GrammarCompilations:
             if self._backend.tokenizer is None or not hasattr(self._backend.tokenizer, "to_str"):
                 return "structured outputs need the model's tokenizers.Tokenizer, and this engine has none"
             from deepinfer.sampling.grammar import GrammarCompilerPool
+
+            if self.synchronous:
+                log.warning("sampling.xgrammar_live_limit_bytes does not apply under context parallel: each grammar "
+                            "compiles as its request arrives, and the core waits for it")
 
             # The logits' width (the model's vocab_size), not the tokenizer's: padding ids are never allowed.
             self._pool = GrammarCompilerPool.for_tokenizer(
@@ -42,6 +52,7 @@ class GrammarCompilations:
                 max_schema_values=self._options.xgrammar_max_schema_values,
                 heavy_lanes=self._options.xgrammar_heavy_lanes,
                 max_per_client=self._options.xgrammar_max_per_client,
+                live_limit_bytes=None if self.synchronous else self._options.xgrammar_live_limit_bytes,
             )
         self._pending[request_id] = self._pool.submit(so_args, alive=alive, client=client)
         return None

@@ -60,13 +60,15 @@ class EngineOptions:
     cudagraph_batch_size_interval: int = _setting("runtime.cudagraph_batch_size_interval")
     # sampling.xgrammar_*: a grammar that does not compile within the timeout ends its request with an error;
     # compiled grammars are cached up to the limit (xgrammar: -1 means unbounded); larger schemas end their request;
-    # heavy compilations share heavy_lanes, a server client at most max_per_client of them per lane
+    # heavy compilations share heavy_lanes, a server client at most max_per_client of them per lane, and start
+    # while the heavy grammars alive hold less than live_limit_bytes
     xgrammar_timeout: float = _setting("sampling.xgrammar_timeout")
     xgrammar_cache_limit_bytes: int = _setting("sampling.xgrammar_cache_limit_bytes")
     xgrammar_max_schema_bytes: int = _setting("sampling.xgrammar_max_schema_bytes")
     xgrammar_max_schema_values: int = _setting("sampling.xgrammar_max_schema_values")
     xgrammar_heavy_lanes: int = _setting("sampling.xgrammar_heavy_lanes")
     xgrammar_max_per_client: int = _setting("sampling.xgrammar_max_per_client")
+    xgrammar_live_limit_bytes: int = _setting("sampling.xgrammar_live_limit_bytes")
     # decoding.*: drafts verified per request and step (0: off; with decoding=dspark only, see for_settings), the
     # cache's rollback depth (any decoding, DEEPINFER_MAX_BACKTRACKING_TOKENS; the larger of this and
     # num_draft_tokens + 1), confidence-scheduled verification (dspark only), where its cost curve is cached and

@@ -21,6 +21,9 @@ contained instead:
   `max_abandoned` threads are still running, which caps the compilations alive at once (and so their memory) at
   the lanes' workers + max_abandoned;
 - a job whose owner has gone (`alive()` false, e.g. the request was aborted) is skipped when its turn comes;
+- `heavy_room()` (optional): a heavy job starts only while it returns True (the pool's bound on the bytes of heavy
+  grammars alive); whoever frees room calls `wake()`. Waiting for room is waiting for a turn: the timeout has
+  not started;
 - threads are daemons: closing (and interpreter exit) never waits for a compilation.
 """
 
@@ -56,12 +59,15 @@ class _Lane:
         self.waiting: collections.OrderedDict[str, collections.deque[_Job]] = collections.OrderedDict()
         self.running: collections.Counter[str] = collections.Counter()  # abandoned jobs included
         self.workers = 0  # threads serving this lane (not counting abandoned ones)
+        self.room: Callable[[], bool] | None = None  # jobs start only while room() (None: always)
 
     def num_waiting(self, named_only: bool = False) -> int:
         return sum(len(q) for c, q in self.waiting.items() if c or not named_only)
 
     def pick(self) -> _Job | None:
         """The next job, round-robin over clients, skipping clients at their running share (lock held)."""
+        if self.room is not None and self.waiting and not self.room():
+            return None
         for client, queue in self.waiting.items():
             if self.running[client] < self.per_client_running:
                 job = queue.popleft()
@@ -78,7 +84,8 @@ class CompileQueue:
     exception; raises ClientBusy when the client (or the queue) is at its bound."""
 
     def __init__(self, timeout_s: float, on_timeout: Callable[[], Exception], light_cost: int = 16 * 1024,
-                 max_queued: int = 64, max_abandoned: int = 1, heavy_lanes: int = 2, max_per_client: int = 4):
+                 max_queued: int = 64, max_abandoned: int = 1, heavy_lanes: int = 2, max_per_client: int = 4,
+                 heavy_room: Callable[[], bool] | None = None):
         if heavy_lanes < 1 or max_per_client < 1:
             raise ValueError(f"CompileQueue: heavy_lanes={heavy_lanes} and max_per_client={max_per_client} must "
                              "be >= 1")
@@ -87,6 +94,7 @@ class CompileQueue:
         self.light_cost, self.max_queued, self.max_abandoned = light_cost, max_queued, max_abandoned
         self.max_per_client = max_per_client
         self._lanes = {"light": _Lane("light", 1), "heavy": _Lane("heavy", heavy_lanes)}
+        self._lanes["heavy"].room = heavy_room
         self._lock = threading.Condition()
         self._running: dict[threading.Thread, _Job] = {}
         self._abandoned: set[threading.Thread] = set()
@@ -120,6 +128,12 @@ class CompileQueue:
         """Compilations alive, abandoned ones included: what the memory bound is about."""
         with self._lock:
             return len(self._running)
+
+    def wake(self) -> None:
+        """Room may have been freed (heavy_room): waiting workers look again. Safe from any thread, also from a
+        finalizer that runs while this thread holds the queue's lock (the lock is re-entrant)."""
+        with self._lock:
+            self._lock.notify_all()
 
     def close(self) -> None:
         with self._lock:

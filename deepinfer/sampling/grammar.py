@@ -36,6 +36,7 @@ DEFAULT_MAX_SCHEMA_BYTES = 1 << 20
 # faster than the number of values (2-core VM, loaded: 20,000 values 8 s, 50,000 values 70 s). So the values of a
 # JSON schema (every enum value, property schema, keyword value: schema_limits.schema_values) are capped too.
 DEFAULT_MAX_SCHEMA_VALUES = 32768
+DEFAULT_LIVE_LIMIT_BYTES = 16 << 20  # the settings' default (config/schema.py) for callers without settings
 
 
 class GrammarError(Exception):
@@ -111,7 +112,11 @@ class GrammarCompilerPool(AbstractContextManager):
 
     cache_limit_bytes: config value (env DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES). timeout_s: config value (env
     DEEPINFER_XGRAMMAR_TIMEOUT, 20 s), counted from the compilation's start. max_schema_bytes: larger schemas are
-    refused at once. max_workers: kept for callers; the queue runs one light and one heavy lane.
+    refused at once. max_workers: kept for callers; the queue runs one light and one heavy lane. live_limit_bytes:
+    a heavy compilation starts only while the heavy grammars alive (compiled, not yet released by their requests)
+    hold fewer bytes than this (xgrammar's memory_size_bytes; 0: one at a time; None: no bound); the rest wait, so a
+    flood of heavy schemas costs the core about one limit's worth of memory, not one grammar per request (soak:
+    four 10,000-value enums alive at once were +171 MB of the core's RSS, 31 MiB each as compiled).
     json_max_whitespace: whitespace characters allowed between JSON elements."""
 
     def __init__(
@@ -126,6 +131,7 @@ class GrammarCompilerPool(AbstractContextManager):
         max_schema_values: int = DEFAULT_MAX_SCHEMA_VALUES,
         heavy_lanes: int = 2,
         max_per_client: int = 4,
+        live_limit_bytes: int | None = DEFAULT_LIVE_LIMIT_BYTES,
     ):
         if timeout_s <= 0:
             raise ValueError(f"GrammarCompilerPool.timeout_s={timeout_s!r} is out of range; allowed: (0, inf)")
@@ -135,9 +141,12 @@ class GrammarCompilerPool(AbstractContextManager):
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=cache_limit_bytes)
         self._heavy_compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._utf8_guard = Utf8Guard(info.decoded_vocab, info.vocab_size)
+        self.live_limit_bytes = live_limit_bytes
+        self._live_bytes = 0  # heavy grammars' bytes alive; changed under the queue's lock
         self._queue = CompileQueue(
             timeout_s, lambda: GrammarError(f"grammar compilation timed out after {timeout_s:g} s"),
             max_queued=max_queued, heavy_lanes=heavy_lanes, max_per_client=max_per_client,
+            heavy_room=None if live_limit_bytes is None else self._heavy_room,
         )
 
     @classmethod
@@ -184,10 +193,29 @@ class GrammarCompilerPool(AbstractContextManager):
         state = GrammarState(compiled, trigger, bound, self._utf8_guard)
         if heavy:
             # The state holds the only reference to an uncached grammar: once the request drops it, the grammar
-            # is freed, and its pages can go back to the OS.
+            # is freed, its pages can go back to the OS, and the next heavy compilation may start.
+            size = compiled.memory_size_bytes
             del compiled
-            weakref.finalize(state, heap_trim.request).atexit = False  # no thread started at interpreter exit
+            self._add_live(size)
+            weakref.finalize(state, self._released, size).atexit = False  # no thread started at interpreter exit
         return state
+
+    def _heavy_room(self) -> bool:
+        return self._live_bytes == 0 or self._live_bytes < self.live_limit_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the heavy grammars alive (compiled and not yet released by their requests)."""
+        return self._live_bytes
+
+    def _add_live(self, size: int) -> None:
+        with self._queue._lock:
+            self._live_bytes += size
+
+    def _released(self, size: int) -> None:
+        self._add_live(-size)
+        heap_trim.request()
+        self._queue.wake()
 
     def _compile(self, compiler: xgr.GrammarCompiler, schema_type: str, schema) -> xgr.CompiledGrammar:
         if schema_type == "json":
