@@ -26,6 +26,10 @@ verification + drafting, the engine's device interval); speed-up = DSpark tok/s 
 context and run. The `targets` at a mean accepted length of 3.0 take the speed-up linearly interpolated in the
 measured length between the two measured rows around 3.0 (the default j = 2 measures it directly).
 
+--profile B:J ... (e.g. 1:plain 1:0 64:2) runs those rows once more, untimed, and records where a step goes: its
+drafting (ModelRunner._draft) against the rest (forward and verification), host clock, medians; and on CUDA the
+kernels by name per step (torch.profiler).
+
 Exit status 1 when a row did not run as asked (a timed step that did not replay a CUDA graph, for the forward or
 for the drafting; a TileLang call falling back to torch; an error; fewer timed steps than asked; a measured mean
 accepted length more than --tolerance from 1 + j); every row is written first. Exit 2: bad arguments.
@@ -92,6 +96,52 @@ def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int):
     fallbacks = _fallback_delta(before, kernel_stats()["fallbacks"])
     decode = [s for s in tap.take() if s.num_prefill_tokens == 0 and s.num_rows == len(prompts)]
     return outs, decode[warmup: warmup + steps], fallbacks, time.time() - t0
+
+
+def profile_run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int) -> dict:
+    """One more generate of a row, untimed in the table (the profiler never touches its step times): each engine
+    step (ModelRunner.execute: forward, verification, drafting; it ends on the host with its tokens) and its
+    drafting (ModelRunner._draft, which ends with the drafts on the host) timed by the host clock, medians over the
+    run's steps; on CUDA the kernels by name under torch.profiler, per step. Raises when no step or (DSpark) no
+    drafting was seen: a profile that measured nothing must not be read as one that measured little."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.client.core.runner
+    inner_execute, inner_draft = runner.execute, runner._draft
+    spans = {"step": [], "draft": []}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans[name].append(time.perf_counter() - t0)
+        return call
+
+    cuda = runner.pools.device.type == "cuda"
+    runner.execute, runner._draft = timed("step", inner_execute), timed("draft", inner_draft)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+            run(engine, tap, prompts, max_tokens, warmup, steps)
+    finally:
+        del runner.execute, runner._draft  # the instance attributes: the class's methods again
+    dspark = runner.drafter is not None
+    if not spans["step"] or (dspark and not spans["draft"]):
+        raise RuntimeError(f"dspark_gpu --profile: {len(spans['step'])} steps and {len(spans['draft'])} draftings "
+                           "seen: the runner's methods were not the ones called")
+    n = len(spans["step"])
+    kernels = []
+    if cuda:
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", 0) or 0
+            if t > 0 and ev.count:
+                kernels.append((ev.key, t / 1e3 / n, max(1, ev.count // n)))
+        kernels.sort(key=lambda k: -k[1])
+    return dict(steps=n, step_ms=statistics.median(spans["step"]) * 1e3,
+                draft_ms=statistics.median(spans["draft"]) * 1e3 if spans["draft"] else 0.0,
+                kernels_per_step=sum(c for _, _, c in kernels), kernel_ms_per_step=sum(ms for _, ms, _ in kernels),
+                top=[[k, round(ms, 4), c] for k, ms, c in kernels[:30]])
 
 
 def make_row(model, batch, context, j, outs, timed, fallbacks, seconds, engine) -> dict:
@@ -290,6 +340,9 @@ def parse(argv=None):
     ap.add_argument("--render", nargs="+", default=None,
                     help="only read these result files: --plot and --docs from them, the table printed (no GPU)")
     ap.add_argument("--docs", default=None, help="with --render: rewrite this page's generated table block")
+    ap.add_argument("--profile", nargs="+", default=[], metavar="B:J",
+                    help="rows to profile once more after timing (B:plain or B:j): drafting vs the rest per step, "
+                         "and the kernels")
     a = ap.parse_args(argv)
     if a.docs and not a.render:
         ap.error("--docs: needs --render FILES (the table is written from recorded results)")
@@ -300,6 +353,14 @@ def parse(argv=None):
     if any(b < 1 for b in a.batches) or a.context < 1 or a.steps < 1 or a.warmup < 0:
         ap.error("--batches, --context, --steps: 1 or more; --warmup: 0 or more")
     a.accepted = sorted(set(a.accepted))
+    cells = set()
+    for cell in a.profile:
+        b, _, j = cell.partition(":")
+        if not (b.isdigit() and int(b) in a.batches and (j == "plain" or j.isdigit() and int(j) in a.accepted)):
+            ap.error(f"--profile: {cell!r}; allowed: B:plain or B:j with B in --batches {a.batches} and j in "
+                     f"--accepted {a.accepted}")
+        cells.add((int(b), None if j == "plain" else int(j)))
+    a.profile = cells
     return a
 
 
@@ -339,7 +400,13 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         Path(a.out).write_text(portable_json(dict(meta=meta, targets=targets(rows), rows=rows, failures=failures)))
 
-    def record(row):
+    def record(row, profiler):
+        if (row["batch"], row["drafts_accepted"]) in a.profile:
+            p = row["profile"] = profiler()
+            print(f"profile B={row['batch']} {'plain' if row['drafts_accepted'] is None else 'j=%d' % row['drafts_accepted']}"
+                  f": a step {p['step_ms']:.2f} ms (median), its drafting {p['draft_ms']:.2f} ms; "
+                  f"{p['kernels_per_step']} kernels, {p['kernel_ms_per_step']:.2f} ms of kernel time a step; top: "
+                  + "; ".join(f"{k[:60]} {ms:.3f} ms x{c}" for k, ms, c in p["top"][:12]), flush=True)
         rows.append(row)
         bad = check(row, a.steps, on_cuda, a.tolerance)
         failures.extend(bad)
@@ -362,7 +429,8 @@ def main(argv=None) -> int:
                                      graphs=on_cuda, interval=8, batched_tokens=batched, seed=1)
         try:
             outs, timed, fb, s = run(engine, tap, prompts, per_run + 2, a.warmup, a.steps)
-            record(make_row(a.model, batch, a.context, None, outs, timed, fb, s, engine))
+            record(make_row(a.model, batch, a.context, None, outs, timed, fb, s, engine),
+                   lambda: profile_run(engine, tap, prompts, per_run + 2, a.warmup, a.steps))
         finally:
             engine.close()
         # DSpark: j = 0 first (the reference: long enough for the largest j's run), then the same context again
@@ -378,7 +446,8 @@ def main(argv=None) -> int:
                 outs, timed, fb, s = run(engine, tap, prompts, ref_tokens if j == 0 else need[j], a.warmup, a.steps)
                 if j == 0:
                     reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
-                record(make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine))
+                record(make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine),
+                       lambda: profile_run(engine, tap, prompts, need[j] if j else ref_tokens, a.warmup, a.steps))
         finally:
             engine.close()
     flush()

@@ -100,7 +100,8 @@ def test_the_recorded_h200_runs_measured_every_row_they_name():
 
 def test_bad_arguments_are_named_in_one_line(capsys):
     for argv, field in ((["--accepted", "1", "2"], "--accepted"), (["--accepted", "0", "6"], "--accepted"),
-                        (["--drafts", "0"], "--drafts"), (["--docs", "x.md"], "--docs")):
+                        (["--drafts", "0"], "--drafts"), (["--docs", "x.md"], "--docs"),
+                        (["--profile", "2:2"], "--profile"), (["--profile", "1:4"], "--profile")):
         with pytest.raises(SystemExit) as e:
             bench.parse(argv)
         assert e.value.code == 2 and field in capsys.readouterr().err.splitlines()[-1]
@@ -108,7 +109,8 @@ def test_bad_arguments_are_named_in_one_line(capsys):
 
 def test_a_controlled_run_on_the_cpu_accepts_exactly_j_drafts(tmp_path):
     out, png = tmp_path / "d.json", tmp_path / "d.png"
-    rc = bench.main(TINY + ["--batches", "2", "--accepted", "0", "1", "3", "--out", str(out), "--plot", str(png)])
+    rc = bench.main(TINY + ["--batches", "2", "--accepted", "0", "1", "3", "--out", str(out), "--plot", str(png),
+                            "--profile", "2:plain", "2:3"])
     data = json.loads(out.read_text())
     assert rc == 0 and data["failures"] == []
     rows = {r["drafts_accepted"]: r for r in data["rows"]}
@@ -119,6 +121,11 @@ def test_a_controlled_run_on_the_cpu_accepts_exactly_j_drafts(tmp_path):
     assert rows[3]["tok_s_per_user"] == pytest.approx(4e3 / rows[3]["step_ms"])
     assert rows[3]["speedup_vs_plain"] == pytest.approx(rows[3]["tok_s_per_user"] / rows[None]["tok_s_per_user"])
     assert [t["name"] for t in data["targets"]] == []  # no B=1 or B=64 here
+    # --profile: the asked rows only, a step split into its drafting and the rest (host clock on the CPU)
+    assert [j for j, r in rows.items() if "profile" in r] == [None, 3]
+    plain, spec = rows[None]["profile"], rows[3]["profile"]
+    assert plain["draft_ms"] == 0 and plain["step_ms"] > 0 and plain["steps"] >= 3
+    assert 0 < spec["draft_ms"] < spec["step_ms"]
     if importlib.util.find_spec("matplotlib"):
         assert png.stat().st_size > 0
 
