@@ -42,6 +42,7 @@ from deepinfer.engine import messages as m
 from deepinfer.engine.ipc import CORE, FRONTEND, HEARTBEAT, Signer, Verifier, make_socket
 from deepinfer.engine.messages import CoreOutputs
 from deepinfer.engine.options import EngineOptions
+from deepinfer.sampling import heap_trim
 
 log = logging.getLogger("deepinfer.engine.core")
 
@@ -92,6 +93,7 @@ def _heartbeat(ctx, addr: str, key: bytes, options: EngineOptions, clock: _LoopC
 def run_engine_core(factory, options: EngineOptions, endpoints: tuple[str, str], key: bytes, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    heap_trim.limit_arenas()  # before the grammar threads start (sampling/heap_trim.py says why)
     control, heartbeat = endpoints
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER, control, bind=False, send_timeout_s=options.send_timeout_s)
@@ -219,6 +221,7 @@ def run_rank(settings, options: EngineOptions | None = None) -> None:
 
     if options is None:
         options = EngineOptions.for_settings(settings)
+    heap_trim.limit_arenas()
     build = _builder(SettingsBackend(settings), options)
     world = join(settings.parallel, settings.hardware.device)
     try:
