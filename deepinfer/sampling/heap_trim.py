@@ -5,12 +5,15 @@ freed, but glibc keeps the pages in its arenas, so the engine core's RSS stays a
 (measured: four such enums compiled without xgrammar's cache, +190 MB after they were freed; +48 MB after
 malloc_trim(0)). Trimming is a heap walk (milliseconds to tens of them), so it runs on a daemon thread of its own,
 woken by `request()`, never on the step loop that drops the grammar. Not glibc (no malloc_trim): a no-op.
+`limit_arenas()` caps the engine core's malloc arenas, so what a compile thread freed is in an arena a trim
+gives back.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 
 _lock = threading.Lock()
@@ -37,8 +40,6 @@ def limit_arenas(n: int = ARENAS) -> bool:
     thread's arena, which trimming does not all give back (four rounds of four 10,000-value enums in a core:
     +47 MB kept, peak +99 MB; with 2 arenas +2 MB kept, peak +55 MB). The engine core's big tensors are mmapped
     and do not go through the arenas. Returns whether the cap was set (False: not glibc, or MALLOC_ARENA_MAX)."""
-    import os
-
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     try:

@@ -33,9 +33,7 @@ def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
     splits of 10 blocks leave the last three empty; 5 do the same work with the same sums (an empty split adds
     exact zeros to the combine) without the empty CTAs, and fewer distinct counts mean fewer kernels to compile
     (10 blocks: 1, 2, 3, 4, 5 or 10 splits)."""
-    want = max(1, min(n_blocks, sms // max(n_q, 1)))
-    per = -(-n_blocks // want)
-    return -(-n_blocks // per)
+    return used_splits(max(1, min(n_blocks, sms // max(n_q, 1))), n_blocks)
 
 
 def _splits(n_q: int, n_blocks: int, device) -> int:
