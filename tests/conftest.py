@@ -64,6 +64,13 @@ SLOW_CELLS = [
     # other tokenizer and dummy-weight cells fast
     ("test_load_format_tokenizer.py", "test_a_copy_of_the_tokenizer_elsewhere_gives_the_same_output"),
     ("test_load_format_tokenizer.py", "test_dropin_dummy_on_a_directory_without_weights_generates"),
+    ("test_cli.py", "test_runs_the_embedded_model_from_another_directory"), ("test_cli.py", "test_prompts_from_a_jsonl"),
+    ("test_serving_faults.py", "test_accept_out_of_file_descriptors"),  # the soak's 2,000 idle connections too
+    ("test_tilelang_lowering_attention_decode.py", "lowers_to_cuda[1-sm_90a]"),
+    ("test_reliability_checkpoint.py", "test_a_nan_checkpoint_through_the_cli"),
+    ("test_yoco.py", "test_engine_compact_with_dspark_drafting"),
+    ("test_dspark.py", "test_sampled_tokens_with_drafts_follow_plain_sampling"),
+    ("test_engine_process.py", "does_not_outlive_its_frontend[killed]"),
 ]  # the fast tier keeps one prefix-cache case beyond the chat's: YOCO compact with hits
 
 
