@@ -86,3 +86,18 @@ def wait_for(condition, timeout: float = 60.0) -> bool:
             pass
         time.sleep(0.1)
     return False
+
+
+def _status_bytes(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory now (Linux /proc)."""
+    return _status_bytes(pid, "VmRSS")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """A process's highest resident memory so far (Linux /proc)."""
+    return _status_bytes(pid, "VmHWM")

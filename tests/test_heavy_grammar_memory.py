@@ -14,7 +14,7 @@ from deepinfer import LLM
 from deepinfer.sampling import SamplingParams
 from deepinfer.sampling.bitmask import allocate_bitmask, unpack_bitmask
 from deepinfer.sampling.grammar import GrammarCompilerPool
-from serving_helpers import wait_for
+from serving_helpers import peak_rss_bytes, rss_bytes, wait_for
 
 TOKENIZER = Path(__file__).parent / "fixtures/deepseek_v41/tiny-engram-hc4/tokenizer.json"
 VOCAB, EOS = 512, 1
@@ -22,11 +22,6 @@ VOCAB, EOS = 512, 1
 
 def enum_schema(n: int, tag: str) -> dict:
     return {"type": "object", "properties": {"x": {"enum": [f"{tag}v{i}" for i in range(n)]}}, "required": ["x"]}
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def masks(state, tok, text: str) -> list[torch.Tensor]:
@@ -107,11 +102,6 @@ def test_the_engine_cores_rss_does_not_keep_heavy_grammars_after_their_requests_
                 f"the core's RSS did not come back after round {r}: +{grown() >> 20} MB"
         peak = peak_rss_bytes(pid) - before
         assert peak < 90 * 2**20, f"the core's peak RSS in the floods: +{peak >> 20} MB"
-
-
-def peak_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def test_the_engine_cores_malloc_arenas_are_capped_unless_the_operator_set_them(monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 from deepinfer import LLM
 from deepinfer.sampling import SamplingParams, compile_queue
 from deepinfer.sampling.compile_queue import ClientBusy, CompileQueue
+from serving_helpers import peak_rss_bytes
 
 
 def enum_schema(n: int) -> dict:
@@ -28,11 +29,6 @@ def deep_schema(depth: int) -> dict:
 def so(schema_type, schema, max_tokens=8, seed=0):
     return SamplingParams(temperature=0.8, max_tokens=max_tokens, seq_seed=seed,
                           so_args={"schema_type": schema_type, "schema": schema})
-
-
-def peak_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 # ---- the queue on its own (no xgrammar: jobs are sleeps) ----------------------------------------------------------
