@@ -1,6 +1,7 @@
-"""The prefill MoE path (kernels/tilelang/moe_prefill.py: experts dequantised a chunk at a time, tokens grouped by
-expert, torch's grouped GEMM) computes the torch reference's function. On the CPU the dequantisation is torch's;
-the GPU tests hold the FP4 dequant kernel to it bitwise (tests/gpu/test_prefill_paths.py)."""
+"""The prefill MoE path (kernels/tilelang/moe_prefill.py: tokens grouped by expert into whole tiles, the grouped FP4
+GEMM with its permuted K order and SwiGLU epilogue) computes the torch reference's function. On the CPU the GEMM is
+its torch contract (expert_gemm_torch); the GPU tests hold the kernel to that contract
+(tests/gpu/test_prefill_paths.py)."""
 
 import pytest
 import torch
@@ -8,9 +9,6 @@ import torch
 from deepinfer.kernels.packed_experts import PackedExperts
 from deepinfer.kernels.tilelang import moe_prefill
 from deepinfer.kernels.torch import moe as torch_moe
-
-pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
-
 
 def _packed(E, D, I, g, fmt="fp4"):
     def codes(*shape):
@@ -32,15 +30,14 @@ def _shared(D, I, g):
     return PackedExperts("fp8", codes(1, 2 * I, D), s(1, 2 * I // 32, D // 32), codes(1, D, I), s(1, D // 32, I // 32))
 
 
-@pytest.mark.parametrize("tokens,skew", [(40, False), (300, False), (64, True)])
-def test_grouped_path_matches_the_reference(tokens, skew, monkeypatch):
-    monkeypatch.setattr(moe_prefill, "EXPERTS_PER_CHUNK", 5)  # several chunks, some empty
+@pytest.mark.parametrize("tokens,skew", [(40, False), (300, False), (300, True)])
+def test_grouped_path_matches_the_reference(tokens, skew):
     g = torch.Generator().manual_seed(tokens)
     E, D, I, k = 16, 256, 128, 4
     routed, shared = _packed(E, D, I, g), _shared(D, I, g)
     x = torch.randn(tokens, D, generator=g).bfloat16()
     scores = torch.randn(tokens, E, generator=g)
-    if skew:  # every token on experts 0..k-1: one group holds all tokens, the other chunks are empty
+    if skew:  # every token on experts 0..k-1: those hold several tiles each, the other experts none
         scores[:, :k] += 100
     idx = scores.topk(k, -1).indices
     weights = torch.rand(tokens, k, generator=g)
@@ -48,7 +45,14 @@ def test_grouped_path_matches_the_reference(tokens, skew, monkeypatch):
     ref = torch_moe.moe_experts(x, weights, idx, routed, shared, 7.0)
     assert got.shape == ref.shape and got.dtype == torch.bfloat16
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < 1e-3, err  # same rounding points and summation order; bitwise on the CPUs tried
+    assert err < 1e-3, err  # same rounding points and summation order
+
+
+def test_the_permuted_k_order_is_a_permutation_within_groups_of_eight():
+    perm = moe_prefill.k_perm(64, "cpu")
+    assert sorted(perm.tolist()) == list(range(64))
+    assert perm[:8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(perm.view(8, 8) // 8, torch.arange(8)[:, None].expand(8, 8))
 
 
 def test_the_path_is_for_large_calls_outside_the_batch_invariant_mode(monkeypatch):

@@ -1,19 +1,20 @@
-"""MoE at prefill sizes: the touched experts dequantised to bf16 a chunk at a time (expert_dequant_kernel) and run
-through torch's grouped tensor-core GEMM (`torch._grouped_mm`, CUTLASS on sm90), tokens permuted by expert on the
-device.
+"""MoE at prefill sizes: tokens grouped by expert on the device (each expert's rows padded to whole tiles of
+`BLOCK_M`), then two launches of the FP4 grouped GEMM (expert_gemm_kernel.py) over every expert at once: the gate/up
+projection with the SwiGLU in its epilogue, and the down projection.
 
 Why a second path beside the streaming kernel (moe_kernel.py): that kernel dequantises each weight tile into
 registers once per token tile of <= 64 tokens, which is what decode wants (weights read once, few tokens). At a
-prefill step's hundreds of tokens per expert the same weights are dequantised again for every token tile and the
-64-row tiles leave the tensor cores idle; dequantising once to bf16 (2.5 bytes per weight written and read back)
-and letting a grouped GEMM with large tiles do the arithmetic costs less from `PREFILL_TOKENS` tokens per call
-(benchmarks/prefill_kernels_gpu.py measures both). Not the end state: an FP4 grouped GEMM that dequantises in
-registers with large token tiles would skip the bf16 round trip.
+prefill step's hundreds of tokens per expert the arithmetic dominates: here each weight tile, dequantised once
+into shared memory, feeds a 128-token wgmma tile. From `PREFILL_TOKENS` tokens per call this path runs
+(benchmarks/prefill_kernels_gpu.py measures both).
 
-Same math as the torch reference (kernels/torch/moe.py): gate and up rounded to bf16 by the GEMM, SwiGLU with the
-clamp and the routing weight in fp32, the product rounded to bf16 before the down projection, its bf16 output
-added in fp32 in ascending expert order, then the shared expert. The GEMMs' tiles follow the token counts, so
-this path is never taken in the batch-invariant mode.
+Same math as the torch reference (kernels/torch/moe.py): gate and up rounded to bf16 as a GEMM output, SwiGLU with
+the clamp and the routing weight in fp32, the product rounded to bf16 before the down projection, its bf16 output
+added in fp32 in ascending expert order, then the shared expert. The GEMMs' accumulation order is the kernel's
+(not cuBLAS's), and tiles follow the token counts, so this path is never taken in the batch-invariant mode.
+
+`expert_gemm_torch` is the kernel's contract in torch (the same permuted K order, tiles and epilogues): the path
+off CUDA or for FP8 experts, and the reference the GPU test holds the kernel to.
 """
 
 from __future__ import annotations
@@ -22,76 +23,104 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.kernels import registry
-from deepinfer.kernels.packed_experts import BLOCK_N, PackedExperts, _dequant
+from deepinfer.kernels.packed_experts import PackedExperts, _dequant
 from deepinfer.kernels.torch import moe as torch_moe
 
 from ._build import jit
-from .expert_dequant_kernel import build_fp4_rows_dequant
+from .dequant import fp4_perm
+from .expert_gemm_kernel import HALF, build_fp4_expert_gemm
+from .moe_combine_kernel import build_moe_combine
 
-PREFILL_TOKENS = 6144  # tokens per call from which the grouped path runs (the crossover measured on an H200)
-EXPERTS_PER_CHUNK = 32  # bf16 scratch per chunk: 32 x (3 x 5120 x 2304) x 2 B = 2.3 GB at V4.1-Flash's shapes
-ROW_ALIGN = 16  # each expert's rows start on a multiple of this (the grouped GEMM's M alignment)
+PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (1.8x the streaming kernel there, H200)
+BLOCK_M = 64  # rows per tile: each expert's rows start on a multiple of this (64 beat 128 at 2K-16K tokens, H200)
 
 
 def wanted(n_tok: int) -> bool:
-    return n_tok >= PREFILL_TOKENS and not registry.batch_invariant() and hasattr(torch, "_grouped_mm")
+    return n_tok >= PREFILL_TOKENS and not registry.batch_invariant()
 
 
-def dense_rows(fmt: str, w: torch.Tensor, s: torch.Tensor, cols: int) -> torch.Tensor:
-    """Experts [C, R, ...] as stored -> [C, R, cols] bf16 (the FP4 kernel on CUDA; FP8, or off CUDA, torch)."""
-    C, R = w.shape[:2]
-    if fmt != "fp4" or not w.is_cuda:
-        return torch.stack([_dequant(fmt, w[c], s[c]).to(torch.bfloat16) for c in range(C)])
-    out = torch.empty(C * R, cols, dtype=torch.bfloat16, device=w.device)
-    jit(build_fp4_rows_dequant, cols)(w.reshape(C * R, -1), s.reshape(C * R, -1), out)
-    return out.view(C, R, cols)
+def k_perm(k: int, device) -> torch.Tensor:
+    """Column j of a permuted operand holds column fp4_perm(j) (di_dq_e2m1x8's order, in groups of 8)."""
+    j = torch.arange(k, device=device)
+    return fp4_perm(j)
+
+
+def expert_gemm_torch(a: torch.Tensor, tile_expert: torch.Tensor, w: torch.Tensor, s: torch.Tensor, fmt: str,
+                      aw: torch.Tensor, epilogue: str, limit: float) -> torch.Tensor:
+    """The kernel's function in torch: a [rows, K] (K permuted), tile_expert [rows / BLOCK_M] -> [rows, N | N/2]."""
+    rows, k = a.shape
+    n = w.shape[1]
+    perm = k_perm(k, a.device)
+    expert_of_row = tile_expert.repeat_interleave(BLOCK_M)
+    acc = torch.zeros(rows, n, dtype=torch.bfloat16, device=a.device)
+    for e in torch.unique(tile_expert).tolist():
+        sel = (expert_of_row == e).nonzero().squeeze(1)
+        wd = _dequant(fmt, w[e], s[e]).to(torch.bfloat16)[:, perm]
+        acc[sel] = F.linear(a[sel], wd)
+    if epilogue == "plain":
+        return acc
+    h = acc.view(rows, -1, 2, HALF)
+    gate, up = h[:, :, 0].reshape(rows, -1).float(), h[:, :, 1].reshape(rows, -1).float()
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    act = (F.silu(gate) * up * aw[:, None]).to(torch.bfloat16)
+    return act[:, k_perm(act.shape[1], a.device)]
+
+
+def expert_gemm(a: torch.Tensor, tile_expert: torch.Tensor, p: PackedExperts, which: str, aw: torch.Tensor,
+                epilogue: str, limit: float) -> torch.Tensor:
+    """One grouped projection of `p` ("w13" or "w2") over the tiles of `a`: the kernel for FP4 experts on CUDA,
+    else expert_gemm_torch."""
+    w, s = (p.w13, p.s13) if which == "w13" else (p.w2, p.s2)
+    if p.fmt != "fp4" or not a.is_cuda:
+        return expert_gemm_torch(a, tile_expert, w, s, p.fmt, aw, epilogue, limit)
+    n, k = w.shape[1], a.shape[1]
+    out = torch.empty(a.shape[0], n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
+    jit(build_fp4_expert_gemm, n, k, epilogue, BLOCK_M)(a, tile_expert, w, s, aw, out, limit)
+    return out
+
+
+def combine(out: torch.Tensor, tok_rows: torch.Tensor, shared_y: torch.Tensor) -> torch.Tensor:
+    """y[t] = bf16(sum_j fp32(out[tok_rows[t, j]]) + fp32(shared_y[t])), j in the order given (the kernel on CUDA)."""
+    if out.is_cuda:
+        y = torch.empty_like(shared_y)
+        jit(build_moe_combine, out.shape[1], tok_rows.shape[1])(out, tok_rows.int().contiguous(), shared_y, y)
+        return y
+    y = out[tok_rows[:, 0]].float()
+    for j in range(1, tok_rows.shape[1]):
+        y += out[tok_rows[:, j]].float()
+    return (y + shared_y.float()).to(out.dtype)
 
 
 def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, routed: PackedExperts,
                         shared: PackedExperts | None, swiglu_limit: float) -> torch.Tensor:
     """x [T, D] bf16, router weights/idx [T, k] -> [T, D] bf16 (moe_experts' contract)."""
     T_, k = idx.shape
-    E, I, D = routed.n_experts, routed.inter, routed.hidden
+    E, D = routed.n_experts, routed.hidden
     dev = x.device
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments by expert, tokens ascending within one
     expert = flat[order]
     counts = torch.bincount(flat, minlength=E)
-    padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-    ends = torch.cumsum(padded, 0)
-    dest = (ends - padded)[expert] + torch.arange(T_ * k, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
-    ends_host = ends.tolist()  # one device sync per call: prefill steps run eagerly
-    total = ends_host[-1]
-    tok = order // k
-    xs = torch.zeros(total, D, dtype=x.dtype, device=dev)  # padding rows stay zero (their outputs are never read)
-    xs.index_copy_(0, dest, x[tok])
-    aw = torch.zeros(total, 1, dtype=torch.float32, device=dev)
-    aw.index_copy_(0, dest, weights.reshape(-1, 1)[order].float())
-    out = torch.empty(total, D, dtype=x.dtype, device=dev)  # each assignment's down-projection output
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    starts = (torch.cumsum(tiles, 0) - tiles) * BLOCK_M
+    dest = starts[expert] + torch.arange(T_ * k, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
+    n_tiles = int(tiles.sum())  # one device sync per call: prefill steps run eagerly
+    rows = n_tiles * BLOCK_M
+    tile_expert = torch.repeat_interleave(torch.arange(E, dtype=torch.int32, device=dev), tiles,
+                                          output_size=n_tiles)
+    assignment = torch.full((rows,), T_ * k, dtype=torch.int64, device=dev)  # padding rows: past the end
+    assignment[dest] = order
+    tok = torch.where(assignment < T_ * k, assignment // k, T_)  # T_: the zero row appended below
+    xs = torch.cat([x[:, k_perm(D, dev)], x.new_zeros(1, D)])[tok]  # padding rows stay zero
+    aw = torch.cat([weights.reshape(-1).float(), weights.new_zeros(1, dtype=torch.float32)])[assignment]
     limit = float(swiglu_limit)
-    for lo in range(0, E, EXPERTS_PER_CHUNK):
-        hi = min(E, lo + EXPERTS_PER_CHUNK)
-        a0, a1 = (ends_host[lo - 1] if lo else 0), ends_host[hi - 1]
-        if a1 == a0:
-            continue
-        offs = (ends[lo:hi] - a0).to(torch.int32)
-        w13 = dense_rows(routed.fmt, routed.w13[lo:hi], routed.s13[lo:hi], D)
-        h = torch._grouped_mm(xs[a0:a1], w13.transpose(-2, -1), offs=offs)  # [A, 2I], gate/up interleaved
-        del w13
-        h = h.view(a1 - a0, 2 * I // BLOCK_N, 2, BLOCK_N // 2)
-        gate, up = h[:, :, 0].reshape(-1, I).float(), h[:, :, 1].reshape(-1, I).float()
-        if limit > 0:
-            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        act = (F.silu(gate) * up * aw[a0:a1]).to(x.dtype)
-        w2 = dense_rows(routed.fmt, routed.w2[lo:hi], routed.s2[lo:hi], I)
-        out[a0:a1] = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+    act = expert_gemm(xs, tile_expert, routed, "w13", aw, "swiglu", limit)
+    out = expert_gemm(act, tile_expert, routed, "w2", aw, "plain", limit)  # each assignment's down projection
     # a token's experts summed in ascending expert order, then the shared expert: the reference's order
     row_of = torch.empty(T_ * k, dtype=torch.int64, device=dev)
     row_of[order] = dest
-    rows = row_of.view(T_, k).gather(1, torch.argsort(idx, dim=1))
-    y = out[rows[:, 0]].float()
-    for j in range(1, k):
-        y += out[rows[:, j]].float()
-    if shared is not None:
-        y += torch_moe.swiglu_expert(x, *shared.dense(0, x.dtype), limit).float()
-    return y.to(x.dtype)
+    tok_rows = row_of.view(T_, k).gather(1, torch.argsort(idx, dim=1))
+    shared_y = (torch_moe.swiglu_expert(x, *shared.dense(0, x.dtype), limit) if shared is not None
+                else torch.zeros_like(x))
+    return combine(out, tok_rows, shared_y)

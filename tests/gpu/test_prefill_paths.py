@@ -1,11 +1,11 @@
 """The prefill-size paths on the GPU (marker gpu), each against the torch reference on fresh random inputs:
-the FP4 expert dequant kernel (bitwise), the grouped MoE path (moe_prefill.py) and the dequantise + cuBLAS FP8
+the FP4 grouped expert GEMM (against its torch contract), the grouped MoE path (moe_prefill.py) and the dequantise + cuBLAS FP8
 projection from their row thresholds, and the prefill attention over window strips through the model."""
 
 import pytest
 import torch
 
-from deepinfer.kernels.packed_experts import _dequant, pack_experts
+from deepinfer.kernels.packed_experts import pack_experts
 from deepinfer.kernels.torch import moe as torch_moe
 
 from ._helpers import FLASH_WIDTH, fp4_rows, fp8_blocks, poison_allocator, rel_err
@@ -13,15 +13,47 @@ from ._helpers import FLASH_WIDTH, fp4_rows, fp8_blocks, poison_allocator, rel_e
 pytestmark = [pytest.mark.gpu, FLASH_WIDTH]
 
 
-@pytest.mark.parametrize("rows,cols", [(7, 5120), (4608, 5120), (33, 2304), (5, 256)])
-def test_fp4_dequant_kernel_is_the_torch_dequantisation_bitwise(rows, cols):
-    from deepinfer.kernels.tilelang.moe_prefill import dense_rows
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("epilogue", ["swiglu", "plain"])
+def test_fp4_expert_gemm_kernel_keeps_its_torch_contract(epilogue, block_m, monkeypatch):
+    """Tiles of 3, 1 and 2 tiles per expert (experts 0, 2, 5 of 6; the rest without rows), zero padding rows,
+    released widths; the kernel against expert_gemm_torch (same permuted K order, bf16 rounding points)."""
+    from deepinfer.kernels.tilelang import moe_prefill
+    from deepinfer.kernels.tilelang.moe_prefill import expert_gemm, expert_gemm_torch
 
-    g = torch.Generator(device="cuda").manual_seed(rows + cols)
-    packed, scale, _ = fp4_rows(rows, cols, g, scale_lo=100, scale_hi=140)
+    monkeypatch.setattr(moe_prefill, "BLOCK_M", block_m)
+    BLOCK_M = block_m
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    E, D, I = 6, 5120, 2304
+    routed, _ = _experts(E, D, I, g)
+    tile_expert = torch.tensor([0, 0, 0, 2, 5, 5], dtype=torch.int32, device="cuda")
+    rows = tile_expert.numel() * BLOCK_M
+    k = D if epilogue == "swiglu" else I
+    a = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    a[BLOCK_M * 3 - 5:BLOCK_M * 3] = 0  # the padding rows of expert 0's last tile
+    aw = torch.rand(rows, device="cuda", generator=g)
+    which = "w13" if epilogue == "swiglu" else "w2"
     poison_allocator()
-    out = dense_rows("fp4", packed[None], scale[None], cols)[0]
-    assert torch.equal(out, _dequant("fp4", packed, scale).bfloat16())
+    got = expert_gemm(a, tile_expert, routed, which, aw, epilogue, 7.0)
+    w, s = (routed.w13, routed.s13) if which == "w13" else (routed.w2, routed.s2)
+    ref = expert_gemm_torch(a, tile_expert, w, s, "fp4", aw, epilogue, 7.0)
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-2
+    assert torch.equal(got[BLOCK_M * 3 - 5:BLOCK_M * 3], torch.zeros_like(got[:5]))
+
+
+def test_moe_combine_kernel_is_the_torch_sum_bitwise():
+    from deepinfer.kernels.tilelang.moe_prefill import combine
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    out = torch.randn(3000, 5120, device="cuda", generator=g).bfloat16()
+    tok_rows = torch.randint(0, 3000, (777, 6), device="cuda", generator=g)
+    shared_y = torch.randn(777, 5120, device="cuda", generator=g).bfloat16()
+    poison_allocator()
+    got = combine(out, tok_rows, shared_y)
+    ref = combine(out.cpu(), tok_rows.cpu(), shared_y.cpu())
+    assert torch.equal(got.cpu(), ref)
 
 
 def _experts(E, D, I, g):
