@@ -212,10 +212,11 @@ class StepTap:
 
 def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: int, graphs: bool, interval: int,
                 batched_tokens: int, zero_overhead: bool = True, block_size: int = 64, num_draft: int = 0,
-                seed: int = 0, replay=None, same_fill: bool = False):
+                seed: int = 0, replay=None, same_fill: bool = False, pool_tokens: int | None = None):
     """An in-process engine (the model is built once per run and shared) with pools for max_seqs sequences of
-    context + max_tokens tokens: cache.memory_budget set from the pools' own layout. `num_draft`: DSpark drafts
-    verified per step (0: plain decoding). `replay`, `same_fill`: engine_backend's."""
+    context + max_tokens tokens (`pool_tokens`: for that many tokens in all instead, sequences of different
+    lengths): cache.memory_budget set from the pools' own layout. `num_draft`: DSpark drafts verified per step
+    (0: plain decoding). `replay`, `same_fill`: engine_backend's."""
     from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions
     from deepinfer.frontend import LLMEngine
@@ -223,8 +224,9 @@ def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: i
     layout = (model.cache_layout(block_size, num_draft + 1, drafts=True) if num_draft
               else model.cache_layout(block_size))
     max_len = context + max_tokens + block_size
-    blocks = math.ceil(max_len / block_size)
-    budget = int(max_seqs * (layout.slot_bytes() + blocks * layout.block_bytes()) * 1.01) + (1 << 20)
+    blocks = max_seqs * math.ceil(max_len / block_size) if pool_tokens is None else \
+        math.ceil(pool_tokens / block_size) + max_seqs
+    budget = int((max_seqs * layout.slot_bytes() + blocks * layout.block_bytes()) * 1.01) + (1 << 20)
     backend = engine_backend(model, fill, seed, replay, same_fill)
     opts = EngineOptions.for_settings(Settings(), max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens,
                                       max_model_len=max_len, memory_budget=budget, block_size=block_size,

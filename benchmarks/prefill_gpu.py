@@ -11,6 +11,11 @@ torch backend prefills the shortest prompt in the same run. Each TileLang cell r
 size first met compiles kernel variants: 27 s inside one timed 8K cell before this). A TileLang run that fell back
 to a torch op in a timed step, a request that failed, or a missing cell makes the script exit 1.
 
+Mixed steps (`--mixed-tokens`, default 16384; 0: skip): that prompt prefilled in chunks of each `--mixed-chunks`
+(max_num_batched_tokens 2K / 4K / 8K / 16K) while `--mixed-decoders` (64) requests decode beside it, against the
+same prompt alone at the same chunk: prefill tok/s over the device time of the steps where every decoder decoded
+and prompt tokens were prefilled. Each chunk runs once untimed first.
+
 YOCO (`--yoco-tokens`, default 32768; 0: skip): one prompt of that many tokens prefilled with yoco=off and with
 yoco=compact (K = `--yoco-keep`, 140 as DeepInfer's Flash recipes), the same prompt and chunks on the same model,
 through the engine with the replay stage the pipeline gives it (EngineBackend.replay: the runner applies it to
@@ -138,6 +143,45 @@ def yoco_prefill(model, tokens: int, chunk: int, keep: int = 140, warmup: bool =
     return out
 
 
+def mixed_cell(model, tokens: int, chunk: int, decoders: int = 64, short: int = 128, seed: int = 3) -> dict:
+    """Issue 20 item 6: one prompt of `tokens` tokens prefilled in chunks of `chunk` while `decoders` requests
+    (prompts of `short` tokens, submitted first) decode beside it, against the same prompt alone at that chunk.
+    Mixed steps = steps with every decoder decoding and prefill tokens (the long prompt's chunks); prefill tok/s
+    over their device time, and alone; `failures` says why the measurement is not what it claims to be."""
+    from deepinfer import SamplingParams
+
+    g = torch.Generator().manual_seed(seed + tokens + chunk)
+    hi = min(500, model.config.vocab_size)
+    long_prompt = torch.randint(3, hi, (tokens,), generator=g).tolist()
+    shorts = [torch.randint(3, hi, (short,), generator=g).tolist() for _ in range(decoders)]
+    steps_needed = -(-(tokens + decoders * short) // max(1, chunk - decoders)) + 4  # the decoders outlast the prefill
+    params = [SamplingParams(temperature=0.0, max_tokens=steps_needed, ignore_eos=True)] * decoders
+    params.append(SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    engine, tap, _ = make_engine(model, fill=False, max_seqs=decoders + 1, context=tokens, max_tokens=steps_needed,
+                                 graphs=False, interval=8, batched_tokens=chunk,
+                                 pool_tokens=tokens + decoders * (short + steps_needed) + 1024)
+    try:
+        outs = engine.generate(shorts + [long_prompt], params, use_tqdm=False)
+        steps = tap.take()
+    finally:
+        engine.close()
+    mixed = [s for s in steps if s.num_prefill_tokens and s.num_decode_tokens >= decoders]
+    dev = sum(s.device_end - s.device_start for s in mixed)
+    pre = sum(s.num_prefill_tokens for s in mixed)
+    alone_steps, alone_outs, _ = run_cell(model, tokens, 1, chunk, seed=seed)
+    alone = sum(s.device_end - s.device_start for s in alone_steps)
+    failures = [f"mixed {tokens}/{chunk}: {o.error}" for o in outs + alone_outs if o.error]
+    if not mixed:
+        failures.append(f"mixed {tokens}/{chunk}: no step prefilled beside {decoders} decoding requests")
+    elif pre < tokens // 2:
+        failures.append(f"mixed {tokens}/{chunk}: only {pre} of {tokens} prompt tokens beside the decoders")
+    return dict(tokens=tokens, chunk=chunk, decoders=decoders, mixed_steps=len(mixed), mixed_prefill_tokens=pre,
+                mixed_device_s=dev, mixed_decode_tokens=sum(s.num_decode_tokens for s in mixed),
+                tok_s=pre / dev if dev > 0 else None, alone_device_s=alone,
+                alone_tok_s=tokens / alone if alone > 0 else None,
+                ratio=(pre / dev) / (tokens / alone) if dev > 0 and alone > 0 else None, failures=failures)
+
+
 def profile_prefill(model, tokens: int, chunk: int) -> dict:
     """Kernel time of one prefill of `tokens` tokens by category (torch.profiler, CUDA activity)."""
     from torch.profiler import ProfilerActivity, profile
@@ -241,6 +285,11 @@ def parse(argv=None):
     ap.add_argument("--torch-tokens", type=int, default=1024, help="the torch backend's prompt (0: none)")
     ap.add_argument("--yoco-tokens", type=int, default=32768, help="the yoco=off vs compact prompt (0: none)")
     ap.add_argument("--yoco-keep", type=int, default=140, help="K, the rows per sequence the decoder layers keep")
+    ap.add_argument("--mixed-tokens", type=int, default=16384,
+                    help="the prompt prefilled beside decoding requests (0: skip the mixed-step cells)")
+    ap.add_argument("--mixed-chunks", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
+                    help="max_num_batched_tokens of the mixed-step cells")
+    ap.add_argument("--mixed-decoders", type=int, default=64, help="requests decoding beside the prefill")
     ap.add_argument("--out", default="benchmarks/results/prefill_gpu.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--moe-path", choices=("auto", "stream", "grouped"), default="auto",
@@ -311,6 +360,16 @@ def main(argv=None) -> int:
         print(f"profile of one {a.profile_tokens}-token prefill: {prof['total_ms']:.1f} ms of kernel time")
         for cat, v in prof["categories"].items():
             print(f"  {cat:16s} {v['ms']:9.1f} ms  {v['ms'] / prof['total_ms'] * 100:5.1f}%  {v['calls']:6d} calls")
+    mixed = []
+    for chunk in (a.mixed_chunks if a.mixed_tokens else []):
+        mixed_cell(model, a.mixed_tokens, chunk, a.mixed_decoders)  # untimed: this chunk's kernel variants
+        m = mixed_cell(model, a.mixed_tokens, chunk, a.mixed_decoders)
+        mixed.append(m)
+        failures += m["failures"]
+        print(f"mixed {a.mixed_tokens:6d} tokens, chunk {chunk:6d}, {a.mixed_decoders} decoding: "
+              f"{m['tok_s'] or 0:8.0f} prefill tok/s in {m['mixed_steps']} mixed steps "
+              f"({m['mixed_prefill_tokens']} prompt tokens), alone {m['alone_tok_s'] or 0:8.0f} tok/s, "
+              f"ratio {m['ratio'] or 0:.2f}", flush=True)
     yoco = None
     if a.yoco_tokens:
         try:
@@ -334,7 +393,8 @@ def main(argv=None) -> int:
     meta["wall_s"] = time.time() - t_start
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, yoco=yoco, profile=prof, failures=failures)))
+        f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, mixed=mixed, yoco=yoco, profile=prof,
+                                   failures=failures)))
     if a.plot:
         plot(rows, a.plot, f"{a.model}, {meta['gpu']}")
     for msg in failures:

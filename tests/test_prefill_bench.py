@@ -59,3 +59,14 @@ def test_profile_categories_name_the_compressor_and_engram_kernels():
     assert category("compressor_pool_kernel") == "compressor"
     assert (category("engram_hash_kernel"), category("engram_gate_kernel")) == ("Engram", "Engram")
     assert category("sink_attention_decode_kernel") == "attention" and category("elementwise_kernel") == "other"
+
+
+def test_mixed_cell_measures_prefill_beside_decoding_requests(tiny):
+    """200 prompt tokens in chunks of 64 beside 4 decoders of 8-token prompts: after the decoders' own prefill, the
+    long prompt's chunks ride in steps where all 4 decode, and those steps are the ones measured."""
+    got = _bench().mixed_cell(tiny, 200, 64, decoders=4, short=8)
+    assert got["failures"] == []
+    assert got["mixed_steps"] >= 3 and 100 <= got["mixed_prefill_tokens"] <= 200
+    assert got["mixed_decode_tokens"] >= 4 * got["mixed_steps"]
+    assert got["tok_s"] > 0 and got["alone_tok_s"] > 0
+    assert got["ratio"] == pytest.approx(got["tok_s"] / got["alone_tok_s"])
