@@ -68,15 +68,16 @@ def expert_gemm_torch(a: torch.Tensor, tile_expert: torch.Tensor, w: torch.Tenso
 
 
 def expert_gemm(a: torch.Tensor, tile_expert: torch.Tensor, p: PackedExperts, which: str, aw: torch.Tensor,
-                epilogue: str, limit: float) -> torch.Tensor:
+                epilogue: str, limit: float, tile: tuple | None = None) -> torch.Tensor:
     """One grouped projection of `p` ("w13" or "w2") over the tiles of `a`: the kernel for FP4 experts on CUDA,
-    else expert_gemm_torch."""
+    else expert_gemm_torch. `tile`: the kernel's (block_m, block_n, block_k, stages, threads) instead of its
+    defaults with BLOCK_M (benchmarks/prefill_kernels_gpu.py --gemm-tiles compares them)."""
     w, s = (p.w13, p.s13) if which == "w13" else (p.w2, p.s2)
     if p.fmt != "fp4" or not a.is_cuda:
         return expert_gemm_torch(a, tile_expert, w, s, p.fmt, aw, epilogue, limit)
     n, k = w.shape[1], a.shape[1]
     out = torch.empty(a.shape[0], n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
-    jit(build_fp4_expert_gemm, n, k, epilogue, BLOCK_M)(a, tile_expert, w, s, aw, out, limit)
+    jit(build_fp4_expert_gemm, n, k, epilogue, *(tile or (BLOCK_M,)))(a, tile_expert, w, s, aw, out, limit)
     return out
 
 
