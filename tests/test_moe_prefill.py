@@ -55,10 +55,13 @@ def test_the_permuted_k_order_is_a_permutation_within_groups_of_eight():
     assert torch.equal(perm.view(8, 8) // 8, torch.arange(8)[:, None].expand(8, 8))
 
 
-def test_the_path_is_for_large_calls_outside_the_batch_invariant_mode(monkeypatch):
+def test_the_path_is_for_large_fp4_calls_outside_the_batch_invariant_mode(monkeypatch):
     from deepinfer.kernels import registry
 
-    assert moe_prefill.wanted(moe_prefill.PREFILL_TOKENS)
-    assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS - 1)
+    g = torch.Generator().manual_seed(0)
+    fp4, fp8 = _packed(4, 64, 64, g), _packed(4, 64, 64, g, fmt="fp8")
+    assert moe_prefill.wanted(moe_prefill.PREFILL_TOKENS, fp4)
+    assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS - 1, fp4)
+    assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS, fp8)  # FP8 experts stream at every size
     monkeypatch.setattr(registry, "batch_invariant", lambda: True)
-    assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS)
+    assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS, fp4)

@@ -177,7 +177,7 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed pass."""
     if registry.batch_invariant():
         return _moe_experts_invariant(x, *no_expert_as_zero_weight(weights, idx), routed, shared, swiglu_limit)
-    if moe_prefill.wanted(x.shape[0]) and registry.host_reads_allowed():
+    if moe_prefill.wanted(x.shape[0], routed) and registry.host_reads_allowed():
         # (a graph capture, or a caller under registry.no_host_reads(): expert parallelism's static path over its
         # fixed-size, mostly empty receive buffer, keeps the streaming kernel: the grouped path reads its row counts
         # on the host and sizes its work by the buffer, not by the rows used)

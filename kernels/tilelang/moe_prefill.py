@@ -14,7 +14,7 @@ added in fp32 in ascending expert order, then the shared expert. The GEMMs' accu
 (not cuBLAS's), and tiles follow the token counts, so this path is never taken in the batch-invariant mode.
 
 `expert_gemm_torch` is the kernel's contract in torch (the same permuted K order, tiles and epilogues): the path
-off CUDA or for FP8 experts, and the reference the GPU test holds the kernel to.
+off CUDA, and the reference the GPU test holds the kernel to.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (1.8x 
 BLOCK_M = 64  # rows per tile: each expert's rows start on a multiple of this (64 beat 128 at 2K-16K tokens, H200)
 
 
-def wanted(n_tok: int) -> bool:
-    return n_tok >= PREFILL_TOKENS and not registry.batch_invariant()
+def wanted(n_tok: int, routed: PackedExperts) -> bool:
+    """This path for a call of n_tok tokens: FP4 routed experts (the kernel's format; FP8 ones stream), from
+    PREFILL_TOKENS tokens, outside the batch-invariant mode."""
+    return routed.fmt == "fp4" and n_tok >= PREFILL_TOKENS and not registry.batch_invariant()
 
 
 def k_perm(k: int, device) -> torch.Tensor:

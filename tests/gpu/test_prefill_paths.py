@@ -84,7 +84,7 @@ def test_grouped_moe_matches_the_reference_at_flash_width(tokens, skew, monkeypa
         scores[:, :k] += 50
     idx = scores.topk(k, -1).indices
     w = torch.rand(tokens, k, device="cuda", generator=g)
-    assert moe_prefill.wanted(tokens)
+    assert moe_prefill.wanted(tokens, routed)
     poison_allocator()
     got = moe.moe_experts(x, w, idx, routed, shared, 7.0)  # the registered op takes the grouped path here
     ref = torch_moe.moe_experts(x, w, idx, routed, shared, 7.0)
