@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.torch.cache_formats import Fp4Codec
+from deepinfer.kernels.torch.cache_formats import Fp4Codec, Fp8Codec
 
 from .cache import CachePools, PrefillWindow, Selection, StepMeta
 from .weights import Attention as AttentionWeights
@@ -52,7 +52,10 @@ class Attention:
         cp = meta.cp
         if cp is not None:  # context parallel: the whole step's window KV and compressor input, from every rank
             *kv_parts, c_in = cp.gather(*kv_parts, c_in)
-        kv = codec.decode(*kv_parts, dtype=h.dtype)
+        if cp is None and isinstance(codec, Fp8Codec):  # decode(encode(kv)) is the fake-quantised kv: one op
+            kv = ops.fake_quant_fp8(kv, Fp8Codec.block).to(h.dtype)
+        else:
+            kv = codec.decode(*kv_parts, dtype=h.dtype)
 
         if self.ratio:
             if compressing:

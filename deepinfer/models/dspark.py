@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from deepinfer.kernels.torch.cache_formats import Fp8Codec
+
 from .cache import CachePools
 from .weights import Attention as AttentionWeights, DraftWeights
 
@@ -46,10 +48,14 @@ class DraftAttention:
         self.cfg, self.index, self.w, self.ops, self.freqs = cfg, index, w, ops, rope_freqs
         self.scale = cfg.head_dim**-0.5
 
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The key of hidden x at `positions` before the cache's quantisation."""
+        ops, w, eps = self.ops, self.w, self.cfg.rms_norm_eps
+        return ops.rope(ops.rms_norm(ops.linear(x, w.wkv), w.kv_norm, eps), positions, self.freqs)
+
     def key(self, x: torch.Tensor, positions: torch.Tensor, codec) -> tuple[torch.Tensor, ...]:
         """The stored (FP8) key of hidden x at `positions`: the context keys and the block's own keys alike."""
-        ops, w, eps = self.ops, self.w, self.cfg.rms_norm_eps
-        return codec.encode(ops.rope(ops.rms_norm(ops.linear(x, w.wkv), w.kv_norm, eps), positions, self.freqs))
+        return codec.encode(self.kv(x, positions))
 
     def __call__(self, h: torch.Tensor, step: DraftStep, pools: CachePools) -> torch.Tensor:
         cfg, w, ops = self.cfg, self.w, self.ops
@@ -58,7 +64,10 @@ class DraftAttention:
         q_res = ops.rms_norm(ops.linear(h, w.wq_a), w.q_norm, cfg.rms_norm_eps)
         q = ops.rope(ops.linear(q_res, w.wq_b).view(T, cfg.num_attention_heads, cfg.head_dim), step.positions,
                      self.freqs)
-        block = codec.decode(*self.key(h, step.positions, codec), dtype=h.dtype).view(N, B, -1)
+        if isinstance(codec, Fp8Codec):  # decode(encode(kv)) is the fake-quantised kv: one op
+            block = ops.fake_quant_fp8(self.kv(h, step.positions), Fp8Codec.block).to(h.dtype).view(N, B, -1)
+        else:
+            block = codec.decode(*self.key(h, step.positions, codec), dtype=h.dtype).view(N, B, -1)
         ring = pools.draft_window[self.index]
         ctx = codec.decode(*(p[step.ctx_rows] for p in ring), dtype=h.dtype)  # [N, W, D]
         keys = torch.cat([ctx, block], 1)  # every block query sees the same slate
