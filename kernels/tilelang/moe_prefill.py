@@ -5,7 +5,7 @@ projection with the SwiGLU in its epilogue, and the down projection.
 Why a second path beside the streaming kernel (moe_kernel.py): that kernel dequantises each weight tile into
 registers once per token tile of <= 64 tokens, which is what decode wants (weights read once, few tokens). At a
 prefill step's hundreds of tokens per expert the arithmetic dominates: here each weight tile, dequantised once
-into shared memory, feeds a 128-token wgmma tile. From `PREFILL_TOKENS` tokens per call this path runs
+into shared memory, feeds the wgmma of a BLOCK_M-token tile. From `PREFILL_TOKENS` tokens per call this path runs
 (benchmarks/prefill_kernels_gpu.py measures both).
 
 Same math as the torch reference (kernels/torch/moe.py): gate and up rounded to bf16 as a GEMM output, SwiGLU with

@@ -1,6 +1,7 @@
 """The prefill-size paths on the GPU (marker gpu), each against the torch reference on fresh random inputs:
-the FP4 grouped expert GEMM (against its torch contract), the grouped MoE path (moe_prefill.py) and the dequantise + cuBLAS FP8
-projection from their row thresholds, and the prefill attention over window strips through the model."""
+the FP4 grouped expert GEMM (against its torch contract) and the combine kernel, the grouped MoE path
+(moe_prefill.py) and the dequantise + cuBLAS FP8 projection from their row thresholds, and the prefill attention
+over window strips through the model."""
 
 import pytest
 import torch
