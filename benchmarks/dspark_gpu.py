@@ -403,9 +403,10 @@ def main(argv=None) -> int:
     def record(row, profiler):
         if (row["batch"], row["drafts_accepted"]) in a.profile:
             p = row["profile"] = profiler()
-            print(f"profile B={row['batch']} {'plain' if row['drafts_accepted'] is None else 'j=%d' % row['drafts_accepted']}"
-                  f": a step {p['step_ms']:.2f} ms (median), its drafting {p['draft_ms']:.2f} ms; "
-                  f"{p['kernels_per_step']} kernels, {p['kernel_ms_per_step']:.2f} ms of kernel time a step; top: "
+            j = row["drafts_accepted"]
+            print(f"profile B={row['batch']} {'plain' if j is None else f'j={j}'}: a step {p['step_ms']:.2f} ms "
+                  f"(median), its drafting {p['draft_ms']:.2f} ms; {p['kernels_per_step']} kernels, "
+                  f"{p['kernel_ms_per_step']:.2f} ms of kernel time a step; top: "
                   + "; ".join(f"{k[:60]} {ms:.3f} ms x{c}" for k, ms, c in p["top"][:12]), flush=True)
         rows.append(row)
         bad = check(row, a.steps, on_cuda, a.tolerance)
