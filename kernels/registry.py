@@ -32,6 +32,7 @@ OP_KINDS = (
     "rope",
     "fake_quant_fp8",
     "fake_quant_fp4",
+    "encode_fp8",
     "mhc_mixes",
     "mhc_collapse",
     "mhc_expand",

@@ -38,12 +38,13 @@ def _kernels():
     out["fp8_32"] = lambda: k.build_fake_quant("fp8", 32)
     out["fp4_ue8m0_32"] = lambda: k.build_fake_quant("fp4_ue8m0", 32)
     out["fp4_e4m3_16"] = lambda: k.build_fake_quant("fp4_e4m3", 16)
+    out["fp8_32_encode"] = lambda: k.build_fake_quant("fp8", 32, encode=True)
     return out
 
 
 NAMES = ([f"rms_warp_{d}" for d in NORM_DIMS] + [f"rms_block_{d}" for d in NORM_DIMS if d >= 256]
          + ["rms_warp_512_fp32w", "rms_block_512_fp32w", "rope_512_fwd", "rope_512_inv", "rope_128_fwd",
-            "rope_128_inv", "fp8_32", "fp4_ue8m0_32", "fp4_e4m3_16"])
+            "rope_128_inv", "fp8_32", "fp4_ue8m0_32", "fp4_e4m3_16", "fp8_32_encode"])
 
 
 @needs_tilelang
@@ -70,6 +71,8 @@ def test_rowwise_kernel_lowers_to_cuda(name, arch):
     if name.startswith("fp"):
         assert "*(uint4*)" in src and "__shfl_xor_sync" in src
         assert ("__fdiv_rn" in src) == ("e4m3" in name)
+    if name.endswith("encode"):  # the codes as 8 bytes, the block's scale byte from its first lane
+        assert "*(uint2*)(codes + " in src and "scale[" in src
 
 
 @needs_tilelang
@@ -282,3 +285,26 @@ def test_model_fake_quant_matches_torch_op(kind, block, width):
     assert _same_bits(model_fake_quant(x, kind, block, cuda_scalar_div=False), ref)
     if kind != "fp4_e4m3":
         assert _same_bits(model_fake_quant(x, kind, block), ref)
+
+
+def e4m3_byte_model(r: np.ndarray) -> np.ndarray:
+    """rowwise_kernel._e4m3_byte in numpy, op for op: the float8_e4m3fn byte of an fp32 value already rounded to
+    e4m3 (normal: exponent - 120 and 3 mantissa bits; below 2^-6: |r| * 512; NaN: 0x7F), with r's sign."""
+    b = r.astype(np.float32).view(np.uint32)
+    a = b & np.uint32(0x7FFFFFFF)
+    normal = (((a >> 23) - np.uint32(120)) << 3) | ((a >> 20) & np.uint32(7))
+    with np.errstate(invalid="ignore"):  # NaN lanes compute a value np.where then drops
+        sub = (a.view(np.float32) * np.float32(512.0)).astype(np.uint32)
+    mag = np.where(a > 0x7F800000, np.uint32(0x7F), np.where(a >= np.uint32(121 << 23), normal, sub))
+    return (mag | ((b >> 24) & np.uint32(0x80))).astype(np.uint8)
+
+
+def test_the_e4m3_byte_arithmetic_gives_every_code():
+    """Each of the 256 float8_e4m3fn bytes, as the fp32 value it stands for, maps back to itself (both NaN codes
+    to the kernel's NaN, 0x7F with the sign)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float().numpy()
+    got = e4m3_byte_model(values)
+    nan = (codes & 0x7F) == 0x7F
+    assert np.array_equal(got[~nan.numpy()], codes.numpy()[~nan.numpy()])
+    assert np.array_equal(got[nan.numpy()], (codes[nan] & 0x80 | 0x7F).numpy())

@@ -46,16 +46,17 @@ class Attention:
         kv = ops.rope(ops.rms_norm(ops.linear(h, w.wkv), w.kv_norm, cfg.rms_norm_eps), meta.positions, self.freqs)
         # the window KV is cached in FP8 (the model's own fake quantisation): this step uses what the cache holds
         codec = pools.layout.win_codec
-        kv_parts = codec.encode(kv)
+        if isinstance(codec, Fp8Codec):  # parts and their decoded values in one op (one launch on the GPU)
+            *kv_parts, kv_q = ops.encode_fp8(kv)
+        else:
+            kv_parts, kv_q = list(codec.encode(kv)), None
         compressing = self.ratio and self.is_source and self.layer not in meta.shared_kv_written
         c_in = self.compress_input(h) if compressing else None
         cp = meta.cp
         if cp is not None:  # context parallel: the whole step's window KV and compressor input, from every rank
             *kv_parts, c_in = cp.gather(*kv_parts, c_in)
-        if cp is None and isinstance(codec, Fp8Codec):  # decode(encode(kv)) is the fake-quantised kv: one op
-            kv = ops.fake_quant_fp8(kv, Fp8Codec.block).to(h.dtype)
-        else:
-            kv = codec.decode(*kv_parts, dtype=h.dtype)
+            kv_q = None
+        kv = codec.decode(*kv_parts, dtype=h.dtype) if kv_q is None else kv_q.to(h.dtype)
 
         if self.ratio:
             if compressing:

@@ -26,6 +26,7 @@ _WHERE = {
     "rope": "rowwise",
     "fake_quant_fp8": "rowwise",
     "fake_quant_fp4": "rowwise",
+    "encode_fp8": "rowwise",
     "compressor_pool": "compressor",
     "engram_hash": "engram",
     "engram_gate": "engram",

@@ -1,6 +1,7 @@
-"""Registry-facing `rms_norm`, `rope`, `fake_quant_fp8` and `fake_quant_fp4` on the one-launch kernels of
-rowwise_kernel.py (each torch op is ~5-15 launches). Same signatures and results as deepinfer.kernels.torch
-(norm / rope / quant), bit for bit for bf16 on CUDA; anything a kernel does not cover goes to the torch op.
+"""Registry-facing `rms_norm`, `rope`, `fake_quant_fp8`, `fake_quant_fp4` and `encode_fp8` on the one-launch
+kernels of rowwise_kernel.py (each torch op is ~5-20 launches). Same signatures and results as
+deepinfer.kernels.torch (norm / rope / quant / cache_formats), bit for bit for bf16 on CUDA; anything a kernel
+does not cover goes to the torch op.
 
 Kernel paths (all need a CUDA bf16 `x`; non-contiguous inputs are made contiguous first):
 * rms_norm: last dim a multiple of 128 with a configuration ATen reduces in one warp or block per row (every
@@ -8,6 +9,7 @@ Kernel paths (all need a CUDA bf16 `x`; non-contiguous inputs are made contiguou
 * rope: x [T, ..., dim] with integer positions [T] on x's device, 2 * len(inv_freq) a multiple of 8, dim a
   multiple of 8; inv_freq fp32 / bf16 / fp16 (the torch op promotes it to fp32 too).
 * fake_quant_fp8 / fake_quant_fp4: `block` a multiple of 8 with block / 8 a power of two <= 32.
+* encode_fp8: the FP8 window codec's block of 32 (the fake_quant_fp8 kernel also writing the codes and scales).
 RMSNorm's statistic follows ATen's summation order for its [rows, dim] launch (the lane count depends on the row
 count below 16 rows), so, like the torch op, a row's result can depend on how many rows are normalised together;
 the batch-invariant mode uses the 16-row lane count for every row count.
@@ -20,6 +22,7 @@ import torch
 
 from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import norm as torch_norm
+from deepinfer.kernels.torch import cache_formats as torch_formats
 from deepinfer.kernels.torch import quant as torch_quant
 from deepinfer.kernels.torch import rope as torch_rope
 
@@ -149,6 +152,19 @@ def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> to
         return fall_back("fake_quant_fp4", reason(x, "block or width not covered"), torch_quant.fake_quant_fp4, x,
                          block, e4m3_scales)
     return _fake_quant(x, "fp4_e4m3" if e4m3_scales else "fp4_ue8m0", block)
+
+
+def encode_fp8(x: torch.Tensor):
+    """Same contract as deepinfer.kernels.torch.cache_formats.encode_fp8 (codes, scale bytes, decoded values);
+    one launch on the kernel path instead of the codec's ~20 torch ops."""
+    if not _quant_ok(x, 32):
+        return fall_back("encode_fp8", reason(x, "width not covered"), torch_formats.encode_fp8, x)
+    x2 = _dense(x).view(-1, 8)
+    out = torch.empty_like(x2)
+    codes = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(x2.shape[0] // 4, dtype=torch.uint8, device=x.device)
+    jit(build_fake_quant, "fp8", 32, 256, 2, True)(x2, out, codes, scale)
+    return codes.view(x.shape), scale.view(*x.shape[:-1], x.shape[-1] // 32), out.view(x.shape)
 
 
 # ---------------------------------------------------------------------------------------------- warm-up

@@ -276,70 +276,119 @@ def build_rope(dim: int, rope_dim: int, inverse: bool, threads: int = 128, per: 
 
 
 # ---------------------------------------------------------------------------------------------- fake quant
-def build_fake_quant(kind: str, block: int, threads: int = 256, per: int = 2):
+def _e4m3_byte(r):
+    """The float8_e4m3fn byte of an fp32 value `r` that _e4m3 rounded (exactly representable): sign, then 4
+    exponent and 3 mantissa bits for |r| >= 2^-6, |r| / 2^-9 below (subnormal codes), 0x7F for NaN."""
+    b = _bits(r)
+    a = b & _u32(0x7FFFFFFF)
+    normal = ((((a >> _u32(23)) - _u32(120)) << _u32(3)) | ((a >> _u32(20)) & _u32(7)))
+    sub = T.cast(T.ieee_mul(_float(a), T.float32(512.0)), "uint32")
+    mag = T.if_then_else(a > _u32(0x7F800000), _u32(0x7F), T.if_then_else(a >= _u32(121 << 23), normal, sub))
+    return T.cast(mag | ((b >> _u32(24)) & _u32(0x80)), "uint8")
+
+
+def build_fake_quant(kind: str, block: int, threads: int = 256, per: int = 2, encode: bool = False):
     """x viewed as [chunks, 8] bf16 (any shape whose last dim is a multiple of `block`): quantisation blocks are
     `block // 8` consecutive chunks, i.e. adjacent lanes of one warp, whose amax meets through xor shuffles.
       fp8:       e4m3 values, scale = ceil_pow2(max(amax, 1e-4) * fp32(1/448))
       fp4_ue8m0: e2m1 values, scale = ceil_pow2(max(amax, 6 * 2^-126) * fp32(1/6))
       fp4_e4m3:  e2m1 values, scale = e4m3(max(amax, 6 * 2^-9) * fp32(1/6)) (CUDA divides by a scalar via its
-                 fp32 reciprocal), values divided by the scale (true division)."""
-    assert kind in QUANT_KINDS and block % 8 == 0
+                 fp32 reciprocal), values divided by the scale (true division).
+    `encode` (fp8 only): also the window cache's parts, the e4m3 bytes [chunks, 8] and one ue8m0 byte per block
+    [chunks * 8 / block] (cache_formats.Fp8Codec's layout): the codec's encode and decode in one launch."""
+    assert kind in QUANT_KINDS and block % 8 == 0 and (kind == "fp8" or not encode)
     G = block // 8
     assert G & (G - 1) == 0 and G <= 32 and threads % 32 == 0
     fp4 = kind != "fp8"
     qmax = 6.0 if fp4 else 448.0
     floor = {"fp8": f32(1e-4), "fp4_ue8m0": 6.0 * 2.0**-126, "fp4_e4m3": 6.0 * 2.0**-9}[kind]
     recip = f32(1.0 / 6.0) if fp4 else f32(1.0 / 448.0)
-    n_chunks = T.dynamic("n_chunks")
+    n_chunks, n_blocks = T.dynamic("n_chunks"), T.dynamic("n_blocks")
+
+    @T.macro
+    def quantise(x, c, xr, yr, cr, sb):
+        """yr = the fake-quantised chunk c of x (when encoding: cr its e4m3 bytes, sb[0] its block's scale byte)."""
+        # lanes past the end form whole groups (chunks is a multiple of G): they join the shuffles on a valid
+        # chunk and store nothing
+        am = T.alloc_var(F32)
+        sc = T.alloc_var(F32)
+        inv = T.alloc_var(F32)
+        k2 = T.alloc_var("int32")
+        q = T.alloc_var(F32)
+        for v in T.vectorized(8):
+            xr[v] = x[T.min(c, n_chunks - 1), v]
+        am = T.abs(T.cast(xr[0], F32))
+        for v in T.unroll(7):
+            am = T.max(am, T.abs(T.cast(xr[v + 1], F32)))
+        for k in T.unroll(G.bit_length() - 1):
+            am = T.max(am, T.shfl_xor(am, (G // 2) >> k))
+        p = T.ieee_mul(T.max(am, T.float32(floor)), T.float32(recip))
+        if kind == "fp4_e4m3":
+            sc = _e4m3(p)
+        else:
+            k2 = _ceil_pow2_exp(p)
+            sc = _pow2(k2)
+            inv = _pow2(0 - k2)  # x * 2^-k rounds like x / 2^k: the same real value
+            if encode:
+                sb[0] = k2 + 127
+        for v in T.unroll(8):
+            if kind == "fp4_e4m3":
+                q = T.ieee_fdiv(T.cast(xr[v], F32), sc)
+            else:
+                q = T.ieee_mul(T.cast(xr[v], F32), inv)
+            q = T.min(T.max(q, T.float32(-qmax)), T.float32(qmax))
+            if fp4:
+                # e2m1 magnitude times the scale is exact (<= 6 significant bits); the sign is q's, so
+                # -0.0 comes out as torch's code 8 does
+                yr[v] = T.cast(_float(_bits(_e2m1_magnitude(T.abs(q)) * sc) | (_bits(q) & _u32(0x80000000))),
+                               BF16)
+            else:
+                q = _e4m3(q)
+                yr[v] = T.cast(q * sc, BF16)  # exact: 4 significant bits times a power of two
+                if encode:
+                    cr[v] = _e4m3_byte(q)
+
+    if not encode:
+        @T.prim_func
+        def fake_quant(
+            x: T.Tensor((n_chunks, 8), BF16),
+            out: T.Tensor((n_chunks, 8), BF16),
+        ):
+            with T.Kernel(T.ceildiv(n_chunks, threads * per), threads=threads) as b:
+                tx = T.get_thread_binding()
+                xr = T.alloc_local((8,), BF16)
+                yr = T.alloc_local((8,), BF16)
+                for it in T.unroll(per):
+                    c = (b * per + it) * threads + tx
+                    quantise(x, c, xr, yr, xr, xr)
+                    if c < n_chunks:
+                        for v in T.vectorized(8):
+                            out[c, v] = yr[v]
+
+        return fake_quant
 
     @T.prim_func
-    def fake_quant(
+    def fp8_encode(
         x: T.Tensor((n_chunks, 8), BF16),
         out: T.Tensor((n_chunks, 8), BF16),
+        codes: T.Tensor((n_chunks, 8), "uint8"),
+        scale: T.Tensor((n_blocks,), "uint8"),
     ):
         with T.Kernel(T.ceildiv(n_chunks, threads * per), threads=threads) as b:
             tx = T.get_thread_binding()
             xr = T.alloc_local((8,), BF16)
             yr = T.alloc_local((8,), BF16)
-            am = T.alloc_var(F32)
-            p = T.alloc_var(F32)
-            sc = T.alloc_var(F32)
-            inv = T.alloc_var(F32)
-            k2 = T.alloc_var("int32")
-            q = T.alloc_var(F32)
+            cr = T.alloc_local((8,), "uint8")
+            sb = T.alloc_local((1,), "int32")
             for it in T.unroll(per):
                 c = (b * per + it) * threads + tx
-                # lanes past the end form whole groups (chunks is a multiple of G): they join the shuffles on a
-                # valid chunk and store nothing
-                for v in T.vectorized(8):
-                    xr[v] = x[T.min(c, n_chunks - 1), v]
-                am = T.abs(T.cast(xr[0], F32))
-                for v in T.unroll(7):
-                    am = T.max(am, T.abs(T.cast(xr[v + 1], F32)))
-                for k in T.unroll(G.bit_length() - 1):
-                    am = T.max(am, T.shfl_xor(am, (G // 2) >> k))
-                p = T.ieee_mul(T.max(am, T.float32(floor)), T.float32(recip))
-                if kind == "fp4_e4m3":
-                    sc = _e4m3(p)
-                else:
-                    k2 = _ceil_pow2_exp(p)
-                    sc = _pow2(k2)
-                    inv = _pow2(0 - k2)  # x * 2^-k rounds like x / 2^k: the same real value
-                for v in T.unroll(8):
-                    if kind == "fp4_e4m3":
-                        q = T.ieee_fdiv(T.cast(xr[v], F32), sc)
-                    else:
-                        q = T.ieee_mul(T.cast(xr[v], F32), inv)
-                    q = T.min(T.max(q, T.float32(-qmax)), T.float32(qmax))
-                    if fp4:
-                        # e2m1 magnitude times the scale is exact (<= 6 significant bits); the sign is q's, so
-                        # -0.0 comes out as torch's code 8 does
-                        yr[v] = T.cast(_float(_bits(_e2m1_magnitude(T.abs(q)) * sc) | (_bits(q) & _u32(0x80000000))),
-                                       BF16)
-                    else:
-                        yr[v] = T.cast(_e4m3(q) * sc, BF16)  # exact: 4 significant bits times a power of two
+                quantise(x, c, xr, yr, cr, sb)
                 if c < n_chunks:
                     for v in T.vectorized(8):
                         out[c, v] = yr[v]
+                    for v in T.vectorized(8):
+                        codes[c, v] = cr[v]
+                    if c % G == 0:
+                        scale[c // G] = T.cast(sb[0], "uint8")
 
-    return fake_quant
+    return fp8_encode

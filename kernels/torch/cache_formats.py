@@ -101,6 +101,15 @@ class Fp4Codec:
         return v.flatten(-2).to(dtype)
 
 
+def encode_fp8(x: torch.Tensor):
+    """The FP8 window codec's parts of x [..., D] (D a multiple of 32): e4m3 bytes [..., D] and ue8m0 bytes
+    [..., D / 32], then what they decode to in x's dtype (the fake-quantised x). Fp8Codec's encode and decode as
+    one op kind, which the kernel backends do in one launch."""
+    codec = Fp8Codec()
+    codes, scale = codec.encode(x)
+    return codes, scale, codec.decode(codes, scale, x.dtype)
+
+
 def window_codec(width: int, dtype: torch.dtype):
     return Fp8Codec() if width % Fp8Codec.block == 0 else RawCodec(dtype)
 

@@ -1,6 +1,6 @@
-"""TileLang row-wise kernels (rms_norm, rope, fake_quant_fp8 / fp4) vs the torch reference ops on CUDA in bf16
-(marker gpu). RMSNorm and the quantisers must match bit for bit (compared as int16 bit patterns, so signed zeros
-count); RoPE may differ by one bf16 ulp where CUDA's cosf / sinf and torch's cos / sin differ in the last fp32 bit
+"""TileLang row-wise kernels (rms_norm, rope, fake_quant_fp8 / fp4, encode_fp8) vs the torch reference ops on CUDA
+in bf16 (marker gpu). RMSNorm and the quantisers must match bit for bit (compared as int16 bit patterns, so signed
+zeros count); RoPE may differ by one bf16 ulp where CUDA's cosf / sinf and torch's cos / sin differ in the last fp32 bit
 (expected: never; measured and printed, required under 1e-3 of the elements).
 
 All kernels are compiled up front in parallel (module fixture). Run with -s to see the RoPE mismatch fractions and
@@ -200,6 +200,26 @@ def test_fake_quant_bit_exact(kind, block, inner, tokens):
     torch.cuda.synchronize()
     ref = ref_fn()
     assert _same_bits_where_defined(out, ref, kind), (kind, tokens, inner, _first_diff(out, ref))
+
+
+@pytest.mark.parametrize("inner", [(512,), (4, 512), (64,)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_encode_fp8_is_the_window_codec_bitwise(inner, tokens):
+    """The window cache's e4m3 codes and ue8m0 bytes and their decoded values, from one launch, are bitwise what
+    cache_formats.Fp8Codec encodes and decodes (the same quantiser inputs as fake_quant_fp8's test)."""
+    from deepinfer.kernels.tilelang import rowwise
+    from deepinfer.kernels.torch import cache_formats
+
+    g = _gen(tokens * 17 + inner[-1] + len(inner))
+    width = int(np.prod(inner))
+    x = quant_inputs(tokens, width, 32, "fp8", g).view(tokens, *inner).cuda()
+    poison_allocator()
+    codes, scale, values = rowwise.encode_fp8(x)
+    torch.cuda.synchronize()
+    ref_codes, ref_scale, ref_values = cache_formats.encode_fp8(x)
+    assert codes.shape == ref_codes.shape and scale.shape == ref_scale.shape
+    assert torch.equal(codes, ref_codes) and torch.equal(scale, ref_scale)
+    assert _same_bits(values, ref_values), _first_diff(values, ref_values)
 
 
 def _same_bits_where_defined(out, ref, kind) -> bool:
