@@ -1,10 +1,9 @@
 """CPU checks of the prefill MoE's FP4 grouped GEMM (kernels/tilelang/expert_gemm_kernel.py), no GPU needed: at the
 released widths it lowers to wgmma fed from shared memory on sm_90a, the FP4 tiles arrive by cp.async and are
-dequantised in shared memory by di_dq_e2m1x8 (4 packed bytes in one load, 8 bf16 in one 16-byte store) while the
-previous tile's wgmma runs, and it lowers for sm_100a too (explicit wgmma: not for sm_80). The GPU test holds its numbers to moe_prefill.expert_gemm_torch."""
+dequantised in shared memory by di_dq_e2m1x8 (4 packed bytes in one load, 8 bf16 in one 16-byte store), and it
+still lowers (mma.sync) for sm_100a and sm_80. The GPU test holds its numbers to moe_prefill.expert_gemm_torch."""
 
 import importlib.util
-import re
 
 import pytest
 
@@ -23,16 +22,12 @@ def test_hopper_lowering_streams_fp4_and_multiplies_from_shared_memory(n, k, epi
     src = lower_source(build_fp4_expert_gemm(n, k, epilogue), "sm_90a")
     assert "tl::wgmma_ss<" in src
     assert "cp_async_gs_conditional<16>((&(((uchar*)q_s)" in src  # packed weights, 16 bytes per copy
-    assert re.search(r"\*\(uint\*\)\(packed(_\d+)? \+ 0\) = \*\(uint\*\)\(\(\(uchar\*\)q_s\)", src)
-    assert "di_dq_e2m1x8(" in src and re.search(r"= \*\(uint4\*\)\(vals(_\d+)? \+ 0\);", src)
-    # in the main loop the next tile is dequantised between a wgmma's issue and its wait
-    loop = src[src.index("for (int kk = 0;"):]
-    issue, deq, wait = loop.index("tl::wgmma_ss<"), loop.index("di_dq_e2m1x8("), loop.index("tl::wait_wgmma<0>();")
-    assert issue < deq < wait
+    assert "*(uint*)(packed + 0) = *(uint*)(((uchar*)q_s)" in src
+    assert "di_dq_e2m1x8(" in src and "= *(uint4*)(vals + 0);" in src
 
 
 @needs_tilelang
-@pytest.mark.parametrize("arch", ["sm_100a"])
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_80"])
 def test_it_lowers_for_other_architectures(arch):
     from lowering_helpers import lower_source
 

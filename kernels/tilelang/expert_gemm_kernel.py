@@ -6,9 +6,7 @@ one bf16x2 multiply per pair) and fed to wgmma from shared memory next to the ac
 Why beside the streaming kernel (moe_kernel.py): that one puts the weights on the wgmma M side and at most 64
 tokens on N, which is right when an expert sees a few tokens (decode: the weights are read once). At a prefill
 step's hundreds of tokens per expert the cost is the MMA itself, and here each dequantised weight feeds a
-`block_m`-token tile of a block_m x 256 output tile. The dequantisation of tile k+1 (into the other of two bf16
-buffers) runs while the asynchronous wgmma of tile k is in flight, so the ALU work hides under the MMA instead of
-alternating with it. The previous prefill path dequantised every expert to bf16
+`block_m`-token tile of a block_m x 256 output tile. The previous prefill path dequantised every expert to bf16
 in global memory first (2.5 bytes a weight written and read back: 15 ms a layer at V4.1-Flash shapes, more than
 its grouped GEMM); this kernel never writes a dequantised weight outside shared memory. On an H200 with full
 128-row tiles: 334 TFLOP/s for gate/up, 367 for down (44% / 48% of the bf16 GEMM rate measured beside it;
@@ -48,22 +46,6 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_m: int = 64, bloc
     o_n = block_n // 2 if epilogue == "swiglu" else block_n
     rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")  # rows = tiles * block_m
 
-    nk = k // block_k
-
-    @T.macro
-    def dequant(q_s, s_s, kk, w_s, tx):
-        for i in T.serial(units // threads):
-            r = (i * threads + tx) // (block_k // 8)
-            g8 = (i * threads + tx) % (block_k // 8)
-            packed = T.alloc_local((4,), "uint8")
-            vals = T.alloc_local((8,), "bfloat16")
-            for v in T.vectorized(4):
-                packed[v] = q_s[r, g8 * 4 + v]
-            T.call_extern("handle", "di_dq_e2m1x8", T.address_of(packed[0]),
-                          s_s[r, (kk * block_k + g8 * 8) // 32], T.address_of(vals[0]))
-            for v in T.vectorized(8):
-                w_s[r, g8 * 8 + v] = vals[v]
-
     @T.prim_func
     def fp4_expert_gemm(
         a: T.Tensor((rows, k), "bfloat16"),
@@ -76,37 +58,32 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_m: int = 64, bloc
     ):
         with T.Kernel(n // block_n, tiles, threads=threads) as (bx, by):
             a_s = T.alloc_shared((block_m, block_k), "bfloat16")
-            q0_s = T.alloc_shared((block_n, block_k // 2), "uint8")
             q_s = T.alloc_shared((block_n, block_k // 2), "uint8")
             s_s = T.alloc_shared((block_n, k // 32), "uint8")
-            w0_s = T.alloc_shared((block_n, block_k), "bfloat16")
-            w1_s = T.alloc_shared((block_n, block_k), "bfloat16")
+            w_s = T.alloc_shared((block_n, block_k), "bfloat16")
             c_s = T.alloc_shared((block_m, block_n), "bfloat16")
             acc = T.alloc_fragment((block_m, block_n), "float32")
+            packed = T.alloc_local((4,), "uint8")
+            vals = T.alloc_local((8,), "bfloat16")
             e = T.alloc_local((1,), "int32")
             tx = T.get_thread_binding()
             T.import_source(CUDA_SOURCE)
             e[0] = tile_expert[by]
             T.copy(s[e[0], bx * block_n:(bx + 1) * block_n, 0:k // 32], s_s)
-            T.copy(w[e[0], bx * block_n:(bx + 1) * block_n, 0:block_k // 2], q0_s)
             T.clear(acc)
-            dequant(q0_s, s_s, 0, w0_s, tx)  # tile 0; the loop dequantises tile kk + 1 while tile kk multiplies
-            for kk in T.Pipelined(nk, num_stages=stages):
+            for kk in T.Pipelined(k // block_k, num_stages=stages):
                 T.copy(a[by * block_m:(by + 1) * block_m, kk * block_k:(kk + 1) * block_k], a_s)
-                nx = T.min(kk + 1, nk - 1)
-                T.copy(w[e[0], bx * block_n:(bx + 1) * block_n, nx * (block_k // 2):(nx + 1) * (block_k // 2)], q_s)
-                # the wgmma runs while the threads dequantise the next tile; it completes before the pipeline's
-                # copy for tile kk + stages reuses this tile's activation slot (issued after the body)
-                if kk % 2 == 0:
-                    T.wgmma_gemm(a_s, w0_s, acc, transpose_B=True)
-                    if kk + 1 < nk:
-                        dequant(q_s, s_s, kk + 1, w1_s, tx)
-                    T.wait_wgmma(0)
-                else:
-                    T.wgmma_gemm(a_s, w1_s, acc, transpose_B=True)
-                    if kk + 1 < nk:
-                        dequant(q_s, s_s, kk + 1, w0_s, tx)
-                    T.wait_wgmma(0)
+                T.copy(w[e[0], bx * block_n:(bx + 1) * block_n, kk * (block_k // 2):(kk + 1) * (block_k // 2)], q_s)
+                for i in T.serial(units // threads):
+                    r = (i * threads + tx) // (block_k // 8)
+                    g8 = (i * threads + tx) % (block_k // 8)
+                    for v in T.vectorized(4):
+                        packed[v] = q_s[r, g8 * 4 + v]
+                    T.call_extern("handle", "di_dq_e2m1x8", T.address_of(packed[0]),
+                                  s_s[r, (kk * block_k + g8 * 8) // 32], T.address_of(vals[0]))
+                    for v in T.vectorized(8):
+                        w_s[r, g8 * 8 + v] = vals[v]
+                T.gemm(a_s, w_s, acc, transpose_B=True)
             T.copy(acc, c_s)  # rounded to bf16, as the reference's GEMM output
             if epilogue == "plain":
                 T.copy(c_s, out[by * block_m:(by + 1) * block_m, bx * block_n:(bx + 1) * block_n])
