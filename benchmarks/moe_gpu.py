@@ -17,7 +17,6 @@ kernel generation's numbers stay in benchmarks/results/moe_v3_gpu_h200.json.
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,11 +28,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels_gpu import graph_time  # noqa: E402  (one timing method for every GPU benchmark)
 from kernels_gpu import timeit as _timeit  # noqa: E402
+from decode_gpu import portable_json  # noqa: E402
 
 E, TOPK, HID, INTER = 384, 6, 5120, 2304
 FP4_W, FP8_W = 0.5 + 1 / 32, 1 + 1 / 1024
 LIMIT = 10.0
 SETS = 8
+TARGET_BATCHES = (1, 8, 64)
 
 
 def timeit(fn, iters=20, warmup=3):
@@ -72,6 +73,9 @@ def main():
     ap.add_argument("--out", default="moe_gpu.json")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--sweep", action="store_true", help="also time tile variants (stages, token tile, split K)")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="expert popularity ~ rank^-skew (0: uniform); a token's experts are drawn without "
+                         "replacement by that popularity (Gumbel top-k), as a router whose load is not balanced")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     t_start = time.time()
@@ -95,23 +99,28 @@ def main():
     variants = {"kernel": {}}
     if args.sweep:
         variants.update({"fp4 stages5": {"fp4": (256, 5)}, "fp4 bk512": {"fp4": (512, 4)},
-                         "routed bt16": {"routed_bt": 16}, "fp8 bk256": {"fp8": (256, 4)},
+                         "routed bn64": {"routed_bn": 64}, "routed bt8 bn128": {"routed_bt": 8, "routed_bn": 128},
+                         "routed bt16 bn64": {"routed_bt": 16, "routed_bn": 64},
+                         "routed bt16 bn128": {"routed_bt": 16, "routed_bn": 128},
+                         "routed bt32 bn128": {"routed_bt": 32, "routed_bn": 128}, "fp8 bk256": {"fp8": (256, 4)},
                          "shared-down split3": {"shared_down_splits": 3}})
 
     def with_variant(var):
         """Context: patch moe.py's tile policy for one sweep variant."""
         class Ctx:
             def __enter__(self):
-                self.saved = (moe.pass_config, moe.routed_block_t)
+                self.saved = (moe.pass_config, moe.routed_block_t, moe.routed_block_n)
                 base = moe.pass_config
                 if "fp4" in var or "fp8" in var:
-                    moe.pass_config = lambda fmt, k, bt: var[fmt] if fmt in var and k % var[fmt][0] == 0 \
-                        else base(fmt, k, bt)
+                    moe.pass_config = lambda fmt, k, bt, bn=64: var[fmt] if fmt in var and k % var[fmt][0] == 0 \
+                        else base(fmt, k, bt, bn)
                 if "routed_bt" in var:
                     moe.routed_block_t = lambda n, k, e: var["routed_bt"]
+                if "routed_bn" in var:
+                    moe.routed_block_n = lambda bt: var["routed_bn"]
 
             def __exit__(self, *a):
-                moe.pass_config, moe.routed_block_t = self.saved
+                moe.pass_config, moe.routed_block_t, moe.routed_block_n = self.saved
         return Ctx()
 
     specs = []
@@ -126,7 +135,8 @@ def main():
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                copy_bw=bw, shape=dict(experts=E, top_k=TOPK, hidden=HID, inter=INTER), sweep=args.sweep)
+                copy_bw=bw, shape=dict(experts=E, top_k=TOPK, hidden=HID, inter=INTER), sweep=args.sweep,
+                skew=args.skew)
     try:
         import tilelang
         meta["tilelang"] = tilelang.__version__
@@ -134,23 +144,41 @@ def main():
         pass
     rows, breakdown = [], []
 
+    def targets():
+        """Issue 21's MoE target: the default policy at >= 85% of copy bandwidth at B = 1, 8, 64 (None: not run)."""
+        out = []
+        for B in TARGET_BATCHES:
+            frac = next((r.get("kernel_frac_bw") for r in rows if r["B"] == B), None)
+            out.append(dict(name=f"MoE decode at B={B}, % of copy bandwidth (skew {args.skew})",
+                            measured=None if frac is None else 100 * frac, target=85.0, unit="%",
+                            met=frac is not None and frac >= 0.85))
+        return out
+
     def flush():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, kernels=breakdown, jit=jit_stats()), f, indent=1)
+            f.write(portable_json(dict(meta=meta, targets=targets(), rows=rows, kernels=breakdown, jit=jit_stats())))
+
+    # log popularity of each expert (a random rank order); Gumbel noise + top-k samples without replacement
+    log_pop = -args.skew * torch.log1p(torch.randperm(E, device=dev, generator=g).float())
+
+    def route(B):
+        u = torch.rand(B, E, device=dev, generator=g).clamp_min(1e-20)
+        return (log_pop - torch.log(-torch.log(u))).topk(TOPK, dim=-1).indices
 
     per_expert = 3 * HID * INTER * FP4_W
     shared_bytes = 3 * HID * INTER * FP8_W
     for B in batches:
         xs = [torch.randn(B, HID, device=dev, generator=g).bfloat16() for _ in range(SETS)]
-        ids = [torch.rand(B, E, device=dev, generator=g).topk(TOPK, dim=-1).indices for _ in range(SETS)]
+        ids = [route(B) for _ in range(SETS)]
         wts = [torch.rand(B, TOPK, device=dev, generator=g) + 0.1 for _ in range(SETS)]
         touched = statistics.mean(len(torch.unique(t)) for t in ids)
+        busiest = statistics.mean(int(torch.bincount(t.flatten(), minlength=E).max()) for t in ids)
         nbytes = touched * per_expert + shared_bytes + B * HID * 2 * 2 + B * TOPK * 12
         run_torch = lambda i: torch_moe.moe_experts(xs[i % SETS], wts[i % SETS], ids[i % SETS], routed, shared, LIMIT)
         ref = run_torch(0)
         ms_torch = timeit(run_torch, iters=3, warmup=1)
-        row = dict(B=B, experts_touched=touched, bytes=nbytes, torch_us=ms_torch * 1e3)
+        row = dict(B=B, experts_touched=touched, busiest_expert_tokens=busiest, bytes=nbytes, torch_us=ms_torch * 1e3)
         for name, var in variants.items():
             with with_variant(var):
                 splits = var.get("shared_down_splits", 1)
@@ -171,7 +199,8 @@ def main():
                 row[f"{key}_speedup_vs_torch"] = ms_torch / ms
         rows.append(row)
         flush()
-        print(f"B={B:4d}: {touched:.1f} experts touched, {nbytes / 1e6:.1f} MB", flush=True)
+        print(f"B={B:4d}: {touched:.1f} experts touched (the busiest: {busiest:.0f} tokens), {nbytes / 1e6:.1f} MB",
+              flush=True)
         fmt_row = "  {:24s} {:9.1f} us {:6.2f} TB/s {:6.1f}% bw"
         print(f"  {'torch op':24s} {row['torch_us']:9.1f} us", flush=True)
         for name in variants:
@@ -184,7 +213,7 @@ def main():
 
         # ---- the kernels alone (the default policy), to see which pass falls short
         tables = [moe.routing_table(ids[i], wts[i], E) for i in range(SETS)]
-        r_up, r_down = moe.ffn_specs(routed, moe.routed_block_t(B, TOPK, E))
+        r_up, r_down = moe.routed_specs(routed, B, TOPK)
         s_up, s_down = moe.ffn_specs(shared, moe.shared_block_t(B))
         hs = [torch.empty(B * TOPK, INTER, dtype=torch.bfloat16, device=dev) for _ in range(SETS)]
         hsh = [torch.empty(B, INTER, dtype=torch.bfloat16, device=dev) for _ in range(4)]

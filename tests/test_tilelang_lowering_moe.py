@@ -16,8 +16,11 @@ from deepinfer.kernels.torch import quant
 
 tilelang_missing = importlib.util.find_spec("tilelang") is None
 
-CONFIGS = {  # name: (fmt, epilogue, E, N, K, block_t, block_k, stages, gather)
+CONFIGS = {  # name: (fmt, epilogue, E, N, K, block_t, block_k, stages, gather[, block_n])
     "up_fp4_bt8": ("fp4", "swiglu", 384, 4608, 5120, 8, 256, 4, True),
+    "up_fp4_bt16_bn128": ("fp4", "swiglu", 384, 4608, 5120, 16, 256, 4, True, 128),
+    "down_fp4_bt16_bn128": ("fp4", "add", 384, 5120, 2304, 16, 256, 4, False, 128),
+    "down_fp8_bt8_bn128": ("fp8", "add", 1, 5120, 2304, 8, 256, 4, False, 128),
     "down_fp4_bt8": ("fp4", "add", 384, 5120, 2304, 8, 256, 4, False),
     "up_fp4_bt64": ("fp4", "swiglu", 384, 4608, 5120, 64, 256, 4, True),
     "up_fp8_bt8": ("fp8", "swiglu", 1, 4608, 5120, 8, 128, 6, True),
@@ -29,8 +32,10 @@ CONFIGS = {  # name: (fmt, epilogue, E, N, K, block_t, block_k, stages, gather)
 def _build(name, **kw):
     from deepinfer.kernels.tilelang.moe_kernel import build_grouped_gemm
 
-    fmt, epi, E, N, K, bt, bk, st, gather = CONFIGS[name]
-    return build_grouped_gemm(fmt, epi, E, N, K, block_t=bt, block_k=bk, num_stages=st, gather=gather, **kw)
+    fmt, epi, E, N, K, bt, bk, st, gather, *bn = CONFIGS[name]
+    bn = bn[0] if bn else 64
+    return build_grouped_gemm(fmt, epi, E, N, K, block_n=bn, block_t=bt, block_k=bk, threads=2 * bn, num_stages=st,
+                              gather=gather, **kw)
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
@@ -59,7 +64,7 @@ def test_moe_kernel_split_k_lowers():
 
 
 @pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")
-@pytest.mark.parametrize("name", ["up_fp4_bt8", "up_fp8_bt8"])
+@pytest.mark.parametrize("name", ["up_fp4_bt8", "up_fp8_bt8", "up_fp4_bt16_bn128"])
 def test_moe_kernel_sm90_machine_code(name, tmp_path):
     """ptxas on the lowered source: no spills, registers within the occupancy the launch bounds ask for, and no
     'wgmma ... serialized' fallback (which would undo the dequant/MMA overlap)."""
@@ -78,9 +83,10 @@ def test_moe_kernel_sm90_machine_code(name, tmp_path):
     log = res.stdout + res.stderr
     assert "0 bytes spill stores" in log and "serialized" not in log, log[-2000:]
     regs = int(log.split("Used ")[1].split(" registers")[0])
-    fmt, _, _, _, _, bt, bk, st, _ = CONFIGS[name]
-    blocks = min(4, (227 * 1024) // (shared_bytes(fmt, bt, bk, st) + 1024))
-    assert regs * 128 * blocks <= 65536, (regs, blocks)
+    fmt, _, _, _, _, bt, bk, st, _, *bn = CONFIGS[name]
+    bn = bn[0] if bn else 64
+    blocks = min(4, (227 * 1024) // (shared_bytes(fmt, bt, bk, st, bn) + 1024))
+    assert regs * 2 * bn * blocks <= 65536, (regs, blocks)
 
 
 # ------------------------------------------------------------------------------------------ data-path model
@@ -136,25 +142,26 @@ def _cute_frag(t, v):
 
 
 def _model_block(fmt, BT, BK, w, ws, x, valid):
-    """One block's GEMM through the v3 data path. w: packed [64, KP] uint8 rows of the tile; ws: fp4 [64, K/32],
-    fp8 [2, K/32] uint8; x: [BT, K] bf16 as uint16 bits; valid: [BT] bool. Returns D [64, BT] and, per K step,
-    the A fragments gathered back to [64, BK] in MMA K order."""
+    """One block's GEMM through the v3 data path. w: packed [BN, KP] uint8 rows of the tile (BN 64: one
+    warpgroup, 128: two); ws: fp4 [BN, K/32], fp8 [BN/32, K/32] uint8; x: [BT, K] bf16 as uint16 bits; valid: [BT]
+    bool. Returns D [BN, BT] and, per K step, the A fragments gathered back to [BN, BK] in MMA K order."""
     from deepinfer.kernels.tilelang.moe_kernel import smem_layout
 
-    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK)
+    BN = w.shape[0]
+    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK, BN)
     K = x.shape[1]
     NG, CPR = BK // 64, BKP // 16
     xb = x.astype("<u2").view(np.uint8).reshape(BT, 2 * K)
-    D = np.zeros((64, BT))
+    D = np.zeros((BN, BT))
     frags = []
     for kk in range(K // BK):
         st = np.full(STAGE, 0xFF, dtype=np.uint8)  # garbage where nothing is loaded (NaN bf16 pairs)
-        for idx in range(64 * CPR):  # cp.async of the weights, 16-byte chunks XOR-swizzled
+        for idx in range(BN * CPR):  # cp.async of the weights, 16-byte chunks XOR-swizzled
             r, cc = divmod(idx, CPR)
             swz = 2 * (r % 4) if fmt == "fp4" else 4 * (r % 2)
             cs = (cc // 8) * 8 + ((cc % 8) ^ swz)
             st[r * BKP + cs * 16:r * BKP + cs * 16 + 16] = w[r, kk * BKP + cc * 16:kk * BKP + cc * 16 + 16]
-        for rr in range(64 if fmt == "fp4" else 2):
+        for rr in range(BN if fmt == "fp4" else BN // 32):
             st[OFF_S + rr * SCB:OFF_S + rr * SCB + SCB] = ws[rr, kk * SCB:kk * SCB + SCB]
         for idx in range(BT * BK // 8):  # cp.async of the activations, natural 16-byte chunk kc at core row kc
             n, kc = idx % BT, idx // BT
@@ -177,8 +184,8 @@ def _model_block(fmt, BT, BK, w, ws, x, valid):
                         o.append(_prmt(lo, hi, 0x7632 if c & 1 else 0x5410))
                     dst = base + (4 * s + c) * ROW
                     st[dst:dst + 16] = np.frombuffer(b"".join(t.to_bytes(4, "little") for t in o), dtype=np.uint8)
-        A = np.full((64, BK), np.nan)
-        for tid in range(128):  # di3_group: per-lane loads and dequant into the A fragment registers
+        A = np.full((BN, BK), np.nan)
+        for tid in range(2 * BN):  # di3_group: per-lane loads and dequant into the A fragment registers
             warp, g, q = tid >> 5, (tid >> 2) & 7, tid & 3
             r0, r1 = 16 * warp + g, 16 * warp + g + 8
             for G in range(NG):
@@ -205,8 +212,8 @@ def _model_block(fmt, BT, BK, w, ws, x, valid):
                     for ri, (word, sc) in enumerate(regs):
                         lo, hi = _words_to_vals([word], sc)
                         for e, val in ((0, lo), (1, hi)):
-                            m, k = _cute_frag(tid, 2 * ri + e)
-                            A[m, (4 * G + t) * 16 + k] = val
+                            m, k = _cute_frag(tid % 128, 2 * ri + e)  # warpgroup tid // 128: rows + 64
+                            A[64 * (tid // 128) + m, (4 * G + t) * 16 + k] = val
         # B through the descriptor: K-major interleave, start + kb*BT*32, LBO = BT*16 (next 8 K), SBO = 128
         B = np.zeros((BT, BK))
         for kb in range(BK // 16):
@@ -222,18 +229,19 @@ def _model_block(fmt, BT, BK, w, ws, x, valid):
     return D, frags
 
 
-@pytest.mark.parametrize("fmt,BT,BK", [("fp4", 8, 256), ("fp4", 16, 512), ("fp8", 8, 128), ("fp8", 32, 256)])
-def test_moe_kernel_data_path_model(fmt, BT, BK):
-    rng = np.random.default_rng(BT * 7 + BK)
+@pytest.mark.parametrize("fmt,BT,BK,BN", [("fp4", 8, 256, 64), ("fp4", 16, 512, 64), ("fp8", 8, 128, 64),
+                                          ("fp8", 32, 256, 64), ("fp4", 16, 256, 128), ("fp8", 8, 256, 128)])
+def test_moe_kernel_data_path_model(fmt, BT, BK, BN):
+    rng = np.random.default_rng(BT * 7 + BK + BN)
     K = 2 * BK
     if fmt == "fp4":
-        w = rng.integers(0, 256, (64, K // 2), dtype=np.uint8)
-        ws = rng.integers(115, 129, (64, K // 32), dtype=np.uint8)
+        w = rng.integers(0, 256, (BN, K // 2), dtype=np.uint8)
+        ws = rng.integers(115, 129, (BN, K // 32), dtype=np.uint8)
         W = quant.dequant_fp4_rows(torch.tensor(w), torch.tensor(ws)).double().numpy()
     else:
-        w = rng.integers(0, 256, (64, K), dtype=np.uint8)
+        w = rng.integers(0, 256, (BN, K), dtype=np.uint8)
         w[(w & 0x7F) == 0x7F] = 0x11  # e4m3 NaN codes are not weights
-        ws = rng.integers(110, 135, (2, K // 32), dtype=np.uint8)
+        ws = rng.integers(110, 135, (BN // 32, K // 32), dtype=np.uint8)
         W = quant.dequant_fp8_blocks(torch.tensor(w).view(torch.float8_e4m3fn), torch.tensor(ws)).double().numpy()
     xf = torch.randn(BT, K, generator=torch.Generator().manual_seed(BT)).bfloat16()
     x = xf.view(torch.int16).numpy().view(np.uint16)
@@ -250,17 +258,20 @@ def test_moe_kernel_data_path_model(fmt, BT, BK):
     np.testing.assert_allclose(D[:, valid], expect, rtol=1e-12, atol=1e-12)
 
 
-def test_moe_kernel_epilogue_tile_map():
-    """The kernel's acc -> c_s[token][row] store is cute's CLayout_64xN: every (row, token) exactly once."""
+@pytest.mark.parametrize("BN", [64, 128])
+def test_moe_kernel_epilogue_tile_map(BN):
+    """The kernel's acc -> c_s[token][row] store is cute's CLayout_64xN per warpgroup (the second one's rows 64
+    further): every (row, token) exactly once."""
     for BT in (8, 16, 32, 64):
         seen = set()
-        for tx in range(128):
+        for tx in range(2 * BN):
             for i in range(BT // 2):
                 n = 8 * (i // 4) + 2 * (tx % 4) + i % 2
                 m = 16 * (tx // 32) + (tx // 4) % 8 + 8 * ((i // 2) % 2)
-                assert (m, n) == _cute_frag(tx, i)
+                m0, n0 = _cute_frag(tx % 128, i)
+                assert (m, n) == (64 * (tx // 128) + m0, n0)
                 seen.add((m, n))
-        assert len(seen) == 64 * BT
+        assert len(seen) == BN * BT
 
 
 def test_moe_kernel_model_matches_source():

@@ -78,6 +78,13 @@ def routed_block_t(n_tok: int, top_k: int, n_experts: int) -> int:
     return next((b for b in (8, 16, 32) if mean <= b / 2), 64)
 
 
+def routed_block_n(block_t: int) -> int:
+    """Weight rows per block of the routed pass: two warpgroups (128 rows) share one activation tile at 16 and 32
+    tokens, where a 64-row block's activations take as much shared memory as its weights or more (64 tokens x
+    128 rows do not fit 4 stages)."""
+    return 128 if block_t in (16, 32) else 64
+
+
 def shared_block_t(n_tok: int) -> int:
     """Token tile for the shared expert (one slot holding every token)."""
     if registry.batch_invariant():
@@ -85,7 +92,7 @@ def shared_block_t(n_tok: int) -> int:
     return next((b for b in (8, 16, 32) if n_tok <= b), 64)
 
 
-def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
+def pass_config(fmt: str, k_dim: int, block_t: int, block_n: int = BLOCK_N) -> tuple[int, int]:
     """(block_k, num_stages) of one pass. Four stages everywhere: the activation permute's proxy fence then
     never has a cp.async of its own thread in flight (see moe_kernel's K loop). FP4 (routed): 256-K steps, 8.5 KB
     of weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
@@ -94,26 +101,34 @@ def pass_config(fmt: str, k_dim: int, block_t: int) -> tuple[int, int]:
     if fmt == "fp4":
         return 256, 4
     for bk in (512, 256, 128):
-        if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4) <= 220 * 1024:
+        if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4, block_n) <= 220 * 1024:
             return bk, 4
     return 128, 4
 
 
-def ffn_specs(p: PackedExperts, block_t: int, down_splits: int = 1):
+def ffn_specs(p: PackedExperts, block_t: int, down_splits: int = 1, block_n: int = BLOCK_N):
     """jit(...) argument tuples of the up (+SwiGLU) and down passes of PackedExperts p at one token tile."""
     E, I, D = p.n_experts, p.inter, p.hidden
-    bk, st = pass_config(p.fmt, D, block_t)
-    up = (build_grouped_gemm, p.fmt, "swiglu", E, 2 * I, D, BLOCK_N, block_t, bk, THREADS, st, True, 1, 0)
-    bk, st = pass_config(p.fmt, I, block_t)
-    down = (build_grouped_gemm, p.fmt, "add", E, D, I, BLOCK_N, block_t, bk, THREADS, st, False, down_splits, 0)
+    bn = block_n if 2 * I % block_n == 0 and D % block_n == 0 else BLOCK_N
+    th = THREADS * bn // BLOCK_N
+    bk, st = pass_config(p.fmt, D, block_t, bn)
+    up = (build_grouped_gemm, p.fmt, "swiglu", E, 2 * I, D, bn, block_t, bk, th, st, True, 1, 0)
+    bk, st = pass_config(p.fmt, I, block_t, bn)
+    down = (build_grouped_gemm, p.fmt, "add", E, D, I, bn, block_t, bk, th, st, False, down_splits, 0)
     return up, down
+
+
+def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
+    """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy."""
+    bt = routed_block_t(n_tok, top_k, p.n_experts)
+    return ffn_specs(p, bt, block_n=routed_block_n(bt))
 
 
 def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: int, top_k: int,
                   shared_down_splits: int = 1):
     """Every jit spec moe_experts_packed needs at n_tok tokens (for precompile / warm-up)."""
     specs = [(build_moe_prep, routed.n_experts, top_k)]
-    specs += ffn_specs(routed, routed_block_t(n_tok, top_k, routed.n_experts))
+    specs += routed_specs(routed, n_tok, top_k)
     if shared is not None and n_tok < SHARED_DENSE_TOKENS:
         specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
     return specs
@@ -159,10 +174,11 @@ def routing_table(idx, weights, n_experts: int):
     return (rows, aw, *slots)
 
 
-def ffn(p: PackedExperts, x, table, out_y, block_t: int, limit: float, down_splits: int = 1, out_rows=None):
-    """One SwiGLU expert pass over `table`: up (+gate, SwiGLU, routing weight) into h, then down, added into the
-    fp32 out_y at the token of each assignment (at `out_rows[pos]` instead, when given)."""
-    up, down = ffn_specs(p, block_t, down_splits)
+def ffn(p: PackedExperts, x, table, out_y, specs, limit: float, out_rows=None):
+    """One SwiGLU expert pass over `table` with `specs` (ffn_specs): up (+gate, SwiGLU, routing weight) into h,
+    then down, added into the fp32 out_y at the token of each assignment (at `out_rows[pos]` instead, when
+    given)."""
+    up, down = specs
     h = torch.empty(table[0].shape[0], p.inter, dtype=torch.bfloat16, device=x.device)
     jit(*up)(x, *table, p.w13, p.s13, h, limit)
     down_table = table if out_rows is None else (out_rows, *table[1:])
@@ -193,7 +209,7 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     if shared is not None and T_ >= SHARED_DENSE_TOKENS:
         # one expert over every token: dequantised once (a few dozen MB) and multiplied by cuBLAS, which fills the
         # GPU where the streaming kernel's 72-80 blocks would each walk all the token tiles in turn
-        ffn(routed, x, table, y, routed_block_t(T_, k, routed.n_experts), limit)
+        ffn(routed, x, table, y, routed_specs(routed, T_, k), limit)
         y += torch_moe.swiglu_expert(x, *shared.dense(0, x.dtype), limit).float()
         return y.to(x.dtype)
     main = torch.cuda.current_stream(dev)
@@ -201,8 +217,9 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
         side = _side_stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            ffn(shared, x, _shared_table(T_, str(dev)), y, shared_block_t(T_), limit, shared_down_splits)
-    ffn(routed, x, table, y, routed_block_t(T_, k, routed.n_experts), limit)
+            ffn(shared, x, _shared_table(T_, str(dev)), y, ffn_specs(shared, shared_block_t(T_), shared_down_splits),
+                limit)
+    ffn(routed, x, table, y, routed_specs(routed, T_, k), limit)
     if shared is not None:
         main.wait_stream(side)
     return y.to(x.dtype)
@@ -230,7 +247,7 @@ def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):
     table = routing_table(idx, weights, routed.n_experts)
     positions = torch.arange(T_ * k, dtype=torch.int32, device=dev)
     parts = torch.zeros(T_ * k, routed.hidden, dtype=torch.float32, device=dev)
-    ffn(routed, x, table, parts, routed_block_t(T_, k, routed.n_experts), limit, out_rows=positions)
+    ffn(routed, x, table, parts, routed_specs(routed, T_, k), limit, out_rows=positions)
     # moe_prep sorts assignments by expert, tokens ascending inside one: a stable sort by token leaves each
     # token's k rows in ascending expert order
     parts = parts[torch.argsort(table[0], stable=True)].view(T_, k, routed.hidden)
@@ -239,7 +256,7 @@ def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):
         y += parts[:, j]
     if shared is not None:
         s = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
-        ffn(shared, x, _shared_table(T_, str(dev)), s, shared_block_t(T_), limit)
+        ffn(shared, x, _shared_table(T_, str(dev)), s, ffn_specs(shared, shared_block_t(T_)), limit)
         y += s
     return y.to(x.dtype)
 

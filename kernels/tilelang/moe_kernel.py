@@ -275,46 +275,48 @@ def k_index(kf: int) -> int:
     return 64 * G + 16 * q + (j & 3) + 4 * e + 8 * (j >> 2)
 
 
-def smem_layout(fmt: str, block_t: int, block_k: int):
+def smem_layout(fmt: str, block_t: int, block_k: int, block_n: int = BLOCK_N):
     """(stage bytes, scale offset, activation offset, weight row bytes, scale row bytes) of one stage slot."""
     bkp = block_k // 2 if fmt == "fp4" else block_k
     scb = block_k // 32
-    w_bytes = BLOCK_N * bkp
-    s_bytes = BLOCK_N * scb if fmt == "fp4" else 2 * scb
+    w_bytes = block_n * bkp
+    s_bytes = block_n * scb if fmt == "fp4" else (block_n // 32) * scb
     off_x = -(-(w_bytes + s_bytes) // 128) * 128
     stage = -(-(off_x + block_t * block_k * 2) // 128) * 128
     return stage, w_bytes, off_x, bkp, scb
 
 
-def stage_macros(fmt: str, block_t: int, block_k: int):
+def stage_macros(fmt: str, block_t: int, block_k: int, threads: int = THREADS):
     """The pipeline-stage macros both weight-streaming GEMMs (this one and linear_kernel.py) share, for an
     activation tile of block_t tokens x block_k: `load_x` (the token rows of K step kk into a stage slot; xr < 0: no
     token, zero-filled), `permute` (activations into the wgmma B layout, in place) and `group` (dequantise one 64-K
     group of weights into the A fragments and issue its MMAs)."""
     BT, BK = block_t, block_k
-    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK)
-    X_IT = BT * BK // 8 // THREADS     # 16-byte activation chunks per thread and step
+    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK, threads // 2)  # a warpgroup per 64 weight rows
+    TH = threads
+    assert (BT * BK // 8) % TH == 0, "every thread loads the same number of activation chunks"
+    X_IT = BT * BK // 8 // TH          # 16-byte activation chunks per thread and step
     P_UNITS = BT * (BK // 64)          # (token, group) permute units per step
-    P_IT = -(-P_UNITS // THREADS)
+    P_IT = -(-P_UNITS // TH)
     fmt_id = 0 if fmt == "fp4" else 1
 
     @T.macro
     def load_x(smem, xr, x, tx, kk, base):
-        # token n = tx % BT for every iteration (BT divides 128): its x row xr (< 0: no token) sits in a register
+        # token n = tx % BT for every iteration (BT divides the threads): its x row xr (< 0: none) is in a register
         for it in T.unroll(X_IT):
-            kc = it * (THREADS // BT) + tx // BT
+            kc = it * (TH // BT) + tx // BT
             x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
             T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
                           T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
 
     @T.macro
     def permute(smem, xr, tx, slot):
-        # unit (token tx % BT, group (it*128 + tx) / BT); tokens without a row are skipped
+        # unit (token tx % BT, group (it*TH + tx) / BT); tokens without a row are skipped
         for it in T.unroll(P_IT):
-            if (P_UNITS % THREADS == 0) or (it * THREADS + tx < P_UNITS):
+            if (P_UNITS % TH == 0) or (it * TH + tx < P_UNITS):
                 if xr >= 0:
                     T.call_extern("handle", f"di3_permute_x<{BT}>", T.address_of(smem[(slot * STAGE + OFF_X) // 4]),
-                                  tx % BT, (it * THREADS + tx) // BT)
+                                  tx % BT, (it * TH + tx) // BT)
 
     @T.macro
     def group(smem, a, acc, slot, G):
@@ -377,62 +379,67 @@ def k_loop_macro(num_stages: int, n_steps: int, n_groups: int, block_t: int, iss
     return k_loop
 
 
-def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int) -> int:
+def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int, block_n: int = BLOCK_N) -> int:
     """Dynamic shared memory of one block (stages + epilogue tile + token rows), for occupancy planning."""
-    stage = smem_layout(fmt, block_t, block_k)[0]
-    return num_stages * stage + block_t * (BLOCK_N + CS_PAD) * 4 + block_t * 4
+    stage = smem_layout(fmt, block_t, block_k, block_n)[0]
+    return num_stages * stage + block_t * (block_n + CS_PAD) * 4 + block_t * 4
 
 
 def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_n: int = 64,
                        block_t: int = 16, block_k: int = 256, threads: int = 128, num_stages: int = 4,
                        gather: bool = True, k_splits: int = 1, min_blocks: int = 0):
     """fmt: "fp4" (w [E, N, K/2] uint8, scale [E, N, K/32] uint8) or "fp8" (w [E, N, K] uint8 e4m3 bits, scale
-    [E, N/32, K/32] uint8). X is [tokens, K] bf16 read at rows[pos] (gather) or at pos (not gather). k_splits: K split over grid z ("add" only); min_blocks: __launch_bounds__ min blocks per SM (0 = from shared
-    memory, capped at 4)."""
+    [E, N/32, K/32] uint8). X is [tokens, K] bf16 read at rows[pos] (gather) or at pos (not gather). k_splits: K
+    split over grid z ("add" only); min_blocks: __launch_bounds__ min blocks per SM (0 = from shared memory, capped
+    at 4). block_n 64 (one warpgroup, threads 128) or 128 (two warpgroups, threads 256, each its own 64 weight
+    rows against the one activation tile: half the activation bytes per weight byte in shared memory, so a block
+    of 16+ tokens keeps as many weight bytes in flight per SM as one of 8 tokens at block_n 64)."""
     assert fmt in ("fp4", "fp8") and epilogue in ("swiglu", "add")
-    assert block_n == BLOCK_N and threads == THREADS, "one warpgroup, 64 weight rows (the wgmma M)"
+    assert block_n in (64, 128) and threads == 2 * block_n, "a warpgroup per 64 weight rows (the wgmma M)"
     assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
-    assert n_rows % BLOCK_N == 0 and k_dim % (block_k * k_splits) == 0
+    assert n_rows % block_n == 0 and k_dim % (block_k * k_splits) == 0
     assert k_splits == 1 or epilogue == "add", "split K needs the additive epilogue"
     E, N, K, BT, BK, S = n_experts, n_rows, k_dim, block_t, block_k, num_stages
     NG = BK // 64                      # 64-K groups per step
     NK = K // BK // k_splits           # steps per block
-    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK)
+    BN, TH = block_n, threads
+    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK, BN)
     KP = K // 2 if fmt == "fp4" else K
     CPR = BKP // 16                    # 16-byte weight chunks per row and step
-    W_IT = BLOCK_N * CPR // THREADS
-    CS_LD = BLOCK_N + CS_PAD
+    W_IT = BN * CPR // TH
+    CS_LD = BN + CS_PAD
     s_shape = (E, N, K // 32) if fmt == "fp4" else (E, N // 32, K // 32)
     n_out = N // 2 if epilogue == "swiglu" else N
-    half = BLOCK_N // 2
+    half = BLOCK_N // 2                # PackedExperts' w13 tiles: 32 gate rows then their 32 up rows, per 64 rows
     round_partial = k_splits == 1
+    assert shared_bytes(fmt, BT, BK, S, BN) <= 227 * 1024, "stages and tiles exceed an SM's shared memory"
     if min_blocks == 0:
-        min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes(fmt, BT, BK, S) + 1024)))
+        min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes(fmt, BT, BK, S, BN) + 1024)))
     src = cuda_source(BT)
 
     n_x, n_pos, n_slots, n_y = T.dynamic("n_x"), T.dynamic("n_pos"), T.dynamic("n_slots"), T.dynamic("n_y")
     out_dtype = "bfloat16" if epilogue == "swiglu" else "float32"
     out_rows = n_pos if epilogue == "swiglu" else n_y
-    load_x, permute, group = stage_macros(fmt, BT, BK)
+    load_x, permute, group = stage_macros(fmt, BT, BK, TH)
 
     @T.macro
     def issue(smem, xr, x, w, ws, e, bx, tx, kk, slot):
         # one stage (global K step kk) into slot: weights, their scales, the token rows of the activations
         base = slot * STAGE
         for it in T.unroll(W_IT):
-            r = (it * THREADS + tx) // CPR
-            cc = (it * THREADS + tx) % CPR
+            r = (it * TH + tx) // CPR
+            cc = (it * TH + tx) % CPR
             cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, (2 * (r % 4)) if fmt == "fp4" else (4 * (r % 2)))
             T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
-                          T.address_of(w[e, bx * BLOCK_N + r, kk * BKP + cc * 16]), 1)
+                          T.address_of(w[e, bx * BN + r, kk * BKP + cc * 16]), 1)
         if fmt == "fp4":
-            if tx < BLOCK_N:
+            if tx < BN:
                 T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
-                              T.address_of(ws[e, bx * BLOCK_N + tx, kk * SCB]), 1)
+                              T.address_of(ws[e, bx * BN + tx, kk * SCB]), 1)
         else:
-            if tx < 2:
+            if tx < BN // 32:
                 T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
-                              T.address_of(ws[e, bx * 2 + tx, kk * SCB]), 1)
+                              T.address_of(ws[e, bx * (BN // 32) + tx, kk * SCB]), 1)
         load_x(smem, xr, x, tx, kk, base)
 
     k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group)
@@ -450,7 +457,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
         out: T.Tensor((out_rows, n_out), out_dtype),
         limit: T.float32,
     ):
-        with T.Kernel(N // BLOCK_N, n_slots, k_splits, threads=THREADS) as (bx, by, bz):
+        with T.Kernel(N // BN, n_slots, k_splits, threads=TH) as (bx, by, bz):
             T.annotate_min_blocks_per_sm(min_blocks)
             # stage slots as 32-bit words (all offsets are multiples of 4 bytes; a uint8 buffer this size trips
             # TileLang 0.1.15's StorageRewrite on some shapes)
@@ -481,26 +488,28 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
                 k_loop(smem, a, acc, c_s, xr, x, w, ws, e, bx, tx, k_first)
                 T.sync_threads()
                 if epilogue == "swiglu":
-                    for it in T.unroll(half * BT // THREADS):
-                        if row_s[(it * THREADS + tx) // half] >= 0:
-                            j = (it * THREADS + tx) // half
-                            i = (it * THREADS + tx) % half
-                            g_ = T.cast(T.cast(c_s[j, i], "bfloat16"), "float32")
-                            u_ = T.cast(T.cast(c_s[j, half + i], "bfloat16"), "float32")
+                    # output column o of the block: 64-row tile o // 32 of it, gate row o % 32 of that tile
+                    for it in T.unroll((BN // 2) * BT // TH):
+                        if row_s[(it * TH + tx) // (BN // 2)] >= 0:
+                            j = (it * TH + tx) // (BN // 2)
+                            o = (it * TH + tx) % (BN // 2)
+                            r = (o // half) * BLOCK_N + o % half
+                            g_ = T.cast(T.cast(c_s[j, r], "bfloat16"), "float32")
+                            u_ = T.cast(T.cast(c_s[j, r + half], "bfloat16"), "float32")
                             g_ = T.if_then_else(limit > 0, T.min(g_, limit), g_)
                             u_ = T.if_then_else(limit > 0, T.max(T.min(u_, limit), -limit), u_)
                             pos = start + c * BT + j
-                            out[pos, bx * half + i] = T.cast(g_ * T.sigmoid(g_) * u_ * aw[pos], "bfloat16")
+                            out[pos, bx * (BN // 2) + o] = T.cast(g_ * T.sigmoid(g_) * u_ * aw[pos], "bfloat16")
                 else:
-                    for it in T.unroll(BLOCK_N * BT // THREADS):
-                        if row_s[(it * THREADS + tx) // BLOCK_N] >= 0:
-                            j = (it * THREADS + tx) // BLOCK_N
-                            i = (it * THREADS + tx) % BLOCK_N
+                    for it in T.unroll(BN * BT // TH):
+                        if row_s[(it * TH + tx) // BN] >= 0:
+                            j = (it * TH + tx) // BN
+                            i = (it * TH + tx) % BN
                             if round_partial:
-                                T.atomic_add(out[rows[start + c * BT + j], bx * BLOCK_N + i],
+                                T.atomic_add(out[rows[start + c * BT + j], bx * BN + i],
                                              T.cast(T.cast(c_s[j, i], "bfloat16"), "float32"))
                             else:
-                                T.atomic_add(out[rows[start + c * BT + j], bx * BLOCK_N + i], c_s[j, i])
+                                T.atomic_add(out[rows[start + c * BT + j], bx * BN + i], c_s[j, i])
                 T.sync_threads()
 
     return grouped_gemm

@@ -126,6 +126,8 @@ def test_experts_match_torch(E, D, I, tokens, fmt, with_shared, skew):
 
 # ------------------------------------------------------------------------------------------ kernels alone
 KD, KI, KE = 512, 768, 4  # small shapes: K of the down pass = 768 = 3 steps of 256, so it splits in 3
+# (token tile, weight rows per block): 128 rows up to 32 tokens (64 tokens x 128 rows exceed shared memory)
+TILES = [(8, 64), (16, 64), (32, 64), (64, 64), (8, 128), (16, 128), (32, 128)]
 
 
 def _kernel_specs():
@@ -133,21 +135,21 @@ def _kernel_specs():
 
     out = []
     for fmt in ("fp4", "fp8"):
-        for bt in (8, 16, 32, 64):
-            bk, st = moe.pass_config(fmt, KD, bt)
-            out.append((moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, 64, bt, bk, 128, st, True, 1, 0))
-            bk, st = moe.pass_config(fmt, KI, bt)
+        for bt, bn in TILES:
+            bk, st = moe.pass_config(fmt, KD, bt, bn)
+            out.append((moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, bn, bt, bk, 2 * bn, st, True, 1, 0))
+            bk, st = moe.pass_config(fmt, KI, bt, bn)
             for splits in (1, 3):
-                out.append((moe.build_grouped_gemm, fmt, "add", KE, KD, KI, 64, bt, bk, 128, st, False, splits, 0))
+                out.append((moe.build_grouped_gemm, fmt, "add", KE, KD, KI, bn, bt, bk, 2 * bn, st, False, splits, 0))
     return out
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-@pytest.mark.parametrize("block_t", [8, 16, 32, 64])
-def test_kernels_each_tile(fmt, block_t):
-    """Up (SwiGLU epilogue) and down ("add" epilogue, whole K and split in 3) at one token tile, against torch
-    with the same bf16 rounding points; 37 tokens x top-2 over 4 experts: every expert spans several chunks at
-    the small tiles, and a partial chunk at the large ones."""
+@pytest.mark.parametrize("block_t,block_n", TILES)
+def test_kernels_each_tile(fmt, block_t, block_n):
+    """Up (SwiGLU epilogue) and down ("add" epilogue, whole K and split in 3) at one token tile and block height
+    (64 weight rows: one warpgroup; 128: two), against torch with the same bf16 rounding points; 37 tokens x top-2
+    over 4 experts: every expert spans several chunks at the small tiles, and a partial chunk at the large ones."""
     from deepinfer.kernels.tilelang import moe as moe
     from deepinfer.kernels.tilelang._build import jit
 
@@ -161,8 +163,8 @@ def test_kernels_each_tile(fmt, block_t):
     rows, aw, s_exp, s_start, s_cnt = table
     poison_allocator()
     h = torch.empty(T_ * k, KI, dtype=torch.bfloat16, device="cuda")
-    bk, st = moe.pass_config(fmt, KD, block_t)
-    jit(moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, 64, block_t, bk, 128, st, True, 1, 0)(
+    bk, st = moe.pass_config(fmt, KD, block_t, block_n)
+    jit(moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, block_n, block_t, bk, 2 * block_n, st, True, 1, 0)(
         x, *table, routed.w13, routed.s13, h, LIMIT)
     torch.cuda.synchronize()
     # reference h per assignment position, in the table's (expert-sorted) order
@@ -179,10 +181,10 @@ def test_kernels_each_tile(fmt, block_t):
         h_ref[a:a + n] = (torch.nn.functional.silu(gate) * up * aw[a:a + n, None]).bfloat16()
         y_ref.index_add_(0, rows[a:a + n].long(), (h[a:a + n] @ w2.T).float())  # down from the kernel's own h
     assert torch.isfinite(h).all() and rel_err(h, h_ref) < 1e-2, rel_err(h, h_ref)
-    bk, st = moe.pass_config(fmt, KI, block_t)
+    bk, st = moe.pass_config(fmt, KI, block_t, block_n)
     for splits in (1, 3):
         y = torch.zeros(T_, KD, dtype=torch.float32, device="cuda")
-        jit(moe.build_grouped_gemm, fmt, "add", KE, KD, KI, 64, block_t, bk, 128, st, False, splits, 0)(
+        jit(moe.build_grouped_gemm, fmt, "add", KE, KD, KI, block_n, block_t, bk, 2 * block_n, st, False, splits, 0)(
             h, *table, routed.w2, routed.s2, y, LIMIT)
         torch.cuda.synchronize()
         assert torch.isfinite(y).all() and rel_err(y, y_ref) < 5e-3, (splits, rel_err(y, y_ref))
