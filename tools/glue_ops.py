@@ -6,10 +6,11 @@ registry op counts as that op's, once. Ops that only make views (no launch on th
 
     python tools/glue_ops.py --model tiny --batch 1 --top 25       # the embedded model, one decode step
     python tools/glue_ops.py --model tiny --batch 1 4              # does glue grow with the batch?
+    python tools/glue_ops.py --model narrow40                      # the released 40-layer pattern, narrow (CPU)
     python3 tools/glue_ops.py --model flash40 --device cuda          # H200 (source benchmarks/gpu_env.sh first)
 
-Prints, per batch: registry op calls and glue ops per decode step (total and per layer), then the glue by source
-line (file:line, the aten ops issued there, calls per step). A decode step here is the difference between two
+Prints, per batch: registry op calls and glue ops per decode step (total and per layer), the glue by source
+line (file:line, the aten ops issued there, calls per step), then the op calls by kind. A decode step here is the difference between two
 runs of the same requests, one with `--steps` more tokens each, divided by `--steps`: prefill and engine
 start-up cancel out.
 """
@@ -48,11 +49,13 @@ class GlueCounter(TorchDispatchMode):
         self.active = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if self.active and self.depth == 0:
             name = func.__name__.split(".")[0]
-            if name not in VIEW_OPS:
+            # a `to` that changes nothing returns its input: no copy, no launch
+            if name not in VIEW_OPS and not (name == "to" and out is args[0]):
                 self.glue[(_our_line(), name)] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     def wrap(self, ops) -> None:
         """Every op of the OpSet `ops` counted once per call, and what it runs inside not counted as glue."""
@@ -117,10 +120,27 @@ def per_step(model, counter: GlueCounter, batch: int, context: int, steps: int):
     return glue, reg
 
 
+def narrow40(device: str):
+    """The released 40-layer pattern (synthetic.FLASH_FULL's ratios, sources, Engram layers) at the embedded
+    model's width: the same Python, so the same ops per layer, in a CPU's memory."""
+    from deepinfer.models import synthetic
+    from deepinfer.models.config import ModelConfig
+    from deepinfer.models.engram import engram_table_rows
+    from deepinfer.models.tiny import TEXT_CONFIG
+
+    keys = ("num_hidden_layers", "compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
+            "candidate_source_layer_id", "engram_layer_ids")
+    text = dict(TEXT_CONFIG, **{k: synthetic.FLASH_FULL[k] for k in keys})
+    text["engram_num_embeddings"] = engram_table_rows(text["engram_vocab_size"], len(text["engram_layer_ids"]),
+                                                      text["engram_max_ngram_size"], text["engram_n_heads"])
+    return synthetic.build_model(ModelConfig.from_dict(text), device, torch.float32, share_layers=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny", choices=("tiny", "flash", "flash40"),
-                    help="flash / flash40: Flash width, for a GPU (--device cuda; graphs off, so every op is seen)")
+    ap.add_argument("--model", default="tiny", choices=("tiny", "narrow40", "flash", "flash40"),
+                    help="narrow40: FLASH_FULL's 40-layer pattern at the embedded model's width (CPU); flash / "
+                         "flash40: Flash width, for a GPU (--device cuda; graphs off, so every op is seen)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--context", type=int, default=64)
@@ -129,7 +149,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from decode_gpu import build
 
-    model = build(args.model, args.device, None if args.device == "cpu" else {"default": ["tilelang-sm90", "torch"]})
+    if args.model == "narrow40":
+        model = narrow40(args.device)
+    else:
+        model = build(args.model, args.device,
+                      None if args.device == "cpu" else {"default": ["tilelang-sm90", "torch"]})
     counter = GlueCounter()
     counter.wrap(model.ops)
     layers = model.config.num_hidden_layers
@@ -147,6 +171,7 @@ def main(argv=None) -> int:
             for line, n in by_line.most_common(args.top):
                 ops = ", ".join(f"{k} x{v:g}" for k, v in names[line].most_common(4))
                 print(f"  {n:7.1f}  {line:48s} {ops}")
+            print("  op calls: " + ", ".join(f"{k} x{v:g}" for k, v in Counter(reg).most_common()))
     return 0
 
 
