@@ -103,13 +103,14 @@ def main():
                          "routed bt16 bn64": {"routed_bt": 16, "routed_bn": 64},
                          "routed bt16 bn128": {"routed_bt": 16, "routed_bn": 128},
                          "routed bt32 bn128": {"routed_bt": 32, "routed_bn": 128}, "fp8 bk256": {"fp8": (256, 4)},
-                         "shared-down split3": {"shared_down_splits": 3}})
+                         "shared-down split3": {"shared_down_splits": 3},
+                         "routed-down split3": {"routed_down_splits": 3}})
 
     def with_variant(var):
         """Context: patch moe.py's tile policy for one sweep variant."""
         class Ctx:
             def __enter__(self):
-                self.saved = (moe.pass_config, moe.routed_block_t, moe.routed_block_n)
+                self.saved = (moe.pass_config, moe.routed_block_t, moe.routed_block_n, moe.routed_down_splits)
                 base = moe.pass_config
                 if "fp4" in var or "fp8" in var:
                     moe.pass_config = lambda fmt, k, bt, bn=64: var[fmt] if fmt in var and k % var[fmt][0] == 0 \
@@ -118,9 +119,11 @@ def main():
                     moe.routed_block_t = lambda n, k, e: var["routed_bt"]
                 if "routed_bn" in var:
                     moe.routed_block_n = lambda bt: var["routed_bn"]
+                if "routed_down_splits" in var:
+                    moe.routed_down_splits = lambda n, k, e: var["routed_down_splits"]
 
             def __exit__(self, *a):
-                moe.pass_config, moe.routed_block_t, moe.routed_block_n = self.saved
+                moe.pass_config, moe.routed_block_t, moe.routed_block_n, moe.routed_down_splits = self.saved
         return Ctx()
 
     specs = []

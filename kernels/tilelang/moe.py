@@ -85,6 +85,13 @@ def routed_block_n(block_t: int) -> int:
     return 128 if block_t in (16, 32) else 64
 
 
+def routed_down_splits(n_tok: int, top_k: int, n_experts: int) -> int:
+    """K splits of the routed down pass (fp32 atomics add the partials: never in the batch-invariant mode, whose
+    rows must each be one rounded value). 1 until a GPU sweep (benchmarks/moe_gpu.py --sweep, "routed-down
+    split3") says where shorter chains of K steps win: at batch 1 a block walks all 9 K steps of its 64 rows."""
+    return 1
+
+
 def shared_block_t(n_tok: int) -> int:
     """Token tile for the shared expert (one slot holding every token)."""
     if registry.batch_invariant():
@@ -121,7 +128,8 @@ def ffn_specs(p: PackedExperts, block_t: int, down_splits: int = 1, block_n: int
 def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
     """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy."""
     bt = routed_block_t(n_tok, top_k, p.n_experts)
-    return ffn_specs(p, bt, block_n=routed_block_n(bt))
+    splits = 1 if registry.batch_invariant() else routed_down_splits(n_tok, top_k, p.n_experts)
+    return ffn_specs(p, bt, splits, routed_block_n(bt))
 
 
 def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: int, top_k: int,
