@@ -126,7 +126,7 @@ def profile_moe(tokens: int) -> int:
     return 0
 
 
-def linear_rows(ms_list, iters):
+def linear_rows(ms_list, iters, block_ts=(32,)):
     from deepinfer.kernels.fp8_weight import Fp8BlockWeight
     from deepinfer.kernels.tilelang.linear import dense_bf16, fp8_linear
 
@@ -138,14 +138,18 @@ def linear_rows(ms_list, iters):
         w = Fp8BlockWeight(codes, scale)
         for m in ms_list:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            ms_k = timeit(lambda i: fp8_linear(x, w), iters=iters)[0]
             ms_d = timeit(lambda i: torch.nn.functional.linear(x, dense_bf16(w)), iters=iters)[0]
-            err = rel(torch.nn.functional.linear(x, dense_bf16(w)), fp8_linear(x, w))
             fl = 2 * m * n * k
-            rows.append(dict(name=name, n=n, k=k, m=m, kernel_ms=ms_k, dense_ms=ms_d, err=err,
-                             kernel_tflops=fl / ms_k / 1e9, dense_tflops=fl / ms_d / 1e9))
-            print(f"linear {name:12s} M={m:5d}: kernel {ms_k:7.3f} ms ({fl / ms_k / 1e9:6.1f} TF/s) | dequant+cuBLAS "
-                  f"{ms_d:7.3f} ms ({fl / ms_d / 1e9:6.1f} TF/s) | err {err:.1e}", flush=True)
+            for bt in block_ts:  # the kernel at each token tile: same math, so the same bits are required
+                ms_k = timeit(lambda i: fp8_linear(x, w, block_t=bt), iters=iters)[0]
+                err = rel(torch.nn.functional.linear(x, dense_bf16(w)), fp8_linear(x, w, block_t=bt))
+                same = bool(torch.equal(fp8_linear(x, w, block_t=bt), fp8_linear(x, w)))
+                rows.append(dict(name=name, n=n, k=k, m=m, block_t=bt, kernel_ms=ms_k, dense_ms=ms_d, err=err,
+                                 same_bits_as_default_tile=same, kernel_tflops=fl / ms_k / 1e9,
+                                 dense_tflops=fl / ms_d / 1e9))
+                print(f"linear {name:12s} M={m:5d} bt{bt:<2d}: kernel {ms_k:7.3f} ms ({fl / ms_k / 1e9:6.1f} TF/s) | "
+                      f"dequant+cuBLAS {ms_d:7.3f} ms ({fl / ms_d / 1e9:6.1f} TF/s) | err {err:.1e}"
+                      f"{'' if same else ' | bits differ from the 32-token tile'}", flush=True)
     return rows
 
 
@@ -158,6 +162,8 @@ def main():
     ap.add_argument("--block-m", type=int, nargs="+", default=[64], help="grouped path tile heights to time")
     ap.add_argument("--gemm-tiles", nargs="+", default=["64x256x64x2x256"],
                     help="the grouped GEMM alone at these block_m x block_n x block_k x stages x threads")
+    ap.add_argument("--linear-block-t", type=int, nargs="+", default=[32],
+                    help="the FP8 projection kernel's token tiles to time (32: the default)")
     ap.add_argument("--profile", type=int, default=0, help="print the kernel table of one grouped MoE call of "
                     "this many tokens and exit")
     a = ap.parse_args()
@@ -168,7 +174,7 @@ def main():
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {peak / 1e12:.0f} TFLOP/s", flush=True)
     moe, alone = moe_rows(a.tokens, a.iters, peak, a.block_m,
                            [tuple(int(v) for v in t.split("x")) for t in a.gemm_tiles])
-    lin = linear_rows(a.rows, a.iters)
+    lin = linear_rows(a.rows, a.iters, a.linear_block_t)
     big = max(moe, key=lambda r: r["tokens"])
     best = max(big["stream_pct_peak"], big["grouped_pct_peak"])
     failures = [f"MoE T={r['tokens']}: paths disagree (rel err {r['err']:.2e}) or non-finite"

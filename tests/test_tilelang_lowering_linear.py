@@ -35,6 +35,17 @@ def test_fp8_linear_lowers_to_cuda(name, arch):
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src  # the non-Hopper fallback
 
 
+def test_the_64_token_tile_lowers():
+    """The token tile prefill_kernels_gpu.py --linear-block-t times against the default 32 (verification sizes)."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.linear import split_count
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, STAGES, build_fp8_linear
+
+    n, k = FLASH["wo_b"]
+    src = lower_source(build_fp8_linear(n, k, split_count(n, k), 64, BLOCK_K, STAGES, 0, 1), "sm_90a")
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src
+
+
 def test_the_grouped_output_projection_lowers_as_one_kernel_reading_its_groups_columns():
     """wo_a's 8 groups in one launch: a block of weight tile bn reads x's columns of group bn // 16."""
     from lowering_helpers import lower_source

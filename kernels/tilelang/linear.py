@@ -84,10 +84,12 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     return fall_back("linear", reason, torch_linear.linear, x, weight)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, groups: int = 1) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, groups: int = 1,
+               block_t: int = BLOCK_T) -> torch.Tensor:
     """x [..., K] bf16 @ dequant(w)[N, K].T -> [..., N] bf16 through the kernel (inputs as `why_not` accepts).
     `k_splits` overrides the shape's split count (benchmarks only: results then differ in the last bits).
-    groups > 1: x [..., groups * K], row group g of w times x's g-th K columns (build_fp8_linear)."""
+    groups > 1: x [..., groups * K], row group g of w times x's g-th K columns (build_fp8_linear). `block_t`:
+    tokens per tile (benchmarks: at a few hundred rows each 32-row tile dequantises the whole weight again)."""
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k * groups)
@@ -98,7 +100,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
     if m == 0:
         return out.view(*lead, n)
     splits = k_splits or split_count(n, k)
-    spec = (build_fp8_linear, n, k, splits) + (() if groups == 1 else (BLOCK_T, BLOCK_K, STAGES, 0, groups))
+    spec = (build_fp8_linear, n, k, splits) + (() if groups == 1 and block_t == BLOCK_T
+                                               else (block_t, BLOCK_K, STAGES, 0, groups))
     if splits == 1:
         jit(*spec)(x2, w.weight, w.scale, out)
     else:
