@@ -49,10 +49,11 @@ Pipeline per K step k (S stages, NG = BK/64 groups of 64 K, one warpgroup):
 On non-Hopper targets (sm_100a lowering, sm_80/89) the same fragments feed mma.sync m16n8k16 instead (identical
 A/C register layouts), so the kernel still compiles and is correct there, without the async overlap.
 
-Limits: block_n must be 64 and threads 128 (one warpgroup; M = 64 is the wgmma tile); block_t is 8, 16, 32 or 64
-(128 tokens would need FP4 steps of 128 K, whose 4 chunks per row the bank swizzle below cannot permute, and 256-K
-steps of 128 tokens do not fit 4 stages in shared memory; an 8K-token prefill measured 1.1x at most from it);
-block_k is 128, 256 or 512; num_stages >= 4; k_splits (K split over grid z, "add" epilogue only); min_blocks
+Limits: block_n 64 with threads 128 (one warpgroup; M = 64 is the wgmma tile), or 128 with threads 256 (two
+warpgroups, each its 64 rows, sharing the activation tile: warp w dequantises rows 16w.., so the fragment code is
+the same); block_t is 8, 16, 32 or 64 (128 tokens would need FP4 steps of 128 K, whose 4 chunks per row the
+bank swizzle below cannot permute, and 256-K steps of 128 tokens do not fit 4 stages in shared memory; an 8K-token
+prefill measured 1.1x at most from it); block_k is 128, 256 or 512; num_stages >= 4; k_splits (K split over grid z, "add" epilogue only); min_blocks
 (__launch_bounds__). The tile policy (which block_t / block_k / stages per pass) is moe.py's.
 
 Predictions (before the first GPU run; benchmarks/moe_gpu.py measures, results in benchmarks/results/):
