@@ -53,8 +53,9 @@ Limits: block_n 64 with threads 128 (one warpgroup; M = 64 is the wgmma tile), o
 warpgroups, each its 64 rows, sharing the activation tile: warp w dequantises rows 16w.., so the fragment code is
 the same); block_t is 8, 16, 32 or 64 (128 tokens would need FP4 steps of 128 K, whose 4 chunks per row the
 bank swizzle below cannot permute, and 256-K steps of 128 tokens do not fit 4 stages in shared memory; an 8K-token
-prefill measured 1.1x at most from it); block_k is 128, 256 or 512; num_stages >= 4; k_splits (K split over grid z, "add" epilogue only); min_blocks
-(__launch_bounds__). The tile policy (which block_t / block_k / stages per pass) is moe.py's.
+prefill measured 1.1x at most from it); block_k is 128, 256 or 512; num_stages >= 4; k_splits (K split over grid
+z, "add" epilogue only); min_blocks (__launch_bounds__). The tile policy (which block_t / block_k / stages per pass)
+is moe.py's.
 
 Predictions (before the first GPU run; benchmarks/moe_gpu.py measures, results in benchmarks/results/):
   * Kernels alone: routed FP4 up/down 65-80% of copy bandwidth at B=1..64 (measured 69-70% at B=8..64, 44% at B=1).
