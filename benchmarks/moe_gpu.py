@@ -17,11 +17,13 @@ kernel generation's numbers stay in benchmarks/results/moe_v3_gpu_h200.json.
 """
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -106,25 +108,21 @@ def main():
                          "shared-down split3": {"shared_down_splits": 3},
                          "routed-down split3": {"routed_down_splits": 3}})
 
-    def with_variant(var):
-        """Context: patch moe.py's tile policy for one sweep variant."""
-        class Ctx:
-            def __enter__(self):
-                self.saved = (moe.pass_config, moe.routed_block_t, moe.routed_block_n, moe.routed_down_splits)
-                base = moe.pass_config
-                if "fp4" in var or "fp8" in var:
-                    moe.pass_config = lambda fmt, k, bt, bn=64: var[fmt] if fmt in var and k % var[fmt][0] == 0 \
-                        else base(fmt, k, bt, bn)
-                if "routed_bt" in var:
-                    moe.routed_block_t = lambda n, k, e: var["routed_bt"]
-                if "routed_bn" in var:
-                    moe.routed_block_n = lambda bt: var["routed_bn"]
-                if "routed_down_splits" in var:
-                    moe.routed_down_splits = lambda n, k, e: var["routed_down_splits"]
+    # the tile-policy functions of moe.py a variant key replaces, each by a constant choice
+    policy = {"routed_bt": "routed_block_t", "routed_bn": "routed_block_n", "routed_down_splits": "routed_down_splits"}
 
-            def __exit__(self, *a):
-                moe.pass_config, moe.routed_block_t, moe.routed_block_n, moe.routed_down_splits = self.saved
-        return Ctx()
+    @contextlib.contextmanager
+    def with_variant(var):
+        """Patch moe.py's tile policy for one sweep variant."""
+        base = moe.pass_config
+        with contextlib.ExitStack() as stack:
+            if "fp4" in var or "fp8" in var:
+                stack.enter_context(mock.patch.object(moe, "pass_config", lambda fmt, k, bt, bn=64: var[fmt] if (
+                    fmt in var and k % var[fmt][0] == 0) else base(fmt, k, bt, bn)))
+            for key, name in policy.items():
+                if key in var:
+                    stack.enter_context(mock.patch.object(moe, name, lambda *_, v=var[key]: v))
+            yield
 
     specs = []
     for B in batches:
