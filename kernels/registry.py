@@ -33,6 +33,7 @@ OP_KINDS = (
     "fake_quant_fp8",
     "fake_quant_fp4",
     "encode_fp8",
+    "encode_fp4",
     "mhc_mixes",
     "mhc_collapse",
     "mhc_expand",

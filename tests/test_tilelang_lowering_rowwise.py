@@ -39,12 +39,15 @@ def _kernels():
     out["fp4_ue8m0_32"] = lambda: k.build_fake_quant("fp4_ue8m0", 32)
     out["fp4_e4m3_16"] = lambda: k.build_fake_quant("fp4_e4m3", 16)
     out["fp8_32_encode"] = lambda: k.build_fake_quant("fp8", 32, encode=True)
+    out["fp4_ue8m0_32_encode"] = lambda: k.build_fake_quant("fp4_ue8m0", 32, encode=True)
+    out["fp4_e4m3_16_encode"] = lambda: k.build_fake_quant("fp4_e4m3", 16, encode=True)
     return out
 
 
 NAMES = ([f"rms_warp_{d}" for d in NORM_DIMS] + [f"rms_block_{d}" for d in NORM_DIMS if d >= 256]
          + ["rms_warp_512_fp32w", "rms_block_512_fp32w", "rope_512_fwd", "rope_512_inv", "rope_128_fwd",
-            "rope_128_inv", "fp8_32", "fp4_ue8m0_32", "fp4_e4m3_16", "fp8_32_encode"])
+            "rope_128_inv", "fp8_32", "fp4_ue8m0_32", "fp4_e4m3_16", "fp8_32_encode", "fp4_ue8m0_32_encode",
+            "fp4_e4m3_16_encode"])
 
 
 @needs_tilelang
@@ -71,8 +74,8 @@ def test_rowwise_kernel_lowers_to_cuda(name, arch):
     if name.startswith("fp"):
         assert "*(uint4*)" in src and "__shfl_xor_sync" in src
         assert ("__fdiv_rn" in src) == ("e4m3" in name)
-    if name.endswith("encode"):  # the codes as 8 bytes, the block's scale byte from its first lane
-        assert "*(uint2*)(codes + " in src and "scale[" in src
+    if name.endswith("encode"):  # the codes as 8 bytes (fp8) or 4 e2m1 pairs, the block's scale byte from its first lane
+        assert ("*(uint*)(codes + " if name.startswith("fp4") else "*(uint2*)(codes + ") in src and "scale[" in src
 
 
 @needs_tilelang
@@ -82,9 +85,12 @@ def test_registry_functions_keep_the_torch_signatures():
     from deepinfer.kernels.tilelang import rowwise
     from deepinfer.kernels.torch import norm, rope
 
+    from deepinfer.kernels.torch import cache_formats
+
     for ours, ref in ((rowwise.rms_norm, norm.rms_norm), (rowwise.rope, rope.rope),
-                      (rowwise.fake_quant_fp8, quant.fake_quant_fp8), (rowwise.fake_quant_fp4, quant.fake_quant_fp4)):
-        assert inspect.signature(ours) == inspect.signature(ref), ours.__name__
+                      (rowwise.fake_quant_fp8, quant.fake_quant_fp8), (rowwise.fake_quant_fp4, quant.fake_quant_fp4),
+                      (rowwise.encode_fp8, cache_formats.encode_fp8), (rowwise.encode_fp4, cache_formats.encode_fp4)):
+        assert inspect.signature(ours, eval_str=True) == inspect.signature(ref, eval_str=True), ours.__name__
 
 
 @needs_tilelang
@@ -101,6 +107,10 @@ def test_cpu_inputs_take_the_torch_op():
     assert torch.equal(rowwise.rope(x, pos, inv, True), rope.rope(x, pos, inv, True))
     assert torch.equal(rowwise.fake_quant_fp8(x, 32), quant.fake_quant_fp8(x, 32))
     assert torch.equal(rowwise.fake_quant_fp4(x, 16, True), quant.fake_quant_fp4(x, 16, True))
+    from deepinfer.kernels.torch import cache_formats
+
+    for got, ref in zip(rowwise.encode_fp4(x, 16, True), cache_formats.encode_fp4(x, 16, True)):
+        assert torch.equal(got, ref)
 
 
 # ---------------------------------------------------------------------------------------------- ATen order
@@ -285,6 +295,58 @@ def test_model_fake_quant_matches_torch_op(kind, block, width):
     assert _same_bits(model_fake_quant(x, kind, block, cuda_scalar_div=False), ref)
     if kind != "fp4_e4m3":
         assert _same_bits(model_fake_quant(x, kind, block), ref)
+
+
+def model_e2m1_code(a):
+    """rowwise_kernel._e2m1_code: the grid steps below a = |v|, counted."""
+    code = np.zeros_like(a, dtype=np.uint32)
+    for cond in (a > 0.25, a >= 0.75, a > 1.25, a >= 1.75, a > 2.5, a >= 3.5, a > 5.0):
+        code = code + cond.astype(np.uint32)
+    return code
+
+
+def model_encode_fp4(x: torch.Tensor, block: int, e4m3_scales: bool):
+    """build_fake_quant(fp4, encode=True)'s outputs on bf16 x [rows, width], in the CPU op's division form: the
+    e2m1 pairs (the code of the even channel in the low nibble, sign in bit 3) and the scale bytes."""
+    from deepinfer.kernels.tilelang.rowwise_kernel import f32
+
+    xf = x.float().numpy().reshape(-1, block)
+    floor = np.float32(6.0 * 2.0**-9 if e4m3_scales else 6.0 * 2.0**-126)
+    m = np.maximum(np.abs(xf).max(-1, keepdims=True), floor)
+    if e4m3_scales:
+        sc = model_e4m3(m / np.float32(6.0))
+        q, byte = xf / sc, e4m3_byte_model(sc)
+    else:
+        b = _bits(m * np.float32(f32(1.0 / 6.0)))
+        k = ((b >> np.uint32(23)) & np.uint32(0xFF)).astype(np.int32) - 127 + ((b & np.uint32(0x7FFFFF)) != 0)
+        q, byte = xf * _pow2(-k), (k + 127).astype(np.uint8)
+    q = np.minimum(np.maximum(q, np.float32(-6.0)), np.float32(6.0))
+    code = (model_e2m1_code(np.abs(q)) | ((_bits(q) >> np.uint32(28)) & np.uint32(8))).reshape(x.shape[0], -1)
+    packed = (code[:, 0::2] | (code[:, 1::2] << np.uint32(4))).astype(np.uint8)
+    return torch.from_numpy(packed), torch.from_numpy(byte.reshape(x.shape[0], -1))
+
+
+def test_model_e2m1_code_matches_torch_codes():
+    b = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+    v = np.concatenate([b, np.nextafter(b, np.float32(0)), np.nextafter(b, np.float32(7)), [0, 0.5, 1, 1.5, 2, 3, 4, 6],
+                        np.random.default_rng(2).uniform(0, 6, 5000)]).astype(np.float32)
+    assert np.array_equal(model_e2m1_code(v), quant.e2m1_codes(torch.from_numpy(v)).numpy())
+
+
+@pytest.mark.parametrize("block,e4m3_scales,width", [(32, False, 128), (16, True, 512)])
+def test_model_encode_fp4_is_the_codec_encode(block, e4m3_scales, width):
+    """The FP4 encode kernel's formula = cache_formats.Fp4Codec's encode on the CPU, bytes for bytes (the indexer
+    keys' codec and the compressed KV's), over the quantiser test inputs (ties, signed zeros, subnormals)."""
+    from deepinfer.kernels.torch import cache_formats
+
+    kind = "fp4_e4m3" if e4m3_scales else "fp4_ue8m0"
+    x = quant_inputs(64, width, block, kind, torch.Generator().manual_seed(11))
+    if e4m3_scales:  # blocks whose scale saturates: torch's fp32 -> e4m3 of amax / 6 differs across versions
+        x = x.view(-1, block)
+        x = torch.where(x.float().abs().amax(-1, keepdim=True) > 2000, torch.zeros_like(x), x).view(64, width)
+    packed, scale = model_encode_fp4(x, block, e4m3_scales)
+    ref_packed, ref_scale = cache_formats.encode_fp4(x, block, e4m3_scales)
+    assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale)
 
 
 def e4m3_byte_model(r: np.ndarray) -> np.ndarray:

@@ -104,10 +104,18 @@ class Attention:
         if self.is_index:  # indexer keys come from the pre-RoPE latent
             k = ops.rope(ops.rms_norm(ops.linear(latent, w.indexer.wk), w.indexer.k_norm, cfg.rms_norm_eps), pos,
                          self.compress_freqs)
-            for part, new in zip(pools.index_keys[self.layer], L.key_codec.encode(k)):
+            for part, new in zip(pools.index_keys[self.layer], self._encode(L.key_codec, k)):
                 part.index_copy_(0, dst, new)
-        for part, new in zip(pools.compressed[self.layer], L.cmp_codec.encode(ops.rope(latent, pos, self.compress_freqs))):
+        for part, new in zip(pools.compressed[self.layer],
+                             self._encode(L.cmp_codec, ops.rope(latent, pos, self.compress_freqs))):
             part.index_copy_(0, dst, new)
+
+    def _encode(self, codec, x: torch.Tensor):
+        """codec.encode(x); the FP4 codecs through the encode_fp4 op (one launch on the GPU, ~15 torch ops
+        otherwise)."""
+        if isinstance(codec, Fp4Codec):
+            return self.ops.encode_fp4(x, codec.block, codec.e4m3_scales)
+        return codec.encode(x)
 
     def _index(self, h: torch.Tensor, q_res: torch.Tensor, meta: StepMeta, pools: CachePools) -> None:
         """Score every query against its sequence's indexer keys; publish each query's selected pool rows."""

@@ -27,6 +27,7 @@ _WHERE = {
     "fake_quant_fp8": "rowwise",
     "fake_quant_fp4": "rowwise",
     "encode_fp8": "rowwise",
+    "encode_fp4": "rowwise",
     "compressor_pool": "compressor",
     "engram_hash": "engram",
     "engram_gate": "engram",

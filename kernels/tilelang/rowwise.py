@@ -1,5 +1,5 @@
-"""Registry-facing `rms_norm`, `rope`, `fake_quant_fp8`, `fake_quant_fp4` and `encode_fp8` on the one-launch
-kernels of rowwise_kernel.py (each torch op is ~5-20 launches). Same signatures and results as
+"""Registry-facing `rms_norm`, `rope`, `fake_quant_fp8`, `fake_quant_fp4`, `encode_fp8` and `encode_fp4` on the
+one-launch kernels of rowwise_kernel.py (each torch op is ~5-20 launches). Same signatures and results as
 deepinfer.kernels.torch (norm / rope / quant / cache_formats), bit for bit for bf16 on CUDA; anything a kernel
 does not cover goes to the torch op.
 
@@ -10,6 +10,7 @@ Kernel paths (all need a CUDA bf16 `x`; non-contiguous inputs are made contiguou
   multiple of 8; inv_freq fp32 / bf16 / fp16 (the torch op promotes it to fp32 too).
 * fake_quant_fp8 / fake_quant_fp4: `block` a multiple of 8 with block / 8 a power of two <= 32.
 * encode_fp8: the FP8 window codec's block of 32 (the fake_quant_fp8 kernel also writing the codes and scales).
+* encode_fp4: fake_quant_fp4's blocks, writing the e2m1 pairs and scale bytes (not the values).
 RMSNorm's statistic follows ATen's summation order for its [rows, dim] launch (the lane count depends on the row
 count below 16 rows), so, like the torch op, a row's result can depend on how many rows are normalised together;
 the batch-invariant mode uses the 16-row lane count for every row count.
@@ -165,6 +166,19 @@ def encode_fp8(x: torch.Tensor):
     scale = torch.empty(x2.shape[0] // 4, dtype=torch.uint8, device=x.device)
     jit(build_fake_quant, "fp8", 32, 256, 2, True)(x2, out, codes, scale)
     return codes.view(x.shape), scale.view(*x.shape[:-1], x.shape[-1] // 32), out.view(x.shape)
+
+
+def encode_fp4(x: torch.Tensor, block: int, e4m3_scales: bool):
+    """Same contract as deepinfer.kernels.torch.cache_formats.encode_fp4 (e2m1 pairs, scale bytes); one launch
+    on the kernel path instead of the codec's ~15 torch ops."""
+    if not _quant_ok(x, block):
+        return fall_back("encode_fp4", reason(x, "block or width not covered"), torch_formats.encode_fp4, x, block,
+                         e4m3_scales)
+    x2 = _dense(x).view(-1, 8)
+    codes = torch.empty(x2.shape[0], 4, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(x2.shape[0] * 8 // block, dtype=torch.uint8, device=x.device)
+    jit(build_fake_quant, "fp4_e4m3" if e4m3_scales else "fp4_ue8m0", block, 256, 2, True)(x2, codes, scale)
+    return codes.view(*x.shape[:-1], x.shape[-1] // 2), scale.view(*x.shape[:-1], x.shape[-1] // block)
 
 
 # ---------------------------------------------------------------------------------------------- warm-up

@@ -84,6 +84,14 @@ def _e2m1_magnitude(a):
     return mag
 
 
+def _e2m1_code(a):
+    """The e2m1 magnitude code (0..7) of a = |v| <= 6: the grid steps _e2m1_magnitude adds, counted."""
+    code = _u32(0)
+    for cond in (a > 0.25, a >= 0.75, a > 1.25, a >= 1.75, a > 2.5, a >= 3.5, a > 5.0):
+        code = code + T.if_then_else(cond, _u32(1), _u32(0))
+    return code
+
+
 # ---------------------------------------------------------------------------------------------- RMSNorm
 def _rms_io(kind: str):
     w_dtype = F32 if kind == "fp32" else BF16
@@ -294,9 +302,11 @@ def build_fake_quant(kind: str, block: int, threads: int = 256, per: int = 2, en
       fp4_ue8m0: e2m1 values, scale = ceil_pow2(max(amax, 6 * 2^-126) * fp32(1/6))
       fp4_e4m3:  e2m1 values, scale = e4m3(max(amax, 6 * 2^-9) * fp32(1/6)) (CUDA divides by a scalar via its
                  fp32 reciprocal), values divided by the scale (true division).
-    `encode` (fp8 only): also the window cache's parts, the e4m3 bytes [chunks, 8] and one ue8m0 byte per block
-    [chunks * 8 / block] (cache_formats.Fp8Codec's layout): the codec's encode and decode in one launch."""
-    assert kind in QUANT_KINDS and block % 8 == 0 and (kind == "fp8" or not encode)
+    `encode`: the cache's parts instead (cache_formats' codecs' layouts). fp8 (the window KV): the e4m3 bytes
+    [chunks, 8], one ue8m0 byte per block [chunks * 8 / block] and the decoded values, the codec's encode and decode
+    in one launch. fp4 (compressed KV, indexer keys): the e2m1 pairs [chunks, 4] (low nibble the even channel) and
+    one scale byte per block (ue8m0, or the e4m3 scale's byte), without the values (the cache is read later)."""
+    assert kind in QUANT_KINDS and block % 8 == 0
     G = block // 8
     assert G & (G - 1) == 0 and G <= 32 and threads % 32 == 0
     fp4 = kind != "fp8"
@@ -331,6 +341,8 @@ def build_fake_quant(kind: str, block: int, threads: int = 256, per: int = 2, en
             inv = _pow2(0 - k2)  # x * 2^-k rounds like x / 2^k: the same real value
             if encode:
                 sb[0] = k2 + 127
+        if encode and kind == "fp4_e4m3":
+            sb[0] = T.cast(_e4m3_byte(sc), "int32")
         for v in T.unroll(8):
             if kind == "fp4_e4m3":
                 q = T.ieee_fdiv(T.cast(xr[v], F32), sc)
@@ -342,11 +354,40 @@ def build_fake_quant(kind: str, block: int, threads: int = 256, per: int = 2, en
                 # -0.0 comes out as torch's code 8 does
                 yr[v] = T.cast(_float(_bits(_e2m1_magnitude(T.abs(q)) * sc) | (_bits(q) & _u32(0x80000000))),
                                BF16)
+                if encode:  # the code: the grid steps below |q|, the sign in bit 3
+                    cr[v] = T.cast(_e2m1_code(T.abs(q)) | ((_bits(q) >> _u32(28)) & _u32(8)), "uint8")
             else:
                 q = _e4m3(q)
                 yr[v] = T.cast(q * sc, BF16)  # exact: 4 significant bits times a power of two
                 if encode:
                     cr[v] = _e4m3_byte(q)
+
+    if encode and fp4:
+        @T.prim_func
+        def fp4_encode(
+            x: T.Tensor((n_chunks, 8), BF16),
+            codes: T.Tensor((n_chunks, 4), "uint8"),
+            scale: T.Tensor((n_blocks,), "uint8"),
+        ):
+            with T.Kernel(T.ceildiv(n_chunks, threads * per), threads=threads) as b:
+                tx = T.get_thread_binding()
+                xr = T.alloc_local((8,), BF16)
+                yr = T.alloc_local((8,), BF16)
+                cr = T.alloc_local((8,), "uint8")
+                pr = T.alloc_local((4,), "uint8")
+                sb = T.alloc_local((1,), "int32")
+                for it in T.unroll(per):
+                    c = (b * per + it) * threads + tx
+                    quantise(x, c, xr, yr, cr, sb)
+                    if c < n_chunks:
+                        for v in T.unroll(4):
+                            pr[v] = cr[2 * v] | (cr[2 * v + 1] << T.uint8(4))
+                        for v in T.vectorized(4):
+                            codes[c, v] = pr[v]
+                        if c % G == 0:
+                            scale[c // G] = T.cast(sb[0], "uint8")
+
+        return fp4_encode
 
     if not encode:
         @T.prim_func

@@ -110,6 +110,13 @@ def encode_fp8(x: torch.Tensor):
     return codes, scale, codec.decode(codes, scale, x.dtype)
 
 
+def encode_fp4(x: torch.Tensor, block: int, e4m3_scales: bool):
+    """The FP4 codec's parts of x [..., D] (D a multiple of `block`): e2m1 pairs [..., D / 2] and one scale byte
+    per block [..., D / block] (e4m3 or ue8m0), as Fp4Codec(block, e4m3_scales) encodes them: the compressed KV
+    (16, e4m3) and the indexer keys (32, ue8m0) as one op kind, which the kernel backends do in one launch."""
+    return Fp4Codec(block, e4m3_scales).encode(x)
+
+
 def window_codec(width: int, dtype: torch.dtype):
     return Fp8Codec() if width % Fp8Codec.block == 0 else RawCodec(dtype)
 

@@ -1,4 +1,4 @@
-"""TileLang row-wise kernels (rms_norm, rope, fake_quant_fp8 / fp4, encode_fp8) vs the torch reference ops on CUDA
+"""TileLang row-wise kernels (rms_norm, rope, fake_quant_fp8 / fp4, encode_fp8 / fp4) vs the torch reference ops on CUDA
 in bf16 (marker gpu). RMSNorm and the quantisers must match bit for bit (compared as int16 bit patterns, so signed
 zeros count); RoPE may differ by one bf16 ulp where CUDA's cosf / sinf and torch's cos / sin differ in the last fp32 bit
 (expected: never; measured and printed, required under 1e-3 of the elements).
@@ -220,6 +220,30 @@ def test_encode_fp8_is_the_window_codec_bitwise(inner, tokens):
     assert codes.shape == ref_codes.shape and scale.shape == ref_scale.shape
     assert torch.equal(codes, ref_codes) and torch.equal(scale, ref_scale)
     assert _same_bits(values, ref_values), _first_diff(values, ref_values)
+
+
+@pytest.mark.parametrize("block,e4m3_scales", [(32, False), (16, True)])
+@pytest.mark.parametrize("inner", [(512,), (4, 128)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_encode_fp4_is_the_cache_codec_bitwise(block, e4m3_scales, inner, tokens):
+    """The indexer keys' (32, ue8m0) and compressed KV's (16, e4m3) FP4 parts, e2m1 pairs and scale bytes from one
+    launch, are bitwise what cache_formats.Fp4Codec encodes on CUDA (blocks whose e4m3 scale would pass 448 are
+    left out: torch's conversion there differs across versions, see below)."""
+    from deepinfer.kernels.tilelang import rowwise
+    from deepinfer.kernels.torch import cache_formats
+
+    kind = "fp4_e4m3" if e4m3_scales else "fp4_ue8m0"
+    g = _gen(tokens * 31 + inner[-1] + block)
+    width = int(np.prod(inner))
+    x = quant_inputs(tokens, width, block, kind, g).view(-1, block)
+    x = torch.where(x.float().abs().amax(-1, keepdim=True) > 2000, torch.zeros_like(x), x)
+    x = x.view(tokens, *inner).cuda()
+    poison_allocator()
+    codes, scale = rowwise.encode_fp4(x, block, e4m3_scales)
+    torch.cuda.synchronize()
+    ref_codes, ref_scale = cache_formats.encode_fp4(x, block, e4m3_scales)
+    assert codes.shape == ref_codes.shape and scale.shape == ref_scale.shape
+    assert torch.equal(codes, ref_codes) and torch.equal(scale, ref_scale)
 
 
 def _same_bits_where_defined(out, ref, kind) -> bool:
