@@ -283,25 +283,29 @@ def portable_json(obj) -> str:
 
 
 def profile_decode(engine, tap, batch: int, context: int, vocab: int, steps: int = 4) -> dict:
-    """Kernel time of one decode step (graphs replay their kernels individually under CUPTI): a short run of the
-    same cell under torch.profiler; per-kernel CUDA time summed over the run's decode steps, divided by their
-    count. Untimed otherwise: the profiler's own overhead never enters the table's step times."""
+    """Kernel time of one decode step (graphs replay their kernels individually under CUPTI): two short runs of
+    the same cell under torch.profiler, one with `steps` more decode steps than the other; per kernel, the
+    difference of their CUDA time and count over those steps, so that what runs once per run (the context fill,
+    the prefill, the first step) cancels out. Untimed otherwise: the profiler's own overhead never enters the
+    table's step times."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed, *_ = run_decode(engine, tap, batch, context, 1, steps, vocab, seed=99)
-    n = max(len(timed), 1)
-    per = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
-        if t > 0 and ev.count:
-            per[ev.key] = (t / 1e3, ev.count)
-    # the run also prefilled (fill) and ran warm-up steps: scale by the share of decode steps is not exact, so
-    # report totals over the run and per decode step (steps + warm-up), both
-    decode_steps = steps + 1
-    top = sorted(((k, ms / decode_steps, max(1, c // decode_steps)) for k, (ms, c) in per.items()),
-                 key=lambda r: -r[1])
-    return dict(decode_steps=decode_steps, timed_steps=n, kernels=sum(c for _, _, c in top),
+    def kernels(n_steps: int) -> tuple[dict, int]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            timed, *_ = run_decode(engine, tap, batch, context, 1, n_steps, vocab, seed=99)
+        per = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
+            if t > 0 and ev.count:
+                per[ev.key] = (t / 1e3, ev.count)
+        return per, len(timed)
+
+    (short, n0), (long, n1) = kernels(1), kernels(1 + steps)
+    if n1 - n0 != steps:
+        raise RuntimeError(f"decode_gpu --profile: {n0} and {n1} decode steps of {batch} rows, wanted {steps} apart")
+    top = sorted(((k, (ms - short.get(k, (0.0, 0))[0]) / steps, round((c - short.get(k, (0.0, 0))[1]) / steps))
+                  for k, (ms, c) in long.items() if c > short.get(k, (0.0, 0))[1]), key=lambda r: -r[1])
+    return dict(decode_steps=steps, timed_steps=n1, kernels=sum(c for _, _, c in top),
                 cuda_ms=sum(ms for _, ms, _ in top), top=top[:40])
 
 

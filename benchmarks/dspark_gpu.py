@@ -26,9 +26,10 @@ verification + drafting, the engine's device interval); speed-up = DSpark tok/s 
 context and run. The `targets` at a mean accepted length of 3.0 take the speed-up linearly interpolated in the
 measured length between the two measured rows around 3.0 (the default j = 2 measures it directly).
 
---profile B:J ... (e.g. 1:plain 1:0 64:2) runs those rows once more, untimed, and records where a step goes: its
-drafting (ModelRunner._draft) against the rest (forward and verification), host clock, medians; and on CUDA the
-kernels by name per step (torch.profiler).
+--profile B:J ... (e.g. 1:plain 1:0 64:2) runs those rows twice more (the row's tokens and half of them), untimed,
+and records where a step goes: its drafting (ModelRunner._draft) against the rest (forward and verification), host
+clock, medians; and on CUDA the kernels by name per decode step (torch.profiler), the two runs' difference over
+their difference in steps (the context fill and prefill cancel out).
 
 Exit status 1 when a row did not run as asked (a timed step that did not replay a CUDA graph, for the forward or
 for the drafting; a TileLang call falling back to torch; an error; fewer timed steps than asked; a measured mean
@@ -99,45 +100,60 @@ def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int):
 
 
 def profile_run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int) -> dict:
-    """One more generate of a row, untimed in the table (the profiler never touches its step times): each engine
-    step (ModelRunner.execute: forward, verification, drafting; it ends on the host with its tokens) and its
-    drafting (ModelRunner._draft, which ends with the drafts on the host) timed by the host clock, medians over the
-    run's steps; on CUDA the kernels by name under torch.profiler, per step. Raises when no step or (DSpark) no
-    drafting was seen: a profile that measured nothing must not be read as one that measured little."""
+    """Two more generates of a row, untimed in the table (the profiler never touches its step times), with
+    `max_tokens` and about half of it: each engine step (ModelRunner.execute: forward, verification, drafting; it
+    ends on the host with its tokens) and its drafting (ModelRunner._draft, which ends with the drafts on the host)
+    timed by the host clock, medians over the longer run's steps; on CUDA the kernels by name per decode step under
+    torch.profiler, as the difference of the two runs over their difference in steps, so that what runs once per
+    generate (the context fill, the prefill, graph capture) cancels out instead of being spread over the steps.
+    Raises when no step or (DSpark) no drafting was seen, or the runs did not differ in steps: a profile that
+    measured nothing must not be read as one that measured little."""
     from torch.profiler import ProfilerActivity, profile
 
     runner = engine.client.core.runner
     inner_execute, inner_draft = runner.execute, runner._draft
-    spans = {"step": [], "draft": []}
-
-    def timed(name, fn):
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spans[name].append(time.perf_counter() - t0)
-        return call
-
     cuda = runner.pools.device.type == "cuda"
-    runner.execute, runner._draft = timed("step", inner_execute), timed("draft", inner_draft)
-    try:
-        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-            run(engine, tap, prompts, max_tokens, warmup, steps)
-    finally:
-        del runner.execute, runner._draft  # the instance attributes: the class's methods again
     dspark = runner.drafter is not None
-    if not spans["step"] or (dspark and not spans["draft"]):
-        raise RuntimeError(f"dspark_gpu --profile: {len(spans['step'])} steps and {len(spans['draft'])} draftings "
-                           "seen: the runner's methods were not the ones called")
-    n = len(spans["step"])
+    runs = []
+    for tokens in (max(2, max_tokens // 2), max_tokens):
+        spans = {"step": [], "draft": []}
+
+        def timed(name, fn, spans=spans):
+            def call(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spans[name].append(time.perf_counter() - t0)
+            return call
+
+        runner.execute, runner._draft = timed("step", inner_execute), timed("draft", inner_draft)
+        try:
+            with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+                run(engine, tap, prompts, tokens, warmup, steps)
+        finally:
+            del runner.execute, runner._draft  # the instance attributes: the class's methods again
+        if not spans["step"] or (dspark and not spans["draft"]):
+            raise RuntimeError(f"dspark_gpu --profile: {len(spans['step'])} steps and {len(spans['draft'])} "
+                               "draftings seen: the runner's methods were not the ones called")
+        kernels = {}
+        if cuda:
+            for ev in prof.key_averages():
+                t = getattr(ev, "device_time_total", 0) or 0
+                if t > 0 and ev.count:
+                    kernels[ev.key] = (t / 1e3, ev.count)
+        runs.append((spans, kernels))
+    (short, k_short), (spans, k_long) = runs
+    n = len(spans["step"]) - len(short["step"])
+    if n <= 0:
+        raise RuntimeError(f"dspark_gpu --profile: the runs of {max_tokens} and {max(2, max_tokens // 2)} tokens took "
+                           f"{len(spans['step'])} and {len(short['step'])} steps: no difference to profile")
     kernels = []
-    if cuda:
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", 0) or 0
-            if t > 0 and ev.count:
-                kernels.append((ev.key, t / 1e3 / n, max(1, ev.count // n)))
-        kernels.sort(key=lambda k: -k[1])
+    for key, (ms, count) in k_long.items():
+        ms0, count0 = k_short.get(key, (0.0, 0))
+        if count > count0:
+            kernels.append((key, (ms - ms0) / n, round((count - count0) / n)))
+    kernels.sort(key=lambda k: -k[1])
     return dict(steps=n, step_ms=statistics.median(spans["step"]) * 1e3,
                 draft_ms=statistics.median(spans["draft"]) * 1e3 if spans["draft"] else 0.0,
                 kernels_per_step=sum(c for _, _, c in kernels), kernel_ms_per_step=sum(ms for _, ms, _ in kernels),
