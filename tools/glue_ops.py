@@ -8,11 +8,12 @@ registry op counts as that op's, once. Ops that only make views (no launch on th
     python tools/glue_ops.py --model tiny --batch 1 4              # does glue grow with the batch?
     python tools/glue_ops.py --model narrow40                      # the released 40-layer pattern, narrow (CPU)
     python3 tools/glue_ops.py --model flash40 --device cuda          # H200 (source benchmarks/gpu_env.sh first)
+    python3 tools/glue_ops.py --model flash40 --device cuda --inside # + the wrappers' torch ops, by op kind
 
 Prints, per batch: registry op calls and glue ops per decode step (total and per layer), the glue by source
-line (file:line, the aten ops issued there, calls per step), then the op calls by kind. A decode step here is the difference between two
-runs of the same requests, one with `--steps` more tokens each, divided by `--steps`: prefill and engine
-start-up cancel out.
+line (file:line, the aten ops issued there, calls per step), then the op calls by kind (with --inside, also the
+torch ops each op kind issues inside its calls). A decode step here is the difference between two runs of the same
+requests, one with `--steps` more tokens each, divided by `--steps`: prefill and engine start-up cancel out.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ class GlueCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.depth = 0          # > 0 inside a registry op call
+        self.kind = None        # the outermost registry op being run
         self.glue = Counter()
         self.registry = Counter()
+        self.inside = Counter()  # (op kind, aten op): what a registry op issues besides its own kernels
         self.active = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -55,6 +58,10 @@ class GlueCounter(TorchDispatchMode):
             # a `to` that changes nothing returns its input: no copy, no launch
             if name not in VIEW_OPS and not (name == "to" and out is args[0]):
                 self.glue[(_our_line(), name)] += 1
+        elif self.active:
+            name = func.__name__.split(".")[0]
+            if name not in VIEW_OPS and not (name == "to" and out is args[0]):
+                self.inside[(self.kind, name)] += 1
         return out
 
     def wrap(self, ops) -> None:
@@ -64,8 +71,10 @@ class GlueCounter(TorchDispatchMode):
 
     def _wrapped(self, kind, fn):
         def call(*args, **kwargs):
-            if self.active and self.depth == 0:
+            outer = self.depth == 0
+            if self.active and outer:
                 self.registry[kind] += 1
+                self.kind = kind
             self.depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -85,8 +94,9 @@ def _our_line() -> str:
     return "?"
 
 
-def count(model, counter: GlueCounter, batch: int, context: int, tokens: int) -> tuple[Counter, Counter]:
-    """Glue and registry calls of a run of `batch` greedy requests of `context` prompt tokens and `tokens` outputs."""
+def count(model, counter: GlueCounter, batch: int, context: int, tokens: int) -> tuple[Counter, Counter, Counter]:
+    """Glue, registry calls and the torch ops inside registry ops of a run of `batch` greedy requests of `context`
+    prompt tokens and `tokens` outputs."""
     from decode_gpu import make_engine
 
     from deepinfer import SamplingParams
@@ -100,24 +110,26 @@ def count(model, counter: GlueCounter, batch: int, context: int, tokens: int) ->
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     counter.glue.clear()
     counter.registry.clear()
+    counter.inside.clear()
     counter.active = True
     try:
         engine.generate(prompts, sp, use_tqdm=False)
     finally:
         counter.active = False
         engine.close()
-    return Counter(counter.glue), Counter(counter.registry)
+    return Counter(counter.glue), Counter(counter.registry), Counter(counter.inside)
 
 
 def per_step(model, counter: GlueCounter, batch: int, context: int, steps: int):
-    """(glue, registry) per decode step: a run with `steps` more tokens minus the shorter run, over `steps` (after
-    one untimed run: first calls build device-side tables once)."""
+    """(glue, registry, inside) per decode step: a run with `steps` more tokens minus the shorter run, over `steps`
+    (after one untimed run: first calls build device-side tables once)."""
     count(model, counter, batch, context, 2)
-    g0, r0 = count(model, counter, batch, context, 2)
-    g1, r1 = count(model, counter, batch, context, 2 + steps)
-    glue = {k: (g1[k] - g0[k]) / steps for k in g1 if g1[k] != g0[k]}
-    reg = {k: (r1[k] - r0[k]) / steps for k in r1 if r1[k] != r0[k]}
-    return glue, reg
+    g0, r0, i0 = count(model, counter, batch, context, 2)
+    g1, r1, i1 = count(model, counter, batch, context, 2 + steps)
+
+    def diff(a, b):
+        return {k: (b[k] - a[k]) / steps for k in b if b[k] != a[k]}
+    return diff(g0, g1), diff(r0, r1), diff(i0, i1)
 
 
 def narrow40(device: str):
@@ -146,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--top", type=int, default=20, help="source lines to list")
+    ap.add_argument("--inside", action="store_true", help="also list the torch ops issued inside registry ops, "
+                    "by op kind (on CUDA: the kernel wrappers' own copies, e.g. .contiguous() and .float())")
     args = ap.parse_args(argv)
     from decode_gpu import build
 
@@ -159,7 +173,7 @@ def main(argv=None) -> int:
     layers = model.config.num_hidden_layers
     with counter:
         for b in args.batch:
-            glue, reg = per_step(model, counter, b, args.context, args.steps)
+            glue, reg, inside = per_step(model, counter, b, args.context, args.steps)
             n_glue, n_reg = sum(glue.values()), sum(reg.values())
             print(f"B={b}: per decode step {n_reg:.0f} registry op calls + {n_glue:.0f} glue torch ops "
                   f"({(n_reg + n_glue) / layers:.1f} per layer over {layers} layers)")
@@ -172,6 +186,11 @@ def main(argv=None) -> int:
                 ops = ", ".join(f"{k} x{v:g}" for k, v in names[line].most_common(4))
                 print(f"  {n:7.1f}  {line:48s} {ops}")
             print("  op calls: " + ", ".join(f"{k} x{v:g}" for k, v in Counter(reg).most_common()))
+            if args.inside:
+                print("  torch ops inside the op calls (on CUDA: the wrappers' copies and tables beside their "
+                      "kernels; on the CPU: the torch ops themselves):")
+                for (kind, name), n in Counter(inside).most_common(args.top):
+                    print(f"  {n:7.1f}  {kind:24s} {name}")
     return 0
 
 
