@@ -53,14 +53,12 @@ class GlueCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.active and self.depth == 0:
-            name = func.__name__.split(".")[0]
-            # a `to` that changes nothing returns its input: no copy, no launch
-            if name not in VIEW_OPS and not (name == "to" and out is args[0]):
+        name = func.__name__.split(".")[0]
+        # a `to` that changes nothing returns its input: no copy, no launch
+        if self.active and name not in VIEW_OPS and not (name == "to" and out is args[0]):
+            if self.depth == 0:
                 self.glue[(_our_line(), name)] += 1
-        elif self.active:
-            name = func.__name__.split(".")[0]
-            if name not in VIEW_OPS and not (name == "to" and out is args[0]):
+            else:
                 self.inside[(self.kind, name)] += 1
         return out
 
@@ -71,8 +69,7 @@ class GlueCounter(TorchDispatchMode):
 
     def _wrapped(self, kind, fn):
         def call(*args, **kwargs):
-            outer = self.depth == 0
-            if self.active and outer:
+            if self.active and self.depth == 0:
                 self.registry[kind] += 1
                 self.kind = kind
             self.depth += 1
