@@ -119,3 +119,93 @@ def test_fp8_linear_sm90_machine_code(tmp_path):
     regs = int(log.split("Used ")[1].split(" registers")[0])
     blocks = min(4, (227 * 1024) // (shared_bytes("fp8", BLOCK_T, BLOCK_K, STAGES) + 1024))
     assert regs * 128 * blocks <= 65536, (regs, blocks)
+
+
+# ---- the GEMV for a few rows (gemv_kernel.py) ------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("name,m_max", [("wq_a", 1), ("wq_b", 8), ("wo_b", 4)])
+def test_the_gemv_lowers_to_one_load_per_chunk_and_a_shuffle_sum(name, m_max, arch):
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv, chunk_width
+
+    n, k = FLASH[name]
+    src = lower_source(build_fp8_gemv(n, k, m_max), arch)
+    vec = chunk_width(k)
+    load = "*(uint4*)(wl" if vec == 16 else "*(uint2*)(wl"
+    assert "__global__" in src and load in src and "__shfl_xor_sync" in src
+    assert "wgmma" not in src and "__shared__" not in src  # registers only: no tiles, no shared memory
+    assert "atomic" not in src.lower()
+
+
+def test_the_gemv_groups_read_their_groups_columns_and_splits_write_partials():
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
+
+    n, k = FLASH["wo_a_group"]
+    src = lower_source(build_fp8_gemv(8 * n, k, 1, 1, 8), "sm_90a")
+    load = next(line for line in src.splitlines() if "*)(x + " in line)
+    assert "((((int)blockIdx.x) >> 8) * 4096)" in load  # group = row // 1024 = block // 256, its first column
+    src = lower_source(build_fp8_gemv(512, 5120, 2, 2), "sm_90a")
+    assert "float* __restrict__ out" in src  # fp32 partials [splits, m, N]
+
+
+def test_e4m3_codes_decode_by_bit_placement_exactly():
+    """The GEMV's decode: sign to bit 31, exponent and mantissa bits to fp32's mantissa top, times 2^120, is the
+    e4m3 value of every code (subnormals included) except the two NaN codes."""
+    codes = torch.arange(256, dtype=torch.int32)
+    bits = ((codes & 0x80) << 24) | ((codes & 0x7F) << 20)
+    got = bits.view(torch.float32) * 2.0 ** 120
+    want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    ok = ~torch.isnan(want)
+    assert int(ok.sum()) == 254 and torch.equal(got[ok], want[ok])
+
+
+def test_ue8m0_scales_by_bit_placement_are_powers_of_two():
+    s = torch.arange(256, dtype=torch.int32)
+    got = torch.where(s > 0, s << 23, torch.full_like(s, 1 << 22)).view(torch.float32).double()
+    assert torch.equal(got[:255], torch.exp2(s[:255].double() - 127))
+
+
+def test_the_launcher_takes_the_gemv_up_to_8_rows_and_never_in_the_invariant_mode(monkeypatch):
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    n, k = FLASH["wq_a"]
+    w = Fp8BlockWeight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n // 32, k // 32, dtype=torch.uint8))
+    assert [m for m in range(0, 12) if launcher._gemv_ok(m, w)] == list(range(1, 9))
+    monkeypatch.setitem(registry._MODE, "batch_invariant", True)
+    assert not any(launcher._gemv_ok(m, w) for m in range(12))
+
+
+def test_the_gemv_splits_k_only_for_narrow_weights(monkeypatch):
+    """wkv (512 rows: 128 blocks of 4 rows) runs whole; a 128-row weight splits its K to reach ~one block per SM;
+    every Flash shape's jit spec is one per row-count variant, the split fixed by the shape."""
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    assert {name: launcher.gemv_splits(*FLASH[name]) for name in FLASH} == dict.fromkeys(FLASH, 1)
+    assert launcher.gemv_splits(128, 5120) == 5  # 32 blocks x 5 >= 128
+    specs = []
+    monkeypatch.setattr(launcher, "jit", lambda builder, *a: specs.append((builder.__name__, a)) or (lambda *t: None))
+    w = Fp8BlockWeight(torch.zeros(128, 5120, dtype=torch.uint8), torch.zeros(4, 160, dtype=torch.uint8))
+    launcher.fp8_gemv(torch.zeros(3, 5120, dtype=torch.bfloat16), w)
+    assert specs == [("build_fp8_gemv", (128, 5120, 4, 5, 1)), ("build_split_reduce", (128, 5))]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("m_max", [1, 8])
+def test_the_gemv_machine_code(m_max, tmp_path):
+    """ptxas: the widest row (wo_b, K = 8192: 16 loads a lane in flight) in registers, no spills."""
+    from tilelang import env
+
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
+
+    cu = tmp_path / "k.cu"
+    cu.write_text(lower_source(build_fp8_gemv(*FLASH["wo_b"], m_max), "sm_90a"))
+    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
+           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = res.stdout + res.stderr
+    assert "0 bytes spill stores" in log, log[-2000:]
+    assert int(log.split("Used ")[1].split(" registers")[0]) <= 255

@@ -17,6 +17,11 @@ large tiles run near the bf16 rate; the weight-only kernel re-reads and re-dequa
 ~3 bytes per weight against the GEMM's 2 x rows FLOPs per weight. The kernel stays the path of decode steps
 and of the batch-invariant mode (cuBLAS picks its kernel by the row count).
 
+Decode sizes: up to GEMV_ROWS rows, outside the batch-invariant mode, gemv_kernel.py's GEMV (a warp streams a
+weight row from HBM to registers; no tiles, rarely a K split): the GEMM's 32-token tiles are mostly empty there.
+A row's result is the same at every row count up to GEMV_ROWS, but differs from the GEMM's in the last bits, so
+the invariant mode keeps the GEMM for every size.
+
 Tile policy, fixed by (N, K) alone so a row's result never depends on the batch: 32 tokens x 64 weight rows per
 block, 128-K steps, and K split over `split_count(N, K)` blocks when N alone gives too few blocks to keep HBM
 busy at decode (each split's fp32 partial is reduced in split order by a second small kernel).
@@ -31,6 +36,7 @@ from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import linear as torch_linear
 
 from ._build import jit
+from .gemv_kernel import M_MAX, WARPS, build_fp8_gemv, chunk_width
 from .linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear, build_split_reduce
 
 BLOCK_N = 64
@@ -41,6 +47,8 @@ MAX_SCALE_BYTE = 134  # dequant.py's e4m3 bit placement holds scales up to 2^7
 # the crossover at V4.1-Flash's projection shapes on an H200 (benchmarks/prefill_kernels_gpu.py); narrower
 # projections (wkv, 512 rows) gain less than the dequantisation costs until several thousand rows
 PREFILL_ROWS, PREFILL_MIN_N = 1024, 1024
+GEMV_ROWS = M_MAX[-1]  # rows up to which a call takes the GEMV (outside the invariant mode)
+GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
 
 
 def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
@@ -49,6 +57,20 @@ def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
     tiles, steps = n_rows // BLOCK_N, k_dim // block_k
     divisors = [d for d in range(1, min(steps, MAX_SPLITS) + 1) if steps % d == 0]
     return next((d for d in divisors if tiles * d >= TARGET_BLOCKS), divisors[-1])
+
+
+def gemv_splits(n_rows: int, k_dim: int) -> int:
+    """K splits of the GEMV for an [N, K] weight: 1 unless N alone gives fewer than GEMV_MIN_BLOCKS blocks, then
+    the smallest divisor of its chunks that reaches them (at most 8)."""
+    blocks, chunks = n_rows // WARPS, k_dim // (32 * chunk_width(k_dim))
+    divisors = [d for d in range(1, min(chunks, 8) + 1) if chunks % d == 0]
+    return next((d for d in divisors if blocks * d >= GEMV_MIN_BLOCKS), divisors[-1])
+
+
+def _gemv_ok(m: int, w: Fp8BlockWeight, groups: int = 1) -> bool:
+    n, k = w.shape
+    return (0 < m <= GEMV_ROWS and not batch_invariant() and n % (WARPS * groups) == 0
+            and k % (32 * chunk_width(k)) == 0)
 
 
 def why_not(x: torch.Tensor, w) -> str | None:
@@ -78,8 +100,11 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
         return torch_linear.linear(x, weight)
     reason = why_not(x, weight)
     if reason is None:
-        if x.numel() // x.shape[-1] >= PREFILL_ROWS and weight.shape[0] >= PREFILL_MIN_N and not batch_invariant():
+        m = x.numel() // x.shape[-1]
+        if m >= PREFILL_ROWS and weight.shape[0] >= PREFILL_MIN_N and not batch_invariant():
             return torch.nn.functional.linear(x, dense_bf16(weight))
+        if _gemv_ok(m, weight):
+            return fp8_gemv(x, weight)
         return fp8_linear(x, weight)
     return fall_back("linear", reason, torch_linear.linear, x, weight)
 
@@ -111,6 +136,27 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
     return out.view(*lead, n)
 
 
+def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tensor:
+    """x [..., groups * K] bf16 with at most GEMV_ROWS rows @ dequant(w)[N, K].T -> [..., N] bf16 through the GEMV
+    (inputs as `why_not` and `_gemv_ok` accept); groups as in fp8_linear."""
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k * groups)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:  # 16-byte loads of each row
+        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    m = x2.shape[0]
+    m_max = next(v for v in M_MAX if v >= m)
+    splits = gemv_splits(n, k)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if splits == 1:
+        jit(build_fp8_gemv, n, k, m_max, 1, groups)(x2, w.weight, w.scale, out)
+    else:
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        jit(build_fp8_gemv, n, k, m_max, splits, groups)(x2, w.weight, w.scale, part)
+        jit(build_split_reduce, n, splits)(part, out)
+    return out.view(*lead, n)
+
+
 def dense_bf16(w: Fp8BlockWeight) -> torch.Tensor:
     """w dequantised to bf16 in two element-wise passes: e4m3 -> bf16 is exact, and so is the product with a
     power-of-two block scale (bf16 has fp32's exponent range), so this equals w.dense(torch.bfloat16)."""
@@ -137,6 +183,8 @@ def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
     if T_ >= PREFILL_ROWS and not batch_invariant():
         w = dense_bf16(whole).view(G, R, K)
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(T_, G * R)
+    if _gemv_ok(T_, whole, G):
+        return fp8_gemv(x.reshape(T_, G * K), whole, groups=G)
     return fp8_linear(x.reshape(T_, G * K), whole, groups=G)
 
 

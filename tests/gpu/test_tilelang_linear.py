@@ -1,7 +1,8 @@
-"""FP8 linear (kernels/tilelang/linear.py + linear_kernel.py) against the dequantised-bf16 torch path on random
-data (marker gpu): V4.1-Flash projection shapes and a small one, M from 1 to 1000, outputs poisoned beforehand;
-a row's result is bitwise the same at every batch size and position; the registered `linear` op takes the kernel
-for FP8 weights (spied) and counts a fallback for inputs it does not cover."""
+"""FP8 linear (kernels/tilelang/linear.py + linear_kernel.py, gemv_kernel.py) against the dequantised-bf16 torch
+path on random data (marker gpu): V4.1-Flash projection shapes and a small one, M from 1 to 1000, outputs poisoned
+beforehand; a row's result is bitwise the same at every batch size and position (the GEMM), at every row count up
+to 8 (the GEMV); the registered `linear` op takes the GEMV up to 8 rows outside the invariant mode, the GEMM
+otherwise (spied), and counts a fallback for inputs it does not cover."""
 
 import pytest
 import torch
@@ -48,12 +49,19 @@ def _precompile():
     from deepinfer.kernels.tilelang.linear import split_count
     from deepinfer.kernels.tilelang.linear_kernel import build_fp8_linear, build_split_reduce
 
+    from deepinfer.kernels.tilelang.gemv_kernel import M_MAX, build_fp8_gemv
+    from deepinfer.kernels.tilelang.linear import gemv_splits
+
     specs = []
-    for n, k in SHAPES.values():
+    for n, k in list(SHAPES.values()) + [(128, 5120)]:
         s = split_count(n, k)
         specs.append((build_fp8_linear, n, k, s))
         if s > 1:
             specs.append((build_split_reduce, n, s))
+        g = gemv_splits(n, k)
+        specs += [(build_fp8_gemv, n, k, m_max, g, 1) for m_max in M_MAX]
+        if g > 1:
+            specs.append((build_split_reduce, n, g))
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda spec: jit(*spec), specs))
 
@@ -132,9 +140,13 @@ def test_the_grouped_projection_runs_every_group_in_one_launch_and_matches_the_g
     assert registry.fallback_counts().get("grouped_linear", {}) == before
     assert got.shape == (m, 8 * 1024) and torch.isfinite(got).all()
     assert rel_err(got, reference(x, groups)) < 6e-3
-    if m <= 64:
+    if m <= 64:  # up to GEMV_ROWS rows both calls take the GEMV, beyond it the GEMM: a row against the same kernel
+        from deepinfer.kernels.tilelang.linear import GEMV_ROWS, fp8_linear
         for i in {0, m // 2, m - 1}:
-            assert torch.equal(ops.grouped_linear(x[i:i + 1].clone(), groups)[0], got[i])
+            one = x[i:i + 1].clone()
+            alone = (ops.grouped_linear(one, groups)[0] if m <= GEMV_ROWS
+                     else fp8_linear(one.reshape(1, 8 * 4096), groups.whole, groups=8)[0])
+            assert torch.equal(alone, got[i])
 
 
 def test_groups_the_kernel_cannot_tile_go_to_the_torch_op_counted():
@@ -162,8 +174,9 @@ def test_registered_op_takes_the_kernel_for_fp8_and_counts_what_it_cannot_take(m
     ops = OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]})
     assert ops.chosen["linear"] == "tilelang-sm90"
     calls = []
-    real = launcher.fp8_linear
-    monkeypatch.setattr(launcher, "fp8_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("fp8_linear", "fp8_gemv"):  # 4 rows: the GEMV
+        real = getattr(launcher, name)
+        monkeypatch.setattr(launcher, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw))
     w, deq = _weight("small")
     x = _x(4, 512, seed=1)
     out = ops.linear(x.view(2, 2, 512), w)
@@ -176,3 +189,67 @@ def test_registered_op_takes_the_kernel_for_fp8_and_counts_what_it_cannot_take(m
     dense = ops.linear(x, deq.bfloat16())  # a dense weight is cuBLAS by design, not a counted fallback
     assert sum(registry.fallback_counts().get("linear", {}).values()) == sum(after.values())
     assert rel_err(dense, out.view(4, 256)) < 6e-3
+
+
+# ---- the GEMV for a few rows (gemv_kernel.py) ------------------------------------------------------------------
+GEMV_SHAPES = {**SHAPES, "narrow": (128, 5120)}  # narrow: 32 blocks of 4 rows, so K is split (partials + reduce)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("name", list(GEMV_SHAPES))
+def test_the_gemv_matches_the_dequantised_bf16_path_and_the_gemm(name, m):
+    from deepinfer.kernels.tilelang.linear import fp8_gemv, fp8_linear, why_not
+
+    if name == "narrow":
+        n, k = GEMV_SHAPES[name]
+        codes, scale, deq = fp8_blocks(n, k, torch.Generator(device="cuda").manual_seed(n + k))
+        w = Fp8BlockWeight(codes, scale)
+    else:
+        w, deq = _weight(name)
+    x = _x(m, w.shape[1], seed=m + 11)
+    assert why_not(x, w) is None
+    exact = x.double() @ deq.double().T
+    ref = torch.nn.functional.linear(x, deq.bfloat16())
+    poison_allocator()
+    out = fp8_gemv(x, w)
+    torch.cuda.synchronize()
+    assert out.shape == (m, w.shape[0]) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all(), "an output element was never written (poisoned NaN)"
+    assert rel_err(out, exact) <= max(1.5 * rel_err(ref, exact), 3e-3), (rel_err(out, exact), rel_err(ref, exact))
+    assert rel_err(out, fp8_linear(x, w)) < 6e-3  # the GEMM: the same sums in another order
+
+
+@pytest.mark.parametrize("name", ["small", "wq_b", "wo_b"])
+def test_a_gemv_row_is_bitwise_the_same_at_every_row_count(name):
+    from deepinfer.kernels.tilelang.linear import fp8_gemv
+
+    w, _ = _weight(name)
+    x8 = _x(8, w.shape[1], seed=5)
+    out8 = fp8_gemv(x8, w)
+    for m in (1, 2, 3, 4, 7):
+        for i in {0, m - 1}:
+            rows = x8[i:i + m].clone() if i + m <= 8 else x8[8 - m:].clone()
+            at = i if i + m <= 8 else 8 - m
+            assert torch.equal(fp8_gemv(rows, w), out8[at:at + m]), (m, i)
+
+
+def test_the_linear_op_takes_the_gemv_up_to_8_rows_and_the_gemm_in_the_invariant_mode(monkeypatch):
+    from deepinfer.kernels.registry import OpSet
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    w, _ = _weight("wq_a")
+    seen = []
+    for name in ("fp8_linear", "fp8_gemv"):
+        real = getattr(launcher, name)
+        monkeypatch.setattr(launcher, name, lambda *a, real=real, name=name, **kw: seen.append(name) or real(*a, **kw))
+    ops = OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]})
+    for m in (1, 8, 9):
+        ops.linear(_x(m, w.shape[1], seed=m), w)
+    assert seen == ["fp8_gemv", "fp8_gemv", "fp8_linear"]
+    seen.clear()
+    ops = OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]}, batch_invariant=True)
+    try:
+        ops.linear(_x(1, w.shape[1], seed=1), w)
+    finally:
+        OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]}, batch_invariant=False)
+    assert seen == ["fp8_linear"]

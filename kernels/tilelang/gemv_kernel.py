@@ -1,0 +1,100 @@
+"""Weight-only FP8 GEMV for a few bf16 activation rows (decode at small batch, DSpark verification at batch 1):
+y[t, n] = sum_k x[t, k] * W[n, k], W as e4m3 codes with one ue8m0 scale per 32x32 block (kernels/fp8_weight.py).
+
+Why a second kernel beside linear_kernel.py's wgmma GEMM: at one to eight rows the GEMM's 32-token tile is
+mostly empty, every weight byte goes through shared memory and a dequantisation into wgmma fragments, and shapes
+with few 64-row tiles split K over extra blocks plus a reduction launch. On the H200 the FP8 projections of a
+40-layer B=1 decode step took 3.13 ms for ~5 GB (38% of copy bandwidth), in 210 launches plus 168 reductions
+(`decode_gpu_flash40_profiled_h200.log`). Here one warp streams one weight row straight from HBM to registers
+(16-byte loads, all of a row's loads unrolled so they are in flight together), decodes e4m3 with integer ops,
+and keeps one fp32 sum per activation row; a butterfly of shuffles adds the 32 lanes in a fixed order.
+
+    grid (N / WARPS, k_splits), WARPS warps a block; warp w of block b owns weight row b * WARPS + w, lane l the
+    K columns [c * 32 * VEC + l * VEC, + VEC) of each chunk c of its split.
+
+e4m3 to fp32 without a table: the code's exponent and mantissa bits (b & 0x7F) shifted to fp32's mantissa top
+(<< 20), the sign to bit 31, read as fp32 and multiplied by 2^120 is the code's value exactly, subnormals (exponent
+0) included; NaN codes (0x7F, 0xFF) are not produced by the weight quantiser. The block scale 2^(s - 127) multiplies
+each chunk's sum once (exact: a power of two), so the result equals the dense bf16 GEMM on the dequantised weights
+up to the order of the fp32 sums, as the GEMM's does.
+
+Rows are independent (a row's sums never see another row's), so a row's result does not depend on how many rows
+there are; it differs from the GEMM's in the last bits (another summation order), which is why the launcher never
+switches between the two kernels in the batch-invariant mode.
+"""
+
+import tilelang.language as T
+
+WARPS = 4  # weight rows per block
+M_MAX = (1, 2, 4, 8)  # activation-row variants (each one compile); the launcher picks the smallest that fits
+
+
+def chunk_width(k_dim: int) -> int:
+    """Bytes per lane and chunk: 16 (one 16-byte load) when the K columns are a multiple of 32 x 16, else 8."""
+    return 16 if k_dim % 512 == 0 else 8
+
+
+def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, groups: int = 1):
+    """x [m, groups * K] bf16 (m <= m_max), w [N, K] uint8 (e4m3), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N]
+    bf16 (k_splits == 1) or part [k_splits, m, N] fp32 (linear_kernel.build_split_reduce adds them). groups > 1:
+    row group g of W (rows [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K)."""
+    N, K, G = n_rows, k_dim, groups
+    VEC = chunk_width(K)
+    CH = 32 * VEC  # K columns a warp covers per chunk
+    assert m_max in M_MAX and N % (WARPS * G) == 0 and (N // G) % 32 == 0 and K % (CH * k_splits) == 0
+    NC = K // CH // k_splits  # chunks per warp
+    rows_per_group = N // G
+    partial = k_splits > 1
+    m = T.dynamic("m")
+    out_shape = (k_splits, m, N) if partial else (m, N)
+    out_dtype = "float32" if partial else "bfloat16"
+    two_120 = T.float32(2.0 ** 120)
+
+    @T.prim_func
+    def fp8_gemv(
+        x: T.Tensor((m, G * K), "bfloat16"),
+        w: T.Tensor((N, K), "uint8"),
+        ws: T.Tensor((N // 32, K // 32), "uint8"),
+        out: T.Tensor(out_shape, out_dtype),
+    ):
+        with T.Kernel(N // WARPS, k_splits, threads=32 * WARPS) as (bn, bz):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            n = bn * WARPS + tx // 32
+            col0 = (n // rows_per_group) * K  # this row's group's first column of x
+            wl = T.alloc_local((NC * VEC,), "uint8")
+            wf = T.alloc_local((VEC,), "float32")
+            xl = T.alloc_local((VEC,), "bfloat16")
+            acc = T.alloc_local((m_max,), "float32")
+            d = T.alloc_local((1,), "float32")
+            for t in T.unroll(m_max):
+                acc[t] = T.float32(0)
+            # every load of the row first: NC independent 16-byte loads in flight per lane
+            for c in T.unroll(NC):
+                for v in T.vectorized(VEC):
+                    wl[c * VEC + v] = w[n, (bz * NC + c) * CH + lane * VEC + v]
+            for c in T.unroll(NC):
+                k0 = (bz * NC + c) * CH + lane * VEC
+                s = T.cast(ws[n // 32, k0 // 32], "int32")
+                scale = T.reinterpret(T.if_then_else(s > 0, s << 23, T.int32(1 << 22)), "float32")  # 2^(s-127)
+                for v in T.unroll(VEC):
+                    b = T.cast(wl[c * VEC + v], "int32")
+                    wf[v] = T.reinterpret(((b & 0x80) << 24) | ((b & 0x7F) << 20), "float32") * two_120
+                for t in T.unroll(m_max):
+                    if t < m:
+                        for v in T.vectorized(VEC):
+                            xl[v] = x[t, col0 + k0 + v]
+                        d[0] = T.float32(0)
+                        for v in T.unroll(VEC):
+                            d[0] = d[0] + wf[v] * T.cast(xl[v], "float32")
+                        acc[t] = acc[t] + d[0] * scale
+            for t in T.unroll(m_max):
+                for o in T.unroll(5):
+                    acc[t] = acc[t] + T.shfl_xor(acc[t], 16 >> o)
+                if lane == 0 and t < m:
+                    if partial:
+                        out[bz, t, n] = acc[t]
+                    else:
+                        out[t, n] = T.cast(acc[t], "bfloat16")
+
+    return fp8_gemv
