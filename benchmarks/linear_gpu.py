@@ -14,8 +14,8 @@ activations in + outputs out. % bw = bytes / time / the device-to-device copy ba
 % roofline = max(bytes / bw, FLOPs / bf16 GEMM rate) / time. Self-check per row: the kernel against torch on the
 dequantised weight (relative error < 1e-2) and the kernel path really taken (linear.why_not is None); a failed
 check exits non-zero. `--sweep` also times every K split count at M=1 (the shipped policy: split_count).
-Up to 8 rows `linear` takes the GEMV (gemv_kernel.py; column `path`): `gemm us` times the GEMM on the same call
-(launcher.fp8_linear), so the two kernels are compared in one run.
+Up to GEMV_ROWS rows `linear` takes the GEMV (gemv_kernel.py; column `path`); `gemv us` and `gemm us` time both
+kernels on the same call wherever the GEMV can run (up to its M_MAX rows), so GEMV_ROWS is chosen from one run.
 """
 
 import argparse
@@ -74,6 +74,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     from deepinfer.kernels.tilelang import linear as launcher
+    from deepinfer.kernels.tilelang.gemv_kernel import M_MAX
     from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -91,8 +92,8 @@ def main():
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'shape':13s} {'N x K':>12s} {'M':>5s} {'path':>4s} {'splits':>6s} {'fp8 us':>8s} {'% bw':>6s} "
-          f"{'% roof':>6s} {'gemm us':>8s} {'bf16 us':>8s} {'% bw':>6s} {'x':>5s} {'eager us':>9s} {'rel err':>8s}",
-          flush=True)
+          f"{'% roof':>6s} {'gemv us':>8s} {'gemm us':>8s} {'bf16 us':>8s} {'% bw':>6s} {'x':>5s} {'eager us':>9s} "
+          f"{'rel err':>8s}", flush=True)
     for name in names:
         n, k = SHAPES[name]
         calls = max(8, min(64, int(L2_SPREAD // (n * k))))
@@ -111,14 +112,16 @@ def main():
                 failed.append(f"{name} M={m}: rel err {err:.2e}")
             gemv = launcher._gemv_ok(m, q0)
             fp8_ms, eager_ms = _time(lambda i: launcher.linear(xs[i % calls], sets[i % calls][0]), calls)
-            gemm_ms = fp8_ms if not gemv else _time(
-                lambda i: launcher.fp8_linear(xs[i % calls], sets[i % calls][0]), calls)[0]
+            gemm_ms = _time(lambda i: launcher.fp8_linear(xs[i % calls], sets[i % calls][0]), calls)[0]
+            gemv_us = None  # where the GEMV can run (up to M_MAX rows), timed whatever the policy takes
+            if m <= M_MAX[-1] and launcher.gemv_fits(q0):
+                gemv_us = _time(lambda i: launcher.fp8_gemv(xs[i % calls], sets[i % calls][0]), calls)[0] * 1e3
             bf16_ms, _ = _time(lambda i: torch.nn.functional.linear(xs[i % calls], sets[i % calls][1]), calls)
             act = m * k * 2 + m * n * 2
             fp8_bytes, bf16_bytes, flops = n * k * FP8_W + act, n * k * 2 + act, 2 * m * n * k
             splits = launcher.gemv_splits(n, k) if gemv else launcher.split_count(n, k)
             r = dict(shape=name, n=n, k=k, m=m, path="gemv" if gemv else "gemm", splits=splits, fp8_us=fp8_ms * 1e3,
-                     gemm_us=gemm_ms * 1e3,
+                     gemm_us=gemm_ms * 1e3, gemv_us=gemv_us,
                      fp8_eager_us=eager_ms * 1e3, fp8_frac_bw=fp8_bytes / (fp8_ms * 1e-3) / bw,
                      fp8_frac_roofline=max(fp8_bytes / bw, flops / peak) / (fp8_ms * 1e-3),
                      bf16_us=bf16_ms * 1e3, bf16_frac_bw=bf16_bytes / (bf16_ms * 1e-3) / bw,
@@ -126,7 +129,8 @@ def main():
             rows.append(r)
             flush()
             print(f"{name:13s} {f'{n}x{k}':>12s} {m:5d} {r['path']:>4s} {r['splits']:6d} {r['fp8_us']:8.1f} "
-                  f"{r['fp8_frac_bw']*100:6.1f} {r['fp8_frac_roofline']*100:6.1f} {r['gemm_us']:8.1f} "
+                  f"{r['fp8_frac_bw']*100:6.1f} {r['fp8_frac_roofline']*100:6.1f} "
+                  f"{'-' if gemv_us is None else f'{gemv_us:.1f}':>8s} {r['gemm_us']:8.1f} "
                   f"{r['bf16_us']:8.1f} {r['bf16_frac_bw']*100:6.1f}"
                   f" {r['speedup']:5.2f} {r['fp8_eager_us']:9.1f} {err:8.1e}", flush=True)
         if args.sweep:

@@ -81,13 +81,15 @@ def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, group
                     b = T.cast(wl[c * VEC + v], "int32")
                     wf[v] = T.reinterpret(((b & 0x80) << 24) | ((b & 0x7F) << 20), "float32") * two_120
                 for t in T.unroll(m_max):
-                    if t < m:
-                        for v in T.vectorized(VEC):
-                            xl[v] = x[t, col0 + k0 + v]
-                        d[0] = T.float32(0)
-                        for v in T.unroll(VEC):
-                            d[0] = d[0] + wf[v] * T.cast(xl[v], "float32")
-                        acc[t] = acc[t] + d[0] * scale
+                    # unconditional loads (a row past m reads the last row again; its sum is never stored): a load
+                    # under `if t < m` waits for the branch, and at 8 rows the serial x loads made the GEMV 4-7x
+                    # slower than the GEMM (linear_gpu.py, H200)
+                    for v in T.vectorized(VEC):
+                        xl[v] = x[T.min(t, m - 1), col0 + k0 + v]
+                    d[0] = T.float32(0)
+                    for v in T.unroll(VEC):
+                        d[0] = d[0] + wf[v] * T.cast(xl[v], "float32")
+                    acc[t] = acc[t] + d[0] * scale
             for t in T.unroll(m_max):
                 for o in T.unroll(5):
                     acc[t] = acc[t] + T.shfl_xor(acc[t], 16 >> o)

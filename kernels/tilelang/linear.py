@@ -47,7 +47,9 @@ MAX_SCALE_BYTE = 134  # dequant.py's e4m3 bit placement holds scales up to 2^7
 # the crossover at V4.1-Flash's projection shapes on an H200 (benchmarks/prefill_kernels_gpu.py); narrower
 # projections (wkv, 512 rows) gain less than the dequantisation costs until several thousand rows
 PREFILL_ROWS, PREFILL_MIN_N = 1024, 1024
-GEMV_ROWS = M_MAX[-1]  # rows up to which a call takes the GEMV (outside the invariant mode)
+# rows up to which a call takes the GEMV (outside the invariant mode): on an H200 it beats the GEMM 1.1-2.2x at one
+# row, ties at two and loses from four, where its per-row activation loads dominate (linear_gpu_gemv_h200.log)
+GEMV_ROWS = 1
 GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
 
 
@@ -67,10 +69,14 @@ def gemv_splits(n_rows: int, k_dim: int) -> int:
     return next((d for d in divisors if blocks * d >= GEMV_MIN_BLOCKS), divisors[-1])
 
 
-def _gemv_ok(m: int, w: Fp8BlockWeight, groups: int = 1) -> bool:
+def gemv_fits(w: Fp8BlockWeight, groups: int = 1) -> bool:
+    """Whether the GEMV tiles weight w (whole blocks of WARPS rows per group, whole 32-lane chunks of K)."""
     n, k = w.shape
-    return (0 < m <= GEMV_ROWS and not batch_invariant() and n % (WARPS * groups) == 0
-            and k % (32 * chunk_width(k)) == 0)
+    return n % (WARPS * groups) == 0 and k % (32 * chunk_width(k)) == 0
+
+
+def _gemv_ok(m: int, w: Fp8BlockWeight, groups: int = 1) -> bool:
+    return 0 < m <= GEMV_ROWS and not batch_invariant() and gemv_fits(w, groups)
 
 
 def why_not(x: torch.Tensor, w) -> str | None:
@@ -137,8 +143,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
 
 
 def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tensor:
-    """x [..., groups * K] bf16 with at most GEMV_ROWS rows @ dequant(w)[N, K].T -> [..., N] bf16 through the GEMV
-    (inputs as `why_not` and `_gemv_ok` accept); groups as in fp8_linear."""
+    """x [..., groups * K] bf16 with at most M_MAX[-1] rows @ dequant(w)[N, K].T -> [..., N] bf16 through the GEMV
+    (inputs as `why_not` and `gemv_fits` accept); groups as in fp8_linear. `linear` takes it up to GEMV_ROWS."""
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k * groups)
