@@ -332,6 +332,7 @@ def decode_row(variant, backend, graphs, batch, context, timed, all_steps, summa
 DECODE_TARGETS = {(1, None): 40.0, (8, None): 50.0, (64, 4096): 65.0, (64, 32768): 55.0, (256, 4096): 55.0,
                   (256, 32768): 45.0}
 PREFILL_TARGET = 40.0  # % of the compute roofline, 8K and 32K prompts
+KERNELS_PER_LAYER = 50  # issue 21's launch target: kernels of a B=1 decode step per layer, from a --profile row
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -348,6 +349,11 @@ def targets(rows: list[dict]) -> list[dict]:
                 got = round(r["pct_roofline"], 1)
                 out.append(dict(name=f"decode B={r['batch']} ctx={r['context']}, % of the step roofline",
                                 measured=got, target=want, unit="%", met=got >= want))
+            prof = r.get("profile")
+            if r["batch"] == 1 and prof and prof.get("layers"):
+                got = round(prof["kernels"] / prof["layers"], 1)
+                out.append(dict(name=f"decode B=1 ctx={r['context']}, kernels per layer of a step", measured=got,
+                                target=KERNELS_PER_LAYER, unit="kernels", met=got <= KERNELS_PER_LAYER))
     return out
 
 
@@ -565,6 +571,7 @@ def main(argv=None) -> int:
                     if variant == a.variants[0] and a.profile and (b, ctx) in {
                             tuple(map(int, x.split(":"))) for x in a.profile.split(",")}:
                         row["profile"] = profile_decode(engine, tap, b, ctx, model.config.vocab_size)
+                        row["profile"]["layers"] = model.config.num_hidden_layers
                         print(f"profile B={b} ctx={ctx}: one decode step, {row['profile']['kernels']} kernels, "
                               f"{row['profile']['cuda_ms']:.3f} ms of kernel time; top:", flush=True)
                         for name, ms, n in row["profile"]["top"][:15]:

@@ -118,12 +118,14 @@ def test_targets_are_written_from_the_measured_rows():
     rows = [dict(mode="prefill", tokens=8192, pct_compute_roofline=41.0),
             dict(mode="prefill", tokens=4096, pct_compute_roofline=1.0),  # no target at 4K
             dict(mode="decode", variant="graphs", batch=64, context=4096, pct_roofline=64.9),
-            dict(mode="decode", variant="graphs", batch=1, context=32768, pct_roofline=40.0),
+            dict(mode="decode", variant="graphs", batch=1, context=32768, pct_roofline=40.0,
+                 profile=dict(kernels=1980, layers=40)),  # a profiled B=1 row: the launch target too
             dict(mode="decode", variant="eager", batch=64, context=4096, pct_roofline=99.0)]  # graphs rows only
     got = {t["name"]: (t["measured"], t["target"], t["met"]) for t in bench.targets(rows)}
     assert got == {"prefill of 8192 tokens, % of the compute roofline": (41.0, 40.0, True),
                    "decode B=64 ctx=4096, % of the step roofline": (64.9, 65.0, False),
-                   "decode B=1 ctx=32768, % of the step roofline": (40.0, 40.0, True)}
+                   "decode B=1 ctx=32768, % of the step roofline": (40.0, 40.0, True),
+                   "decode B=1 ctx=32768, kernels per layer of a step": (49.5, 50, True)}
 
 
 def test_the_batch_invariance_cost_compares_an_off_and_an_on_run(tmp_path):
