@@ -131,8 +131,9 @@ def test_the_gemv_lowers_to_one_load_per_chunk_and_a_shuffle_sum(name, m_max, ar
     n, k = FLASH[name]
     src = lower_source(build_fp8_gemv(n, k, m_max), arch)
     vec = chunk_width(k)
-    load = "*(uint4*)(wl" if vec == 16 else "*(uint2*)(wl"
+    load = "*(fp8_e4_16_t*)(wl" if vec == 16 else "*(fp8_e4_8_t*)(wl"
     assert "__global__" in src and load in src and "__shfl_xor_sync" in src
+    assert "__tl_cvt_fp8x2_to_half2" in src  # the hardware's e4m3 conversion, two codes an instruction
     assert "wgmma" not in src and "__shared__" not in src  # registers only: no tiles, no shared memory
     assert "atomic" not in src.lower()
 
@@ -149,15 +150,12 @@ def test_the_gemv_groups_read_their_groups_columns_and_splits_write_partials():
     assert "float* __restrict__ out" in src  # fp32 partials [splits, m, N]
 
 
-def test_e4m3_codes_decode_by_bit_placement_exactly():
-    """The GEMV's decode: sign to bit 31, exponent and mantissa bits to fp32's mantissa top, times 2^120, is the
-    e4m3 value of every code (subnormals included) except the two NaN codes."""
-    codes = torch.arange(256, dtype=torch.int32)
-    bits = ((codes & 0x80) << 24) | ((codes & 0x7F) << 20)
-    got = bits.view(torch.float32) * 2.0 ** 120
-    want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+def test_e4m3_codes_are_f16_values_so_the_gemv_conversion_is_exact():
+    """The GEMV converts e4m3 to f16, then to fp32: every finite code (subnormals included) is an f16 value."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    want = codes.float()
     ok = ~torch.isnan(want)
-    assert int(ok.sum()) == 254 and torch.equal(got[ok], want[ok])
+    assert int(ok.sum()) == 254 and torch.equal(codes.half().float()[ok], want[ok])
 
 
 def test_ue8m0_scales_by_bit_placement_are_powers_of_two():
@@ -209,4 +207,6 @@ def test_the_gemv_machine_code(m_max, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     log = res.stdout + res.stderr
     assert "0 bytes spill stores" in log, log[-2000:]
-    assert int(log.split("Used ")[1].split(" registers")[0]) <= 255
+    regs = int(log.split("Used ")[1].split(" registers")[0])
+    # at one row under 255: the integer decode took all 255 (8 warps an SM); the hardware conversion needs fewer
+    assert regs <= (200 if m_max == 1 else 255), regs

@@ -154,11 +154,12 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
     m_max = next(v for v in M_MAX if v >= m)
     splits = gemv_splits(n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    codes = w.weight.view(torch.float8_e4m3fn)  # the kernel converts them with the hardware's e4m3 cvt
     if splits == 1:
-        jit(build_fp8_gemv, n, k, m_max, 1, groups)(x2, w.weight, w.scale, out)
+        jit(build_fp8_gemv, n, k, m_max, 1, groups)(x2, codes, w.scale, out)
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        jit(build_fp8_gemv, n, k, m_max, splits, groups)(x2, w.weight, w.scale, part)
+        jit(build_fp8_gemv, n, k, m_max, splits, groups)(x2, codes, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
 
