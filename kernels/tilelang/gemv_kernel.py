@@ -14,9 +14,9 @@ conversion, and keeps one fp32 sum per activation row; a butterfly of shuffles a
 
 e4m3 to fp32: `cvt` two codes at a time to f16x2 (exact: e4m3's values, subnormals included, are f16 values),
 then f16 to fp32. The first version placed the code's bits into an fp32 by integer ops (~7 a value; the same
-values): on the H200 it ran at 47-57% of bandwidth on the large Flash weights at one row, issue-bound, where PTX
-counts the conversion's version at under half the instructions (2,458 vs 5,426 for `wo_b`) and 186 registers
-instead of 255. The block scale 2^(s - 127) multiplies each chunk's sum once (exact: a power of two), so the
+values), twice the instructions in PTX (5,426 vs 2,458 for `wo_b` at one row) and 255 registers instead of 186;
+on the H200 the conversion took `wq_b` at one row from 20.0 to 15.9 us (61.5% of copy bandwidth) and every other
+Flash shape to the same or less (linear_gpu_gemv_cvt_h200.log). The block scale 2^(s - 127) multiplies each chunk's sum once (exact: a power of two), so the
 result equals the dense bf16 GEMM on the dequantised weights up to the order of the fp32 sums, as the GEMM's does.
 
 Rows are independent (a row's sums never see another row's), so a row's result does not depend on how many rows

@@ -48,7 +48,8 @@ MAX_SCALE_BYTE = 134  # dequant.py's e4m3 bit placement holds scales up to 2^7
 # projections (wkv, 512 rows) gain less than the dequantisation costs until several thousand rows
 PREFILL_ROWS, PREFILL_MIN_N = 1024, 1024
 # rows up to which a call takes the GEMV (outside the invariant mode): on an H200 it beats the GEMM 1.1-2.2x at one
-# row, ties at two and loses from four, where its per-row activation loads dominate (linear_gpu_gemv_h200.log)
+# row on every Flash shape; at two it wins on some and loses on others, from four it loses: its per-row activation
+# loads and sums grow with the rows (linear_gpu_gemv_h200.log, linear_gpu_gemv_cvt_h200.log)
 GEMV_ROWS = 1
 GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
 
