@@ -74,16 +74,22 @@ def test_kernel_matches_the_dequantised_bf16_path(name, m):
     w, deq = _weight(name)
     x = _x(m, w.shape[1], seed=m)
     assert why_not(x, w) is None
-    exact = x.double() @ deq.double().T
-    ref = torch.nn.functional.linear(x, deq.bfloat16())  # today's path: cuBLAS on the bf16 weight
-    poison_allocator()
-    out = fp8_linear(x, w)
-    torch.cuda.synchronize()
-    assert out.shape == (m, w.shape[0]) and out.dtype == torch.bfloat16
-    assert torch.isfinite(out).all(), "an output element was never written (poisoned NaN)"
-    # both round the fp32 sum to bf16 once: the same band (2^-9 relative per element)
-    assert rel_err(out, exact) <= max(1.5 * rel_err(ref, exact), 3e-3), (rel_err(out, exact), rel_err(ref, exact))
+    out, ref = _checked(fp8_linear, x, w, deq)
     assert rel_err(out, ref) < 6e-3
+
+
+def _checked(kernel, x, w, deq):
+    """kernel(x, w) on a poisoned allocator, every element written and as close to the float64 product as cuBLAS on
+    the dequantised bf16 weight (both round the fp32 sum to bf16 once: 2^-9 relative per element); (out, cuBLAS's)."""
+    exact = x.double() @ deq.double().T
+    ref = torch.nn.functional.linear(x, deq.bfloat16())  # the path without the kernel: cuBLAS on the bf16 weight
+    poison_allocator()
+    out = kernel(x, w)
+    torch.cuda.synchronize()
+    assert out.shape == (x.shape[0], w.shape[0]) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all(), "an output element was never written (poisoned NaN)"
+    assert rel_err(out, exact) <= max(1.5 * rel_err(ref, exact), 3e-3), (rel_err(out, exact), rel_err(ref, exact))
+    return out, ref
 
 
 @pytest.mark.parametrize("name", ["small", "wq_a", "wq_b", "wkv"])
@@ -208,14 +214,7 @@ def test_the_gemv_matches_the_dequantised_bf16_path_and_the_gemm(name, m):
         w, deq = _weight(name)
     x = _x(m, w.shape[1], seed=m + 11)
     assert why_not(x, w) is None
-    exact = x.double() @ deq.double().T
-    ref = torch.nn.functional.linear(x, deq.bfloat16())
-    poison_allocator()
-    out = fp8_gemv(x, w)
-    torch.cuda.synchronize()
-    assert out.shape == (m, w.shape[0]) and out.dtype == torch.bfloat16
-    assert torch.isfinite(out).all(), "an output element was never written (poisoned NaN)"
-    assert rel_err(out, exact) <= max(1.5 * rel_err(ref, exact), 3e-3), (rel_err(out, exact), rel_err(ref, exact))
+    out, _ = _checked(fp8_gemv, x, w, deq)
     assert rel_err(out, fp8_linear(x, w)) < 6e-3  # the GEMM: the same sums in another order
 
 
