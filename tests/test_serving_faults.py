@@ -69,6 +69,43 @@ def test_accept_out_of_file_descriptors_is_survived_and_counted(tmp_path):
             proc.wait()
 
 
+def test_one_accept_failure_for_lack_of_descriptors_ends_the_accept_burst():
+    """The stdlib selector loop (CPython before gh-151615) went on calling accept() up to `backlog` times after an
+    EMFILE, each failure scheduling one more retry: ~25,000 failed accepts a second at 2,000 connections over a
+    1024 open-file limit. With the server's loop guard one failure ends the burst, and so does the retry's."""
+    import asyncio
+    import errno
+
+    from deepinfer.serving.connections import install_loop_guard
+    from deepinfer.serving.metrics import ConnectionCounters
+
+    class Exhausted:  # a listening socket of a process at its open-file limit
+        def __init__(self):
+            self.listening, self.calls = socket.socket(), 0
+
+        def accept(self):
+            self.calls += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def fileno(self):
+            return self.listening.fileno()
+
+    loop, counters, sock = asyncio.SelectorEventLoop(), ConnectionCounters(), Exhausted()
+    retries = []
+    try:
+        install_loop_guard(loop, counters)
+        loop.call_later = lambda delay, fn, *args: retries.append((delay, fn, args))
+        loop._accept_connection(lambda: None, sock, backlog=100)
+        assert sock.calls == 1 and counters.counts["accept_errors"] == 1 and len(retries) == 1
+        delay, start_serving, args = retries[0]
+        assert delay >= 1.0  # the stdlib's pause before accepting again
+        loop._accept_connection(*args[:2], backlog=100)  # the retry's burst, with the socket it was handed
+        assert sock.calls == 2 and counters.counts["accept_errors"] == 2 and len(retries) == 2
+    finally:
+        sock.listening.close()
+        loop.close()
+
+
 @pytest.mark.timeout(240)
 def test_health_reports_a_stopped_core_and_a_dead_core_ends_the_server_with_one_line(tmp_path):
     proc, url = _start(tmp_path)

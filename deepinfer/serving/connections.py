@@ -6,9 +6,12 @@
   opening or of the end of its previous response; a silent or slow sender (5 bytes/s) is cut off then. Idle
   keep-alive connections close after serve.keep_alive_timeout (uvicorn's own timer).
 - accept() failing for lack of file descriptors (EMFILE, ENFILE, ENOBUFS, ENOMEM) is survived: asyncio's accept
-  loop already pauses the socket and retries a second later; the loop's exception handler here counts the failure
-  and logs one line at most once a second, and nothing it does can raise (the default handler logs through the
-  job log's file handler, which re-opened its file and raised EMFILE inside the event loop: the server died).
+  loop pauses the socket and retries a second later; the loop's exception handler here counts the failure and logs
+  one line at most once a second, and nothing it does can raise (the default handler logs through the job log's
+  file handler, which re-opened its file and raised EMFILE inside the event loop: the server died).
+- One such failure ends the loop's accept burst. The stdlib selector loop (CPython before gh-151615's fix) kept
+  calling accept() up to `backlog` times after it, each failure scheduling one more retry: with 2,000 connections
+  over a 1024 open-file limit the server spun through ~25,000 failed accepts a second.
 - The job log's file handlers are opened before the server starts, so logging needs no new descriptor later.
 
 The counters appear in /metrics (serving/metrics.py).
@@ -120,9 +123,46 @@ def guarded_protocol(cap: int, header_timeout: float, counters: ConnectionCounte
     return Guarded
 
 
+class _UntilResourceError:
+    """A listening socket for one accept burst: once accept() has failed for lack of descriptors, it reports no
+    connection waiting (BlockingIOError), which ends the stdlib loop's burst after its one retry is scheduled."""
+
+    def __init__(self, sock):
+        self.sock, self.failed = sock, False
+
+    def accept(self):
+        if self.failed:
+            raise BlockingIOError
+        try:
+            return self.sock.accept()
+        except OSError as exc:
+            self.failed = exc.errno in RESOURCE_ERRNOS
+            raise
+
+    def __getattr__(self, name):  # fileno() and the rest: the socket's own
+        return getattr(self.sock, name)
+
+
+def end_accept_bursts_at_resource_errors(loop) -> None:
+    """Makes `loop`'s accept bursts stop at the first failure for lack of descriptors (this module's docstring). A
+    loop without the selector loop's `_accept_connection` (uvloop) is left as it is."""
+    burst = getattr(loop, "_accept_connection", None)
+    if burst is None or getattr(burst, "ends_at_resource_errors", False):
+        return
+
+    def accept_burst(protocol_factory, sock, *args, **kwargs):
+        raw = sock.sock if isinstance(sock, _UntilResourceError) else sock  # the retry passes the wrapper back
+        return burst(protocol_factory, _UntilResourceError(raw), *args, **kwargs)
+
+    accept_burst.ends_at_resource_errors = True
+    loop._accept_connection = accept_burst
+
+
 def install_loop_guard(loop, counters: ConnectionCounters) -> None:
     """The event loop's exception handler: accept() out of descriptors is counted and logged (one line a second at
-    most); anything else is logged as the default handler would. It never raises."""
+    most); anything else is logged as the default handler would. It never raises. Accept bursts end at the first
+    such failure (end_accept_bursts_at_resource_errors)."""
+    end_accept_bursts_at_resource_errors(loop)
     last = [0.0]
 
     def handler(loop, context):
