@@ -16,8 +16,9 @@ e4m3 to fp32: `cvt` two codes at a time to f16x2 (exact: e4m3's values, subnorma
 then f16 to fp32. The first version placed the code's bits into an fp32 by integer ops (~7 a value; the same
 values), twice the instructions in PTX (5,426 vs 2,458 for `wo_b` at one row) and 255 registers instead of 186;
 on the H200 the conversion took `wq_b` at one row from 20.0 to 15.9 us (61.5% of copy bandwidth) and every other
-Flash shape to the same or less (linear_gpu_gemv_cvt_h200.log). The block scale 2^(s - 127) multiplies each chunk's sum once (exact: a power of two), so the
-result equals the dense bf16 GEMM on the dequantised weights up to the order of the fp32 sums, as the GEMM's does.
+Flash shape to the same or less (linear_gpu_gemv_cvt_h200.log). The block scale 2^(s - 127) multiplies each
+chunk's sum once (exact: a power of two), so the result equals the dense bf16 GEMM on the dequantised weights up to
+the order of the fp32 sums, as the GEMM's does.
 
 Rows are independent (a row's sums never see another row's), so a row's result does not depend on how many rows
 there are; it differs from the GEMM's in the last bits (another summation order), which is why the launcher never
@@ -37,8 +38,8 @@ def chunk_width(k_dim: int) -> int:
 
 def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, groups: int = 1):
     """x [m, groups * K] bf16 (m <= m_max), w [N, K] float8_e4m3 (Fp8BlockWeight.weight viewed as
-    torch.float8_e4m3fn), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N]
-    bf16 (k_splits == 1) or part [k_splits, m, N] fp32 (linear_kernel.build_split_reduce adds them). groups > 1:
+    torch.float8_e4m3fn), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or part
+    [k_splits, m, N] fp32 (linear_kernel.build_split_reduce adds them). groups > 1:
     row group g of W (rows [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K)."""
     N, K, G = n_rows, k_dim, groups
     VEC = chunk_width(K)
