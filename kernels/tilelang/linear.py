@@ -116,6 +116,14 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     return fall_back("linear", reason, torch_linear.linear, x, weight)
 
 
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as contiguous rows of `width`, 16-byte aligned: both kernels read each row in 16-byte chunks."""
+    x2 = x.reshape(-1, width)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    return x2
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, groups: int = 1,
                block_t: int = BLOCK_T) -> torch.Tensor:
     """x [..., K] bf16 @ dequant(w)[N, K].T -> [..., N] bf16 through the kernel (inputs as `why_not` accepts).
@@ -124,9 +132,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
     tokens per tile (benchmarks: at a few hundred rows each 32-row tile dequantises the whole weight again)."""
     n, k = w.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k * groups)
-    if not x2.is_contiguous() or x2.data_ptr() % 16:  # cp.async reads 16-byte chunks of each row
-        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    x2 = _rows(x, k * groups)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
@@ -148,9 +154,7 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
     (inputs as `why_not` and `gemv_fits` accept); groups as in fp8_linear. `linear` takes it up to GEMV_ROWS."""
     n, k = w.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k * groups)
-    if not x2.is_contiguous() or x2.data_ptr() % 16:  # 16-byte loads of each row
-        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    x2 = _rows(x, k * groups)
     m = x2.shape[0]
     m_max = next(v for v in M_MAX if v >= m)
     splits = gemv_splits(n, k)
