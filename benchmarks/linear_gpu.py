@@ -13,7 +13,8 @@ the fewest the call must move: weights (FP8 1 + 1/1024 B per weight incl. scales
 activations in + outputs out. % bw = bytes / time / the device-to-device copy bandwidth measured in the same run;
 % roofline = max(bytes / bw, FLOPs / bf16 GEMM rate) / time. Self-check per row: the kernel against torch on the
 dequantised weight (relative error < 1e-2) and the kernel path really taken (linear.why_not is None); a failed
-check exits non-zero. `--sweep` also times every K split count at M=1 (the shipped policy: split_count).
+check exits non-zero. `--sweep` also times every K split count at M=1 (the shipped policy: split_count);
+`--tiles` times the GEMM at other tiles (tokens x weight rows per block; the policy: linear.gemm_tiles).
 Up to GEMV_ROWS rows `linear` takes the GEMV (gemv_kernel.py; column `path`); `gemv us` and `gemm us` time both
 kernels on the same call wherever the GEMV can run (up to its M_MAX rows), so GEMV_ROWS is chosen from one run.
 """
@@ -72,6 +73,8 @@ def main():
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--only", default="")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--tiles", default="", help="GEMM tiles to time beside the policy's, TxN,... (e.g. 32x64,64x128): "
+                                                "each must give the policy's bits (a difference exits non-zero)")
     args = ap.parse_args()
     from deepinfer.kernels.tilelang import linear as launcher
     from deepinfer.kernels.tilelang.gemv_kernel import M_MAX
@@ -117,6 +120,16 @@ def main():
             gemv_us = None  # where the GEMV can run (up to M_MAX rows), timed whatever the policy takes
             if m <= M_MAX[-1] and launcher.gemv_fits(q0):
                 gemv_us = _time(lambda i: launcher.fp8_gemv(xs[i % calls], sets[i % calls][0]), calls)[0] * 1e3
+            tile_us = {}
+            for tile in [t for t in args.tiles.split(",") if t]:
+                bt, bn = (int(v) for v in tile.split("x"))
+                if n % bn:
+                    continue
+                if not torch.equal(launcher.fp8_linear(xs[0], q0, block_t=bt, block_n=bn),
+                                   launcher.fp8_linear(xs[0], q0)):
+                    failed.append(f"{name} M={m}: tile {tile} changes the bits")
+                tile_us[tile] = _time(lambda i: launcher.fp8_linear(xs[i % calls], sets[i % calls][0], block_t=bt,
+                                                                    block_n=bn), calls)[0] * 1e3
             bf16_ms, _ = _time(lambda i: torch.nn.functional.linear(xs[i % calls], sets[i % calls][1]), calls)
             act = m * k * 2 + m * n * 2
             fp8_bytes, bf16_bytes, flops = n * k * FP8_W + act, n * k * 2 + act, 2 * m * n * k
@@ -126,14 +139,15 @@ def main():
                      fp8_eager_us=eager_ms * 1e3, fp8_frac_bw=fp8_bytes / (fp8_ms * 1e-3) / bw,
                      fp8_frac_roofline=max(fp8_bytes / bw, flops / peak) / (fp8_ms * 1e-3),
                      bf16_us=bf16_ms * 1e3, bf16_frac_bw=bf16_bytes / (bf16_ms * 1e-3) / bw,
-                     speedup=bf16_ms / fp8_ms, rel_err=err)
+                     speedup=bf16_ms / fp8_ms, rel_err=err, tiles=list(launcher.gemm_tiles(m, n)), tile_us=tile_us)
             rows.append(r)
             flush()
             print(f"{name:13s} {f'{n}x{k}':>12s} {m:5d} {r['path']:>4s} {r['splits']:6d} {r['fp8_us']:8.1f} "
                   f"{r['fp8_frac_bw']*100:6.1f} {r['fp8_frac_roofline']*100:6.1f} "
                   f"{'-' if gemv_us is None else f'{gemv_us:.1f}':>8s} {r['gemm_us']:8.1f} "
                   f"{r['bf16_us']:8.1f} {r['bf16_frac_bw']*100:6.1f}"
-                  f" {r['speedup']:5.2f} {r['fp8_eager_us']:9.1f} {err:8.1e}", flush=True)
+                  f" {r['speedup']:5.2f} {r['fp8_eager_us']:9.1f} {err:8.1e}"
+                  + "".join(f"  {t}: {us:.1f}" for t, us in tile_us.items()), flush=True)
         if args.sweep:
             x = [torch.randn(1, k, generator=gen, device="cuda").bfloat16() for _ in range(calls)]
             steps = k // BLOCK_K

@@ -46,6 +46,19 @@ def test_the_64_token_tile_lowers():
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src
 
 
+def test_the_two_warpgroup_tiles_lower_to_one_activation_tile_for_128_weight_rows():
+    """gemm_tiles' blocks: 256 threads, 16 or 32 tokens, each warpgroup its 64 rows against the shared tile."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.linear import WIDE_N, split_count
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, STAGES, build_fp8_linear
+
+    n, k = FLASH["wq_b"]
+    for bt in (16, 32):
+        src = lower_source(build_fp8_linear(n, k, split_count(n, k), bt, BLOCK_K, STAGES, 0, 1, WIDE_N), "sm_90a")
+        assert f"wgmma.mma_async.sync.aligned.m64n{bt}k16.f32.bf16.bf16" in src
+        assert "__launch_bounds__(256" in src
+
+
 def test_the_grouped_output_projection_lowers_as_one_kernel_reading_its_groups_columns():
     """wo_a's 8 groups in one launch: a block of weight tile bn reads x's columns of group bn // 16."""
     from lowering_helpers import lower_source
@@ -78,25 +91,46 @@ def test_every_flash_shape_is_covered_with_enough_blocks():
         assert split_count(n, k) == want[name], name
 
 
-def test_launcher_uses_one_kernel_configuration_for_every_batch_size(monkeypatch):
-    """fp8_linear's jit specs for M = 1 .. 1000 are identical: no M-dependent tile, split or reduction."""
+def _specs_by_rows(monkeypatch, n, k, rows=(1, 3, 8, 63, 64, 256, 1000)):
+    """{m: the jit specs fp8_linear launches at m rows} (recorded, nothing runs)."""
     from deepinfer.kernels.tilelang import linear as launcher
 
-    specs = []
+    specs = {}
 
     def fake_jit(builder, *args):
-        specs[-1].append((builder.__name__, args))
+        specs[m].append((builder.__name__, args))
         return lambda *tensors: None  # record only: no GPU here
 
     monkeypatch.setattr(launcher, "jit", fake_jit)
+    w = Fp8BlockWeight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n // 32, k // 32, dtype=torch.uint8))
+    for m in rows:
+        specs[m] = []
+        launcher.fp8_linear(torch.zeros(m, k, dtype=torch.bfloat16), w)
+    return specs
+
+
+def test_the_k_splits_and_their_reduction_follow_the_weight_shape_alone(monkeypatch):
+    """At every M the same K split and split reduction; only the tile follows M (16 x 128 up to 16 rows, 32 x 128
+    beyond), which moves a row to another block without changing its K loop (the GPU test checks the bits)."""
+    from deepinfer.kernels.tilelang.linear import WIDE_N
+
     for n, k in FLASH.values():
-        w = Fp8BlockWeight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n // 32, k // 32, dtype=torch.uint8))
-        seen = set()
-        for m in (1, 3, 8, 64, 256, 1000):
-            specs.append([])
-            launcher.fp8_linear(torch.zeros(m, k, dtype=torch.bfloat16), w)
-            seen.add(tuple(specs[-1]))
-        assert len(seen) == 1, (n, k, seen)
+        specs = _specs_by_rows(monkeypatch, n, k)
+        assert len({(kern[0][1][:3], tuple(kern[1:])) for kern in specs.values()}) == 1, (n, k)
+        for m, kern in specs.items():
+            tile = kern[0][1][3:4] + kern[0][1][-1:]
+            want = ((16 if m <= 16 else 32), WIDE_N) if n % WIDE_N == 0 else ()
+            assert tile == want, (n, k, m, kern)
+
+
+def test_the_invariant_mode_uses_one_kernel_configuration_for_every_batch_size(monkeypatch):
+    from deepinfer.kernels import registry
+
+    monkeypatch.setattr(registry, "batch_invariant", lambda: True)
+    monkeypatch.setattr("deepinfer.kernels.tilelang.linear.batch_invariant", lambda: True)
+    for n, k in FLASH.values():
+        specs = _specs_by_rows(monkeypatch, n, k)
+        assert len({tuple(kern) for kern in specs.values()}) == 1, (n, k)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -13,18 +13,20 @@ M, so those projections are not batch invariant on the GPU; the FP8 ones are (se
 Prefill sizes: from PREFILL_ROWS rows and PREFILL_MIN_N output columns, outside the batch-invariant mode, the
 weight is dequantised to bf16 for the call (exact: e4m3 times a power of two) and multiplied by cuBLAS, whose
 large tiles run near the bf16 rate; the weight-only kernel re-reads and re-dequantises the weight for every
-32-row tile. The dequantisation costs
+token tile. The dequantisation costs
 ~3 bytes per weight against the GEMM's 2 x rows FLOPs per weight. The kernel stays the path of decode steps
 and of the batch-invariant mode (cuBLAS picks its kernel by the row count).
 
 Decode sizes: up to GEMV_ROWS rows, outside the batch-invariant mode, gemv_kernel.py's GEMV (a warp streams a
-weight row from HBM to registers; no tiles, rarely a K split): the GEMM's 32-token tiles are mostly empty there.
+weight row from HBM to registers; no tiles, rarely a K split): the GEMM's 16-token tiles are mostly empty there.
 A row's result is the same at every row count up to GEMV_ROWS, but differs from the GEMM's in the last bits, so
 the invariant mode keeps the GEMM for every size.
 
-Tile policy, fixed by (N, K) alone so a row's result never depends on the batch: 32 tokens x 64 weight rows per
-block, 128-K steps, and K split over `split_count(N, K)` blocks when N alone gives too few blocks to keep HBM
-busy at decode (each split's fp32 partial is reduced in split order by a second small kernel).
+Tile policy: 128-K steps, and K split over `split_count(N, K)` blocks when N alone gives too few blocks to keep
+HBM busy at decode (each split's fp32 partial is reduced in split order by a second small kernel), both fixed by
+(N, K) alone, so a row's result never depends on the batch. The block's tile (tokens x weight rows) follows the
+row count outside the invariant mode (`gemm_tiles`: 16 or 32 x 128) and is 32 x 64 in it; every tile gives a row
+the same bits.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ PREFILL_ROWS, PREFILL_MIN_N = 1024, 1024
 # row on every Flash shape; at two it wins on some and loses on others, from four it loses: its per-row activation
 # loads and sums grow with the rows (linear_gpu_gemv_h200.log, linear_gpu_gemv_cvt_h200.log)
 GEMV_ROWS = 1
+WIDE_N = 128  # weight rows per block of the GEMM outside the invariant mode (`gemm_tiles`)
 GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
 
 
@@ -124,12 +127,26 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return x2
 
 
+def gemm_tiles(m: int, n_rows: int) -> tuple[int, int]:
+    """(tokens, weight rows) per block of the GEMM at m rows: outside the batch-invariant mode, two warpgroups of
+    64 weight rows share each activation tile (128 rows a block) wherever the weight's rows divide into it, with
+    16-token tiles up to 16 rows and 32-token tiles beyond; the invariant mode keeps BLOCK_T x BLOCK_N. Why: a
+    block's work per K step is its weight tile's dequantisation plus its activation tile's loads and permute, so
+    one activation tile per 128 weight rows halves the second, and a 16-token tile halves it again where the rows
+    are few (linear_gpu.py --tiles on an H200: 1.2-1.6x the 32 x 64 tile from 64 rows, 1.0-1.6x at 8 rows;
+    benchmarks/results/linear_gpu_tiles_h200.log). A row's result is the same bits at every tile (the K loop, its
+    splits and a token's MMA column do not change; tests/gpu checks it), so the tiles keep the GEMM's results."""
+    if batch_invariant() or n_rows % WIDE_N:
+        return BLOCK_T, BLOCK_N
+    return (16 if m <= 16 else 32), WIDE_N
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, groups: int = 1,
-               block_t: int = BLOCK_T) -> torch.Tensor:
+               block_t: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """x [..., K] bf16 @ dequant(w)[N, K].T -> [..., N] bf16 through the kernel (inputs as `why_not` accepts).
     `k_splits` overrides the shape's split count (benchmarks only: results then differ in the last bits).
-    groups > 1: x [..., groups * K], row group g of w times x's g-th K columns (build_fp8_linear). `block_t`:
-    tokens per tile (benchmarks: at a few hundred rows each 32-row tile dequantises the whole weight again)."""
+    groups > 1: x [..., groups * K], row group g of w times x's g-th K columns (build_fp8_linear). `block_t`,
+    `block_n`: tokens and weight rows per block (default: `gemm_tiles`; benchmarks time others)."""
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = _rows(x, k * groups)
@@ -137,9 +154,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out.view(*lead, n)
+    bt, bn = gemm_tiles(m, n // groups)
+    bt, bn = block_t or bt, block_n or bn
     splits = k_splits or split_count(n, k)
-    spec = (build_fp8_linear, n, k, splits) + (() if groups == 1 and block_t == BLOCK_T
-                                               else (block_t, BLOCK_K, STAGES, 0, groups))
+    spec = (build_fp8_linear, n, k, splits) + (() if groups == 1 and (bt, bn) == (BLOCK_T, BLOCK_N)
+                                               else (bt, BLOCK_K, STAGES, 0, groups, bn))
     if splits == 1:
         jit(*spec)(x2, w.weight, w.scale, out)
     else:

@@ -8,9 +8,10 @@ FP4 experts): the same cp.async stage layout, FP8 dequantisation straight into t
 (`di3_group<1,...>`), in-place activation permute and one barrier per K step. What differs is the work
 description: one weight matrix, no routing table, and the tokens tiled over the grid:
 
-    grid (ceil(M / BT), N / 64, k_splits); block (bm, bn, bz) computes rows bn*64.. of W against tokens
-    bm*BT.. over K steps [bz*NK, (bz+1)*NK). blockIdx.x is the token tile, so the blocks that read one weight
-    tile run side by side and all but the first find it in L2.
+    grid (ceil(M / BT), N / BN, k_splits); block (bm, bn, bz) computes rows bn*BN.. of W (BN = 64: one
+    warpgroup; 128: two, sharing the activation tile) against tokens bm*BT.. over K steps [bz*NK, (bz+1)*NK).
+    blockIdx.x is the token tile, so the blocks that read one weight tile run side by side and all but the first
+    find it in L2.
 
 Output: k_splits == 1 writes bf16 directly; k_splits > 1 writes each split's unrounded fp32 partial to
 part[bz, m, n], and `build_split_reduce` adds them in split order (0, 1, ...) and rounds once. No atomics, so the
@@ -24,7 +25,7 @@ in.
 
 import tilelang.language as T
 
-from .moe_kernel import BLOCK_N, CS_PAD, THREADS, cuda_source, k_loop_macro, shared_bytes, smem_layout, stage_macros
+from .moe_kernel import BLOCK_N, CS_PAD, cuda_source, k_loop_macro, shared_bytes, smem_layout, stage_macros
 
 BLOCK_T = 32  # tokens per tile (the wgmma N): M <= 32 reads each weight once from HBM
 BLOCK_K = 128  # K per pipeline step: 8 KB of FP8 weights + 8 KB of activations per stage
@@ -32,29 +33,35 @@ STAGES = 4  # the MoE kernel's loop is ordered for 4 (the permute's proxy fence 
 
 
 def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = BLOCK_T, block_k: int = BLOCK_K,
-                     num_stages: int = STAGES, min_blocks: int = 0, groups: int = 1):
+                     num_stages: int = STAGES, min_blocks: int = 0, groups: int = 1, block_n: int = BLOCK_N):
     """x [m, K] bf16, w [N, K] uint8 (e4m3), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or
     part [k_splits, m, N] fp32. m is symbolic: one compiled kernel serves every batch size.
 
     groups > 1 (the grouped output projection in one launch): x [m, groups * K], and row group g of W (rows
     [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K): a block's group follows
-    from its weight tile, so only the activation columns it loads move."""
+    from its weight tile, so only the activation columns it loads move.
+
+    block_n 64 (one warpgroup) or 128 (two warpgroups, 256 threads, each its own 64 weight rows against the one
+    activation tile, as the MoE kernel's): a token's result is the same bits at every block_t and block_n (its
+    K loop and MMA column do not change), so tiles may follow M."""
     assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
-    assert n_rows % (BLOCK_N * groups) == 0 and k_dim % (block_k * k_splits) == 0
-    tiles_per_group = n_rows // groups // BLOCK_N
+    assert block_n in (64, 128)
+    assert n_rows % (block_n * groups) == 0 and k_dim % (block_k * k_splits) == 0
+    BN, TH = block_n, 2 * block_n      # a warpgroup per 64 weight rows (the wgmma M)
+    tiles_per_group = n_rows // groups // BN
     N, K, BT, BK, S = n_rows, k_dim, block_t, block_k, num_stages
     NG = BK // 64                      # 64-K groups per step
     NK = K // BK // k_splits           # steps per block
-    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout("fp8", BT, BK)
+    STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout("fp8", BT, BK, BN)
     CPR = BKP // 16                    # 16-byte weight chunks per row and step
-    W_IT = BLOCK_N * CPR // THREADS
-    CS_LD = BLOCK_N + CS_PAD
+    W_IT = BN * CPR // TH
+    CS_LD = BN + CS_PAD
     partial = k_splits > 1
     if min_blocks == 0:
-        min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes("fp8", BT, BK, S) + 1024)))
+        min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes("fp8", BT, BK, S, BN) + 1024)))
     src = cuda_source(BT)
 
-    load_x, permute, group = stage_macros("fp8", BT, BK)
+    load_x, permute, group = stage_macros("fp8", BT, BK, TH)
     m = T.dynamic("m")
     out_shape = (k_splits, m, N) if partial else (m, N)
     out_dtype = "float32" if partial else "bfloat16"
@@ -65,14 +72,14 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
         # the two 32-row scale rows of the tile, the token rows of the activations
         base = slot * STAGE
         for it in T.unroll(W_IT):
-            r = (it * THREADS + tx) // CPR
-            cc = (it * THREADS + tx) % CPR
+            r = (it * TH + tx) // CPR
+            cc = (it * TH + tx) % CPR
             cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, 4 * (r % 2))
             T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
-                          T.address_of(w[bn * BLOCK_N + r, kk * BKP + cc * 16]), 1)
-        if tx < 2:
+                          T.address_of(w[bn * BN + r, kk * BKP + cc * 16]), 1)
+        if tx < BN // 32:
             T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
-                          T.address_of(ws[bn * 2 + tx, kk * SCB]), 1)
+                          T.address_of(ws[bn * (BN // 32) + tx, kk * SCB]), 1)
         # tokens past M (xr < 0) are zero-filled; a grouped weight tile reads its group's K columns of x
         load_x(smem, xr, x, tx, kk if groups == 1 else kk + (bn // tiles_per_group) * (K // BK), base)
 
@@ -85,7 +92,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
         ws: T.Tensor((N // 32, K // 32), "uint8"),
         out: T.Tensor(out_shape, out_dtype),
     ):
-        with T.Kernel(T.ceildiv(m, BT), N // BLOCK_N, k_splits, threads=THREADS) as (bm, bn, bz):
+        with T.Kernel(T.ceildiv(m, BT), N // BN, k_splits, threads=TH) as (bm, bn, bz):
             T.annotate_min_blocks_per_sm(min_blocks)
             smem = T.alloc_shared((S * STAGE // 4,), "uint32")  # stage slots as 32-bit words (see moe_kernel.py)
             c_s = T.alloc_shared((BT, CS_LD), "float32")
@@ -102,14 +109,14 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
             k_loop(smem, a, acc, c_s, xr, x, w, ws, bn, 0, tx, k_first)
             T.sync_threads()
             # consecutive threads write consecutive output columns (weight rows)
-            for it in T.unroll(BLOCK_N * BT // THREADS):
-                j = (it * THREADS + tx) // BLOCK_N
-                i = (it * THREADS + tx) % BLOCK_N
+            for it in T.unroll(BN * BT // TH):
+                j = (it * TH + tx) // BN
+                i = (it * TH + tx) % BN
                 if bm * BT + j < m:
                     if partial:
-                        out[bz, bm * BT + j, bn * BLOCK_N + i] = c_s[j, i]
+                        out[bz, bm * BT + j, bn * BN + i] = c_s[j, i]
                     else:
-                        out[bm * BT + j, bn * BLOCK_N + i] = T.cast(c_s[j, i], "bfloat16")
+                        out[bm * BT + j, bn * BN + i] = T.cast(c_s[j, i], "bfloat16")
 
     return fp8_linear
 

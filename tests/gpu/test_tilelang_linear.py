@@ -1,7 +1,7 @@
 """FP8 linear (kernels/tilelang/linear.py + linear_kernel.py, gemv_kernel.py) against the dequantised-bf16 torch
 path on random data (marker gpu): V4.1-Flash projection shapes and a small one, M from 1 to 1000, outputs poisoned
-beforehand; a row's result is bitwise the same at every batch size and position (the GEMM), at every row count up
-to 8 (the GEMV); the registered `linear` op takes the GEMV up to 8 rows outside the invariant mode, the GEMM
+beforehand; a row's result is bitwise the same at every batch size and position and at every tile (the GEMM), at
+every row count up to 8 (the GEMV); the registered `linear` op takes the GEMV up to 8 rows outside the invariant mode, the GEMM
 otherwise (spied), and counts a fallback for inputs it does not cover."""
 
 import pytest
@@ -52,10 +52,15 @@ def _precompile():
     from deepinfer.kernels.tilelang.gemv_kernel import M_MAX, build_fp8_gemv
     from deepinfer.kernels.tilelang.linear import gemv_splits
 
+    from deepinfer.kernels.tilelang.linear import WIDE_N
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, STAGES
+
     specs = []
     for n, k in list(SHAPES.values()) + [(128, 5120)]:
         s = split_count(n, k)
         specs.append((build_fp8_linear, n, k, s))
+        if n % WIDE_N == 0:
+            specs += [(build_fp8_linear, n, k, s, bt, BLOCK_K, STAGES, 0, 1, WIDE_N) for bt in (16, 32)]
         if s > 1:
             specs.append((build_split_reduce, n, s))
         g = gemv_splits(n, k)
@@ -107,6 +112,20 @@ def test_a_row_is_bitwise_the_same_at_every_batch_size_and_position(name):
         rows = min(64, m)
         x[at:at + rows] = x64[:rows]
         assert torch.equal(fp8_linear(x, w)[at:at + rows], out64[:rows]), (m, at)
+
+
+@pytest.mark.parametrize("tile", [(64, 64), (32, 128), (64, 128), (16, 128)])
+@pytest.mark.parametrize("name", ["wq_b", "wkv", "wo_b"])
+def test_every_tile_gives_a_row_the_same_bits(name, tile):
+    """The tile only changes which block computes a row, never its K loop: the GEMM may pick tiles by M
+    (linear.gemm_tiles) and keep the results of the 32 x 64 tile, bit for bit, at every row count."""
+    from deepinfer.kernels.tilelang.linear import fp8_linear
+
+    w, deq = _weight(name)
+    for m in (5, 64, 200):
+        x = _x(m, w.shape[1], seed=m + tile[0])
+        out, _ = _checked(lambda x_, w_: fp8_linear(x_, w_, block_t=tile[0], block_n=tile[1]), x, w, deq)
+        assert torch.equal(out, fp8_linear(x, w, block_t=32, block_n=64)), (m, tile)
 
 
 def test_row_groups_run_the_kernel_on_views_and_match_the_whole():
