@@ -199,3 +199,43 @@ def test_the_limits_are_validated_and_conf_serve_states_the_schemas_defaults():
         if f.name in stated and f.name not in ("name", "api_key"):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             assert stated[f.name] == (list(default) if isinstance(default, tuple) else default), f.name
+
+
+# ---- memory after a large body ---------------------------------------------------------------------------------
+def _run_guard(body: bytes) -> None:
+    import asyncio
+
+    from fastapi.responses import JSONResponse
+
+    from deepinfer.serving.guard import Guard, GuardSettings
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await JSONResponse({})(scope, receive, send)
+
+    chunks = [body[i:i + 65536] for i in range(0, len(body), 65536)]
+    messages = [{"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)} for i, c in enumerate(chunks)]
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]}
+    guard = Guard(app, GuardSettings(max_body_bytes=1 << 22, body_timeout=30, allowed_hosts=None, allowed_origins=()))
+    asyncio.run(guard(scope, receive, send))
+
+
+def test_a_large_body_asks_for_a_heap_trim_once_answered_and_a_small_one_does_not():
+    """A large schema's parse leaves freed pages that glibc keeps; the server gives them back after answering."""
+    from deepinfer.sampling import heap_trim
+    from deepinfer.serving.guard import TRIM_AFTER_BODY_BYTES
+
+    before = heap_trim.requested
+    _run_guard(b"{" + b" " * 1000 + b"}")
+    assert heap_trim.requested == before
+    _run_guard(b"{" + b" " * TRIM_AFTER_BODY_BYTES + b"}")
+    assert heap_trim.requested == before + 1

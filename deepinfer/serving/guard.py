@@ -10,6 +10,8 @@ untouched), in this order:
 4. Body size and time: a Content-Length above serve.max_body_bytes is 413 before a byte of the body is read; a body
    without one (chunked) is counted as it arrives and cut at the limit (413); a body that has not arrived in full
    serve.body_timeout seconds after its head is 408. These answers close the connection.
+5. Memory: once a request whose body was TRIM_AFTER_BODY_BYTES or more is answered, the heap is trimmed (off the
+   loop's thread, sampling/heap_trim.py).
 
 Each refusal is one line at INFO and a response in the protocol's error shape.
 """
@@ -21,12 +23,16 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
 
+from deepinfer.sampling import heap_trim
 from deepinfer.serving.auth import is_loopback
 from deepinfer.serving.errors import HTTPError, log_refusal
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_MAX_AGE = "600"
+# A body this large leaves its parse (a large schema: ~100k small objects) in freed heap pages that glibc keeps;
+# once the request is answered the server asks for a trim (soak: +27 MB kept after a grammar flood without it).
+TRIM_AFTER_BODY_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,11 @@ class Guard:
                 return await self._refuse(scope, receive, send, endpoint, _too_large(int(length), s), cors,
                                           close=True)
         state = _BodyState()
-        await self.app(scope, self._receive(receive, state), _send(send, cors, state))
+        try:
+            await self.app(scope, self._receive(receive, state), _send(send, cors, state))
+        finally:
+            if state.received >= TRIM_AFTER_BODY_BYTES:
+                heap_trim.request()
 
     def _receive(self, receive, state: "_BodyState"):
         """`receive` that counts the body and bounds the time it takes; a breach raises the HTTPError the route
