@@ -45,9 +45,16 @@ def test_engine_options_have_no_defaults_of_their_own_only_the_schemas():
     for key in ("heartbeat_timeout", "step_timeout", "startup_timeout", "liveness_poll", "heartbeat_interval",
                 "send_timeout", "close_grace"):
         assert getattr(options, f"{key}_s") == engine[key], key
-    for key in ("xgrammar_max_schema_bytes", "xgrammar_max_schema_values", "xgrammar_heavy_lanes",
-                "xgrammar_max_per_client"):
-        assert getattr(options, key) == _defaults(SamplingDefaults)[key], key
+    sampling = _defaults(SamplingDefaults)
+    limits = dict(options.grammar_limits)
+    assert limits == {("timeout_s" if k == "xgrammar_timeout" else k[len("xgrammar_"):]): v
+                      for k, v in sampling.items() if k.startswith("xgrammar_")}
+    # every grammar limit is a keyword of the compiler pool that applies it
+    import inspect
+
+    from deepinfer.sampling.grammar import GrammarCompilerPool
+
+    assert set(limits) <= set(inspect.signature(GrammarCompilerPool).parameters)
 
 
 def test_engine_options_name_their_settings_and_draft_with_dspark_only():

@@ -19,18 +19,35 @@ from typing import Any, Callable
 
 @dataclass
 class EngineBackend:
+    # the model: its config (vocab, EOS, context length), its caches' layout and allocation, and model.run(meta,
+    # pools) for CUDA-graph capture of decode steps
+    model: Any
     prefill: Callable[[Any], Any]  # ForwardBatch -> float32 logits [num_seqs, vocab] (any mix of new tokens)
     decode: Callable[[Any], Any]  # ForwardBatch -> logits, every sequence carrying one new token
-    cache_layout: Callable[[int], Any]  # block_size -> CacheLayout (bytes per slot and per block, no tensors)
-    allocate_cache: Callable[[int, int, int], Any]  # (num_slots, num_blocks, block_size) -> CachePools, once
     sampler: Any  # deepinfer.sampling.Sampler
-    vocab_size: int
-    eos_token_id: int | None
-    max_position_embeddings: int
     tokenizer: Any = None  # .decode(ids, skip_special_tokens=...): needed only for stop strings
     device: str = "cpu"
-    model: Any = None  # the model itself, for CUDA-graph capture of decode steps (model.run(meta, pools))
     replay: Any = None  # the pipeline's YOCO replay stage (models/replay.py BoundedReplay); None: yoco=off
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.model.config.eos_token_id
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def cache_layout(self, block_size: int, **extra):
+        """block_size -> CacheLayout (bytes per slot and per block, no tensors)."""
+        return self.model.cache_layout(block_size, **extra)
+
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int, **extra):
+        """CachePools for (num_slots, num_blocks, block_size), allocated once."""
+        return self.model.allocate_cache(num_slots, num_blocks, block_size, **extra)
 
 
 def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_invariant: bool = False) -> EngineBackend:
@@ -56,20 +73,8 @@ def backend_from_model(model, sampler=None, program=None, tokenizer=None, batch_
         step = ModelStep(model)
     prefill = getattr(program, "prefill", None) or step
     decode = getattr(program, "decode", None) or step
-    return EngineBackend(
-        prefill=prefill,
-        decode=decode,
-        cache_layout=model.cache_layout,
-        allocate_cache=model.allocate_cache,
-        sampler=sampler,
-        vocab_size=cfg.vocab_size,
-        eos_token_id=cfg.eos_token_id,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tokenizer=tokenizer,
-        device=str(getattr(model, "device", "cpu")),
-        model=model,
-        replay=getattr(program, "replay", None),
-    )
+    return EngineBackend(model, prefill, decode, sampler, tokenizer, str(getattr(model, "device", "cpu")),
+                         getattr(program, "replay", None))
 
 
 @dataclass(frozen=True)

@@ -37,23 +37,15 @@ class GrammarCompilations:
                 return "structured outputs need the model's tokenizers.Tokenizer, and this engine has none"
             from deepinfer.sampling.grammar import GrammarCompilerPool
 
+            limits = dict(self._options.grammar_limits)
             if self.synchronous:
                 log.warning("sampling.xgrammar_live_limit_bytes does not apply under context parallel: each grammar "
                             "compiles as its request arrives, and the core waits for it")
+                limits["live_limit_bytes"] = None
 
             # The logits' width (the model's vocab_size), not the tokenizer's: padding ids are never allowed.
             self._pool = GrammarCompilerPool.for_tokenizer(
-                self._backend.tokenizer,
-                self._backend.vocab_size,
-                self._backend.eos_token_id,
-                cache_limit_bytes=self._options.xgrammar_cache_limit_bytes,
-                timeout_s=self._options.xgrammar_timeout,
-                max_schema_bytes=self._options.xgrammar_max_schema_bytes,
-                max_schema_values=self._options.xgrammar_max_schema_values,
-                heavy_lanes=self._options.xgrammar_heavy_lanes,
-                max_per_client=self._options.xgrammar_max_per_client,
-                live_limit_bytes=None if self.synchronous else self._options.xgrammar_live_limit_bytes,
-            )
+                self._backend.tokenizer, self._backend.vocab_size, self._backend.eos_token_id, **limits)
         self._pending[request_id] = self._pool.submit(so_args, alive=alive, client=client)
         return None
 

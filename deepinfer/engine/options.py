@@ -17,6 +17,14 @@ def _setting(path: str, convert=None):
     return field(metadata={"setting": path, "convert": convert})
 
 
+def grammar_limits(sampling) -> tuple:
+    """The settings' sampling.xgrammar_* knobs as (GrammarCompilerPool keyword, value) pairs: the prefix dropped,
+    the timeout in seconds."""
+    pairs = [(f.name[len("xgrammar_"):], getattr(sampling, f.name)) for f in fields(sampling)
+             if f.name.startswith("xgrammar_")]
+    return tuple(("timeout_s" if name == "timeout" else name, value) for name, value in pairs)
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     # engine.*
@@ -58,17 +66,8 @@ class EngineOptions:
     enforce_eager: bool = _setting("runtime.enforce_eager")  # no CUDA graphs (DEEPINFER_ENFORCE_EAGER)
     # graph batch buckets: 1, 2, 4, <interval, then every interval
     cudagraph_batch_size_interval: int = _setting("runtime.cudagraph_batch_size_interval")
-    # sampling.xgrammar_*: a grammar that does not compile within the timeout ends its request with an error;
-    # compiled grammars are cached up to the limit (xgrammar: -1 means unbounded); larger schemas end their request;
-    # heavy compilations share heavy_lanes, a server client at most max_per_client of them per lane, and start
-    # while the heavy grammars alive hold less than live_limit_bytes
-    xgrammar_timeout: float = _setting("sampling.xgrammar_timeout")
-    xgrammar_cache_limit_bytes: int = _setting("sampling.xgrammar_cache_limit_bytes")
-    xgrammar_max_schema_bytes: int = _setting("sampling.xgrammar_max_schema_bytes")
-    xgrammar_max_schema_values: int = _setting("sampling.xgrammar_max_schema_values")
-    xgrammar_heavy_lanes: int = _setting("sampling.xgrammar_heavy_lanes")
-    xgrammar_max_per_client: int = _setting("sampling.xgrammar_max_per_client")
-    xgrammar_live_limit_bytes: int = _setting("sampling.xgrammar_live_limit_bytes")
+    # sampling.xgrammar_* as GrammarCompilerPool's keywords ((name, value) pairs; schema.py says what each bounds)
+    grammar_limits: tuple = _setting("sampling", lambda sampling: grammar_limits(sampling))
     # decoding.*: drafts verified per request and step (0: off; with decoding=dspark only, see for_settings), the
     # cache's rollback depth (any decoding, DEEPINFER_MAX_BACKTRACKING_TOKENS; the larger of this and
     # num_draft_tokens + 1), confidence-scheduled verification (dspark only), where its cost curve is cached and
