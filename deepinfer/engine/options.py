@@ -18,7 +18,7 @@ def _setting(path: str, convert=None):
     return field(metadata={"setting": path, "convert": convert})
 
 
-def grammar_limits(sampling) -> tuple:
+def grammar_keywords(sampling) -> tuple:
     """The settings' sampling.xgrammar_* knobs as (GrammarCompilerPool keyword, value) pairs: the prefix dropped,
     the timeout in seconds."""
     pairs = [(f.name[len("xgrammar_"):], getattr(sampling, f.name)) for f in fields(sampling)
@@ -68,7 +68,7 @@ class EngineOptions:
     # graph batch buckets: 1, 2, 4, <interval, then every interval
     cudagraph_batch_size_interval: int = _setting("runtime.cudagraph_batch_size_interval")
     # sampling.xgrammar_* as GrammarCompilerPool's keywords ((name, value) pairs; schema.py says what each bounds)
-    grammar_limits: tuple[tuple[str, Any], ...] = _setting("sampling", lambda sampling: grammar_limits(sampling))
+    grammar_limits: tuple[tuple[str, Any], ...] = _setting("sampling", grammar_keywords)
     # decoding.*: drafts verified per request and step (0: off; with decoding=dspark only, see for_settings), the
     # cache's rollback depth (any decoding, DEEPINFER_MAX_BACKTRACKING_TOKENS; the larger of this and
     # num_draft_tokens + 1), confidence-scheduled verification (dspark only), where its cost curve is cached and

@@ -69,7 +69,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     @T.macro
     def issue(smem, xr, x, w, ws, bn, _, tx, kk, slot):  # (p, q) = (bn, unused): k_loop_macro's call
         # one stage (global K step kk) into slot: weights (16-byte chunks XOR-swizzled as di3_group reads them),
-        # the two 32-row scale rows of the tile, the token rows of the activations
+        # the tile's 32-row scale rows, the token rows of the activations
         base = slot * STAGE
         for it in T.unroll(W_IT):
             r = (it * TH + tx) // CPR

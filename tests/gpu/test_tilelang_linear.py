@@ -1,8 +1,8 @@
 """FP8 linear (kernels/tilelang/linear.py + linear_kernel.py, gemv_kernel.py) against the dequantised-bf16 torch
 path on random data (marker gpu): V4.1-Flash projection shapes and a small one, M from 1 to 1000, outputs poisoned
 beforehand; a row's result is bitwise the same at every batch size and position and at every tile (the GEMM), at
-every row count up to 8 (the GEMV); the registered `linear` op takes the GEMV up to 8 rows outside the invariant mode, the GEMM
-otherwise (spied), and counts a fallback for inputs it does not cover."""
+every row count up to 8 (the GEMV); the registered `linear` op takes the GEMV up to 8 rows outside the invariant
+mode, the GEMM otherwise (spied), and counts a fallback for inputs it does not cover."""
 
 import pytest
 import torch
@@ -46,14 +46,9 @@ def _precompile():
     from concurrent.futures import ThreadPoolExecutor
 
     from deepinfer.kernels.tilelang._build import jit
-    from deepinfer.kernels.tilelang.linear import split_count
-    from deepinfer.kernels.tilelang.linear_kernel import build_fp8_linear, build_split_reduce
-
     from deepinfer.kernels.tilelang.gemv_kernel import M_MAX, build_fp8_gemv
-    from deepinfer.kernels.tilelang.linear import gemv_splits
-
-    from deepinfer.kernels.tilelang.linear import WIDE_N
-    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, STAGES
+    from deepinfer.kernels.tilelang.linear import WIDE_N, gemv_splits, split_count
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, STAGES, build_fp8_linear, build_split_reduce
 
     specs = []
     for n, k in list(SHAPES.values()) + [(128, 5120)]:
