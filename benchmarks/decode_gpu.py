@@ -459,6 +459,9 @@ def parse(argv=None):
     ap.add_argument("--chunk", type=int, default=8192, help="prefill max_num_batched_tokens")
     ap.add_argument("--roofline", default=None, help="roofline.py to use (default benchmarks/roofline.py)")
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
+    ap.add_argument("--plot-from", nargs="+", default=None,
+                    help="with --plot: draw the Pareto PNG from recorded result JSON files' decode rows (no GPU); a "
+                         "(variant, batch, context) cell in several files is taken from the last")
     ap.add_argument("--targets-from", nargs="+", default=None,
                     help="only recompute the `targets` of recorded result JSON files from their rows (no GPU)")
     ap.add_argument("--batch-invariant", action="store_true",
@@ -489,6 +492,24 @@ def main(argv=None) -> int:
         for path in a.targets_from:
             retarget(path)
             print("targets recomputed:", path)
+        return 0
+    if a.plot_from:
+        if not a.plot:
+            print("decode_gpu.py: --plot-from needs --plot PATH", file=sys.stderr)
+            return 2
+        cells, models = {}, set()
+        for path in a.plot_from:
+            with open(path) as f:
+                data = json.load(f)
+            models.add(data["meta"]["model"])
+            for r in data["rows"]:
+                if r["mode"] == "decode" and "tok_s" in r:
+                    cells[(r["variant"], r["batch"], r["context"])] = r
+        if len(models) != 1:
+            print(f"decode_gpu.py: --plot-from files are of different models: {sorted(models)}", file=sys.stderr)
+            return 2
+        plot(list(cells.values()), a.plot, models.pop())
+        print("wrote", a.plot)
         return 0
     from deepinfer.kernels.registry import OpSet, kernel_stats
 
@@ -587,7 +608,7 @@ def main(argv=None) -> int:
                           flush=True)
                     flush()
                     if a.plot:  # redrawn as rows arrive: a run cut at its time limit keeps a plot
-                        plot(rows, a.plot)
+                        plot(rows, a.plot, a.model)
             finally:
                 engine.close()
                 del engine, tap
@@ -598,7 +619,7 @@ def main(argv=None) -> int:
     flush()
     print("wrote", a.out)
     if a.plot:
-        plot(rows, a.plot)
+        plot(rows, a.plot, a.model)
         print("wrote", a.plot)
     print(table(rows, meta))
     if failures:
@@ -625,7 +646,11 @@ def table(rows, meta) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path):
+MODEL_TITLES = {"flash": "V4.1-Flash width (6 layers)", "flash40": "V4.1-Flash, 40 layers (weights shared by kind)",
+                "tiny": "the embedded tiny model"}
+
+
+def plot(rows, path, model="flash"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -644,7 +669,7 @@ def plot(rows, path):
     ax.set_yscale("log")
     ax.set_xlabel("tokens/s per user (decode)")
     ax.set_ylabel("total decode tokens/s")
-    ax.set_title("DeepInfer engine, V4.1-Flash width (6 layers): decode Pareto\n(context filled, not prefilled)")
+    ax.set_title(f"DeepInfer engine, {MODEL_TITLES[model]}: decode Pareto\n(context filled, not prefilled)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -143,3 +143,31 @@ def test_the_batch_invariance_cost_compares_an_off_and_an_on_run(tmp_path):
     assert [(t["measured"], t["met"]) for t in out["targets"]] == [(16.0, False), (10.0, True)]
     with pytest.raises(SystemExit, match="--off must be a run without"):
         cost.compare(run("a.json", True, 1.0, 1.0), run("b.json", True, 1.0, 1.0))
+
+
+def _recorded(path, model, rows):
+    path.write_text(json.dumps({"meta": {"model": model}, "rows": rows}))
+    return str(path)
+
+
+def _decode_row(batch, ctx, tok_s):
+    return {"mode": "decode", "variant": "graphs", "batch": batch, "context": ctx, "tok_s": tok_s,
+            "tok_s_per_user": tok_s / batch}
+
+
+def test_the_pareto_plot_is_drawn_from_recorded_runs_the_later_file_winning_a_cell(tmp_path, monkeypatch):
+    drawn = {}
+    monkeypatch.setattr(bench, "plot", lambda rows, path, model: drawn.update(rows=rows, path=path, model=model))
+    old = _recorded(tmp_path / "a.json", "flash40", [_decode_row(1, 4096, 50), _decode_row(8, 4096, 200)])
+    new = _recorded(tmp_path / "b.json", "flash40", [_decode_row(8, 4096, 350), {"mode": "prefill"}])
+    assert bench.main(["--plot", str(tmp_path / "p.png"), "--plot-from", old, new]) == 0
+    assert drawn["model"] == "flash40" and drawn["path"] == str(tmp_path / "p.png")
+    assert sorted((r["batch"], r["tok_s"]) for r in drawn["rows"]) == [(1, 50), (8, 350)]
+
+
+def test_the_pareto_plot_refuses_runs_of_different_models_and_needs_a_path(tmp_path):
+    a = _recorded(tmp_path / "a.json", "flash", [_decode_row(1, 4096, 50)])
+    b = _recorded(tmp_path / "b.json", "flash40", [_decode_row(1, 4096, 50)])
+    assert bench.main(["--plot", str(tmp_path / "p.png"), "--plot-from", a, b]) == 2
+    assert bench.main(["--plot-from", a]) == 2
+    assert not (tmp_path / "p.png").exists()
