@@ -219,7 +219,7 @@ def main():
         hs = [torch.empty(B * TOPK, INTER, dtype=torch.bfloat16, device=dev) for _ in range(SETS)]
         hsh = [torch.empty(B, INTER, dtype=torch.bfloat16, device=dev) for _ in range(4)]
         y = torch.zeros(B, HID, dtype=torch.float32, device=dev)
-        stab = moe._shared_table(B, str(torch.device(dev)))
+        stab = moe._shared_table(B, str(torch.device(dev)), moe.shared_block_t(B))
         w_up, w_dn = touched * 2 * INTER * HID * FP4_W, touched * HID * INTER * FP4_W
         kern = [
             ("routed up (fp4, SwiGLU)", w_up, lambda i: jit(*r_up)(xs[i % SETS], *tables[i % SETS], routed.w13,

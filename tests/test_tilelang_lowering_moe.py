@@ -299,3 +299,14 @@ def test_moe_kernel_e2m1_matches_torch():
         words, sc = _e2m1x8(int.from_bytes(bytes(b4), "little"), s)
         ref = quant.dequant_fp4_rows(torch.tensor(b4[None]), torch.tensor([[s]], dtype=torch.uint8))[0].double()
         assert _words_to_vals(words, sc).tolist() == ref[perm].tolist()
+
+
+def test_the_shared_expert_table_has_one_slot_per_token_tile():
+    """The shared expert's tokens run as side-by-side slots of one token tile each (every token once, in order),
+    not as one slot whose blocks walk every tile in turn."""
+    from deepinfer.kernels.tilelang.moe import _shared_table
+
+    rows, aw, expert, start, count = _shared_table(70, "cpu", 32)
+    assert rows.tolist() == list(range(70)) and aw.tolist() == [1.0] * 70
+    assert expert.tolist() == [0, 0, 0] and start.tolist() == [0, 32, 64] and count.tolist() == [32, 32, 6]
+    assert _shared_table(5, "cpu", 8)[3:] and _shared_table(5, "cpu", 8)[4].tolist() == [5]

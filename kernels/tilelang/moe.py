@@ -93,7 +93,7 @@ def routed_down_splits(n_tok: int, top_k: int, n_experts: int) -> int:
 
 
 def shared_block_t(n_tok: int) -> int:
-    """Token tile for the shared expert (one slot holding every token)."""
+    """Token tile for the shared expert (one slot per tile: _shared_table)."""
     if registry.batch_invariant():
         return INVARIANT_SHARED_BT
     return next((b for b in (8, 16, 32) if n_tok <= b), 64)
@@ -103,7 +103,7 @@ def pass_config(fmt: str, k_dim: int, block_t: int, block_n: int = BLOCK_N) -> t
     """(block_k, num_stages) of one pass. Four stages everywhere: the activation permute's proxy fence then
     never has a cp.async of its own thread in flight (see moe_kernel's K loop). FP4 (routed): 256-K steps, 8.5 KB
     of weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
-    expert, 72-80 blocks, the longest chain at decode): the largest step dividing K that keeps 4 stages within
+    expert, 72-80 blocks per token tile, the longest chain at decode): the largest step dividing K that keeps 4 stages within
     ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
     if fmt == "fp4":
         return 256, 4
@@ -154,12 +154,19 @@ def _scales_in_range(p: PackedExperts) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _shared_table(n_tok: int, device: str):
-    """Routing table that sends every token to the single shared expert with weight 1."""
+def _shared_table(n_tok: int, device: str, block_t: int):
+    """Routing table that sends every token to the single shared expert with weight 1, one slot per block_t
+    tokens: the grid runs the token tiles side by side (N / 64 blocks per slot), where one slot of every token had
+    72-80 blocks each walk all the tiles in turn (the up pass at 256 tokens: 219 -> 162 us on the H200,
+    benchmarks/results/moe_gpu_tiled_h200.log). A token's computation is the same in either (its tile's K loop),
+    so are its bits."""
     dev = torch.device(device)
     rows = torch.arange(n_tok, dtype=torch.int32, device=dev)
-    return (rows, torch.ones(n_tok, dtype=torch.float32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev),
-            torch.zeros(1, dtype=torch.int32, device=dev), torch.full((1,), n_tok, dtype=torch.int32, device=dev))
+    n_slots = max(1, -(-n_tok // block_t))
+    starts = torch.arange(n_slots, dtype=torch.int32, device=dev) * block_t
+    counts = torch.clamp(n_tok - starts, max=block_t).to(torch.int32)
+    return (rows, torch.ones(n_tok, dtype=torch.float32, device=dev),
+            torch.zeros(n_slots, dtype=torch.int32, device=dev), starts, counts)
 
 
 @functools.lru_cache(maxsize=8)
@@ -216,7 +223,7 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     limit = float(swiglu_limit)
     if shared is not None and T_ >= SHARED_DENSE_TOKENS:
         # one expert over every token: dequantised once (a few dozen MB) and multiplied by cuBLAS, which fills the
-        # GPU where the streaming kernel's 72-80 blocks would each walk all the token tiles in turn
+        # GPU where the streaming kernel's 72-80 blocks per 64-token tile stream the FP8 weights once per tile
         ffn(routed, x, table, y, routed_specs(routed, T_, k), limit)
         y += torch_moe.swiglu_expert(x, *shared.dense(0, x.dtype), limit).float()
         return y.to(x.dtype)
@@ -225,8 +232,8 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
         side = _side_stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            ffn(shared, x, _shared_table(T_, str(dev)), y, ffn_specs(shared, shared_block_t(T_), shared_down_splits),
-                limit)
+            bt = shared_block_t(T_)
+            ffn(shared, x, _shared_table(T_, str(dev), bt), y, ffn_specs(shared, bt, shared_down_splits), limit)
     ffn(routed, x, table, y, routed_specs(routed, T_, k), limit)
     if shared is not None:
         main.wait_stream(side)
@@ -264,7 +271,8 @@ def _moe_experts_invariant(x, weights, idx, routed, shared, swiglu_limit):
         y += parts[:, j]
     if shared is not None:
         s = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)
-        ffn(shared, x, _shared_table(T_, str(dev)), s, ffn_specs(shared, shared_block_t(T_)), limit)
+        bt = shared_block_t(T_)
+        ffn(shared, x, _shared_table(T_, str(dev), bt), s, ffn_specs(shared, bt), limit)
         y += s
     return y.to(x.dtype)
 
