@@ -12,7 +12,7 @@ import pytest
 from deepinfer import LLM
 from deepinfer.sampling import SamplingParams, compile_queue
 from deepinfer.sampling.compile_queue import ClientBusy, CompileQueue
-from serving_helpers import peak_rss_bytes
+from serving_helpers import peak_rss_bytes, wait_for
 
 
 def enum_schema(n: int) -> dict:
@@ -138,6 +138,21 @@ def test_one_clients_heavy_grammars_do_not_hold_another_clients_behind_them():
     assert not a1.done() and not a2.done() and started == ["a1", "b1", "c1"]
     release_a1.set()
     assert (a1.result(60), a2.result(60)) == ("a1", "a2") and started == ["a1", "b1", "c1", "a2"]
+    q.close()
+
+
+def test_a_clients_one_heavy_job_starts_in_the_free_lane_while_anothers_runs():
+    """Client a's heavy job runs; client b's single heavy job gets the second heavy lane's worker at once (it used
+    to wait for a's to end: a worker was started only for more waiting jobs than all workers, busy ones included)."""
+    release_a = threading.Event()
+    q = CompileQueue(timeout_s=60, on_timeout=timeout_error, light_cost=10, heavy_lanes=2)
+    a = q.submit(lambda: release_a.wait(60) and "a", cost=1000, client="a")
+    assert wait_for(lambda: q._lanes["heavy"].busy == 1, timeout=60.0)
+    b = q.submit(lambda: "b", cost=1000, client="b")
+    assert b.result(60) == "b" and not a.done()
+    release_a.set()
+    assert a.result(60) == "a"
+    assert wait_for(lambda: q._lanes["heavy"].busy == 0, timeout=60.0)
     q.close()
 
 

@@ -59,6 +59,7 @@ class _Lane:
         self.waiting: collections.OrderedDict[str, collections.deque[_Job]] = collections.OrderedDict()
         self.running: collections.Counter[str] = collections.Counter()  # abandoned jobs included
         self.workers = 0  # threads serving this lane (not counting abandoned ones)
+        self.busy = 0  # of those, the ones running a job
         self.room: Callable[[], bool] | None = None  # jobs start only while room() (None: always)
 
     def num_waiting(self, named_only: bool = False) -> int:
@@ -147,9 +148,11 @@ class CompileQueue:
 
     # ---- workers -----------------------------------------------------------------------------------------------
     def _staff(self, lane: _Lane) -> None:
-        """Starts workers for the lane up to its size while jobs wait and the abandoned threads leave room (lock
-        held)."""
-        while lane.workers < min(lane.size, lane.num_waiting()) and len(self._abandoned) <= self.max_abandoned:
+        """Starts workers for the lane up to its size while more jobs wait than it has idle workers, and the
+        abandoned threads leave room (lock held). Idle, not all: a job waiting beside a running one needs a worker
+        of its own (client b's one heavy schema used to wait for client a's to finish, the second lane unused)."""
+        while (lane.workers < lane.size and lane.workers - lane.busy < lane.num_waiting()
+               and len(self._abandoned) <= self.max_abandoned):
             lane.workers += 1
             threading.Thread(target=self._work, args=(lane,), name=f"deepinfer-grammar-{lane.name}",
                              daemon=True).start()
@@ -168,6 +171,7 @@ class CompileQueue:
                     _settle(job.result, error=RuntimeError("cancelled: the request has ended"))
                     continue
                 job.started, job.thread = time.monotonic(), me
+                lane.busy += 1
                 lane.running[job.client] += 1
                 self._running[me] = job
                 self._lock.notify_all()  # the watchdog learns a deadline
@@ -179,6 +183,8 @@ class CompileQueue:
             late = time.monotonic() - job.started >= self.timeout_s
             with self._lock:
                 del self._running[me]
+                if me not in self._abandoned:  # an abandoned thread stopped counting as the lane's when it overran
+                    lane.busy -= 1
                 lane.running[job.client] -= 1
                 if lane.running[job.client] <= 0:
                     del lane.running[job.client]
@@ -210,6 +216,7 @@ class CompileQueue:
                     _settle(job.result, error=self._on_timeout())
                     self._abandoned.add(thread)
                     job.lane.workers -= 1
+                    job.lane.busy -= 1
                     self._staff(job.lane)
                 job = None  # nor may the watchdog, waiting, keep the last job it looked at (and its result)
                 pending = [d for d in deadlines if d > now]
