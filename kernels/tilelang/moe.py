@@ -103,8 +103,8 @@ def pass_config(fmt: str, k_dim: int, block_t: int, block_n: int = BLOCK_N) -> t
     """(block_k, num_stages) of one pass. Four stages everywhere: the activation permute's proxy fence then
     never has a cp.async of its own thread in flight (see moe_kernel's K loop). FP4 (routed): 256-K steps, 8.5 KB
     of weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
-    expert, 72-80 blocks per token tile, the longest chain at decode): the largest step dividing K that keeps 4 stages within
-    ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
+    expert, 72-80 blocks per token tile, the longest chain at decode): the largest step dividing K that keeps 4
+    stages within ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
     if fmt == "fp4":
         return 256, 4
     for bk in (512, 256, 128):
