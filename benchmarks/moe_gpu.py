@@ -97,7 +97,8 @@ def main():
     # ---- compile everything first, in parallel
     # sweep variants (each a patch of moe.py's tile policy): is deeper pipelining worth the occupancy (if the proxy
     # fence's MEMBAR does not wait on in-flight cp.async, 5 stages should beat 4), are larger FP4 steps, a wider
-    # token tile, or smaller shared-expert steps / a split shared down pass better?
+    # token tile, or smaller shared-expert steps / a split shared down pass better? Does moe_prep beat torch's
+    # sorts past PREP_KERNEL_ASSIGNMENTS (set for its previous generation; 384 tokens = 2,304 assignments)?
     variants = {"kernel": {}}
     if args.sweep:
         variants.update({"fp4 stages5": {"fp4": (256, 5)}, "fp4 bk512": {"fp4": (512, 4)},
@@ -106,7 +107,8 @@ def main():
                          "routed bt16 bn128": {"routed_bt": 16, "routed_bn": 128},
                          "routed bt32 bn128": {"routed_bt": 32, "routed_bn": 128}, "fp8 bk256": {"fp8": (256, 4)},
                          "shared-down split3": {"shared_down_splits": 3},
-                         "routed-down split3": {"routed_down_splits": 3}})
+                         "routed-down split3": {"routed_down_splits": 3},
+                         "prep kernel any size": {"prep_assignments": 1 << 30}})
 
     # the tile-policy functions of moe.py a variant key replaces, each by a constant choice
     policy = {"routed_bt": "routed_block_t", "routed_bn": "routed_block_n", "routed_down_splits": "routed_down_splits"}
@@ -122,6 +124,8 @@ def main():
             for key, name in policy.items():
                 if key in var:
                     stack.enter_context(mock.patch.object(moe, name, lambda *_, v=var[key]: v))
+            if "prep_assignments" in var:  # the routing table's crossover from moe_prep to torch's sorts
+                stack.enter_context(mock.patch.object(moe, "PREP_KERNEL_ASSIGNMENTS", var["prep_assignments"]))
             yield
 
     specs = []
