@@ -75,6 +75,8 @@ def main():
     ap.add_argument("--out", default="moe_gpu.json")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--sweep", action="store_true", help="also time tile variants (stages, token tile, split K)")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated sweep variant names to time (implies --sweep; the others are not compiled)")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="expert popularity ~ rank^-skew (0: uniform); a token's experts are drawn without "
                          "replacement by that popularity (Gumbel top-k), as a router whose load is not balanced")
@@ -100,7 +102,7 @@ def main():
     # token tile, or smaller shared-expert steps / a split shared down pass better? Does moe_prep beat torch's
     # sorts past PREP_KERNEL_ASSIGNMENTS (set for its previous generation; 384 tokens = 2,304 assignments)?
     variants = {"kernel": {}}
-    if args.sweep:
+    if args.sweep or args.variants:
         variants.update({"fp4 stages5": {"fp4": (256, 5)}, "fp4 bk512": {"fp4": (512, 4)},
                          "routed bn64": {"routed_bn": 64}, "routed bt8 bn128": {"routed_bt": 8, "routed_bn": 128},
                          "routed bt16 bn64": {"routed_bt": 16, "routed_bn": 64},
@@ -109,6 +111,12 @@ def main():
                          "shared-down split3": {"shared_down_splits": 3},
                          "routed-down split3": {"routed_down_splits": 3},
                          "prep kernel any size": {"prep_assignments": 1 << 30}})
+    if args.variants:
+        wanted = [v.strip() for v in args.variants.split(",")]
+        unknown = [v for v in wanted if v not in variants]
+        if unknown:
+            ap.error(f"--variants: unknown {unknown}; allowed: {sorted(variants)}")
+        variants = {k: v for k, v in variants.items() if k == "kernel" or k in wanted}
 
     # the tile-policy functions of moe.py a variant key replaces, each by a constant choice
     policy = {"routed_bt": "routed_block_t", "routed_bn": "routed_block_n", "routed_down_splits": "routed_down_splits"}
