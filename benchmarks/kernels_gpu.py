@@ -252,18 +252,22 @@ def bench_indexer(rows, bw, peak, batches, contexts, with_torch):
             sets = max(1, min(16, math.ceil(400e6 / (B * G * 68))))
             data = []
             for _ in range(sets):
-                k = torch.randint(0, 256, (B, G, 64), dtype=torch.uint8, device=dev, generator=g)
-                ks = torch.randint(120, 128, (B, G, 4), dtype=torch.uint8, device=dev, generator=g)
+                # the key pool, each sequence's entries in blocks of 16 contiguous rows (a cache block at ratio 4)
+                k = torch.randint(0, 256, (B * G, 64), dtype=torch.uint8, device=dev, generator=g)
+                ks = torch.randint(120, 128, (B * G, 4), dtype=torch.uint8, device=dev, generator=g)
+                blocks = torch.randperm(B * G // 16, device=dev, generator=g).view(B, G // 16, 1)
+                rows = (blocks * 16 + torch.arange(16, device=dev)).view(B, G)
                 q = (torch.randn(B, 32, 128, device=dev, generator=g)).bfloat16()
                 w = torch.randn(B, 32, device=dev, generator=g) * 32**-0.5
-                data.append((q, torch.arange(B, dtype=torch.int32, device=dev), torch.full((B,), G, dtype=torch.int32, device=dev), k, ks, w))
+                data.append((q, torch.arange(B, dtype=torch.int32, device=dev),
+                             torch.full((B,), G, dtype=torch.int32, device=dev), k, ks, rows, w))
             ms, mn, eg = measure(lambda i: indexer_scores_fp4(*data[i % sets], 128**-0.5))
-            nbytes = B * G * 68 + B * 32 * 128 * 2 + B * G * 4
+            nbytes = B * G * (68 + 8) + B * 32 * 128 * 2 + B * G * 4  # keys + their int64 pool rows, q, scores
             flops = 2 * B * 32 * 128 * G
             t_ms = None
             if with_torch and B <= 64:
                 kd = torch.randn(G, 128, device=dev, generator=g)
-                q, w = data[0][0].float()[:1], data[0][5][:1]
+                q, w = data[0][0].float()[:1], data[0][6][:1]
                 t1 = timeit(lambda i: ref.indexer_scores(q, kd, w, 128**-0.5), iters=10)[0]
                 t_ms = t1 * B  # the torch op scores one sequence at a time
             record(rows, "indexer_scores", f"B={B} ctx={ctx // 1024}K G={G}", ms, mn, nbytes, flops, bw, peak, t_ms,

@@ -42,7 +42,7 @@ OP_KINDS = (
     "compressor_pool",
     "indexer_scores",
     "indexer_scores_fp4",
-    "index_topk",
+    "index_topk_ids",
     "moe_router",
     "moe_experts",
     "engram_hash",

@@ -128,29 +128,29 @@ class Attention:
         if ent.width == 0:  # nothing compressed yet in any sequence of the step
             meta.selected = Selection(self.source, torch.full((T, topk), -1, dtype=torch.int64, device=h.device))
             return
-        stored = [p[ent.rows] for p in pools.index_keys[self.source]]  # [B, G, ...] each sequence's keys as stored
-        if isinstance(L.key_codec, Fp4Codec):
-            scores = ops.indexer_scores_fp4(iq, meta.tok_seq, ent.visible, *stored, weights, cfg.index_head_dim**-0.5)
+        if isinstance(L.key_codec, Fp4Codec):  # the keys read where the pool holds them, through the entry rows
+            scores = ops.indexer_scores_fp4(iq, meta.tok_seq, ent.visible, *pools.index_keys[self.source], ent.rows,
+                                            weights, cfg.index_head_dim**-0.5)
         else:
+            stored = [p[ent.rows] for p in pools.index_keys[self.source]]  # [B, G, ...] each sequence's keys
             keys = L.key_codec.decode(*stored, dtype=torch.float32)
             scores = ops.indexer_scores(iq, keys, meta.tok_seq, weights, cfg.index_head_dim**-0.5)
-        selected, candidates = ops.index_topk(
+        blocks = cfg.candidate_topk_blocks if self.is_candidate_source else 0
+        ids = ops.index_topk_ids(
             scores,
             ent.visible,
             topk,
             candidates=meta.candidates if self.uses_candidates else None,
-            candidate_blocks=cfg.candidate_topk_blocks if self.is_candidate_source else 0,
+            candidate_blocks=blocks,
             candidate_block_size=cfg.candidate_block_size,
         )
-        if selected.shape[1] < topk:
-            selected = torch.nn.functional.pad(selected, (0, topk - selected.shape[1]))
-        # selected entries first, in ascending entry order; unused slots stay masked
-        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)[:, :topk]
-        ok = selected.gather(1, order)
-        rows = ent.rows[meta.tok_seq[:, None], order.clamp_max(ent.width - 1)]
-        meta.selected = Selection(self.source, torch.where(ok, rows, -1))
-        if self.is_candidate_source:
-            meta.candidates = candidates
+        if blocks > 0:
+            ids, meta.candidates = ids
+        elif self.is_candidate_source:
+            meta.candidates = None
+        # the selected entries in ascending entry order as pool rows; unused slots (-1) stay masked
+        rows = ent.rows[meta.tok_seq[:, None], ids.long().clamp(0, ent.width - 1)]
+        meta.selected = Selection(self.source, torch.where(ids >= 0, rows, -1))
 
     # ---------------------------------------------------------------------------------------
     def _attend(self, q, kv, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:

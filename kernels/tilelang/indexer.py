@@ -29,17 +29,18 @@ def indexer_scores(q, k, q_seq, weights, softmax_scale):
     return out
 
 
-def indexer_scores_fp4(q, q_seq, visible, k, k_scale, weights, softmax_scale):
+def indexer_scores_fp4(q, q_seq, visible, k, k_scale, rows, weights, softmax_scale):
     """Decode batch: q [Nq, 32, 128] bf16 (FP4 fake-quantised values), q_seq [Nq] int32, visible [Nq] int32
-    entries each query may see; k [B, G, 64] uint8 e2m1 pairs (low nibble = even channel) with k_scale
-    [B, G, 4] uint8 ue8m0 per 32 channels; weights [Nq, 32] fp32 -> scores [Nq, G] fp32, -inf past visible."""
+    entries each query may see; the key pool k [N, 64] uint8 e2m1 pairs (low nibble = even channel) with k_scale
+    [N, 4] uint8 ue8m0 per 32 channels, and rows [B, G] the pool row of entry g of sequence b; weights [Nq, 32]
+    fp32 -> scores [Nq, G] fp32, -inf past visible."""
     n_q, h, d = q.shape
-    if not (q.is_cuda and 64 % h == 0 and d % 64 == 0 and k.shape[1] > 0 and n_q > 0):
+    if not (q.is_cuda and 64 % h == 0 and d % 64 == 0 and rows.shape[1] > 0 and n_q > 0):
         why = reason(q, "a head count or width the kernel does not tile", (torch.bfloat16, torch.float32))
         return fall_back("indexer_scores_fp4", why, torch_indexer.indexer_scores_fp4, q, q_seq, visible, k, k_scale,
-                         weights, softmax_scale)
-    out = torch.empty(n_q, k.shape[1], dtype=torch.float32, device=q.device)
+                         rows, weights, softmax_scale)
+    out = torch.empty(n_q, rows.shape[1], dtype=torch.float32, device=q.device)
     jit(build_indexer_scores, "fp4", h, d)(q.bfloat16().contiguous(), q_seq.int(), visible.int(), k.contiguous(),
-                                           k_scale.contiguous(), weights.float().contiguous(), out,
-                                           float(softmax_scale))
+                                           k_scale.contiguous(), rows.long().contiguous(), weights.float().contiguous(),
+                                           out, float(softmax_scale))
     return out

@@ -3,7 +3,10 @@
 The (query, head) rows are the wgmma M side: "dense" packs two queries x 32 heads into 64 rows against bf16 keys;
 "fp4" gives each query its own block (rows 32..63 zero) because its keys come from its own sequence's FP4
 indexer cache (e2m1 + ue8m0 per 32 channels, dequantised in registers, dequant.py) and stops at its visible
-count (entries past it score -inf). The relu, head weights and head sum run on the fp32 accumulator.
+count (entries past it score -inf). It reads the keys where the cache pool holds them, through each sequence's
+entry -> pool row table (a pool block's entries are contiguous), so no step copies a sequence's keys out of the
+pool first: that gather (torch indexing of 64- and 4-byte rows) cost more than the scoring it fed, and grew with
+batch x context. The relu, head weights and head sum run on the fp32 accumulator.
 """
 
 import tilelang.language as T
@@ -17,8 +20,9 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
     assert source in ("dense", "fp4") and heads <= 64 and 64 % heads == 0
     Hh, Dd, BG = heads, dim, block_g
     QPB = 64 // heads if source == "dense" else 1  # queries per block
-    n_q, n_g, n_seq = T.dynamic("n_q"), T.dynamic("n_g"), T.dynamic("n_seq")
+    n_q, n_g, n_seq, n_rows = T.dynamic("n_q"), T.dynamic("n_g"), T.dynamic("n_seq"), T.dynamic("n_rows")
     chunks = BG * Dd // 8 // threads
+    assert threads % (Dd // 8) == 0
 
     @T.macro
     def finish(bq, bg, acc, c_s, weights, scores, scale, limit):
@@ -60,8 +64,9 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
         q: T.Tensor((n_q, Hh, Dd), "bfloat16"),
         q_seq: T.Tensor((n_q,), "int32"),
         visible: T.Tensor((n_q,), "int32"),
-        k: T.Tensor((n_seq, n_g, Dd // 2), "uint8"),
-        k_scale: T.Tensor((n_seq, n_g, Dd // 32), "uint8"),
+        k: T.Tensor((n_rows, Dd // 2), "uint8"),
+        k_scale: T.Tensor((n_rows, Dd // 32), "uint8"),
+        rows: T.Tensor((n_seq, n_g), "int64"),
         weights: T.Tensor((n_q, Hh), "float32"),
         scores: T.Tensor((n_q, n_g), "float32"),
         scale: T.float32,
@@ -71,24 +76,28 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
             k_s = T.alloc_shared((BG, Dd), "bfloat16")
             acc = T.alloc_fragment((64, BG), "float32")
             c_s = T.alloc_shared((64, BG), "float32")
-            packed = T.alloc_local((4,), "uint8")
+            prow = T.alloc_local((chunks,), "int64")
+            sc = T.alloc_local((chunks,), "uint8")
+            packed = T.alloc_local((chunks * 4,), "uint8")
             vals = T.alloc_local((8,), "bfloat16")
             tx = T.get_thread_binding()
             T.import_source(CUDA_SOURCE)
             b = q_seq[bq]
+            gch = tx % (Dd // 8)  # the thread's 8-channel chunk, the same in every pass (threads % (Dd/8) == 0)
             if bg * BG < visible[bq]:
                 for r, d in T.Parallel(64, Dd):
                     q_s[r, d] = T.if_then_else(r < Hh, q[bq, r % Hh, fp4_perm(d)], T.cast(0, "bfloat16"))
-                for i in T.serial(chunks):
-                    r = (i * threads + tx) // (Dd // 8)
-                    gch = (i * threads + tx) % (Dd // 8)
-                    row = T.min(bg * BG + r, n_g - 1)
+                # pool rows, then every key load of the thread, then the dequant: the loads are all in flight
+                for i in T.unroll(chunks):
+                    prow[i] = rows[b, T.min(bg * BG + (i * threads + tx) // (Dd // 8), n_g - 1)]
+                for i in T.unroll(chunks):
                     for v in T.vectorized(4):
-                        packed[v] = k[b, row, gch * 4 + v]
-                    T.call_extern("handle", "di_dq_e2m1x8", T.address_of(packed[0]), k_scale[b, row, gch // 4],
-                                  T.address_of(vals[0]))
+                        packed[i * 4 + v] = k[prow[i], gch * 4 + v]
+                    sc[i] = k_scale[prow[i], gch // 4]
+                for i in T.unroll(chunks):
+                    T.call_extern("handle", "di_dq_e2m1x8", T.address_of(packed[i * 4]), sc[i], T.address_of(vals[0]))
                     for v in T.vectorized(8):
-                        k_s[r, gch * 8 + v] = vals[v]
+                        k_s[(i * threads + tx) // (Dd // 8), gch * 8 + v] = vals[v]
                 T.sync_threads()
                 T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True)
                 finish(bq, bg, acc, c_s, weights, scores, scale, lambda s: visible[s])

@@ -21,7 +21,7 @@ _WHERE = {
     "mhc_mixes": "mhc",
     "mhc_collapse": "mhc",
     "mhc_expand": "mhc",
-    "index_topk": "topk",
+    "index_topk_ids": "topk",
     "rms_norm": "rowwise",
     "rope": "rowwise",
     "fake_quant_fp8": "rowwise",

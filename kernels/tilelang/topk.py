@@ -1,11 +1,10 @@
-"""Registry-facing `index_topk` and the decode fast path `index_topk_ids` over the radix-select kernel
-(topk_kernel.py).
+"""Registry-facing `index_topk_ids` over the radix-select kernel (topk_kernel.py), and `index_topk`, the same kernel
+with the torch op `index_topk`'s outputs (selected [S, G] bool, candidate mask [S, G] bool or None), which the tests
+hold to that op.
 
-`index_topk` keeps the torch op's signature and outputs (selected [S, G] bool, candidate mask [S, G] bool or None)
-and runs the kernel for fp32 scores on CUDA; anything else (CPU, other dtypes, a non-bool or differently shaped
-`candidates`, topk <= 0, G = 0 or G >= 2^22) goes to the torch op. `index_topk_ids` returns the selected entry
-ids instead of the [S, G] mask: int32 [S, topk], ascending, -1 padded (the `sel` operand of
-attention.sink_attention_decode, in entry numbers of the row).
+`index_topk_ids` returns the selected entry ids: int32 [S, topk], ascending, -1 padded (the model turns them into
+pool rows). Both run the kernel for fp32 scores on CUDA; anything else (CPU, other dtypes, a non-bool or
+differently shaped `candidates`, topk <= 0, G = 0 or G >= 2^22) goes to the torch op.
 
 Ties: the torch op leaves the order of equal scores to torch.topk; the kernel takes the LOWEST indices among entries
 equal to the k-th largest score (and the lowest block indices among equal candidate blocks), so its selection is
@@ -71,23 +70,12 @@ def _why_not(scores) -> str:
     return reason(scores, "entries, top-k or candidates not covered", (torch.float32,))
 
 
-def mask_to_ids(selected: torch.Tensor, topk: int) -> torch.Tensor:
-    """[S, G] bool -> int32 [S, topk]: the selected entry ids ascending, -1 padded (torch; used off the kernel path)."""
-    S, G = selected.shape
-    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)[:, :topk]
-    ids = torch.where(selected.gather(1, order), order, -1).to(torch.int32)
-    return torch.nn.functional.pad(ids, (0, topk - ids.shape[1]), value=-1) if ids.shape[1] < topk else ids
-
-
 def index_topk_ids(scores, visible, topk, candidates=None, candidate_blocks=0, candidate_block_size=0):
-    """The selection of `index_topk` as ids: int32 [S, topk], ascending entry order, -1 padded. The candidate source
-    (candidate_blocks > 0) also returns its candidate mask, which later index layers need: (ids, mask [S, G] bool).
-    Off the kernel path it runs the torch op and converts."""
-    if _covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size):
-        ids, _, cand = _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size,
-                               want_mask=False)
-    else:
-        sel, cand = fall_back("index_topk", _why_not(scores), torch_indexer.index_topk, scores, visible, topk,
-                              candidates, candidate_blocks, candidate_block_size)
-        ids = mask_to_ids(sel, max(topk, 0))
+    """Same contract as deepinfer.kernels.torch.indexer.index_topk_ids (the op the model calls): the selection as
+    ids int32 [S, topk], ascending entry order, -1 padded; the candidate source (candidate_blocks > 0) also returns
+    its candidate mask: (ids, mask [S, G] bool). The kernel writes no [S, G] selection mask."""
+    if not _covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size):
+        return fall_back("index_topk_ids", _why_not(scores), torch_indexer.index_topk_ids, scores, visible, topk,
+                         candidates, candidate_blocks, candidate_block_size)
+    ids, _, cand = _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size, want_mask=False)
     return (ids, cand) if candidate_blocks > 0 else ids

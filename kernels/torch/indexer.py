@@ -123,13 +123,30 @@ def index_topk(
     return selected, cand_mask
 
 
-def indexer_scores_fp4(q, q_seq, visible, k, k_scale, weights, softmax_scale):
+def mask_to_ids(selected: torch.Tensor, topk: int) -> torch.Tensor:
+    """[S, G] bool -> int32 [S, topk]: the selected entry ids ascending, -1 padded."""
+    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)[:, :topk]
+    ids = torch.where(selected.gather(1, order), order, -1).to(torch.int32)
+    return torch.nn.functional.pad(ids, (0, topk - ids.shape[1]), value=-1) if ids.shape[1] < topk else ids
+
+
+def index_topk_ids(scores, visible, topk, candidates=None, candidate_blocks=0, candidate_block_size=0):
+    """The selection of `index_topk` as the ids the decode attention reads: int32 [S, topk], ascending entry
+    order, -1 padded; the candidate source (candidate_blocks > 0) also returns its candidate mask [S, G] bool,
+    which later index layers need: (ids, mask)."""
+    sel, cand = index_topk(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
+    ids = mask_to_ids(sel, max(topk, 0))
+    return (ids, cand) if candidate_blocks > 0 else ids
+
+
+def indexer_scores_fp4(q, q_seq, visible, k, k_scale, rows, weights, softmax_scale):
     """The indexer over keys as stored (the TileLang FP4 kernel's contract): q [T, h, d] (FP4 fake-quantised
-    values), q_seq [T] the sequence of each query, visible [T] entries it may see; k [B, G, d/2] e2m1 pairs with
-    k_scale [B, G, d/32] ue8m0 bytes; weights [T, h] -> [T, G] fp32, -inf past `visible`."""
+    values), q_seq [T] the sequence of each query, visible [T] entries it may see; the key pool k [N, d/2] e2m1
+    pairs with k_scale [N, d/32] ue8m0 bytes, rows [B, G] the pool row of entry g of sequence b; weights [T, h]
+    -> [T, G] fp32, -inf past `visible`."""
     from .cache_formats import Fp4Codec
 
-    keys = Fp4Codec(32, False).decode(k, k_scale, torch.float32)
+    keys = Fp4Codec(32, False).decode(k[rows], k_scale[rows], torch.float32)
     scores = indexer_scores(q, keys, q_seq.long(), weights, softmax_scale, visible.long())
     G = scores.shape[1]
     return scores.masked_fill(torch.arange(G, device=q.device)[None, :] >= visible.long()[:, None], float("-inf"))

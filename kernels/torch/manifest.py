@@ -20,7 +20,7 @@ _WHERE = {
     "compressor_pool": "compressor",
     "indexer_scores": "indexer",
     "indexer_scores_fp4": "indexer",
-    "index_topk": "indexer",
+    "index_topk_ids": "indexer",
     "moe_router": "moe",
     "moe_experts": "moe",
     "engram_hash": "engram",

@@ -40,9 +40,14 @@ def test_fp4_cache_scores(visible):
     q = quant.fake_quant_fp4(torch.randn(B, 32, 128, generator=g), 32).bfloat16()
     w = torch.randn(B, 32, generator=g) * 32**-0.5
     vis = torch.tensor(visible, dtype=torch.int32)
+    # the keys sit in a pool in scrambled rows (plus one spare), read through the entry -> row table
+    rows = torch.randperm(B * Gmax, generator=g).view(B, Gmax)
+    pool = torch.zeros(B * Gmax + 1, 64, dtype=torch.uint8)
+    pool_scale = torch.zeros(B * Gmax + 1, 4, dtype=torch.uint8)
+    pool[rows], pool_scale[rows] = packed, scale
     poison_allocator()
-    out = indexer_scores_fp4(q.cuda(), torch.arange(B, dtype=torch.int32).cuda(), vis.cuda(), packed.cuda(),
-                             scale.cuda(), w.cuda(), 128**-0.5).cpu()
+    out = indexer_scores_fp4(q.cuda(), torch.arange(B, dtype=torch.int32).cuda(), vis.cuda(), pool.cuda(),
+                             pool_scale.cuda(), rows.cuda(), w.cuda(), 128**-0.5).cpu()
     for b in range(B):
         n = visible[b]
         expect = ref.indexer_scores(q[b : b + 1].double(), keys[b : b + 1, :n].double(), torch.zeros(1, dtype=torch.long),
