@@ -99,8 +99,8 @@ def main():
     # ---- compile everything first, in parallel
     # sweep variants (each a patch of moe.py's tile policy): is deeper pipelining worth the occupancy (if the proxy
     # fence's MEMBAR does not wait on in-flight cp.async, 5 stages should beat 4), are larger FP4 steps, a wider
-    # token tile, or smaller shared-expert steps / a split shared down pass better? Does moe_prep beat torch's
-    # sorts past PREP_KERNEL_ASSIGNMENTS (set for its previous generation; 384 tokens = 2,304 assignments)?
+    # token tile, or smaller shared-expert steps / a split shared down pass better? Does moe_prep still beat
+    # torch's sorts (moe_table.py) at the largest sizes it builds (PREP_KERNEL_ASSIGNMENTS)?
     variants = {"kernel": {}}
     if args.sweep or args.variants:
         variants.update({"fp4 stages5": {"fp4": (256, 5)}, "fp4 bk512": {"fp4": (512, 4)},
@@ -110,7 +110,7 @@ def main():
                          "routed bt32 bn128": {"routed_bt": 32, "routed_bn": 128}, "fp8 bk256": {"fp8": (256, 4)},
                          "shared-down split3": {"shared_down_splits": 3},
                          "routed-down split3": {"routed_down_splits": 3},
-                         "prep kernel any size": {"prep_assignments": 1 << 30}})
+                         "table by torch sorts": {"prep_assignments": 0}})
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(",")]
         unknown = [v for v in wanted if v not in variants]

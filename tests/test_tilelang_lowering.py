@@ -28,6 +28,7 @@ def _kernels():
         "attn_combine": lambda: comb.build_sink_combine(splits=4),
         "indexer_dense": lambda: idx.build_indexer_scores("dense"),
         "indexer_fp4": lambda: idx.build_indexer_scores("fp4"),
+        "indexer_fp4_tiles": lambda: idx.build_indexer_scores("fp4", tiles=16),
     }
 
 
@@ -36,7 +37,7 @@ def _kernels():
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", ["moe_prep", "router_logits", "router_topk", "attn_dense", "attn_dense_single",
-                                  "attn_combine", "indexer_dense", "indexer_fp4"])
+                                  "attn_combine", "indexer_dense", "indexer_fp4", "indexer_fp4_tiles"])
 def test_kernel_lowers_to_cuda(name, arch):
     from lowering_helpers import lower_source
 
@@ -112,3 +113,15 @@ def test_manifest_registers_cuda_only():
     assert {e.kind for e in ours} == set(registry.OP_KINDS) - {"vision_attention"}
     assert all(e.devices == ("cuda",) for e in ours)
     assert "tilelang-sm90" not in registry.backends_for("moe_experts", "cpu")
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_indexer_key_tiles_fill_the_gpu_and_grow_with_the_context():
+    from deepinfer.kernels.tilelang.indexer import FILL_BLOCKS, key_tiles
+
+    assert key_tiles(1, 8192) == 1                  # one query: every tile its own block
+    assert key_tiles(256, 8192) == 16 and key_tiles(64, 8192) == 4
+    for n_q, n_g in ((1, 100), (8, 8192), (64, 1024), (256, 1024), (256, 32768), (1024, 128)):
+        t = key_tiles(n_q, n_g)
+        blocks = n_q * -(-(-(-n_g // 128)) // t)
+        assert t == 1 or blocks >= FILL_BLOCKS

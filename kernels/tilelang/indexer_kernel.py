@@ -16,9 +16,13 @@ from .dequant import CUDA_SOURCE, fp4_perm
 NEG_INF = float("-inf")
 
 
-def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: int = 128, threads: int = 128):
+def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: int = 128, threads: int = 128,
+                         tiles: int = 1):
+    """tiles ("fp4"): key tiles of block_g entries one block scores in turn for its query (the query's q loaded
+    once for them all; the launcher picks it so the grid still fills the GPU)."""
     assert source in ("dense", "fp4") and heads <= 64 and 64 % heads == 0
-    Hh, Dd, BG = heads, dim, block_g
+    assert tiles == 1 or source == "fp4"
+    Hh, Dd, BG, TILES = heads, dim, block_g, tiles
     QPB = 64 // heads if source == "dense" else 1  # queries per block
     n_q, n_g, n_seq, n_rows = T.dynamic("n_q"), T.dynamic("n_g"), T.dynamic("n_seq"), T.dynamic("n_rows")
     chunks = BG * Dd // 8 // threads
@@ -71,7 +75,7 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
         scores: T.Tensor((n_q, n_g), "float32"),
         scale: T.float32,
     ):
-        with T.Kernel(T.ceildiv(n_g, BG), n_q, threads=threads) as (bg, bq):
+        with T.Kernel(T.ceildiv(n_g, BG * TILES), n_q, threads=threads) as (bx, bq):
             q_s = T.alloc_shared((64, Dd), "bfloat16")
             k_s = T.alloc_shared((BG, Dd), "bfloat16")
             acc = T.alloc_fragment((64, BG), "float32")
@@ -84,26 +88,31 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
             T.import_source(CUDA_SOURCE)
             b = q_seq[bq]
             gch = tx % (Dd // 8)  # the thread's 8-channel chunk, the same in every pass (threads % (Dd/8) == 0)
-            if bg * BG < visible[bq]:
+            if bx * TILES * BG < visible[bq]:  # the query's q once for all the block's key tiles
                 for r, d in T.Parallel(64, Dd):
                     q_s[r, d] = T.if_then_else(r < Hh, q[bq, r % Hh, fp4_perm(d)], T.cast(0, "bfloat16"))
-                # pool rows, then every key load of the thread, then the dequant: the loads are all in flight
-                for i in T.unroll(chunks):
-                    prow[i] = rows[b, T.min(bg * BG + (i * threads + tx) // (Dd // 8), n_g - 1)]
-                for i in T.unroll(chunks):
-                    for v in T.vectorized(4):
-                        packed[i * 4 + v] = k[prow[i], gch * 4 + v]
-                    sc[i] = k_scale[prow[i], gch // 4]
-                for i in T.unroll(chunks):
-                    T.call_extern("handle", "di_dq_e2m1x8", T.address_of(packed[i * 4]), sc[i], T.address_of(vals[0]))
-                    for v in T.vectorized(8):
-                        k_s[(i * threads + tx) // (Dd // 8), gch * 8 + v] = vals[v]
-                T.sync_threads()
-                T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True)
-                finish(bq, bg, acc, c_s, weights, scores, scale, lambda s: visible[s])
-            else:
-                for j in T.Parallel(BG):
-                    if bg * BG + j < n_g:
-                        scores[bq, bg * BG + j] = NEG_INF
+            for t in T.serial(TILES):
+                bg = bx * TILES + t
+                T.sync_threads()  # the previous tile's readers of k_s / c_s are done
+                if bg * BG < visible[bq]:
+                    # pool rows, then every key load of the thread, then the dequant: the loads are all in flight
+                    for i in T.unroll(chunks):
+                        prow[i] = rows[b, T.min(bg * BG + (i * threads + tx) // (Dd // 8), n_g - 1)]
+                    for i in T.unroll(chunks):
+                        for v in T.vectorized(4):
+                            packed[i * 4 + v] = k[prow[i], gch * 4 + v]
+                        sc[i] = k_scale[prow[i], gch // 4]
+                    for i in T.unroll(chunks):
+                        T.call_extern("handle", "di_dq_e2m1x8", T.address_of(packed[i * 4]), sc[i],
+                                      T.address_of(vals[0]))
+                        for v in T.vectorized(8):
+                            k_s[(i * threads + tx) // (Dd // 8), gch * 8 + v] = vals[v]
+                    T.sync_threads()
+                    T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True)
+                    finish(bq, bg, acc, c_s, weights, scores, scale, lambda s: visible[s])
+                else:
+                    for j in T.Parallel(BG):
+                        if bg * BG + j < n_g:
+                            scores[bq, bg * BG + j] = NEG_INF
 
     return indexer_scores_fp4

@@ -54,3 +54,29 @@ def test_fp4_cache_scores(visible):
                                     w[b : b + 1].double(), 128**-0.5)
         assert rel_err(out[b : b + 1, :n], expect) < 1e-5
         assert torch.isneginf(out[b, n:]).all()
+
+
+def test_fp4_scores_are_the_same_bits_for_any_key_tiles_per_block():
+    """The launcher scores more key tiles per block as batch x context grows (indexer.key_tiles): a score must
+    not depend on it, nor on where a query's visible count or the entry count ends inside a block's tiles."""
+    from deepinfer.kernels.tilelang._build import jit
+    from deepinfer.kernels.tilelang.indexer_kernel import build_indexer_scores
+
+    g = torch.Generator().manual_seed(7)
+    B, G = 5, 2300  # not a multiple of 128 x 16
+    visible = torch.tensor([2300, 1, 129, 2047, 1600], dtype=torch.int32)
+    rows = torch.randperm(B * G, generator=g).view(B, G)
+    pool = torch.randint(0, 256, (B * G + 1, 64), dtype=torch.uint8, generator=g)
+    pool_scale = torch.randint(120, 128, (B * G + 1, 4), dtype=torch.uint8, generator=g)
+    q = quant.fake_quant_fp4(torch.randn(B, 32, 128, generator=g), 32).bfloat16()
+    w = torch.randn(B, 32, generator=g) * 32**-0.5
+    args = [t.cuda() for t in (q, torch.arange(B, dtype=torch.int32), visible, pool, pool_scale, rows, w)]
+    outs = {}
+    for tiles in (1, 4, 16):
+        out = torch.full((B, G), 7.0, device="cuda")
+        jit(build_indexer_scores, "fp4", 32, 128, 128, 128, tiles)(*args, out, 128**-0.5)
+        outs[tiles] = out.cpu()
+    for tiles in (4, 16):
+        assert torch.equal(outs[tiles], outs[1]), tiles
+    for b, n in enumerate(visible.tolist()):
+        assert torch.isfinite(outs[1][b, :n]).all() and torch.isneginf(outs[1][b, n:]).all()

@@ -190,10 +190,10 @@ def test_kernels_each_tile(fmt, block_t, block_n):
         assert torch.isfinite(y).all() and rel_err(y, y_ref) < 5e-3, (splits, rel_err(y, y_ref))
 
 
-@pytest.mark.parametrize("tokens", [1, 6, 85, 341, 342, 1100])
+@pytest.mark.parametrize("tokens", [1, 6, 85, 341, 342, 1100, 2047])
 def test_the_prep_kernel_and_the_torch_table_agree(tokens):
-    """moe_prep_kernel (up to 2048 assignments) and moe_table's sorts (beyond) build the same table, so the switch
-    between them changes no output; -1 (no expert) entries included."""
+    """moe_prep_kernel (up to moe.PREP_KERNEL_ASSIGNMENTS) and moe_table's sorts (beyond) build the same table, so
+    the switch between them changes no output; -1 (no expert) entries included."""
     from deepinfer.kernels.tilelang import moe as moe
     from deepinfer.kernels.tilelang._build import jit
     from deepinfer.kernels.tilelang.moe_table import routing_table_torch
