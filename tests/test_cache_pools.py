@@ -209,3 +209,13 @@ def test_pack_step_splits_only_when_told_which_rows_are_generated(model):
     prompt = pack_step([[5], [6]], seqs, pools.layout, "cpu", decode_rows=[True, False])
     assert not prompt.decode_only and [t.tolist() for t in prompt.split] == [[0], [1]]
     assert pack_step([[5], [6]], seqs, pools.layout, "cpu", decode_rows=[True, True]).decode_only
+
+
+def test_the_block_table_holds_each_sequence_s_blocks_then_the_fill():
+    from types import SimpleNamespace
+
+    from deepinfer.models.cache.metadata import block_table
+
+    seqs = [SimpleNamespace(blocks=[7, 3, 9]), SimpleNamespace(blocks=[]), SimpleNamespace(blocks=[5, 1, 2, 8, 6])]
+    assert block_table(seqs, 4, -1).tolist() == [[7, 3, 9, -1], [-1, -1, -1, -1], [5, 1, 2, 8]]
+    assert block_table(seqs, 4, -1).dtype == torch.int64 and block_table([], 3, 0).shape == (0, 3)

@@ -39,7 +39,7 @@ import logging
 import torch
 
 from deepinfer.models.cache import HostStep, derive
-from deepinfer.models.cache.metadata import to_device
+from deepinfer.models.cache.metadata import block_table, to_device
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -201,7 +201,7 @@ class DecodeGraphs:
         i["positions"][: B * L].copy_(toks[:, 1])
         i["past"][:B].copy_(seqs[:, 0])
         i["slots"][:B].copy_(seqs[:, 1])
-        i["table"][:B, :mb].copy_(to_device([s.blocks + [spare] * (mb - len(s.blocks)) for s in states], dev))
+        i["table"][:B, :mb].copy_(to_device(block_table(states, mb, spare), dev))
         if B < size:
             self._pad(B, size, L)
         graph, out = self._graphs[key]

@@ -17,9 +17,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from .pools import CacheLayout, CachePools
+
+
+def block_table(seqs, width: int, fill: int) -> torch.Tensor:
+    """[len(seqs), width] int64 (host) of each sequence's cache blocks, `fill` past its last. Row by row through
+    numpy: torch.tensor of a list of lists took ~25 ms a step at 256 sequences x 513 blocks (32K tokens) on one
+    CPU core, on the step's critical path, where this takes ~3."""
+    tab = np.full((len(seqs), width), fill, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        n = min(len(s.blocks), width)
+        if n:
+            tab[i, :n] = s.blocks[:n]
+    return torch.from_numpy(tab)
 
 
 def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
@@ -61,7 +74,7 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all
             raise ValueError(f"sequence in slot {s.slot} holds {len(s.blocks)} blocks ({s.capacity} tokens); "
                              f"the step needs {p + n}")
     mb = max(1, max(len(s.blocks) for s in seqs))
-    table = torch.tensor([s.blocks[:mb] + [0] * (mb - len(s.blocks)) for s in seqs], dtype=torch.int64)
+    table = block_table(seqs, mb, 0)
     ratios = {src.ratio for src in layout.sources.values()}
     max_entries = {r: max((p + n) // r for p, n in zip(past, lengths)) for r in ratios}
     base = {
