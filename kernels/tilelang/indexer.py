@@ -53,7 +53,7 @@ def indexer_scores_fp4(q, q_seq, visible, k, k_scale, rows, weights, softmax_sca
         return fall_back("indexer_scores_fp4", why, torch_indexer.indexer_scores_fp4, q, q_seq, visible, k, k_scale,
                          rows, weights, softmax_scale)
     out = torch.empty(n_q, rows.shape[1], dtype=torch.float32, device=q.device)
-    jit(build_indexer_scores, "fp4", h, d, BLOCK_G, 128, key_tiles(n_q, rows.shape[1]))(q.bfloat16().contiguous(), q_seq.int(), visible.int(), k.contiguous(),
-                                           k_scale.contiguous(), rows.long().contiguous(), weights.float().contiguous(),
-                                           out, float(softmax_scale))
+    kernel = jit(build_indexer_scores, "fp4", h, d, BLOCK_G, 128, key_tiles(n_q, rows.shape[1]))
+    kernel(q.bfloat16().contiguous(), q_seq.int(), visible.int(), k.contiguous(), k_scale.contiguous(),
+           rows.long().contiguous(), weights.float().contiguous(), out, float(softmax_scale))
     return out
