@@ -30,9 +30,10 @@ from .moe_table import routing_table_torch
 from .moe_router_kernel import SCORES, build_router_logits, build_router_topk
 
 INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-invariant mode
-# routing tables of more (token, expert) pairs are built by torch's sorts. moe_prep is the faster up to the 2,048
-# tokens from which moe_prefill takes FP4 experts (12,288 assignments at top-6): 47 / 52 / 116 us less than the
-# sorts at 384 / 512 / 1,024 tokens on the H200 (benchmarks/results/moe_gpu_prep_sweep*_h200.log)
+# routing tables of more (token, expert) pairs are built by torch's sorts. moe_prep took 47 / 52 / 116 us less
+# than the sorts at 384 / 512 / 1,024 tokens on the H200 (benchmarks/results/moe_gpu_prep_sweep*_h200.log; the
+# gap widening), so it serves every size below the 2,048 tokens from which moe_prefill takes FP4 experts (12,288
+# assignments at top-6; 1,024-2,047 tokens not measured)
 PREP_KERNEL_ASSIGNMENTS = 12288
 # tokens from which the shared expert runs dequantised through cuBLAS (as linear.py's projections from PREFILL_ROWS)
 SHARED_DENSE_TOKENS = 1024
