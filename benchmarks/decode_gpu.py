@@ -594,15 +594,14 @@ def main(argv=None) -> int:
                         row["profile"] = profile_decode(engine, tap, b, ctx, model.config.vocab_size)
                         row["profile"]["layers"] = model.config.num_hidden_layers
                         # the step's time beyond its kernels' (host work on the step's path, idle gaps; negative
-                        # where the shared expert's side stream overlaps the main one): 21 ms at B=256/32K was the
-                        # host building the block table from Python lists
+                        # where the shared expert's side stream overlaps the main one): of 21 ms at B=256/32K, ~10
+                        # were the host building the block table from Python lists
                         prof = row["profile"]
                         prof["outside_kernels_ms"] = row.get("step_ms", float("nan")) - prof["cuda_ms"]
-                        print(f"profile B={b} ctx={ctx}: one decode step, {row['profile']['kernels']} kernels, "
-                              f"{row['profile']['cuda_ms']:.3f} ms of kernel time "
-                              f"({row['profile']['outside_kernels_ms']:+.1f} ms of the step outside them); top:",
-                              flush=True)
-                        for name, ms, n in row["profile"]["top"][:15]:
+                        print(f"profile B={b} ctx={ctx}: one decode step, {prof['kernels']} kernels, "
+                              f"{prof['cuda_ms']:.3f} ms of kernel time ({prof['outside_kernels_ms']:+.1f} ms of "
+                              f"the step outside them); top:", flush=True)
+                        for name, ms, n in prof["top"][:15]:
                             print(f"   {ms:8.3f} ms  x{n:<4d} {name[:110]}", flush=True)
                     rows.append(row)
                     bad = check_decode(row, steps)
