@@ -23,6 +23,7 @@ from deepinfer.sampling import heap_trim
 from deepinfer.sampling.compile_queue import ClientBusy, CompileQueue
 from deepinfer.sampling.grammar_state import GrammarState
 from deepinfer.sampling.json_schema_shim import rewrite_length_capped_strings
+from deepinfer.sampling.literal_trie import factor_literal_alternations
 from deepinfer.sampling.params import _validate_so_args
 from deepinfer.sampling.schema_limits import limits_error
 from deepinfer.sampling.utf8_guard import Utf8Guard
@@ -222,9 +223,10 @@ class GrammarCompilerPool(AbstractContextManager):
             parsed = json.loads(schema) if isinstance(schema, str) else schema  # clear "invalid JSON" errors
             # Not sort_keys: the order of "properties" is the order the fields are generated in.
             text = json.dumps(rewrite_length_capped_strings(parsed))
-            return compiler.compile_json_schema(
-                text, any_whitespace=True, max_whitespace_cnt=self.json_max_whitespace
-            )
+            grammar = xgr.Grammar.from_json_schema(text, any_whitespace=True,
+                                                   max_whitespace_cnt=self.json_max_whitespace)
+            factored = factor_literal_alternations(str(grammar))  # long enums as tries (literal_trie.py)
+            return compiler.compile_grammar(grammar if factored is None else factored)
         if schema_type == "regex":
             return compiler.compile_regex(schema)
         return compiler.compile_grammar(schema)
