@@ -9,8 +9,8 @@ Anthropic messages (half streaming), responses, and structured chat (a small jso
 of range, an unknown model, a body that is not an object), 10% streaming requests whose client disconnects after the
 first event. Faults, at fractions of the run: 2,000 idle connections (the server runs under `ulimit -n 1024`),
 oversized bodies (5 MB), two grammar floods, each from a client address of its own (127.0.0.2, 127.0.0.3: eight
-distinct 10,000-value enums and one 100,000-value enum of short strings at once; the per-client bound answers
-some 429, the values cap the big one 400), the engine core SIGSTOPped (the time until /health says 503 is measured;
+distinct 10,000-value enums, their values `--flood-values` prefixed or unshared, and one 100,000-value enum of short
+strings at once; the per-client bound answers some 429, the values cap the big one 400), the engine core SIGSTOPped (the time until /health says 503 is measured;
 the server then exits once engine.heartbeat_timeout declares the core dead, and is restarted), the engine core
 SIGKILLed (the server exits 1 and is restarted). A server exit counts as a crash unless it is exit 1 with the
 "engine stopped" line within a minute after a core fault.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -245,13 +246,23 @@ def oversized_bodies(url: str, n: int, log: list) -> None:
     log.append({"fault": "oversized_bodies", "t": time.monotonic(), "statuses": statuses})
 
 
-async def grammar_flood(url: str, n: int, values: int, source: str, log: list) -> None:
+def flood_value(kind: str, source: str, k: int, i: int) -> str:
+    """Value i of schema k of a grammar flood: "prefixed" values share all but their last digits (IDs, codes: the
+    server's enum trie stores the prefix once), "unshared" ones are 20 hex digits of a hash (nothing to share: the
+    grammar compiles as large as xgrammar makes it)."""
+    if kind == "unshared":
+        return hashlib.sha1(f"{source}k{k}v{i}".encode()).hexdigest()[:20]
+    return f"s{source}k{k}v{i}"
+
+
+async def grammar_flood(url: str, n: int, values: int, source: str, log: list, kind: str = "prefixed") -> None:
     """n distinct heavy schemas at once (distinct: xgrammar caches a compiled schema by its text), as vLLM's
     `structured_outputs` (a response_format schema is also rendered into the prompt, past this model's context),
     plus one 100,000-value enum of short strings (under 1 MiB, over the values cap), from the address `source`:
-    the server bounds compilations per client address, so the flood's 429s are its own."""
+    the server bounds compilations per client address, so the flood's 429s are its own. kind: flood_value's."""
     short = {"type": "object", "properties": {"x": {"enum": [f"v{i:05d}" for i in range(100_000)]}}}
-    schemas = [{"type": "object", "properties": {"x": {"enum": [f"s{source}k{k}v{i}" for i in range(values)]}},
+    schemas = [{"type": "object", "properties": {"x": {"enum": [flood_value(kind, source, k, i)
+                                                                for i in range(values)]}},
                 "required": ["x"]} for k in range(n)] + [short]
 
     async def one(client, schema):
@@ -335,7 +346,8 @@ async def soak(args, sup: Supervisor, url: str) -> dict:
                         loop.run_in_executor(None, oversized_bodies, url, 6, faults)
                     elif name.startswith("grammar:"):
                         source = name.split(":", 1)[1]
-                        tasks.append(asyncio.ensure_future(grammar_flood(url, 8, 10_000, source, faults)))
+                        tasks.append(asyncio.ensure_future(grammar_flood(url, 8, 10_000, source, faults,
+                                                                          args.flood_values)))
                     elif name == "sigstop":
                         loop.run_in_executor(None, stop_core, sup, url, faults)
                     elif name == "sigkill":
@@ -477,6 +489,7 @@ def summarize(args, run: dict, sup: Supervisor, final_code) -> dict:
     return {
         "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
         "server_overrides": args.overrides,
+        "flood_values": args.flood_values,
         "outcomes": counts,
         "refused_by_status": refused_by,
         "refused_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:25]),
@@ -496,8 +509,9 @@ def summarize(args, run: dict, sup: Supervisor, final_code) -> dict:
     }
 
 
-def plot(results: list[dict], summary: dict, path: Path) -> bool:
-    """The PNG of latency (every request, by outcome) and RSS over time; False when matplotlib is missing."""
+def plot(results: list[dict] | None, summary: dict, path: Path) -> bool:
+    """The PNG of latency (every request, by outcome; results None: the JSON's 10-second windows, p50 / p99 / max of
+    the completed ones) and RSS over time; False when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -506,12 +520,20 @@ def plot(results: list[dict], summary: dict, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for outcome, color in (("completed", "tab:blue"), ("refused", "tab:orange"), ("lost", "tab:red"),
-                           ("hung", "black")):
-        pts = [(r["t"], r["latency"]) for r in results if r["outcome"] == outcome]
-        if pts:
-            a.scatter(*zip(*pts), s=3, color=color, label=outcome)
-    top = max((r["latency"] for r in results), default=1.0)
+    if results is None:
+        for key, color in (("p50_s", "tab:blue"), ("p99_s", "tab:orange"), ("max_s", "tab:red")):
+            pts = [(w["t"], w[key]) for w in summary["latency_windows"] if w.get(key) is not None]
+            if pts:
+                a.plot(*zip(*pts), ".-", markersize=2, linewidth=0.8, color=color,
+                       label=f"completed, {key[:-2]} of 10 s")
+        top = max((w["max_s"] for w in summary["latency_windows"] if w.get("max_s") is not None), default=1.0)
+    else:
+        for outcome, color in (("completed", "tab:blue"), ("refused", "tab:orange"), ("lost", "tab:red"),
+                               ("hung", "black")):
+            pts = [(r["t"], r["latency"]) for r in results if r["outcome"] == outcome]
+            if pts:
+                a.scatter(*zip(*pts), s=3, color=color, label=outcome)
+        top = max((r["latency"] for r in results), default=1.0)
     for f in summary["faults"]:
         for ax in (a, b):
             ax.axvline(f["t"], color="gray", linestyle=":", linewidth=1)
@@ -553,12 +575,22 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-connections", type=int, default=2000)
     ap.add_argument("--request-timeout", type=float, default=180.0, help="seconds before a request counts as hung")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flood-values", choices=("prefixed", "unshared"), default="prefixed",
+                    help="the grammar floods' enum values (flood_value)")
     ap.add_argument("--run-dir", default="outputs/soak")
     ap.add_argument("--out", default=None, help="JSON path (a PNG is written beside it)")
     ap.add_argument("--overrides", nargs="*", default=[
         "engine.max_num_seqs=32", "cache.memory_budget=134217728", "engine.heartbeat_timeout=10",
         "serve.header_timeout=5"], help="server config overrides")
+    ap.add_argument("--plot-from", default=None, help="only draw this recorded JSON's PNG beside it (no run)")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        path = Path(args.plot_from)
+        if not plot(None, json.loads(path.read_text()), path.with_suffix(".png")):
+            print("soak: matplotlib is not installed (not a project dependency): no plot", file=sys.stderr)
+            return 1
+        print(f"soak: wrote {path.with_suffix('.png')}")
+        return 0
     args.port = free_port()
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

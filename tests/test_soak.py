@@ -50,3 +50,29 @@ def test_only_exit_1_after_a_core_fault_is_an_expected_server_exit():
              {"t": 300.0, "code": 1, "last_line": line},  # long after any core fault: a crash
              {"t": 102.0, "code": -11, "last_line": line}]
     assert [e["expected"] for e in soak.classify_exits(exits, faults)] == [True, False, False, False]
+
+
+def test_the_floods_enums_are_prefixed_ids_the_trie_shares_or_hashes_it_leaves_flat():
+    """--flood-values: "prefixed" floods compile small as tries (sampling/literal_trie.py), "unshared" ones as large
+    as xgrammar makes them, so a soak can measure the server with either."""
+    import xgrammar as xgr
+
+    from deepinfer.sampling.literal_trie import factor_literal_alternations
+
+    for kind, as_trie in (("prefixed", True), ("unshared", False)):
+        values = [soak.flood_value(kind, "127.0.0.2", 3, i) for i in range(2000)]
+        assert len(set(values)) == 2000
+        grammar = str(xgr.Grammar.from_json_schema(json.dumps({"enum": values})))
+        assert (factor_literal_alternations(grammar) is not None) is as_trie, kind
+
+
+def test_a_recorded_runs_plot_is_drawn_from_its_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    summary = {"faults": [{"fault": "sigkill", "t": 20.0}],
+               "latency_windows": [{"t": 0.0, "completed": 3, "p50_s": 0.2, "p99_s": 0.5, "max_s": 0.6},
+                                   {"t": 10.0, "refused": 2, "p50_s": None, "p99_s": None, "max_s": None}],
+               "rss_series": [{"t": 1.0, "server_mb": 280.0, "core_mb": 370.0, "instance": 1}]}
+    path = tmp_path / "soak.json"
+    path.write_text(json.dumps(summary))
+    assert soak.main(["--plot-from", str(path)]) == 0
+    assert path.with_suffix(".png").stat().st_size > 0
