@@ -354,6 +354,8 @@ async def soak(args, sup: Supervisor, url: str) -> dict:
                         loop.run_in_executor(None, kill_core, sup, faults)
             tasks.append(asyncio.ensure_future(run_one(client, url, make_request(rng, i), args.request_timeout)))
         gathered = await asyncio.gather(*tasks)
+        # the last request is sent at (n - 1) / rate: the run (and the RSS samples) last the whole duration
+        await asyncio.sleep(max(0.0, t_start + args.duration - time.monotonic()))
         sampler.cancel()
     results = [r for r in gathered if isinstance(r, dict)]
     for r in results:

@@ -127,8 +127,8 @@ def _tails(node: _Node) -> list[list[str]]:
 
 def factor_literal_alternations(ebnf: str, min_alternatives: int = MIN_ALTERNATIVES) -> str | None:
     """`ebnf` (as xgrammar prints a Grammar) with every rule that is an alternation of at least `min_alternatives`
-    plain literals, whose trie keeps at most half of their characters, replaced by that trie; None when no rule
-    is."""
+    plain literals, whose trie keeps at most MOST_KEPT of their characters, replaced by that trie; None when no
+    rule is."""
     lines = ebnf.splitlines()
     taken = {line.partition(" ::= ")[0] for line in lines}
     out, added = [], []
