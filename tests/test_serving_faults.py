@@ -108,7 +108,7 @@ def test_one_accept_failure_for_lack_of_descriptors_ends_the_accept_burst():
 
 @pytest.mark.timeout(240)
 def test_health_reports_a_stopped_core_and_a_dead_core_ends_the_server_with_one_line(tmp_path):
-    proc, url = _start(tmp_path)
+    proc, url = _start(tmp_path, "serve.keep_alive_timeout=20")  # the refusals before the exit: 20 s of them
     try:
         core = _engine_pid(proc)
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
@@ -132,6 +132,11 @@ def test_health_reports_a_stopped_core_and_a_dead_core_ends_the_server_with_one_
         waiting.join(120)
         assert answer["r"].status_code == 503, answer["r"].text
         assert answer["r"].json()["error"]["message"].startswith("the engine is not serving: ")
+        # until it stops, the server answers 503 and closes each connection after its answer, so no kept-alive
+        # connection is closed under a request as it exits
+        with httpx.Client(timeout=30) as client:
+            late = client.post(f"{url}/v1/chat/completions", json=body)
+        assert late.status_code == 503 and late.headers.get("connection") == "close", (late.status_code, late.headers)
         assert proc.wait(timeout=120) == 1
         err = proc.stderr.read()
         assert "Traceback" not in err, err

@@ -392,7 +392,7 @@ class ServeSettings:
     # A request with an Origin header not listed is answered 403. Empty: none
     allowed_origins: List[str] = setting(factory=list)
     # the server exits (code 1, one line) when its engine core dies or hangs, so a supervisor restarts it (vLLM's
-    # behaviour); false: it stays up and answers 503
+    # behaviour), after keep_alive_timeout seconds of 503s with Connection: close; false: it stays up answering 503
     exit_on_engine_death: bool = True
 
 

@@ -97,7 +97,33 @@ def build_app(state: ServerState) -> FastAPI:
     guarded = _RequireKey(app, state.api_key) if state.api_key else app
     if state.guard is not None:
         guarded = Guard(guarded, state.guard, state.metrics.connections)
-    return guarded
+    return _CloseWhileStopping(guarded, state)
+
+
+class _CloseWhileStopping:
+    """ASGI wrapper: while the server drains or its engine is dead, every response says `Connection: close`, so a
+    client's kept-alive connections end with an answer (a 503) before the server stops, instead of being closed
+    under a request sent on them as the server exits."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+        self.router = getattr(app, "router", None)  # what tests and uvicorn may look at stays reachable
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def closing(message):
+            if message["type"] == "http.response.start" and self._stopping():
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
+                message = {**message, "headers": headers + [(b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, closing)
+
+    def _stopping(self) -> bool:
+        drain = self.state.drain
+        return (drain is not None and drain.draining) or self.state.engine.dead is not None
 
 
 class _RequireKey:

@@ -156,7 +156,8 @@ def serve(settings) -> None:
         try:
             app = build_app(state)
             config = http_config(app, cfg, state.metrics.connections, file_limit)
-            server = _Server(config, state.drain, engine if cfg.exit_on_engine_death else None)
+            server = _Server(config, state.drain, engine if cfg.exit_on_engine_death else None,
+                             exit_grace=cfg.keep_alive_timeout)
             _announce_when_bound(server, cfg.host, state.served_name)
             open_log_files()  # logging must need no new file descriptor once clients hold them
             server.run(sockets=[sock])  # installs SIGINT/SIGTERM handlers; returns after the drain
@@ -176,11 +177,13 @@ class _Server(uvicorn.Server):
     which does not re-raise the captured signal afterwards (that would kill the process before the engine core is
     closed): serve() returns, closes the engine, and the command exits 0. A second signal stops at once."""
 
-    def __init__(self, config, drain, watched_engine=None):
-        """watched_engine: an AsyncEngine whose death stops the server (serve.exit_on_engine_death), or None."""
+    def __init__(self, config, drain, watched_engine=None, exit_grace: float = 0.0):
+        """watched_engine: an AsyncEngine whose death stops the server (serve.exit_on_engine_death), or None.
+        exit_grace: seconds the server answers 503 after that death before it stops (serve.keep_alive_timeout)."""
         super().__init__(config)
         self.drain = drain
         self.watched = watched_engine
+        self.exit_grace = exit_grace
         self.engine_died: str | None = None
         self._loop = None
         self._watcher = None
@@ -193,10 +196,14 @@ class _Server(uvicorn.Server):
 
     async def _exit_when_engine_dies(self):
         """The engine's death (detected by its client within engine.heartbeat_timeout, or at once when its process
-        exits) stops the server; the requests in flight have been ended with a 503 / an error event by then."""
+        exits) stops the server; the requests in flight have been ended with a 503 / an error event by then. For
+        exit_grace seconds first, new requests are answered 503 with `Connection: close` (app.py), and idle
+        kept-alive connections reach uvicorn's keep-alive timeout, so no connection is open for a request to be
+        lost on when uvicorn stops (a soak lost one stopping at once: sent on a connection closed under it)."""
         while self.watched.dead is None:
             await self.watched.wait_for_change(WATCH_S)
         self.engine_died = self.watched.dead
+        await asyncio.sleep(self.exit_grace)
         self.should_exit = True
 
     def handle_exit(self, sig, frame):
