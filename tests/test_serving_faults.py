@@ -108,7 +108,7 @@ def test_one_accept_failure_for_lack_of_descriptors_ends_the_accept_burst():
 
 @pytest.mark.timeout(240)
 def test_health_reports_a_stopped_core_and_a_dead_core_ends_the_server_with_one_line(tmp_path):
-    proc, url = _start(tmp_path, "serve.keep_alive_timeout=20")  # the refusals before the exit: 20 s of them
+    proc, url = _start(tmp_path, "serve.keep_alive_timeout=10")  # the refusals before the exit: 10 s of them
     try:
         core = _engine_pid(proc)
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
