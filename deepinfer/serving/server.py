@@ -198,8 +198,9 @@ class _Server(uvicorn.Server):
         """The engine's death (detected by its client within engine.heartbeat_timeout, or at once when its process
         exits) stops the server; the requests in flight have been ended with a 503 / an error event by then. For
         exit_grace seconds first, new requests are answered 503 with `Connection: close` (app.py), and idle
-        kept-alive connections reach uvicorn's keep-alive timeout, so no connection is open for a request to be
-        lost on when uvicorn stops (a soak lost one stopping at once: sent on a connection closed under it)."""
+        kept-alive connections reach uvicorn's keep-alive timeout, so the only connections left when uvicorn
+        stops are ones opened in its last moments (a soak lost a request stopping at once: it was sent as its
+        connection was closed)."""
         while self.watched.dead is None:
             await self.watched.wait_for_change(WATCH_S)
         self.engine_died = self.watched.dead
