@@ -10,10 +10,10 @@ of range, an unknown model, a body that is not an object), 10% streaming request
 first event. Faults, at fractions of the run: 2,000 idle connections (the server runs under `ulimit -n 1024`),
 oversized bodies (5 MB), two grammar floods, each from a client address of its own (127.0.0.2, 127.0.0.3: eight
 distinct 10,000-value enums, their values `--flood-values` prefixed or unshared, and one 100,000-value enum of short
-strings at once; the per-client bound answers some 429, the values cap the big one 400), the engine core SIGSTOPped (the time until /health says 503 is measured;
-the server then exits once engine.heartbeat_timeout declares the core dead, and is restarted), the engine core
-SIGKILLed (the server exits 1 and is restarted). A server exit counts as a crash unless it is exit 1 with the
-"engine stopped" line within a minute after a core fault.
+strings at once; the per-client bound answers some 429, the values cap the big one 400), the engine core SIGSTOPped
+(the time until /health says 503 is measured; the server then exits once engine.heartbeat_timeout declares the core
+dead, and is restarted), the engine core SIGKILLed (the server exits 1 and is restarted). A server exit counts as a
+crash unless it is exit 1 with the "engine stopped" line within a minute after a core fault.
 
 Each request ends as exactly one outcome: `completed` (200 and the protocol's end: [DONE], message_stop,
 response.completed, or a whole JSON answer), `refused` (a clean 4xx/5xx with an error body, an error event in the

@@ -88,8 +88,9 @@ def test_a_heavy_grammar_waits_while_the_live_ones_hold_the_limit_and_compiles_o
 
 def test_the_engine_cores_rss_does_not_keep_heavy_grammars_after_their_requests_end():
     """Eight rounds of four 10,000-value enums whose values share no prefixes (33 MiB each as compiled grammars:
-    the enum trie cannot shrink them), in a core process like the server's. Before: through xgrammar's cache, and with the compile queue's idle threads holding
-    their last result, the core kept +770 MB after two (the soak's +760 MB). Now, once their requests end and the
+    the enum trie cannot shrink them), in a core process like the server's. Before: through xgrammar's cache, and
+    with the compile queue's idle threads holding their last result, the core kept +770 MB after two (the soak's
+    +760 MB). Now, once their requests end and the
     heap is trimmed, and with the core's malloc arenas capped (heap_trim.limit_arenas), less than one grammar's
     worth after every round, and its peak under three (measured: +2 to +34 MB kept over eight rounds and +99 MB
     at the peak before the cap; +4 to +5 MB kept and +56 MB at the peak with it)."""
