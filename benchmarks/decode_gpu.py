@@ -212,11 +212,13 @@ class StepTap:
 
 def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: int, graphs: bool, interval: int,
                 batched_tokens: int, zero_overhead: bool = True, block_size: int = 64, num_draft: int = 0,
-                seed: int = 0, replay=None, same_fill: bool = False, pool_tokens: int | None = None):
+                seed: int = 0, replay=None, same_fill: bool = False, pool_tokens: int | None = None,
+                varlen: bool = False):
     """An in-process engine (the model is built once per run and shared) with pools for max_seqs sequences of
     context + max_tokens tokens (`pool_tokens`: for that many tokens in all instead, sequences of different
     lengths): cache.memory_budget set from the pools' own layout. `num_draft`: DSpark drafts verified per step
-    (0: plain decoding). `replay`, `same_fill`: engine_backend's."""
+    (0: plain decoding); `varlen`: confidence-scheduled verification lengths (decoding.varlen). `replay`,
+    `same_fill`: engine_backend's."""
     from deepinfer.config.schema import Settings
     from deepinfer.engine import EngineOptions
     from deepinfer.frontend import LLMEngine
@@ -232,7 +234,7 @@ def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: i
                                       max_model_len=max_len, memory_budget=budget, block_size=block_size,
                                       process="inproc", zero_overhead_scheduling=zero_overhead,
                                       enforce_eager=not graphs, cudagraph_batch_size_interval=interval, seed=0,
-                                      num_draft_tokens=num_draft)
+                                      num_draft_tokens=num_draft, spec_varlen=varlen)
     engine = LLMEngine(lambda: backend, opts)
     return engine, StepTap(engine), budget
 

@@ -85,6 +85,25 @@ def controlled(j: int, reference: dict, vocab: int):
     return override
 
 
+def calibrated(j: int, reference: dict | None):
+    """confidence_override for --varlen: a confidence head that knows which drafts pass, 1.0 for each draft that is
+    the reference's next token (all before it passing too), else 0.0; without a reference (the j = 0 run, whose
+    drafts are the random draft layers' guesses) 0.0 for every draft. Varlen's planner then verifies the drafts
+    that pass and nothing more: what a calibrated head would have it do, the best case of confidence scheduling."""
+    def confidences(ids, num_prompt, drafts):
+        if reference is None or j == 0:
+            return [0.0] * len(drafts)
+        ref = reference[tuple(ids[:KEY_PREFIX])]
+        done = len(ids) - num_prompt
+        out, ok = [], True
+        for i, t in enumerate(drafts):
+            ok = ok and done + i < len(ref) and ref[done + i] == t
+            out.append(1.0 if ok else 0.0)
+        return out
+
+    return confidences
+
+
 def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int):
     """One generate of `prompts`: (outputs, timed decode steps of all rows after `warmup`, fallbacks, seconds)."""
     from deepinfer import SamplingParams
@@ -160,15 +179,17 @@ def profile_run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int) 
                 top=[[k, round(ms, 4), c] for k, ms, c in kernels[:30]])
 
 
-def make_row(model, batch, context, j, outs, timed, fallbacks, seconds, engine) -> dict:
+def make_row(model, batch, context, j, outs, timed, fallbacks, seconds, engine, varlen: bool = False) -> dict:
     from deepinfer.engine.metrics import speculative_summary
 
     dur = [s.device_end - s.device_start for s in timed]
     ms = statistics.median(dur) * 1e3 if dur else float("nan")
     spec = speculative_summary(timed) if j is not None else None
-    length = spec["mean_accepted_length"] if spec else (1.0 if j is None else float("nan"))
+    # varlen steps that verify no drafts are no verifications: one token a step
+    length = spec["mean_accepted_length"] if spec else (1.0 if j is None or varlen and timed else float("nan"))
     whole = (engine.last_metrics or {}).get("speculative") if j is not None else None
-    return dict(model=model, variant="plain" if j is None else "dspark", drafts_accepted=j, batch=batch,
+    return dict(model=model, variant="plain" if j is None else "dspark-varlen" if varlen else "dspark",
+                drafts_accepted=j, batch=batch,
                 context=context, step_ms=ms, step_ms_min=min(dur) * 1e3 if dur else None,
                 mean_accepted_length=length, intended_length=None if j is None else 1 + j,
                 acceptance=spec["acceptance_rate"] if spec else None,
@@ -229,19 +250,22 @@ def targets(rows: list[dict]) -> list[dict]:
     """The JSON's `targets` (issue 21), one per target this run's rows measure, per model."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model and r["variant"] == "dspark" and "speedup_vs_plain" in r]
+        mine = [r for r in rows if r["model"] == model and r["variant"] != "plain" and "speedup_vs_plain" in r]
+        how_run = " (varlen, calibrated confidences)" if any(r["variant"] == "dspark-varlen" for r in mine) else ""
         for batch, want in SPEEDUP_TARGETS.items():
             pts = [(r["mean_accepted_length"], r["speedup_vs_plain"], r["drafts_accepted"]) for r in mine
                    if r["batch"] == batch and r["mean_accepted_length"] == r["mean_accepted_length"]]
             if pts:
                 got, how = interpolate(pts, LENGTH_AT)
                 out.append(dict(name=f"{model}: DSpark tok/s per user over plain at a mean accepted length of "
-                                     f"{LENGTH_AT}, B={batch}", measured=None if got is None else round(got, 3),
+                                     f"{LENGTH_AT}, B={batch}{how_run}",
+                                measured=None if got is None else round(got, 3),
                                 target=want, unit="x", met=got is not None and got >= want, how=how))
         zero = next((r for r in mine if r["batch"] == 1 and r["drafts_accepted"] == 0), None)
         if zero is not None:
             got = round(zero["step_vs_plain"], 3)
-            out.append(dict(name=f"{model}: DSpark step at zero acceptance over a plain step, B=1", measured=got,
+            out.append(dict(name=f"{model}: DSpark step at zero acceptance over a plain step, B=1{how_run}",
+                            measured=got,
                             target=ZERO_STEP_TARGET, unit="x", met=got <= ZERO_STEP_TARGET))
     return out
 
@@ -271,7 +295,7 @@ def markdown(datas: list[dict]) -> str:
     for data in datas:
         for t in data.get("targets") or []:
             got = "not measured" if t["measured"] is None else f"{t['measured']:.2f}×"
-            sign = "≤" if t["name"].endswith("plain step, B=1") else "≥"
+            sign = "≤" if "plain step, B=1" in t["name"] else "≥"
             how = f" ({t['how']})" if t.get("how") else ""
             lines.append(f"- {t['name']}: {got}, target {sign} {t['target']}× — "
                          f"{'met' if t['met'] else 'missed'}{how}")
@@ -356,6 +380,9 @@ def parse(argv=None):
     ap.add_argument("--render", nargs="+", default=None,
                     help="only read these result files: --plot and --docs from them, the table printed (no GPU)")
     ap.add_argument("--docs", default=None, help="with --render: rewrite this page's generated table block")
+    ap.add_argument("--varlen", action="store_true",
+                    help="DSpark rows with decoding.varlen and a calibrated confidence head (`calibrated`): the "
+                         "planner verifies the drafts that pass")
     ap.add_argument("--profile", nargs="+", default=[], metavar="B:J",
                     help="rows to profile once more after timing (B:plain or B:j): drafting vs the rest per step, "
                          "and the kernels")
@@ -406,6 +433,7 @@ def main(argv=None) -> int:
     meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu", torch=torch.__version__,
                 model=a.model, cmd=" ".join(sys.argv), time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 drafts=a.drafts, accepted=a.accepted, steps=a.steps, warmup=a.warmup, tolerance=a.tolerance,
+                varlen=a.varlen,
                 graphs=on_cuda, note=FILLED_NOTE)
     rows, failures = [], []
     per_run = a.warmup + a.steps
@@ -455,15 +483,17 @@ def main(argv=None) -> int:
         ref_tokens = max(need.values()) + a.drafts + 1
         engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=a.context, max_tokens=ref_tokens,
                                      graphs=on_cuda, interval=8, batched_tokens=batched, num_draft=a.drafts, seed=1,
-                                     same_fill=True)
+                                     same_fill=True, varlen=a.varlen)
         try:
             reference = None
+            runner = engine.client.core.runner
             for j in a.accepted:
-                engine.client.core.runner.draft_override = None if j == 0 else controlled(j, reference, vocab)
+                runner.draft_override = None if j == 0 else controlled(j, reference, vocab)
+                runner.confidence_override = calibrated(j, reference) if a.varlen else None
                 outs, timed, fb, s = run(engine, tap, prompts, ref_tokens if j == 0 else need[j], a.warmup, a.steps)
                 if j == 0:
                     reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
-                record(make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine),
+                record(make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine, a.varlen),
                        lambda: profile_run(engine, tap, prompts, need[j] if j else ref_tokens, a.warmup, a.steps))
         finally:
             engine.close()

@@ -138,3 +138,35 @@ def test_a_run_whose_acceptance_is_not_the_intended_one_fails(tmp_path, monkeypa
     data = json.loads(out.read_text())
     (bad,) = data["failures"]
     assert "j=2: measured mean accepted length 2.000, intended 3" in bad
+
+
+def test_calibrated_confidences_trust_the_drafts_that_pass_and_nothing_after_a_failure():
+    prompt = list(range(100, 140))
+    ref = {tuple(prompt[:bench.KEY_PREFIX]): [7, 8, 9, 10, 11, 12]}
+    ids = prompt + [7, 8]  # the next reference tokens: 9, 10, 11
+    assert bench.calibrated(2, ref)(ids, len(prompt), [9, 10, 12, 4]) == [1.0, 1.0, 0.0, 0.0]
+    assert bench.calibrated(2, ref)(ids, len(prompt), [9, 3, 11, 12]) == [1.0, 0.0, 0.0, 0.0]  # 11 after a miss
+    assert bench.calibrated(0, ref)(ids, len(prompt), [9, 10]) == [0.0, 0.0]  # the random draft layers' run
+    assert bench.calibrated(1, None)(ids, len(prompt), [9]) == [0.0]
+
+
+def test_a_varlen_run_on_the_cpu_verifies_exactly_the_drafts_that_pass(tmp_path, monkeypatch):
+    """--varlen: the planner, reading calibrated confidences, verifies the j drafts that pass and no more (every
+    verified draft accepted), and at j = 0 none (one token a step, no verification). The planner prices steps by a
+    given cost curve (a verified token costs a little, as on a GPU at batch 1), not by this machine's clock."""
+    from deepinfer.engine import spec_schedule
+
+    curve = spec_schedule.CostCurve([(1, 10.0), (2, 10.2), (4, 10.4), (8, 10.8)])
+    monkeypatch.setattr(spec_schedule, "load_or_profile_cost_curve", lambda *args: curve)
+    monkeypatch.setattr(spec_schedule.VarlenPlanner, "update_runtime", lambda *args, **kw: None)
+    out = tmp_path / "v.json"
+    rc = bench.main(TINY + ["--batches", "1", "--accepted", "0", "2", "--varlen", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["failures"] == [] and data["meta"]["varlen"] is True
+    rows = {r["drafts_accepted"]: r for r in data["rows"]}
+    assert rows[0]["variant"] == "dspark-varlen" and rows[0]["verifications"] == 0
+    assert rows[0]["mean_accepted_length"] == 1.0
+    assert rows[2]["mean_accepted_length"] == 3.0 and rows[2]["acceptance"] == 1.0
+    assert rows[2]["verifications"] == rows[2]["timed_steps"]
+    zero = next(t for t in data["targets"] if "zero acceptance" in t["name"])
+    assert zero["name"].endswith("(varlen, calibrated confidences)")

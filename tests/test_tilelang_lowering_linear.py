@@ -221,7 +221,7 @@ def test_the_gemv_splits_k_only_for_narrow_weights(monkeypatch):
     monkeypatch.setattr(launcher, "jit", lambda builder, *a: specs.append((builder.__name__, a)) or (lambda *t: None))
     w = Fp8BlockWeight(torch.zeros(128, 5120, dtype=torch.uint8), torch.zeros(4, 160, dtype=torch.uint8))
     launcher.fp8_gemv(torch.zeros(3, 5120, dtype=torch.bfloat16), w)
-    assert specs == [("build_fp8_gemv", (128, 5120, 4, 5, 1)), ("build_split_reduce", (128, 5))]
+    assert specs == [("build_fp8_gemv", (128, 5120, 4, 5, 1, False)), ("build_split_reduce", (128, 5))]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -69,6 +69,9 @@ class ModelRunner:
         # Tests and benchmarks only: fn(sequence ids, prompt length, drafts) -> drafts, applied after the drafter ran
         # (a drafter that copies the target's known continuation, or one that is always wrong). None in serving.
         self.draft_override = None
+        # Tests and benchmarks only: fn(sequence ids, prompt length, drafts) -> one confidence per draft, in place of
+        # the drafter's (a confidence head that knows which drafts pass: what varlen's planner reads). None in serving.
+        self.confidence_override = None
         # Lockstep (EngineCore.enter_lockstep: data-parallel ranks whose forwards are collectives): every execute
         # runs exactly one forward, and a step that fails raises instead of ending only its requests
         self.lockstep = False
@@ -431,6 +434,9 @@ class ModelRunner:
             if self.draft_override is not None:
                 seq.drafts = list(self.draft_override(seq.ids, seq.num_prompt, tokens[r]))
                 seq.draft_weights = None  # point masses: verification stays exact for any fixed drafts
+            if self.confidence_override is not None:
+                conf = torch.tensor(self.confidence_override(seq.ids, seq.num_prompt, seq.drafts), dtype=torch.float64)
+                rates[r] = torch.cumprod(conf, 0).tolist()
             tok = by_seq[id(seq)]
             by_seq[id(seq)] = dataclasses.replace(tok, rates=tuple(rates[r]))
 

@@ -92,6 +92,48 @@ def target(arch: str):
 
 
 @functools.lru_cache(maxsize=None)
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch for every kernel built here (`DEEPINFER_PDL=1`; read once per process)."""
+    value = os.environ.get("DEEPINFER_PDL", "0").strip().lower()
+    if value not in ("0", "1", "true", "false", "on", "off", ""):
+        raise ValueError(f"DEEPINFER_PDL={value!r}; allowed: 1/true/on or 0/false/off")
+    return value in ("1", "true", "on")
+
+
+def with_pdl(prim_func):
+    """`prim_func` launched as a programmatic dependent of the kernel before it on the stream: each block first
+    waits for that kernel's grid to finish and its writes to be visible (griddepcontrol.wait), then lets the next
+    kernel's blocks be scheduled (launch_dependents). The wait comes before any memory access, so the kernel's
+    reads and writes stay ordered as without PDL; what overlaps is the next grid's launch and block scheduling
+    with this grid's run, which a decode step of ~2,000 short kernels pays once per kernel. The trigger follows
+    the wait, so a kernel two launches on never starts before this one's predecessor has finished. A kernel that
+    calls T.pdl_sync itself is left as it is."""
+    from tilelang.cuda.language.pdl import pdl_sync, pdl_trigger
+    from tvm import tirx
+    from tvm.tirx import stmt_functor
+
+    sync_op = pdl_sync().op
+    own = []
+    stmt_functor.post_order_visit(prim_func.body, lambda n: own.append(1) if isinstance(n, tirx.Call)
+                                  and n.op.same_as(sync_op) else None)
+    if own:  # the kernel places its own wait (gemv_kernel's weights_before_wait)
+        return prim_func
+    found = []
+
+    def visit(s):
+        if s.name_hint != "tilelang_root":
+            return None
+        found.append(s)
+        body = tirx.SeqStmt([tirx.Evaluate(pdl_sync()), tirx.Evaluate(pdl_trigger()), s.body])
+        return tirx.SBlock(s.iter_vars, s.reads, s.writes, s.name_hint, body, s.init, s.alloc_buffers,
+                           s.match_buffers, s.annotations)
+
+    body = stmt_functor.ir_transform(prim_func.body, None, visit, ["tirx.SBlock"])
+    assert found, "with_pdl: no T.Kernel body in the prim_func"
+    return prim_func.with_body(body)
+
+
+@functools.lru_cache(maxsize=None)
 def jit(builder: Callable, *args):
     """Compile `builder(*args)` for the current GPU once per process (from the disk cache when an earlier run
     compiled it)."""
@@ -100,8 +142,11 @@ def jit(builder: Callable, *args):
     use_cache_dir()
     t0 = time.perf_counter()
     tgt = target(cuda_arch())
+    prim_func = builder(*args)
+    if pdl_enabled():
+        prim_func = with_pdl(prim_func)
     with tgt:
-        kernel = tilelang.compile(builder(*args), target=tgt, pass_configs=PASS_CONFIGS)
+        kernel = tilelang.compile(prim_func, target=tgt, pass_configs=PASS_CONFIGS)
     _record(kernel, time.perf_counter() - t0)
     return kernel
 

@@ -36,11 +36,15 @@ def chunk_width(k_dim: int) -> int:
     return 16 if k_dim % 512 == 0 else 8
 
 
-def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, groups: int = 1):
+def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, groups: int = 1,
+                   weights_before_wait: bool = False):
     """x [m, groups * K] bf16 (m <= m_max), w [N, K] float8_e4m3 (Fp8BlockWeight.weight viewed as
     torch.float8_e4m3fn), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or part
     [k_splits, m, N] fp32 (linear_kernel.build_split_reduce adds them). groups > 1:
-    row group g of W (rows [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K)."""
+    row group g of W (rows [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K).
+    weights_before_wait: a programmatic dependent launch (_build.with_pdl) whose wait for the kernel before it
+    comes after the weight row's loads are issued, so their HBM latency overlaps that kernel's tail. Only for
+    weights no kernel still running may write (a CUDA graph's: the model's weights are fixed once captured)."""
     N, K, G = n_rows, k_dim, groups
     VEC = chunk_width(K)
     CH = 32 * VEC  # K columns a warp covers per chunk
@@ -75,6 +79,9 @@ def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, group
             for c in T.unroll(NC):
                 for v in T.vectorized(VEC):
                     wl[c * VEC + v] = w[n, (bz * NC + c) * CH + lane * VEC + v]
+            if weights_before_wait:
+                T.pdl_sync()  # the activations (the kernel before's output) only from here
+                T.pdl_trigger()
             for c in T.unroll(NC):
                 k0 = (bz * NC + c) * CH + lane * VEC
                 s = T.cast(ws[n // 32, k0 // 32], "int32")

@@ -37,7 +37,7 @@ from deepinfer.kernels.fp8_weight import Fp8BlockWeight, RowGroups
 from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import linear as torch_linear
 
-from ._build import jit
+from ._build import jit, pdl_enabled
 from .gemv_kernel import M_MAX, WARPS, build_fp8_gemv, chunk_width
 from .linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear, build_split_reduce
 
@@ -179,11 +179,13 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
     splits = gemv_splits(n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     codes = w.weight.view(torch.float8_e4m3fn)  # the kernel converts them with the hardware's e4m3 cvt
+    # under graph capture the weights are the model's, fixed: their loads may start before the kernel ahead ends
+    early = pdl_enabled() and torch.cuda.is_current_stream_capturing()
     if splits == 1:
-        jit(build_fp8_gemv, n, k, m_max, 1, groups)(x2, codes, w.scale, out)
+        jit(build_fp8_gemv, n, k, m_max, 1, groups, early)(x2, codes, w.scale, out)
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        jit(build_fp8_gemv, n, k, m_max, splits, groups)(x2, codes, w.scale, part)
+        jit(build_fp8_gemv, n, k, m_max, splits, groups, early)(x2, codes, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
 

@@ -21,6 +21,21 @@ import tilelang.language as T
 
 NOUT = 32  # partial row: dots [0, N), sum of squares at N; padded to 128 bytes
 
+# The Sinkhorn rounds' reciprocal: the hardware's approximation plus one Newton step (within ~1 ulp of 1/x). IEEE
+# `1.0f / x` (and __frcp_rn) carry a slow-path branch each, which keeps a normalisation's four reciprocals from
+# overlapping: 20 rounds took 11.6 us a call at one token, 3.8 with one round (docs/hopper-kernels.md). x here is a
+# sum of positive terms plus hc_eps, never denormal, so flushing denormals (ftz) changes nothing.
+RCP_SOURCE = r"""
+#ifndef DEEPINFER_MHC_RCP
+#define DEEPINFER_MHC_RCP
+__device__ __forceinline__ float di_rcp_nr(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return fmaf(r, fmaf(-x, r, 1.0f), r);
+}
+#endif
+"""
+
 
 def mix_width(hc: int) -> int:
     return (2 + hc) * hc
@@ -116,6 +131,7 @@ def build_mhc_mix_finalize(hc: int, dim: int, splits: int, sinkhorn_iters: int, 
         norm_eps: T.float32,
     ):
         with T.Kernel(T.ceildiv(n_tok, TPB), threads=threads) as bx:
+            T.import_source(RCP_SOURCE)
             tx = T.get_thread_binding()
             red = T.alloc_shared((TPB, NOUT + 1), "float32")  # +1: phase 2 reads a row per thread, no conflicts
             acc = T.alloc_local((1,), "float32")
@@ -155,14 +171,14 @@ def build_mhc_mix_finalize(hc: int, dim: int, splits: int, sinkhorn_iters: int, 
                         r[0] = r[0] + cm[j * H + k + 1]
                     for k in T.unroll(H):
                         cm[j * H + k] = cm[j * H + k] / r[0] + hc_eps
-                # one reciprocal per row / column, then multiplies: within an ulp of the torch op's divisions
+                # one reciprocal per row / column (di_rcp_nr), then multiplies: within ~2 ulp of the divisions
                 for rnd in T.serial(rounds + 1):
                     if rnd > 0:
                         for j in T.unroll(H):
                             r[0] = cm[j * H]
                             for k in T.unroll(H - 1):
                                 r[0] = r[0] + cm[j * H + k + 1]
-                            inv[j] = 1.0 / (r[0] + hc_eps)
+                            inv[j] = T.call_extern("float32", "di_rcp_nr", r[0] + hc_eps)
                         for j in T.unroll(H):
                             for k in T.unroll(H):
                                 cm[j * H + k] = cm[j * H + k] * inv[j]
@@ -170,7 +186,7 @@ def build_mhc_mix_finalize(hc: int, dim: int, splits: int, sinkhorn_iters: int, 
                         r[0] = cm[k]
                         for j in T.unroll(H - 1):
                             r[0] = r[0] + cm[(j + 1) * H + k]
-                        inv[k] = 1.0 / (r[0] + hc_eps)
+                        inv[k] = T.call_extern("float32", "di_rcp_nr", r[0] + hc_eps)
                     for j in T.unroll(H):
                         for k in T.unroll(H):
                             cm[j * H + k] = cm[j * H + k] * inv[k]
