@@ -51,6 +51,14 @@ def test_check_names_every_way_a_row_is_not_what_it_claims():
     assert bench.check(_row(graph_steps=0, draft_graph_steps=0), 6, False, 0.05) == []  # CPU: no graphs to ask for
     assert "3 timed decode steps" in bench.check(_row(timed_steps=3, graph_steps=3, draft_graph_steps=3), 6, True,
                                                  0.05)[0]
+    # varlen: fewer than j verified is the planner's choice; a verified draft that fails, or a draft verified at
+    # confidence 0, is not
+    varlen = _row(variant="dspark-varlen", mean_accepted_length=2.0, verifications=6, acceptance=1.0)
+    assert bench.check(varlen, 6, True, 0.05) == []
+    assert "all of which should pass" in bench.check(varlen | dict(acceptance=0.5), 6, True, 0.05)[0]
+    assert "at most 3 possible" in bench.check(varlen | dict(mean_accepted_length=3.5), 6, True, 0.05)[0]
+    zero = varlen | dict(drafts_accepted=0, mean_accepted_length=1.0, acceptance=0.0)
+    assert "confidence was 0" in bench.check(zero, 6, True, 0.05)[0]
 
 
 def test_targets_interpolate_the_speedup_in_the_measured_length():

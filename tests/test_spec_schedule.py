@@ -87,6 +87,15 @@ def test_useless_slots_are_not_verified_even_when_free():
     assert plan(curve_of(lambda n: 10.0), rates) == [1, 0]
 
 
+def test_slots_that_cannot_pass_are_not_verified_even_when_a_larger_step_measures_cheaper():
+    # a measured curve need not rise (noise; a graph bucket faster than a smaller one): on the H200 a step of six
+    # tokens once priced below one, and the planner verified five drafts its confidences put at 0
+    dip = CostCurve([(1, 12.0), (2, 11.5), (4, 11.8), (6, 11.0)])
+    assert plan(dip, [[0.0] * 5]) == [0]
+    assert plan(dip, [[1.0, 1.0, 0.0, 0.0, 0.0]]) == [2]
+    assert plan(dip, [[1.0, 1.0, 0.0, 0.0, 0.0], [0.0] * 5]) == [2, 0]
+
+
 def test_budget_maximises_expected_tokens_per_ms_exactly():
     # brute force over every total size on a random convex-ish curve
     rng = random.Random(7)

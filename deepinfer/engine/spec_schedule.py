@@ -358,6 +358,8 @@ class VarlenPlanner:
         best_tp, best_extra = 0.0, 0
         for extra in range(len(ranked) + 1):
             if extra:
+                if ranked[extra - 1][0] <= 0.0:
+                    break  # the rest rank lower: slots that gain nothing, however cheap a larger step looks
                 expected += ranked[extra - 1][0]
             ms = self.step_ms(num_seqs + extra, num_seqs)
             if ms is None:
