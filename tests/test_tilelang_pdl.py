@@ -65,3 +65,17 @@ def test_a_bad_switch_value_names_the_variable_and_the_allowed_values(monkeypatc
             pdl_enabled()
     finally:
         pdl_enabled.cache_clear()
+
+
+def test_a_bad_switch_value_is_the_configs_one_line_error(monkeypatch):
+    from deepinfer.config.compose import compose
+    from deepinfer.config.errors import ConfigError
+    from deepinfer.config.resolve import resolve
+
+    monkeypatch.setenv("DEEPINFER_PDL", "2")
+    pdl_enabled.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"^DEEPINFER_PDL='2'; allowed: 1/true/on or 0/false/off$"):
+            resolve(compose([]))
+    finally:
+        pdl_enabled.cache_clear()

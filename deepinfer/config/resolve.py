@@ -30,6 +30,7 @@ from deepinfer.config.components import REGISTRY
 from deepinfer.config.errors import ConfigError, explain, fmt
 from deepinfer.config.keys import strip_optional
 from deepinfer.config.schema import STAGES, HardwareSettings, Interval, ParallelSettings, Settings
+from deepinfer.kernels.tilelang._build import pdl_enabled
 
 REQUIRED_STAGES = ("tokenize", "prefill", "decode", "sample")
 
@@ -51,6 +52,10 @@ def resolve(cfg: DictConfig, found: hw.Found | None = None) -> Settings:
     settings = _resolve_prefix_caching(settings)
     _check_pipeline(settings)
     env_vars.warn_unhonoured(settings.decoding.name, settings.parallel.world_size)
+    try:
+        pdl_enabled()  # DEEPINFER_PDL: a bad value is a one-line error here, not the first kernel's build failing
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return settings
 
 
