@@ -1,8 +1,11 @@
 """CUDA graphs for decode steps: one captured forward per batch-size bucket, replayed over static input buffers.
 
 DSpark verification steps replay graphs too: every sequence brings the same number L = 1 + drafts of tokens (the
-anchor and its drafts, with verification lengths fixed, i.e. varlen off), so the key is (batch bucket, block-table
-bucket, L); a step whose sequences bring different lengths runs eagerly.
+anchor and its drafts), so the key is (batch bucket, block-table bucket, L). A step whose sequences bring different
+lengths (varlen's lengths, or requests near max_tokens verifying fewer drafts) is padded to its longest
+(`padded`): each shorter sequence repeats its last token, and the runner keeps only its real rows' logits and rolls
+the padding back at once. Padding tokens are written where a rejected draft's would be (rollback rows, positions
+past the sequence's blocks land in the spare block), so the real rows' results are those of the unpadded step.
 
 A decode step's forward (models: `model.run(meta, pools)`) reads only device tensors of fixed shape once the batch
 size and the block-table width are fixed, so it can be captured. Batch buckets follow DeepInfer's spacing: powers
@@ -103,6 +106,18 @@ class DecodeGraphs:
         if self._failed or any(len(t) != L for t in token_ids):
             return None
         return self.bucket(len(states), max(1, max(len(s.blocks) for s in states)), L)
+
+    def padded(self, token_ids: list[list[int]], states) -> tuple[list[list[int]], list[int], tuple | None]:
+        """A verification step of mixed lengths as one of its longest length L: (token lists padded to L, padding
+        per sequence, the graph key or None). The block-table bucket covers every padded position, so a padding
+        token past a sequence's blocks reads and writes the spare block, never a column past the table."""
+        L = max(len(t) for t in token_ids)
+        pads = [L - len(t) for t in token_ids]
+        padded = [t + [t[-1]] * p for t, p in zip(token_ids, pads)]
+        bs = self.pools.layout.block_size
+        blocks = max(max(len(s.blocks), -(-(s.num_tokens + L) // bs)) for s in states)
+        key = None if self._failed else self.bucket(len(states), blocks, L)
+        return padded, pads, key
 
     def needs_capture(self, key) -> bool:
         return key is not None and key not in self._graphs

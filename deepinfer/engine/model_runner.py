@@ -59,6 +59,7 @@ class ModelRunner:
         self.draft_graphs = None
         self._graph_step = self._draft_graph_step = False
         self._rows_saved = 0  # YOCO compact: decoder-layer rows the last step did not compute
+        self.padded_rows = 0  # padding tokens replayed so far: mixed-length verifications run as their longest
         # DSpark: drafts of up to num_draft tokens are made after every sampled token, when the model has draft layers
         drafter = getattr(backend.model, "drafter", None)
         self.drafter = drafter if num_draft_tokens > 0 else None
@@ -317,16 +318,28 @@ class ModelRunner:
         mask_job = self._masks.start([sample_rows[i] for i in plain], self.backend.vocab_size)
         prepare_s = time.perf_counter() - t0
         try:
-            # decode steps, and verification steps whose sequences all bring the same number of drafts
+            # decode steps, and verification steps whose sequences all bring the same number of drafts; one with
+            # mixed numbers (varlen, or max_tokens near) as its longest, padded (DecodeGraphs.padded)
             same = all(generated) and len({len(t) for t in token_lists}) == 1
-            key = None
-            if self.graphs is not None and same and not all_logits and images is None and (
+            key, graph_lists, pads = None, token_lists, None
+            if self.graphs is not None and not all_logits and images is None and (
                     decode_only or num_logits is not None):
-                key = self.graphs.key_for(token_lists, states)
+                if same:
+                    key = self.graphs.key_for(token_lists, states)
+                elif decoding and all(generated) and num_logits is not None and self._ep is None:
+                    graph_lists, pads, key = self.graphs.padded(token_lists, states)
 
             def replay(key):
-                out = self.graphs.run(token_lists, states, key)
+                out = self.graphs.run(graph_lists, states, key)
                 self._graph_step = out is not None
+                if out is not None and pads is not None:
+                    L = len(graph_lists[0])  # keep each sequence's real rows; forget its padding tokens
+                    out = out[torch.tensor([i * L + j for i, n in enumerate(num_logits) for j in range(n)],
+                                           device=out.device)]
+                    for state, pad in zip(states, pads):
+                        if pad:
+                            state.rollback(pad)
+                    self.padded_rows += sum(pads)
                 return out
 
             # a partial, not a closure: no frame of its own between the step and the model
