@@ -158,6 +158,7 @@ def test_calibrated_confidences_trust_the_drafts_that_pass_and_nothing_after_a_f
     assert bench.calibrated(1, None)(ids, len(prompt), [9]) == [0.0]
 
 
+@pytest.mark.slow
 def test_a_varlen_run_on_the_cpu_verifies_exactly_the_drafts_that_pass(tmp_path, monkeypatch):
     """--varlen: the planner, reading calibrated confidences, verifies the j drafts that pass and no more (every
     verified draft accepted), and at j = 0 none (one token a step, no verification). The planner prices steps by a

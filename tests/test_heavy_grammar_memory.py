@@ -8,13 +8,14 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer
 
 from deepinfer import LLM
 from deepinfer.sampling import SamplingParams
 from deepinfer.sampling.bitmask import allocate_bitmask, unpack_bitmask
-from deepinfer.sampling.grammar import GrammarCompilerPool
+from deepinfer.sampling.grammar import GrammarCompilerPool, GrammarError
 from serving_helpers import peak_rss_bytes, rss_bytes, wait_for
 
 TOKENIZER = Path(__file__).parent / "fixtures/deepseek_v41/tiny-engram-hc4/tokenizer.json"
@@ -61,6 +62,21 @@ def test_a_heavy_grammar_compiled_without_the_cache_allows_the_same_tokens_and_i
     assert not bool(got[-1][:EOS].any()) and bool(got[-1][EOS])  # the end: only EOS
 
 
+def test_a_grammar_past_the_states_bound_is_refused_before_it_compiles_in_one_line():
+    """10,000 values of 12 hash digits: 140,040 literal characters, ~33 MiB compiled (~60 MB of RSS alive); refused
+    at the default bound with a line naming the knob, compiled under a raised one."""
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    so_args = {"schema_type": "json", "schema": unshared_enum_schema(10_000, "s")}
+    with GrammarCompilerPool.for_tokenizer(tok, VOCAB, EOS) as pool:
+        with pytest.raises(GrammarError) as err:
+            pool.compile(so_args)
+    message = str(err.value)
+    assert message.startswith("so_args['schema'] makes a grammar of 140040 literal characters") and "\n" not in message
+    assert message.endswith("allowed: at most 65536 (sampling.xgrammar_max_grammar_states)")
+    with GrammarCompilerPool.for_tokenizer(tok, VOCAB, EOS, max_grammar_states=1 << 18) as pool:
+        assert pool.compile(so_args) is not None
+
+
 def test_a_heavy_grammar_waits_while_the_live_ones_hold_the_limit_and_compiles_once_they_are_released():
     """live_limit_bytes=0: one heavy grammar alive at a time. The second compiles only after the first's state is
     released, and the live bytes are xgrammar's own count of each grammar, back to 0 at the end."""
@@ -87,15 +103,16 @@ def test_a_heavy_grammar_waits_while_the_live_ones_hold_the_limit_and_compiles_o
 
 
 def test_the_engine_cores_rss_does_not_keep_heavy_grammars_after_their_requests_end():
-    """Eight rounds of four 10,000-value enums whose values share no prefixes (33 MiB each as compiled grammars:
-    the enum trie cannot shrink them), in a core process like the server's. Before: through xgrammar's cache, and
+    """Eight rounds of four 4,500-value enums whose values share no prefixes (63,040 literal characters, under the
+    states bound; ~15 MiB each as compiled grammars: the enum trie cannot shrink them), in a core process like the
+    server's (the numbers below were measured with 10,000 such values, 33 MiB each, before the states bound). Before: through xgrammar's cache, and
     with the compile queue's idle threads holding their last result, the core kept +770 MB after two (the soak's
     +760 MB). Now, once their requests end and the heap is trimmed, and with the core's malloc arenas capped
     (heap_trim.limit_arenas), less than one grammar's worth after every round, and its peak under three (measured
     with the 31 MiB enums of prefixed values this test used before the trie: +2 to +34 MB kept over eight rounds and
     +99 MB at the peak before the cap; +4 to +5 MB kept and +56 MB at the peak with it)."""
     def params(tag: str, seed: int) -> SamplingParams:
-        so_args = {"schema_type": "json", "schema": unshared_enum_schema(10_000, tag)}
+        so_args = {"schema_type": "json", "schema": unshared_enum_schema(4_500, tag)}
         return SamplingParams(temperature=0.8, max_tokens=8, seq_seed=seed, so_args=so_args)
 
     with LLM(process="subprocess") as llm:

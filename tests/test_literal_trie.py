@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from deepinfer.sampling.bitmask import allocate_bitmask, unpack_bitmask
 from deepinfer.sampling.grammar import GrammarCompilerPool, tokenizer_info
-from deepinfer.sampling.literal_trie import factor_literal_alternations
+from deepinfer.sampling.literal_trie import factor_literal_alternations, literal_units
 
 TOKENIZER = Path(__file__).parent / "fixtures/deepseek_v41/tiny-engram-hc4/tokenizer.json"
 EMBEDDED_TOKENIZER = Path(__file__).parents[1] / "deepinfer/assets/tiny-v41/tokenizer.json"  # a 1,536 vocabulary
@@ -113,3 +113,18 @@ def masks_allowed_after(state, tok, vocab: int, text: str) -> torch.Tensor:
     bits = allocate_bitmask(1, vocab)
     state.fill_bitmask(bits, 0)
     return unpack_bitmask(bits, vocab)[0]
+
+
+def test_literal_units_count_each_printed_character_or_escape_and_skip_character_classes():
+    assert literal_units('root ::= "ab" | "c"') == 3
+    assert literal_units('root ::= "a\\"b" [^"\\\\] "\\x41c" "\\u00e9"') == 6  # \\" one unit; the class's quote none
+    assert literal_units("root ::= [a-z]+") == 0
+
+
+def test_an_enum_that_shares_no_prefix_counts_every_character_and_a_trie_counts_its_prefixes_once():
+    unshared = [f"{i * 7919 % 100000:05d}{'abcdefghij'[i % 10]}" for i in range(1000)]
+    flat = str(xgr.Grammar.from_json_schema(json.dumps({"enum": [f"id-0000-{i:04d}" for i in range(1000)]})))
+    factored = factor_literal_alternations(flat)
+    assert literal_units(factored) < literal_units(flat) / 3  # "id-0000-" stored once, not 1,000 times
+    plain = str(xgr.Grammar.from_json_schema(json.dumps({"enum": unshared})))
+    assert literal_units(plain) >= 1000 * 8  # 6 characters and the two JSON quotes each

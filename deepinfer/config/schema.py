@@ -324,6 +324,9 @@ class SamplingDefaults:
     xgrammar_max_schema_bytes: int = setting(1 << 20, allowed=up_to(1, MAX_CACHE_BYTES))
     # ... or with more JSON values than this (each enum value, property schema, keyword value counts one)
     xgrammar_max_schema_values: int = setting(32768, allowed=up_to(1, 1 << 30))
+    # ... or whose grammar has more literal characters (its states, after the enum trie) than this: before compiling,
+    # as a grammar's memory follows its states (sampling/grammar.py DEFAULT_MAX_GRAMMAR_STATES)
+    xgrammar_max_grammar_states: int = setting(65536, allowed=up_to(1, 1 << 30))
     # heavy compilations (schemas over 16 KiB) run at once; one client runs at most this minus one (at least 1)
     xgrammar_heavy_lanes: int = setting(2, allowed=up_to(1, 64))
     # a server client's compilations waiting or running per lane; beyond: 429 (sampling/compile_queue.py)

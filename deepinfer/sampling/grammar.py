@@ -23,7 +23,7 @@ from deepinfer.sampling import heap_trim
 from deepinfer.sampling.compile_queue import ClientBusy, CompileQueue
 from deepinfer.sampling.grammar_state import GrammarState
 from deepinfer.sampling.json_schema_shim import rewrite_length_capped_strings
-from deepinfer.sampling.literal_trie import factor_literal_alternations
+from deepinfer.sampling.literal_trie import factor_literal_alternations, literal_units
 from deepinfer.sampling.params import _validate_so_args
 from deepinfer.sampling.schema_limits import limits_error
 from deepinfer.sampling.utf8_guard import Utf8Guard
@@ -37,6 +37,12 @@ DEFAULT_MAX_SCHEMA_BYTES = 1 << 20
 # faster than the number of values (2-core VM, loaded: 20,000 values 8 s, 50,000 values 70 s). So the values of a
 # JSON schema (every enum value, property schema, keyword value: schema_limits.schema_values) are capped too.
 DEFAULT_MAX_SCHEMA_VALUES = 32768
+# ... and one whose grammar has more literal characters than this (literal_trie.literal_units, after the enum trie:
+# about its states, each with a token-mask cache) is refused before it compiles. Why: a grammar's memory follows its
+# states, not its schema's bytes; 10,000 enum values of 20 hex digits that share no prefix (220,040 units) held
+# ~95 MB of the core's RSS while alive (embedded tokenizer, one compile: ~430 B a unit; a trie's units cost less),
+# so one request could cost ~15% of a CPU core's RSS. At this bound a grammar costs at most ~30 MB.
+DEFAULT_MAX_GRAMMAR_STATES = 65536
 DEFAULT_LIVE_LIMIT_BYTES = 16 << 20  # the settings' default (config/schema.py) for callers without settings
 
 
@@ -130,6 +136,7 @@ class GrammarCompilerPool(AbstractContextManager):
         max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES,
         max_queued: int = 64,
         max_schema_values: int = DEFAULT_MAX_SCHEMA_VALUES,
+        max_grammar_states: int = DEFAULT_MAX_GRAMMAR_STATES,
         heavy_lanes: int = 2,
         max_per_client: int = 4,
         live_limit_bytes: int | None = DEFAULT_LIVE_LIMIT_BYTES,
@@ -139,6 +146,7 @@ class GrammarCompilerPool(AbstractContextManager):
         self.timeout_s = timeout_s
         self.json_max_whitespace = json_max_whitespace
         self.max_schema_bytes, self.max_schema_values = max_schema_bytes, max_schema_values
+        self.max_grammar_states = max_grammar_states
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=cache_limit_bytes)
         self._heavy_compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._utf8_guard = Utf8Guard(info.decoded_vocab, info.vocab_size)
@@ -226,10 +234,18 @@ class GrammarCompilerPool(AbstractContextManager):
             grammar = xgr.Grammar.from_json_schema(text, any_whitespace=True,
                                                    max_whitespace_cnt=self.json_max_whitespace)
             factored = factor_literal_alternations(str(grammar))  # long enums as tries (literal_trie.py)
+            self._check_states(str(grammar) if factored is None else factored)
             return compiler.compile_grammar(grammar if factored is None else factored)
-        if schema_type == "regex":
-            return compiler.compile_regex(schema)
-        return compiler.compile_grammar(schema)
+        grammar = xgr.Grammar.from_regex(schema) if schema_type == "regex" else xgr.Grammar.from_ebnf(schema)
+        self._check_states(str(grammar))
+        return compiler.compile_grammar(grammar)
+
+    def _check_states(self, ebnf: str) -> None:
+        states = literal_units(ebnf)
+        if states > self.max_grammar_states:
+            raise GrammarError(f"so_args['schema'] makes a grammar of {states} literal characters (its states, after "
+                               f"shared prefixes); allowed: at most {self.max_grammar_states} "
+                               "(sampling.xgrammar_max_grammar_states)")
 
 
 def _relay(job: Future, result: Future) -> None:

@@ -149,3 +149,27 @@ def factor_literal_alternations(ebnf: str, min_alternatives: int = MIN_ALTERNATI
     if out == lines:
         return None
     return "\n".join(out + added) + "\n"
+
+
+def literal_units(ebnf: str) -> int:
+    """Characters (printed units: a character or a whole escape) of every string literal in `ebnf`: about the grammar
+    states xgrammar compiles for them, one a character, each with its token-mask cache, so about what the compiled
+    grammar costs in memory (`GrammarCompilerPool.max_grammar_states`). Character classes (`[^"\\\\]`) are one
+    element each and are skipped, quotes inside them included."""
+    count, i, n = 0, 0, len(ebnf)
+    while i < n:
+        c = ebnf[i]
+        if c == "[":  # a character class: to its closing bracket, escapes skipped
+            i += 1
+            while i < n and ebnf[i] != "]":
+                i += 2 if ebnf[i] == "\\" else 1
+            i += 1
+        elif c == '"':
+            i += 1
+            while i < n and ebnf[i] != '"':
+                i += 2 + _HEX_DIGITS.get(ebnf[i + 1], 0) if ebnf[i] == "\\" and i + 1 < n else 1
+                count += 1
+            i += 1
+        else:
+            i += 1
+    return count
