@@ -3,8 +3,8 @@ the same language with each shared prefix stored once.
 
 Why: xgrammar compiles every alternative of `(("v0") | ("v1") | ...)` as a sequence of its own, one grammar state
 per character, each with its token-mask cache. Compiled sizes, flat -> trie (embedded tokenizer, xgrammar 0.2.9):
-the soak's grammar flood, 10,000 values "s127.0.0.2k0v<i>", 45.7 -> 1.0 MiB (1.2 s -> 0.05 s; +95 MB -> +15 MB of
-RSS at the peak); 10,000 random 4-12-letter words 23.4 -> 10.3 MiB; 10,000 values "kv<i>" 0.83 -> 0.97 MiB. Where
+the soak's grammar flood, 10,000 values "s127.0.0.2k0v<i>", 45.7 -> 0.9 MiB (1.2 s -> 0.06 s; +95 MB -> +15 MB of
+RSS at the peak); 10,000 random 4-12-letter words 23.4 -> 10.2 MiB; 10,000 values "kv<i>" 0.83 -> 0.91 MiB. Where
 the values share little (5,000 random 16-digit hex strings: the trie keeps 89% of the characters) the extra rules
 cost more than they save (13.3 -> 14.5 MiB), so an alternation is replaced only when its trie keeps at most
 MOST_KEPT of its characters, and a trie node gets a rule of its own only while it covers MIN_GROUP literals.
@@ -66,63 +66,49 @@ def _trie_rules(name: str, literals: list[list[str]], taken: set[str],
     becomes a rule of its own only while it covers at least `min_group` literals; below, its literals' tails are
     written out as plain alternatives (xgrammar's per-rule cost outweighs the few characters a small group shares).
     Runs of single children become one literal; where a literal ends and others go on, an empty alternative.
-    Iterative: a literal may be thousands of units long."""
-    root = _Node()
-    for units in literals:
-        node = root
-        node.count += 1
-        for unit in units:
-            node = node.children.setdefault(unit, _Node())
-            node.count += 1
-        node.ends = True
+    The trie is walked as ranges of the sorted literals (a node: the literals sharing its prefix), never built:
+    node objects for 10,000 values of 20 unshared characters took ~45 MB of the core's heap, for a trie then
+    discarded (MOST_KEPT). Iterative: a literal may be thousands of units long."""
+    lits = sorted(set(map(tuple, literals)))
     rules: list[tuple[str, list[str]]] = []
-    pending = [(name, root)]
+    pending = [(name, 0, len(lits), 0)]  # (rule, first literal, end, depth): the node of lits[lo:hi]'s prefix
     kept = 0
     while pending:
-        rule, node = pending.pop()
+        rule, lo, hi, depth = pending.pop()
         alternatives = []
-        for unit, sub in node.children.items():
-            run = [unit]
-            while len(sub.children) == 1 and not sub.ends:
-                (unit, sub), = sub.children.items()
-                run.append(unit)
-            if not sub.children or sub.count < min_group:
-                for tail in _tails(sub):
-                    kept += len(run) + len(tail)
-                    alternatives.append('("' + "".join(run + tail) + '")')
-                continue
-            kept += len(run)
-            child, k = f"{name}_trie_{len(rules) + len(pending)}", 0
-            while child in taken:
-                k += 1
-                child = f"{name}_trie_{len(rules) + len(pending)}_{k}"
-            taken.add(child)
-            alternatives.append('("' + "".join(run) + f'" {child})')
-            pending.append((child, sub))
-        if node.ends:
+        i = lo
+        ends = i < hi and len(lits[i]) == depth  # a literal ending here sorts before those that go on
+        if ends:
+            i += 1
+        while i < hi:
+            unit = lits[i][depth]
+            j = i + 1
+            while j < hi and lits[j][depth] == unit:
+                j += 1
+            # the run: while every literal of lits[i:j] goes on, and with the same unit
+            end = depth + 1
+            while len(lits[i]) > end and all(len(lits[k]) > end and lits[k][end] == lits[i][end] for k in range(i, j)):
+                end += 1
+            run = list(lits[i][depth:end])
+            goes_on = any(len(lits[k]) > end for k in range(i, j))
+            if not goes_on or j - i < min_group:
+                for k in range(i, j):
+                    kept += len(lits[k]) - depth
+                    alternatives.append('("' + "".join(lits[k][depth:]) + '")')
+            else:
+                kept += len(run)
+                child, n = f"{name}_trie_{len(rules) + len(pending)}", 0
+                while child in taken:
+                    n += 1
+                    child = f"{name}_trie_{len(rules) + len(pending)}_{n}"
+                taken.add(child)
+                alternatives.append('("' + "".join(run) + f'" {child})')
+                pending.append((child, i, j, end))
+            i = j
+        if ends:
             alternatives.append('""')
         rules.append((rule, alternatives))
     return [(rule, "(" + " | ".join(alternatives) + ")") for rule, alternatives in rules], kept
-
-
-class _Node:
-    __slots__ = ("children", "count", "ends")
-
-    def __init__(self):
-        self.children: dict[str, _Node] = {}
-        self.count = 0  # literals through this node
-        self.ends = False  # a literal ends here
-
-
-def _tails(node: _Node) -> list[list[str]]:
-    """Every literal's units after `node`, depth first (the empty tail where one ends at `node`)."""
-    out, stack = [], [(node, [])]
-    while stack:
-        node, prefix = stack.pop()
-        if node.ends:
-            out.append(prefix)
-        stack.extend((sub, prefix + [unit]) for unit, sub in reversed(node.children.items()))
-    return out
 
 
 def factor_literal_alternations(ebnf: str, min_alternatives: int = MIN_ALTERNATIVES) -> str | None:
