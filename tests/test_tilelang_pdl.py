@@ -47,35 +47,34 @@ def test_the_gemv_issues_its_weight_loads_before_the_wait_and_reads_activations_
     assert plain.index(WAIT) < plain.index("w + ")
 
 
+@pytest.fixture
+def pdl_switch(monkeypatch):
+    """Sets DEEPINFER_PDL for one test; pdl_enabled reads it afresh, and after the test as the process had it."""
+    def set_to(value: str) -> None:
+        monkeypatch.setenv("DEEPINFER_PDL", value)
+        pdl_enabled.cache_clear()
+
+    yield set_to
+    pdl_enabled.cache_clear()
+
+
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("off", False), ("", False)])
-def test_the_switch_reads_its_variable(monkeypatch, value, on):
-    monkeypatch.setenv("DEEPINFER_PDL", value)
-    pdl_enabled.cache_clear()
-    try:
-        assert pdl_enabled() is on
-    finally:
-        pdl_enabled.cache_clear()
+def test_the_switch_reads_its_variable(pdl_switch, value, on):
+    pdl_switch(value)
+    assert pdl_enabled() is on
 
 
-def test_a_bad_switch_value_names_the_variable_and_the_allowed_values(monkeypatch):
-    monkeypatch.setenv("DEEPINFER_PDL", "maybe")
-    pdl_enabled.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="DEEPINFER_PDL='maybe'; allowed: 1/true/on or 0/false/off"):
-            pdl_enabled()
-    finally:
-        pdl_enabled.cache_clear()
+def test_a_bad_switch_value_names_the_variable_and_the_allowed_values(pdl_switch):
+    pdl_switch("maybe")
+    with pytest.raises(ValueError, match="DEEPINFER_PDL='maybe'; allowed: 1/true/on or 0/false/off"):
+        pdl_enabled()
 
 
-def test_a_bad_switch_value_is_the_configs_one_line_error(monkeypatch):
+def test_a_bad_switch_value_is_the_configs_one_line_error(pdl_switch):
     from deepinfer.config.compose import compose
     from deepinfer.config.errors import ConfigError
     from deepinfer.config.resolve import resolve
 
-    monkeypatch.setenv("DEEPINFER_PDL", "2")
-    pdl_enabled.cache_clear()
-    try:
-        with pytest.raises(ConfigError, match=r"^DEEPINFER_PDL='2'; allowed: 1/true/on or 0/false/off$"):
-            resolve(compose([]))
-    finally:
-        pdl_enabled.cache_clear()
+    pdl_switch("2")
+    with pytest.raises(ConfigError, match=r"^DEEPINFER_PDL='2'; allowed: 1/true/on or 0/false/off$"):
+        resolve(compose([]))
