@@ -58,10 +58,19 @@ def pdl_switch(monkeypatch):
     pdl_enabled.cache_clear()
 
 
-@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("off", False), ("", False)])
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("off", False), ("", True)])
 def test_the_switch_reads_its_variable(pdl_switch, value, on):
     pdl_switch(value)
     assert pdl_enabled() is on
+
+
+def test_pdl_is_on_by_default(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_PDL", raising=False)
+    pdl_enabled.cache_clear()
+    try:
+        assert pdl_enabled() is True
+    finally:
+        pdl_enabled.cache_clear()
 
 
 def test_a_bad_switch_value_names_the_variable_and_the_allowed_values(pdl_switch):

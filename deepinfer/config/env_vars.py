@@ -23,7 +23,7 @@ HONOURED = {
     "DEEPINFER_XGRAMMAR_TIMEOUT": "sampling.xgrammar_timeout",
     "DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES": "sampling.xgrammar_cache_limit_bytes",
     "DEEPINFER_JIT_CACHE_DIR": "TileLang kernel cache",
-    "DEEPINFER_PDL": "programmatic dependent launch of the TileLang kernels (1/true/on, 0/false/off)",
+    "DEEPINFER_PDL": "programmatic dependent launch of the TileLang kernels (on by default; 0/false/off turns it off)",
     "DEEPINFER_CACHE_DIR": "embedded model cache",
     "DEEPINFER_HF_MODEL_DIR": "model.path (a local copy of the hub checkpoint)",
     "DEEPINFER_MAX_BACKTRACKING_TOKENS": "decoding.max_backtracking_tokens",

@@ -164,5 +164,5 @@ def kernel_lines(kernels: dict | None) -> list[tuple[str, str]]:
     jit = kernels.get("jit")
     if jit:
         lines.append(("jit", f"{jit['compiled']} compiled, {jit['cache_hits']} from cache, {jit['seconds']:.1f} s "
-                             f"({jit['cache_dir']})"))
+                             f"({jit['cache_dir']}){'' if jit.get('pdl', True) else '; PDL off'}"))
     return lines

@@ -326,7 +326,7 @@ class ModelRunner:
                     decode_only or num_logits is not None):
                 if same:
                     key = self.graphs.key_for(token_lists, states)
-                elif decoding and all(generated) and num_logits is not None and self._ep is None:
+                elif decoding and all(generated) and num_logits is not None:
                     graph_lists, pads, key = self.graphs.padded(token_lists, states)
 
             def replay(key):
