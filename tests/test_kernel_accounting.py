@@ -65,6 +65,9 @@ def test_kernel_lines_report_jit_compiles_and_cache_hits():
                                                    "cache_dir": "/c"}})
     assert lines == [("jit", "3 compiled, 40 from cache, 12.3 s (/c)")]
     assert kernel_lines({"fallbacks": {}, "jit": None}) == []
+    off = kernel_lines({"fallbacks": {}, "jit": {"compiled": 0, "cache_hits": 2, "seconds": 0.5, "cache_dir": "/c",
+                                                 "pdl": False}})
+    assert off == [("jit", "0 compiled, 2 from cache, 0.5 s (/c); PDL off")]  # the launch mode, when not the default
 
 
 def test_jit_cache_dir_follows_deepinfer_jit_cache_dir(monkeypatch, tmp_path):

@@ -48,8 +48,12 @@ def jit_stats() -> dict:
     """Kernels this process compiled (`compiled`), loaded from the disk cache (`cache_hits`), the seconds spent
     in both (`seconds`, summed over threads: precompile overlaps them), the cache directory, and whether the kernels
     launch as programmatic dependents (`pdl`: a benchmark's numbers name the launch mode they were measured in)."""
+    try:
+        pdl = pdl_enabled()
+    except ValueError:  # a bad DEEPINFER_PDL is the config's one-line error (resolve); not every step's metrics'
+        pdl = None
     with _STATS_LOCK:
-        return dict(_STATS, cache_dir=cache_dir(), pdl=pdl_enabled())
+        return dict(_STATS, cache_dir=cache_dir(), pdl=pdl)
 
 
 def _record(kernel, seconds: float) -> None:
