@@ -180,7 +180,7 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     codes = w.weight.view(torch.float8_e4m3fn)  # the kernel converts them with the hardware's e4m3 cvt
     # under graph capture the weights are the model's, fixed: their loads may start before the kernel ahead ends
-    early = pdl_enabled() and torch.cuda.is_current_stream_capturing()
+    early = pdl_enabled() and x.is_cuda and torch.cuda.is_current_stream_capturing()
     if splits == 1:
         jit(build_fp8_gemv, n, k, m_max, 1, groups, early)(x2, codes, w.scale, out)
     else:
