@@ -68,6 +68,11 @@ def test_kernel_lines_report_jit_compiles_and_cache_hits():
     off = kernel_lines({"fallbacks": {}, "jit": {"compiled": 0, "cache_hits": 2, "seconds": 0.5, "cache_dir": "/c",
                                                  "pdl": False}})
     assert off == [("jit", "0 compiled, 2 from cache, 0.5 s (/c); PDL off")]  # the launch mode, when not the default
+    manifest = {"path": "/m", "listed": 57, "stale": 1, "failed": 2, "seconds": 21.04, "lines": 60}
+    listed = kernel_lines({"fallbacks": {}, "jit": {"compiled": 57, "cache_hits": 0, "seconds": 160.0,
+                                                    "cache_dir": "/c", "manifest": manifest}})
+    assert listed == [("jit", "57 compiled, 0 from cache, 160.0 s (/c); manifest: 57 built in parallel in 21.0 s, "
+                              "3 lines skipped")]
 
 
 def test_jit_cache_dir_follows_deepinfer_jit_cache_dir(monkeypatch, tmp_path):

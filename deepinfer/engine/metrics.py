@@ -163,6 +163,12 @@ def kernel_lines(kernels: dict | None) -> list[tuple[str, str]]:
                                             for reason, n in reasons.items())))
     jit = kernels.get("jit")
     if jit:
-        lines.append(("jit", f"{jit['compiled']} compiled, {jit['cache_hits']} from cache, {jit['seconds']:.1f} s "
-                             f"({jit['cache_dir']}){'' if jit.get('pdl', True) else '; PDL off'}"))
+        text = (f"{jit['compiled']} compiled, {jit['cache_hits']} from cache, {jit['seconds']:.1f} s "
+                f"({jit['cache_dir']}){'' if jit.get('pdl', True) else '; PDL off'}")
+        manifest = jit.get("manifest")
+        if manifest:
+            skipped = manifest["stale"] + manifest["failed"]
+            text += (f"; manifest: {manifest['listed']} built in parallel in {manifest['seconds']:.1f} s"
+                     + (f", {skipped} lines skipped" if skipped else ""))
+        lines.append(("jit", text))
     return lines
