@@ -25,11 +25,12 @@ in.
 
 import tilelang.language as T
 
-from .moe_kernel import BLOCK_N, CS_PAD, cuda_source, k_loop_macro, shared_bytes, smem_layout, stage_macros
+from .moe_kernel import (BLOCK_N, CS_PAD, cuda_source, k_loop_macro, load_roles, shared_bytes, smem_layout,
+                         stage_macros)
 
 BLOCK_T = 32  # tokens per tile (the wgmma N): M <= 32 reads each weight once from HBM
 BLOCK_K = 128  # K per pipeline step: 8 KB of FP8 weights + 8 KB of activations per stage
-STAGES = 4  # the MoE kernel's loop is ordered for 4 (the permute's proxy fence has no own cp.async to wait on)
+STAGES = 4  # the MoE kernel's loop is ordered for 4 (the activation threads' proxy fence has no cp.async to wait on)
 
 
 def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = BLOCK_T, block_k: int = BLOCK_K,
@@ -54,14 +55,15 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     NK = K // BK // k_splits           # steps per block
     STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout("fp8", BT, BK, BN)
     CPR = BKP // 16                    # 16-byte weight chunks per row and step
-    W_IT = BN * CPR // TH
+    TW, _ = load_roles(TH, True)       # the first half loads weights, the second activations (moe_kernel)
+    W_IT = BN * CPR // TW
     CS_LD = BN + CS_PAD
     partial = k_splits > 1
     if min_blocks == 0:
         min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes("fp8", BT, BK, S, BN) + 1024)))
     src = cuda_source(BT)
 
-    load_x, permute, group = stage_macros("fp8", BT, BK, TH)
+    load_x, permute, group = stage_macros("fp8", BT, BK, TH, True)
     m = T.dynamic("m")
     out_shape = (k_splits, m, N) if partial else (m, N)
     out_dtype = "float32" if partial else "bfloat16"
@@ -71,19 +73,20 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
         # one stage (global K step kk) into slot: weights (16-byte chunks XOR-swizzled as di3_group reads them),
         # the tile's 32-row scale rows, the token rows of the activations
         base = slot * STAGE
-        for it in T.unroll(W_IT):
-            r = (it * TH + tx) // CPR
-            cc = (it * TH + tx) % CPR
-            cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, 4 * (r % 2))
-            T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
-                          T.address_of(w[bn * BN + r, kk * BKP + cc * 16]), 1)
+        if tx < TW:
+            for it in T.unroll(W_IT):
+                r = (it * TW + tx) // CPR
+                cc = (it * TW + tx) % CPR
+                cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, 4 * (r % 2))
+                T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
+                              T.address_of(w[bn * BN + r, kk * BKP + cc * 16]), 1)
         if tx < BN // 32:
             T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
                           T.address_of(ws[bn * (BN // 32) + tx, kk * SCB]), 1)
         # tokens past M (xr < 0) are zero-filled; a grouped weight tile reads its group's K columns of x
         load_x(smem, xr, x, tx, kk if groups == 1 else kk + (bn // tiles_per_group) * (K // BK), base)
 
-    k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group)
+    k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group, TW)
 
     @T.prim_func
     def fp8_linear(

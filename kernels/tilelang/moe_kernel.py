@@ -41,11 +41,17 @@ bank-conflict free), their scales, and the activation tile in the wgmma "interle
 core matrices, core (kf/8, n/8) at ((kf/8)*(BT/8) + n/8)*128 bytes; descriptor LBO = BT*16 bytes, SBO = 128).
 Token columns of the tile that hold no token are never loaded: their MMA columns are garbage and never stored.
 
-Pipeline per K step k (S stages, NG = BK/64 groups of 64 K, one warpgroup):
+Pipeline per K step k (S stages, NG = BK/64 groups of 64 K, one warpgroup per 64 weight rows):
     groups 0, 1 of step k                          (wgmma wait_group 1 before each A buffer is refilled)
-    cp.async.wait (stages <= k+2 landed); barrier  (all warps also past step k-1's wgmmas)
-    permute the activations of step k+2 in place + fence.proxy.async; issue stage k+S-1 into step k-1's slot
+    cp.async.wait; barrier                         (weight threads: step k+1's stage landed, S-3 stages stay in
+                                                    flight; activation threads: step k+2's landed)
+    the activation threads permute step k+2's activations in place + fence.proxy.async; stage k+S-1 issued into
+    step k-1's slot (its weights by the weight threads, its activations by the activation threads)
     groups 2.. of step k
+Loads are split between the two halves of the block (`load_roles`): the proxy fence is a MEMBAR.ALL.CTA in SASS,
+and a thread that executes it with cp.async in flight may wait for them, so the threads that stream the weights
+never fence. Before the split every thread waited for all its loads at each barrier, and the weights' pipeline
+was about one stage deep: the routed passes reached 44% of copy bandwidth at one token and ~70% at 8-64.
 On non-Hopper targets (sm_100a lowering, sm_80/89) the same fragments feed mma.sync m16n8k16 instead (identical
 A/C register layouts), so the kernel still compiles and is correct there, without the async overlap.
 
@@ -57,11 +63,11 @@ prefill measured 1.1x at most from it); block_k is 128, 256 or 512; num_stages >
 z, "add" epilogue only); min_blocks (__launch_bounds__). The tile policy (which block_t / block_k / stages per pass)
 is moe.py's.
 
-Predictions (before the first GPU run; benchmarks/moe_gpu.py measures, results in benchmarks/results/):
-  * Kernels alone: routed FP4 up/down 65-80% of copy bandwidth at B=1..64 (measured 69-70% at B=8..64, 44% at B=1).
-  * Split K is not needed for the routed passes at B=1 (432/480 tiles over 132 SMs x 4 blocks); for the shared
-    down pass it changes < 5%. 5 stages vs 4: within 5% if the proxy fence's MEMBAR waits for the thread's
-    in-flight cp.async (the loop is ordered so that with 4 stages it has none to wait for), +5-15% if it does not.
+Predictions (benchmarks/moe_gpu.py measures, results in benchmarks/results/):
+  * Kernels alone, before the split loads: routed FP4 up/down 69-70% of copy bandwidth at B=8..64, 44% at B=1;
+    5 stages were no better than 4 (one block fewer per SM, and every thread drained its loads at each barrier).
+  * With the split (not yet measured): each block keeps about one more weight stage in flight; the "loads
+    unsplit" sweep variant is the kernel before it, for the comparison.
 """
 
 import tilelang.language as T
@@ -288,37 +294,63 @@ def smem_layout(fmt: str, block_t: int, block_k: int, block_n: int = BLOCK_N):
     return stage, w_bytes, off_x, bkp, scb
 
 
-def stage_macros(fmt: str, block_t: int, block_k: int, threads: int = THREADS):
+def load_roles(threads: int, split: bool) -> tuple[int, int]:
+    """(threads issuing the weight loads, first thread of the activation loads and permute) of a block. Split: the
+    first half streams the weights and never executes the permute's proxy fence, so it keeps weight stages in
+    flight across each step's barrier (the fence is a MEMBAR.ALL.CTA in SASS, which may wait for the thread's
+    in-flight cp.async); the second half loads and permutes the activations. Not split: every thread does both."""
+    return (threads // 2, threads // 2) if split else (threads, 0)
+
+
+def stage_macros(fmt: str, block_t: int, block_k: int, threads: int = THREADS, split: bool = True):
     """The pipeline-stage macros both weight-streaming GEMMs (this one and linear_kernel.py) share, for an
     activation tile of block_t tokens x block_k: `load_x` (the token rows of K step kk into a stage slot; xr < 0: no
     token, zero-filled), `permute` (activations into the wgmma B layout, in place) and `group` (dequantise one 64-K
-    group of weights into the A fragments and issue its MMAs)."""
+    group of weights into the A fragments and issue its MMAs). `load_x` and `permute` run on the activation
+    threads of `load_roles(threads, split)`."""
     BT, BK = block_t, block_k
     STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK, threads // 2)  # a warpgroup per 64 weight rows
-    TH = threads
-    assert (BT * BK // 8) % TH == 0, "every thread loads the same number of activation chunks"
-    X_IT = BT * BK // 8 // TH          # 16-byte activation chunks per thread and step
+    _, X0 = load_roles(threads, split)
+    TX = threads - X0                  # activation threads (a multiple of BT: token tx % BT is the same per thread)
+    assert TX % BT == 0 and (BT * BK // 8) % TX == 0, "every activation thread loads the same number of chunks"
+    X_IT = BT * BK // 8 // TX          # 16-byte activation chunks per thread and step
     P_UNITS = BT * (BK // 64)          # (token, group) permute units per step
-    P_IT = -(-P_UNITS // TH)
+    P_IT = -(-P_UNITS // TX)
     fmt_id = 0 if fmt == "fp4" else 1
 
     @T.macro
-    def load_x(smem, xr, x, tx, kk, base):
-        # token n = tx % BT for every iteration (BT divides the threads): its x row xr (< 0: none) is in a register
+    def load_x_rows(smem, xr, x, tx, kk, base):
+        # token n = tx % BT for every iteration: its x row xr (< 0: none) is in a register
         for it in T.unroll(X_IT):
-            kc = it * (TH // BT) + tx // BT
+            kc = it * (TX // BT) + (tx - X0) // BT
             x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
             T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
                           T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
 
     @T.macro
-    def permute(smem, xr, tx, slot):
-        # unit (token tx % BT, group (it*TH + tx) / BT); tokens without a row are skipped
+    def load_x(smem, xr, x, tx, kk, base):
+        if X0 > 0:
+            if tx >= X0:
+                load_x_rows(smem, xr, x, tx, kk, base)
+        else:
+            load_x_rows(smem, xr, x, tx, kk, base)
+
+    @T.macro
+    def permute_units(smem, xr, tx, slot):
+        # unit (token tx % BT, group (it*TX + tx - X0) / BT); tokens without a row are skipped
         for it in T.unroll(P_IT):
-            if (P_UNITS % TH == 0) or (it * TH + tx < P_UNITS):
+            if (P_UNITS % TX == 0) or (it * TX + tx - X0 < P_UNITS):
                 if xr >= 0:
                     T.call_extern("handle", f"di3_permute_x<{BT}>", T.address_of(smem[(slot * STAGE + OFF_X) // 4]),
-                                  tx % BT, (it * TH + tx) // BT)
+                                  tx % BT, (it * TX + tx - X0) // BT)
+
+    @T.macro
+    def permute(smem, xr, tx, slot):
+        if X0 > 0:
+            if tx >= X0:
+                permute_units(smem, xr, tx, slot)
+        else:
+            permute_units(smem, xr, tx, slot)
 
     @T.macro
     def group(smem, a, acc, slot, G):
@@ -329,12 +361,14 @@ def stage_macros(fmt: str, block_t: int, block_k: int, threads: int = THREADS):
     return load_x, permute, group
 
 
-def k_loop_macro(num_stages: int, n_steps: int, n_groups: int, block_t: int, issue, permute, group):
+def k_loop_macro(num_stages: int, n_steps: int, n_groups: int, block_t: int, issue, permute, group,
+                 weight_threads: int = 0):
     """The pipelined main loop both weight-streaming GEMMs share, over `n_steps` K steps of `n_groups` 64-K groups
     with `num_stages` cp.async stage slots: prologue (stages 0..S-2 in flight, the activations of steps 0 and 1
     permuted), one barrier per step, then the accumulators stored to `c_s` [tokens, 64 rows]. `issue(smem, xr, x,
     w, ws, p, q, tx, kk, slot)` loads global K step kk into a slot; p, q locate the weight tile (each GEMM reads
-    them its own way)."""
+    them its own way). weight_threads > 0 (load_roles, split): threads below it load only weights and wait at each
+    barrier for the next step's weights alone, the others only activations, for the step two ahead (its permute)."""
     S, NK, NG, BT = num_stages, n_steps, n_groups, block_t
 
     @T.macro
@@ -352,11 +386,19 @@ def k_loop_macro(num_stages: int, n_steps: int, n_groups: int, block_t: int, iss
         for k in T.serial(NK):
             group(smem, a, acc, k % S, 0)
             group(smem, a, acc, k % S, 1)
-            # stages <= k+2 landed; past this barrier every warp is past step k-1's wgmmas (wait_group 1
-            # in group 1), so the slot of step k-1 is free and step k+2's tile can be permuted. The permute
-            # (and its proxy fence, a MEMBAR in SASS) runs before the next stage is issued: with 4 stages
-            # this thread then has no cp.async in flight for the fence to wait on.
-            T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
+            # Past this barrier: step k+1's weights landed (used before the next barrier), step k+2's activations
+            # landed (permuted next), and every warp is past step k-1's wgmmas (wait_group 1 in group 1), so the
+            # slot of step k-1 is free and step k+2's tile can be permuted. The permute's proxy fence (a MEMBAR in
+            # SASS) runs on threads with no cp.async of their own in flight: the activation threads have waited
+            # for all theirs at 4 stages, and split weight threads never fence, so they keep step k+2's weights
+            # (and from S = 5 more) in flight across the barrier.
+            if weight_threads > 0:
+                if tx < weight_threads:
+                    T.call_extern("handle", f"di3_cp_wait<{S - 3}>")
+                else:
+                    T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
+            else:
+                T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
             T.sync_threads()
             if k + 2 < NK:
                 permute(smem, xr, tx, (k + 2) % S)
@@ -389,13 +431,15 @@ def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int, block_n:
 
 def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_n: int = 64,
                        block_t: int = 16, block_k: int = 256, threads: int = 128, num_stages: int = 4,
-                       gather: bool = True, k_splits: int = 1, min_blocks: int = 0):
+                       gather: bool = True, k_splits: int = 1, min_blocks: int = 0, split_loads: bool = True):
     """fmt: "fp4" (w [E, N, K/2] uint8, scale [E, N, K/32] uint8) or "fp8" (w [E, N, K] uint8 e4m3 bits, scale
     [E, N/32, K/32] uint8). X is [tokens, K] bf16 read at rows[pos] (gather) or at pos (not gather). k_splits: K
     split over grid z ("add" only); min_blocks: __launch_bounds__ min blocks per SM (0 = from shared memory, capped
     at 4). block_n 64 (one warpgroup, threads 128) or 128 (two warpgroups, threads 256, each its own 64 weight
     rows against the one activation tile: half the activation bytes per weight byte in shared memory, so a block
-    of 16+ tokens keeps as many weight bytes in flight per SM as one of 8 tokens at block_n 64)."""
+    of 16+ tokens keeps as many weight bytes in flight per SM as one of 8 tokens at block_n 64). split_loads:
+    weights and activations loaded by the two halves of the block (load_roles); False: by every thread, which
+    then waits for all its loads before each permute."""
     assert fmt in ("fp4", "fp8") and epilogue in ("swiglu", "add")
     assert block_n in (64, 128) and threads == 2 * block_n, "a warpgroup per 64 weight rows (the wgmma M)"
     assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
@@ -408,7 +452,9 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK, BN)
     KP = K // 2 if fmt == "fp4" else K
     CPR = BKP // 16                    # 16-byte weight chunks per row and step
-    W_IT = BN * CPR // TH
+    TW, _ = load_roles(TH, split_loads)  # threads that load weights
+    assert (BN * CPR) % TW == 0
+    W_IT = BN * CPR // TW
     CS_LD = BN + CS_PAD
     s_shape = (E, N, K // 32) if fmt == "fp4" else (E, N // 32, K // 32)
     n_out = N // 2 if epilogue == "swiglu" else N
@@ -422,18 +468,27 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     n_x, n_pos, n_slots, n_y = T.dynamic("n_x"), T.dynamic("n_pos"), T.dynamic("n_slots"), T.dynamic("n_y")
     out_dtype = "bfloat16" if epilogue == "swiglu" else "float32"
     out_rows = n_pos if epilogue == "swiglu" else n_y
-    load_x, permute, group = stage_macros(fmt, BT, BK, TH)
+    load_x, permute, group = stage_macros(fmt, BT, BK, TH, split_loads)
 
     @T.macro
-    def issue(smem, xr, x, w, ws, e, bx, tx, kk, slot):
-        # one stage (global K step kk) into slot: weights, their scales, the token rows of the activations
-        base = slot * STAGE
+    def weight_rows(smem, w, e, bx, tx, kk, base):
         for it in T.unroll(W_IT):
-            r = (it * TH + tx) // CPR
-            cc = (it * TH + tx) % CPR
+            r = (it * TW + tx) // CPR
+            cc = (it * TW + tx) % CPR
             cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, (2 * (r % 4)) if fmt == "fp4" else (4 * (r % 2)))
             T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
                           T.address_of(w[e, bx * BN + r, kk * BKP + cc * 16]), 1)
+
+    @T.macro
+    def issue(smem, xr, x, w, ws, e, bx, tx, kk, slot):
+        # one stage (global K step kk) into slot: weights and their scales on the weight threads (tx < BN <= TW),
+        # the token rows of the activations on the activation threads
+        base = slot * STAGE
+        if TW < TH:
+            if tx < TW:
+                weight_rows(smem, w, e, bx, tx, kk, base)
+        else:
+            weight_rows(smem, w, e, bx, tx, kk, base)
         if fmt == "fp4":
             if tx < BN:
                 T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
@@ -444,7 +499,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
                               T.address_of(ws[e, bx * (BN // 32) + tx, kk * SCB]), 1)
         load_x(smem, xr, x, tx, kk, base)
 
-    k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group)
+    k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group, TW if split_loads else 0)
 
     @T.prim_func
     def grouped_gemm(
