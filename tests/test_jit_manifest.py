@@ -92,6 +92,13 @@ def test_a_listed_kernel_the_code_rejects_is_counted_and_logged_not_fatal(fresh,
     assert "1 of 2 kernels failed to build" in caplog.text
 
 
+def test_an_unreadable_manifest_is_logged_and_the_run_goes_on(fresh, caplog):
+    fresh.write_bytes(b"\xff\xfe not text")
+    with caplog.at_level(logging.WARNING, logger=_build.__name__):
+        assert _build.jit(build_norm, 16) == ("kernel", ("norm", 16))
+    assert "not read" in caplog.text and _build.jit_stats()["manifest"] is None
+
+
 def test_without_the_variable_nothing_is_listed_or_recorded(fresh, monkeypatch):
     monkeypatch.delenv("DEEPINFER_JIT_MANIFEST")
     _build.jit(build_norm, 32)

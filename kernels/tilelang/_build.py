@@ -251,7 +251,12 @@ def _manifest_start() -> None:
         _MANIFEST["path"] = path
         if not os.path.exists(path):
             return
-        specs, lines, stale = read_manifest(path)
+        try:
+            specs, lines, stale = read_manifest(path)
+        except (OSError, UnicodeDecodeError) as e:  # not a text file we may read: the run goes on without it
+            log.warning("kernel manifest %s not read (%s); kernels are built on first use and not recorded", path, e)
+            _MANIFEST["path"] = None
+            return
         _MANIFEST["known"].update(lines)  # already listed: not appended again
         t0 = time.perf_counter()
 

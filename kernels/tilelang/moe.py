@@ -104,8 +104,10 @@ def shared_block_t(n_tok: int) -> int:
 
 
 def pass_config(fmt: str, k_dim: int, block_t: int, block_n: int = BLOCK_N) -> tuple[int, int]:
-    """(block_k, num_stages) of one pass. Four stages everywhere: the activation permute's proxy fence then
-    never has a cp.async of its own thread in flight (see moe_kernel's K loop). FP4 (routed): 256-K steps, 8.5 KB
+    """(block_k, num_stages) of one pass. Four stages everywhere: with them the activation threads' proxy fence
+    has no cp.async of its own in flight, and the weight threads keep one stage in flight across each barrier
+    (moe_kernel's K loop; whether a fifth stage pays for a block fewer per SM now that the weight threads never
+    fence is `moe_gpu.py --variants "fp4 stages5"`'s question). FP4 (routed): 256-K steps, 8.5 KB
     of weights each, ~53 KB per block at block_t 8, so 4 blocks (16 warps) share an SM. FP8 (the shared expert: one
     expert, 72-80 blocks per token tile, the longest chain at decode): the largest step dividing K that keeps 4
     stages within ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
