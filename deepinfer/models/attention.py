@@ -126,11 +126,11 @@ class Attention:
         weights = ops.linear(h, w.indexer.weights_proj).float() * cfg.index_n_heads**-0.5
         ent = meta.entries[self.ratio]
         if ent.width == 0:  # nothing compressed yet in any sequence of the step
-            meta.selected = Selection(self.source, torch.full((T, topk), -1, dtype=torch.int64, device=h.device))
+            meta.selected = Selection(self.source, torch.full((T, topk), -1, dtype=torch.int32, device=h.device))
             return
         if isinstance(L.key_codec, Fp4Codec):  # the keys read where the pool holds them, through the entry rows
-            scores = ops.indexer_scores_fp4(iq, meta.tok_seq, ent.visible, *pools.index_keys[self.source], ent.rows,
-                                            weights, cfg.index_head_dim**-0.5)
+            scores = ops.indexer_scores_fp4(iq, meta.tok_seq32, ent.visible32, *pools.index_keys[self.source],
+                                            ent.rows, weights, cfg.index_head_dim**-0.5)
         else:
             stored = [p[ent.rows] for p in pools.index_keys[self.source]]  # [B, G, ...] each sequence's keys
             keys = L.key_codec.decode(*stored, dtype=torch.float32)
@@ -138,7 +138,7 @@ class Attention:
         blocks = cfg.candidate_topk_blocks if self.is_candidate_source else 0
         ids = ops.index_topk_ids(
             scores,
-            ent.visible,
+            ent.visible32,
             topk,
             candidates=meta.candidates if self.uses_candidates else None,
             candidate_blocks=blocks,
@@ -148,9 +148,10 @@ class Attention:
             ids, meta.candidates = ids
         elif self.is_candidate_source:
             meta.candidates = None
-        # the selected entries in ascending entry order as pool rows; unused slots (-1) stay masked
+        # the selected entries in ascending entry order as pool rows; unused slots (-1) stay masked; int32, the
+        # kernels' index type, so no layer that reads the selection casts it again
         rows = ent.rows[meta.tok_seq[:, None], ids.long().clamp(0, ent.width - 1)]
-        meta.selected = Selection(self.source, torch.where(ids >= 0, rows, -1))
+        meta.selected = Selection(self.source, rows.masked_fill(ids < 0, -1).to(torch.int32))
 
     # ---------------------------------------------------------------------------------------
     def _attend(self, q, kv, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:
@@ -179,14 +180,14 @@ class Attention:
         if selected is not None and selected.source == self.source:
             return selected.rows
         # without an index source for this source in this step, nothing is selectable
-        return torch.full((T, self.cfg.index_topk), -1, dtype=torch.int64, device=device)
+        return torch.full((T, self.cfg.index_topk), -1, dtype=torch.int32, device=device)
 
     def _pool_keys(self, meta: StepMeta, pools: CachePools, T: int, device):
         """(the [T, index_topk] selected pool rows, the compressed pool's codes and scales) the decode op reads; no
         selection and an empty pool on an uncompressed layer."""
         if self.ratio:
             return (self._selected(meta, T, device), *pools.compressed[self.source])
-        return (torch.empty(T, 0, dtype=torch.int64, device=device), *pools.no_compressed)
+        return (torch.empty(T, 0, dtype=torch.int32, device=device), *pools.no_compressed)
 
     def _attend_slates(self, q, kv, meta: StepMeta, pools: CachePools, rows: torch.Tensor | None = None):
         """Every query (or the queries `rows`) over its key slate, gathered from the rings before this step writes
@@ -243,7 +244,7 @@ class Attention:
         ring = pools.window[self.layer]
         self._write_window(kv_parts, meta, pools)
         codes, scales = (p[: S * R].view(S, R, -1) for p in ring)
-        slot, pos = meta.tok_slot, meta.positions
+        slot, pos = meta.tok_slot32, meta.positions32
         sel, cmp_kv, cmp_scale = self._pool_keys(meta, pools, q.shape[0], q.device)
         if rows is not None:
             q, slot, pos, sel = q[rows], slot[rows], pos[rows], sel[rows]

@@ -12,6 +12,8 @@ deterministic and independent of batching. On tie-free scores both select the sa
 the contract (the indexer never produces them).
 """
 
+import functools
+
 import torch
 
 from deepinfer.kernels.registry import fall_back
@@ -36,6 +38,13 @@ def _covered(scores, visible, topk, candidates, candidate_blocks, candidate_bloc
     return candidates is None or (candidates.dtype == torch.bool and tuple(candidates.shape) == (S, G))
 
 
+@functools.lru_cache(maxsize=8)
+def _placeholder(device: str) -> torch.Tensor:
+    """The one-byte buffer passed for outputs and inputs a launch does not use (never read or written), made once
+    per device rather than by a fill kernel in every launch."""
+    return torch.zeros(1, 1, dtype=torch.uint8, device=device)
+
+
 def _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size, want_mask):
     S, G = scores.shape
     dev = scores.device
@@ -43,7 +52,7 @@ def _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block
     use_cand = candidates is not None and not level1  # the candidate source's own selection is unrestricted
     # the block size is a compile-time constant; without the candidate level any value serves, so reuse 8
     kernel = jit(build_index_topk, CACHE, candidate_block_size if level1 else 8)
-    dummy = torch.zeros(1, 1, dtype=torch.uint8, device=dev)
+    dummy = _placeholder(str(dev))
     ids = torch.empty(S, topk, dtype=torch.int32, device=dev)
     sel = torch.empty(S, G, dtype=torch.bool, device=dev) if want_mask else None
     cand = torch.empty(S, G, dtype=torch.bool, device=dev) if level1 else None

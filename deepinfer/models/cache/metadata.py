@@ -15,6 +15,7 @@ them on the device with fixed shapes, so the same derivation can run inside a ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -137,6 +138,11 @@ class EntryIndex:
     visible: torch.Tensor  # [T] entries query t may see: (p + 1) // ratio
     width: int  # G
 
+    @cached_property
+    def visible32(self) -> torch.Tensor:
+        """`visible` as int32 (the GPU kernels' index type), cast once for every layer that scores or selects."""
+        return self.visible.to(torch.int32)
+
 
 @dataclass
 class Selection:
@@ -213,6 +219,20 @@ class StepMeta:
     # a prefill step whose new tokens include image-span positions; None for every other step (text-only steps run
     # exactly as before: no mask, no merge)
     images: ImageRows | None = None
+
+    # int32 copies of the per-token metadata the GPU kernels index with, made once per step (inside a captured
+    # decode graph: once per replay) instead of by every layer's launcher
+    @cached_property
+    def tok_slot32(self) -> torch.Tensor:
+        return self.tok_slot.to(torch.int32)
+
+    @cached_property
+    def tok_seq32(self) -> torch.Tensor:
+        return self.tok_seq.to(torch.int32)
+
+    @cached_property
+    def positions32(self) -> torch.Tensor:
+        return self.positions.to(torch.int32)
 
 
 def derive(host: HostStep, pools: CachePools) -> StepMeta:

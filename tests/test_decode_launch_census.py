@@ -1,0 +1,48 @@
+"""The CPU census of a captured decode step's GPU launches (benchmarks/decode_launch_census.py) on the Flash-width
+model with one layer of each kind: every op takes the TileLang path, the step's launches do not grow with the
+batch once the projections run as GEMMs, the per-step index metadata is cast to int32 once per step rather than
+by every layer's launcher, and the JSON carries issue 21's kernels-per-layer target."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")]
+
+
+@pytest.fixture(scope="module")
+def census(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("census", ROOT / "benchmarks" / "decode_launch_census.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path_factory.mktemp("census") / "census.json"
+    args = ["--model", "flash_reduced", "--batches", "1", "8", "16", "--context", "1024", "--top", "1000"]
+    assert mod.main(args + ["--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_every_op_of_the_step_takes_the_tilelang_path(census):
+    assert all(res["torch_fallbacks"] == {} for res in census["batches"].values())
+    assert all(res["step"]["tilelang"] > res["step"]["glue"] for res in census["batches"].values())
+
+
+def test_the_launches_of_a_step_do_not_grow_with_the_batch(census):
+    b8, b16 = census["batches"]["8"]["step"], census["batches"]["16"]["step"]
+    assert (b8["kernels"], b8["tilelang"], b8["glue"]) == (b16["kernels"], b16["tilelang"], b16["glue"])
+
+
+def test_no_launcher_casts_the_steps_index_metadata_per_layer(census):
+    casts = [site for res in census["batches"].values() for site in res["glue_sites"]
+             if site["op"] == "_to_copy" and site["site"].split(":")[0] in (
+                 "kernels/tilelang/attention.py", "kernels/tilelang/indexer.py", "kernels/tilelang/topk.py")]
+    assert casts == []
+
+
+def test_the_json_carries_the_kernels_per_layer_target(census):
+    assert [t["name"] for t in census["targets"]] == [
+        f"decode B={b}: kernels per layer of a step (CPU census)" for b in ("1", "8", "16")]
+    assert all(t["target"] == 50 and t["met"] == (t["measured"] <= 50) for t in census["targets"])
