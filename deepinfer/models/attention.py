@@ -83,7 +83,8 @@ class Attention:
         cfg, c, ops = self.cfg, self.w.compressor, self.ops
         if self.ratio == 1:
             return ops.rms_norm(ops.linear(h, c.wkv), c.norm, cfg.rms_norm_eps)
-        return torch.stack([ops.linear(h.float(), c.wkv.float()), ops.linear(h.float(), c.wgate.float())], 1)
+        hf = h.float()  # one cast for both projections
+        return torch.stack([ops.linear(hf, c.wkv.float()), ops.linear(hf, c.wgate.float())], 1)
 
     def store_compressed(self, c_in: torch.Tensor, meta: StepMeta, pools: CachePools, dtype: torch.dtype) -> None:
         """compress() from the compressor input of every row of `meta`'s step."""
