@@ -774,7 +774,8 @@ def main(argv=None) -> int:
                 limits=next(p for p in __doc__.split("\n\n") if p.startswith("Limits")).replace("\n", " "))
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump(dict(meta=meta, targets=targets(results), batches=results, glue_lines_by_batch=lines), f, indent=1)
+        json.dump(dict(meta=meta, targets=targets(results), batches=results, glue_lines_by_batch=lines), f,
+                  separators=(",", ":"))  # compact: the .log is the readable form
     print("wrote", a.out)
     return 0
 
