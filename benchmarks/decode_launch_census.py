@@ -74,6 +74,7 @@ import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 
 def _pin_checkout() -> None:
@@ -111,14 +112,7 @@ def _cuda(t) -> bool:
 
 
 def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
+    return (t for t in tree_leaves(x) if isinstance(t, torch.Tensor))
 
 
 def _memcpy_like(dst: torch.Tensor, src: torch.Tensor) -> bool:

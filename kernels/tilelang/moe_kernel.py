@@ -319,38 +319,25 @@ def stage_macros(fmt: str, block_t: int, block_k: int, threads: int = THREADS, s
     fmt_id = 0 if fmt == "fp4" else 1
 
     @T.macro
-    def load_x_rows(smem, xr, x, tx, kk, base):
-        # token n = tx % BT for every iteration: its x row xr (< 0: none) is in a register
-        for it in T.unroll(X_IT):
-            kc = it * (TX // BT) + (tx - X0) // BT
-            x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
-            T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
-                          T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
-
-    @T.macro
     def load_x(smem, xr, x, tx, kk, base):
-        if X0 > 0:
-            if tx >= X0:
-                load_x_rows(smem, xr, x, tx, kk, base)
-        else:
-            load_x_rows(smem, xr, x, tx, kk, base)
-
-    @T.macro
-    def permute_units(smem, xr, tx, slot):
-        # unit (token tx % BT, group (it*TX + tx - X0) / BT); tokens without a row are skipped
-        for it in T.unroll(P_IT):
-            if (P_UNITS % TX == 0) or (it * TX + tx - X0 < P_UNITS):
-                if xr >= 0:
-                    T.call_extern("handle", f"di3_permute_x<{BT}>", T.address_of(smem[(slot * STAGE + OFF_X) // 4]),
-                                  tx % BT, (it * TX + tx - X0) // BT)
+        # token n = tx % BT for every iteration: its x row xr (< 0: none) is in a register
+        if tx >= X0:
+            for it in T.unroll(X_IT):
+                kc = it * (TX // BT) + (tx - X0) // BT
+                x_off = base + OFF_X + (kc * (BT // 8) + (tx % BT) // 8) * 128 + (tx % 8) * 16
+                T.call_extern("handle", "di3_cp16", T.address_of(smem[x_off // 4]),
+                              T.address_of(x[T.max(xr, 0), kk * BK + kc * 8]), T.if_then_else(xr >= 0, 1, 0))
 
     @T.macro
     def permute(smem, xr, tx, slot):
-        if X0 > 0:
-            if tx >= X0:
-                permute_units(smem, xr, tx, slot)
-        else:
-            permute_units(smem, xr, tx, slot)
+        # unit (token tx % BT, group (it*TX + tx - X0) / BT); tokens without a row are skipped
+        if tx >= X0:
+            for it in T.unroll(P_IT):
+                if (P_UNITS % TX == 0) or (it * TX + tx - X0 < P_UNITS):
+                    if xr >= 0:
+                        T.call_extern("handle", f"di3_permute_x<{BT}>",
+                                      T.address_of(smem[(slot * STAGE + OFF_X) // 4]), tx % BT,
+                                      (it * TX + tx - X0) // BT)
 
     @T.macro
     def group(smem, a, acc, slot, G):
@@ -471,24 +458,17 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     load_x, permute, group = stage_macros(fmt, BT, BK, TH, split_loads)
 
     @T.macro
-    def weight_rows(smem, w, e, bx, tx, kk, base):
-        for it in T.unroll(W_IT):
-            r = (it * TW + tx) // CPR
-            cc = (it * TW + tx) % CPR
-            cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, (2 * (r % 4)) if fmt == "fp4" else (4 * (r % 2)))
-            T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
-                          T.address_of(w[e, bx * BN + r, kk * BKP + cc * 16]), 1)
-
-    @T.macro
     def issue(smem, xr, x, w, ws, e, bx, tx, kk, slot):
         # one stage (global K step kk) into slot: weights and their scales on the weight threads (tx < BN <= TW),
         # the token rows of the activations on the activation threads
         base = slot * STAGE
-        if TW < TH:
-            if tx < TW:
-                weight_rows(smem, w, e, bx, tx, kk, base)
-        else:
-            weight_rows(smem, w, e, bx, tx, kk, base)
+        if tx < TW:
+            for it in T.unroll(W_IT):
+                r = (it * TW + tx) // CPR
+                cc = (it * TW + tx) % CPR
+                cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, (2 * (r % 4)) if fmt == "fp4" else (4 * (r % 2)))
+                T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
+                              T.address_of(w[e, bx * BN + r, kk * BKP + cc * 16]), 1)
         if fmt == "fp4":
             if tx < BN:
                 T.call_extern("handle", f"di3_cp_small<{SCB}>", T.address_of(smem[(base + OFF_S + tx * SCB) // 4]),
