@@ -168,7 +168,9 @@ def engine_backend(model, fill: bool, seed: int = 0, replay=None, same_fill: boo
     (e.g. for CUDA graphs) is the real one. `replay`: the YOCO replay stage (models/replay.py BoundedReplay), which
     the engine's runner applies to prefill steps as it does the pipeline's (yoco=mask|compact); None: yoco=off.
     `same_fill`: every fill starts from `seed` again (bank and draws), so a later generate of the same prompts, all
-    in one prefill step, finds the same context (dspark_gpu.py replays the target's continuation as drafts)."""
+    in one prefill step, finds the same context (dspark_gpu.py replays the target's continuation as drafts). The
+    fill starts once make_engine arms it: what the engine prefills while it starts (the varlen planner profiling
+    its cost curve) runs the model, so the curve prices real forwards, not fills."""
     from deepinfer.engine.backend import backend_from_model
     from deepinfer.kernels.registry import batch_invariant
 
@@ -178,13 +180,17 @@ def engine_backend(model, fill: bool, seed: int = 0, replay=None, same_fill: boo
     if fill:
         gen = torch.Generator(model.device).manual_seed(seed)
         banks: dict = {}
+        real, armed = backend.prefill, []
 
         def prefill(batch):
+            if not armed:  # the engine's own steps before any request (varlen's cost curve): real forwards
+                return real(batch)
             if same_fill:
                 gen.manual_seed(seed)
                 banks.clear()
             return fill_step(model, batch, gen, banks=banks)
 
+        prefill.arm = lambda: armed.append(True)  # make_engine, once the engine is up
         backend = dataclasses.replace(backend, prefill=prefill)
     return backend
 
@@ -236,6 +242,7 @@ def make_engine(model, *, fill: bool, max_seqs: int, context: int, max_tokens: i
                                       enforce_eager=not graphs, cudagraph_batch_size_interval=interval, seed=0,
                                       num_draft_tokens=num_draft, spec_varlen=varlen)
     engine = LLMEngine(lambda: backend, opts)
+    getattr(backend.prefill, "arm", lambda: None)()
     return engine, StepTap(engine), budget
 
 

@@ -20,6 +20,13 @@ prefilled; greedy; CUDA graphs on; --drafts 5 drafts verified per request and st
            runner's draft_override; the drafter's cost stays in the step): the first j are the reference's next
            tokens (accepted), the (j+1)-th a token the target does not pick there (rejected), so every verification
            accepts exactly j drafts: a mean accepted length of 1 + j tokens per step.
+  --varlen the planner chooses each step's verification lengths from confidences (calibrated: 1.0 for each draft
+           that passes, 0.0 after), and each j >= 1 row gets its own reference first: a run whose confidences trust
+           j drafts of the drafter's own (so its steps have the row's lengths: the planner's online refinement is
+           frozen for these runs, at the curve the j = 0 run left). The j = 0 run's one-token steps are
+           no reference there: outside the batch-invariant mode a step's numerics depend on its rows (one row takes
+           the FP8 GEMV, more the GEMM), and a random-weight model turns any difference into another token.
+Every DSpark row's outputs are checked against its reference (DSpark is lossless for the same numerics).
 mean accepted length = the engine's own counters over the timed steps (engine.metrics.speculative_summary: 1 +
 accepted drafts per verification), not the intended 1 + j. tok/s per user = that / median step time (forward +
 verification + drafting, the engine's device interval); speed-up = DSpark tok/s per user over plain's, same batch,
@@ -100,6 +107,16 @@ def calibrated(j: int, reference: dict | None):
             ok = ok and done + i < len(ref) and ref[done + i] == t
             out.append(1.0 if ok else 0.0)
         return out
+
+    return confidences
+
+
+def forced(j: int):
+    """confidence_override of a varlen reference run: the first j drafts trusted whatever they are, so the planner
+    verifies what it will verify in the row of j controlled drafts (the same confidences), on the drafter's own
+    guesses (nearly all rejected: the output is the target's own tokens from steps of those lengths)."""
+    def confidences(ids, num_prompt, drafts):
+        return [1.0 if i < j else 0.0 for i in range(len(drafts))]
 
     return confidences
 
@@ -200,18 +217,34 @@ def make_row(model, batch, context, j, outs, timed, fallbacks, seconds, engine, 
                 fallbacks=fallbacks, errors=[o.error for o in outs if o.finish_reason == "error"][:3], run_s=seconds)
 
 
-def check(row, steps: int, on_cuda: bool, tolerance: float) -> list[str]:
-    """Why this row is not what it claims to be (empty: it is)."""
+def diverged(prompts, outs, reference: dict) -> list[int]:
+    """Per request, the first output position where it differs from the reference (the j = 0 run's greedy
+    output, which DSpark's losslessness makes every later run's), -1 where it does not."""
+    out = []
+    for p, o in zip(prompts, outs):
+        ref, got = reference[tuple(p[:KEY_PREFIX])], list(o.token_ids)
+        out.append(next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), -1))
+    return out
+
+
+def check(row, steps: int, on_cuda: bool, tolerance: float, graphs: bool | None = None) -> list[str]:
+    """Why this row is not what it claims to be (empty: it is). `graphs`: the run asked for CUDA graphs (default:
+    on CUDA)."""
+    graphs = on_cuda if graphs is None else graphs
     j = row["drafts_accepted"]
     tag = f"{row['model']} B={row['batch']} " + ("plain" if j is None else f"j={j}")
     bad = []
     if row["errors"]:
         bad.append(f"{tag}: requests ended with errors {row['errors']}")
+    lost = [i for i in row.get("diverged") or [] if i >= 0]
+    if lost:
+        bad.append(f"{tag}: {len(lost)} of {row['batch']} outputs differ from the j=0 run's (DSpark is lossless: "
+                   f"the same context must give the same greedy tokens), first at token {min(lost)}")
     if row["timed_steps"] < steps:
         bad.append(f"{tag}: {row['timed_steps']} timed decode steps of {row['batch']} rows, wanted {steps}")
-    if on_cuda and row["graph_steps"] != row["timed_steps"]:
+    if graphs and row["graph_steps"] != row["timed_steps"]:
         bad.append(f"{tag}: {row['graph_steps']} of {row['timed_steps']} timed steps replayed a CUDA graph")
-    if on_cuda and j is not None and row["draft_graph_steps"] != row["timed_steps"]:
+    if graphs and j is not None and row["draft_graph_steps"] != row["timed_steps"]:
         bad.append(f"{tag}: drafting replayed a CUDA graph in {row['draft_graph_steps']} of {row['timed_steps']} "
                    f"timed steps")
     strict = {k: v for k, v in row["fallbacks"].items() if k in STRICT_KINDS}
@@ -393,6 +426,8 @@ def parse(argv=None):
     ap.add_argument("--varlen", action="store_true",
                     help="DSpark rows with decoding.varlen and a calibrated confidence head (`calibrated`): the "
                          "planner verifies the drafts that pass")
+    ap.add_argument("--eager", action="store_true",
+                    help="CUDA graphs off (enforce_eager), a diagnosis: the graph checks then do not apply")
     ap.add_argument("--profile", nargs="+", default=[], metavar="B:J",
                     help="rows to profile once more after timing (B:plain or B:j): drafting vs the rest per step, "
                          "and the kernels")
@@ -433,6 +468,7 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     on_cuda = a.device.startswith("cuda")
+    graphs = on_cuda and not a.eager
     prefs = {"default": ["tilelang-sm90", "torch"]} if on_cuda else ["torch"]
     model = build(a.model, a.device, prefs, overrides=synthetic.DSPARK_FLASH)
     if getattr(model, "drafter", None) is None:
@@ -444,7 +480,7 @@ def main(argv=None) -> int:
                 model=a.model, cmd=" ".join(sys.argv), time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 drafts=a.drafts, accepted=a.accepted, steps=a.steps, warmup=a.warmup, tolerance=a.tolerance,
                 varlen=a.varlen,
-                graphs=on_cuda, note=FILLED_NOTE)
+                graphs=graphs, note=FILLED_NOTE)
     rows, failures = [], []
     per_run = a.warmup + a.steps
 
@@ -463,7 +499,7 @@ def main(argv=None) -> int:
                   f"{p['kernel_ms_per_step']:.2f} ms of kernel time a step; top: "
                   + "; ".join(f"{k[:60]} {ms:.3f} ms x{c}" for k, ms, c in p["top"][:12]), flush=True)
         rows.append(row)
-        bad = check(row, a.steps, on_cuda, a.tolerance)
+        bad = check(row, a.steps, on_cuda, a.tolerance, graphs)
         failures.extend(bad)
         j = row["drafts_accepted"]
         print(f"{a.model} B={row['batch']:<3} {'plain' if j is None else f'j={j}':<6} step {row['step_ms']:8.2f} ms, "
@@ -481,7 +517,7 @@ def main(argv=None) -> int:
         batched = max(batch * (a.context + 1), 8192)
         # plain: one token per step
         engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=a.context, max_tokens=per_run + 2,
-                                     graphs=on_cuda, interval=8, batched_tokens=batched, seed=1)
+                                     graphs=graphs, interval=8, batched_tokens=batched, seed=1)
         try:
             outs, timed, fb, s = run(engine, tap, prompts, per_run + 2, a.warmup, a.steps)
             record(make_row(a.model, batch, a.context, None, outs, timed, fb, s, engine),
@@ -492,18 +528,34 @@ def main(argv=None) -> int:
         need = {j: 1 + (j + 1) * per_run + a.drafts + 1 for j in a.accepted}
         ref_tokens = max(need.values()) + a.drafts + 1
         engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=a.context, max_tokens=ref_tokens,
-                                     graphs=on_cuda, interval=8, batched_tokens=batched, num_draft=a.drafts, seed=1,
+                                     graphs=graphs, interval=8, batched_tokens=batched, num_draft=a.drafts, seed=1,
                                      same_fill=True, varlen=a.varlen)
         try:
             reference = None
             runner = engine.client.core.runner
             for j in a.accepted:
+                if a.varlen and j:
+                    # varlen's reference: this engine's own greedy output with the verification lengths the row
+                    # will have (its drafter's guesses, trusted as the row's calibrated head trusts its j drafts),
+                    # not the j = 0 run's one-token steps: outside the batch-invariant mode a step's numerics depend
+                    # on its rows (the FP8 GEMV serves one row, the GEMM more), and a random-weight model turns
+                    # any difference into another token (divergence at the first verification, on the H200)
+                    # and the planner's online refinement frozen from here on (the curve as the j = 0 run left
+                    # it): the same confidences then give the same lengths in the reference and the row, step for
+                    # step, which a curve moving with each run's measured times does not (the H200's B=8 rows
+                    # diverged at the first verification with it)
+                    engine.client.core.scheduler.planner.update_runtime = lambda *args, **kwargs: None
+                    runner.draft_override, runner.confidence_override = None, forced(j)
+                    outs, _, _, _ = run(engine, tap, prompts, need[j], 0, 0)
+                    reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
                 runner.draft_override = None if j == 0 else controlled(j, reference, vocab)
                 runner.confidence_override = calibrated(j, reference) if a.varlen else None
                 outs, timed, fb, s = run(engine, tap, prompts, ref_tokens if j == 0 else need[j], a.warmup, a.steps)
                 if j == 0:
                     reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
-                record(make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine, a.varlen),
+                row = make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine, a.varlen)
+                row["diverged"] = diverged(prompts, outs, reference)
+                record(row,
                        lambda: profile_run(engine, tap, prompts, need[j] if j else ref_tokens, a.warmup, a.steps))
         finally:
             engine.close()

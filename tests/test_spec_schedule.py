@@ -145,6 +145,15 @@ def test_budget_from_older_rates_allocation_from_fresh_rates():
     assert plan(curve, fresh, budget_rates=[[0.0] * 3, [0.0] * 3], max_k=[3, 3]) == [0, 0]
 
 
+def test_a_budget_larger_than_the_fresh_rates_never_verifies_a_slot_of_rate_zero():
+    # two steps back every slot looked certain (budget 5); the fresh rates pass three drafts and rule out the rest
+    # (a calibrated head's 0): the fourth is not verified, however much budget is left
+    curve = CostCurve([(1, 10.0), (2, 10.2), (4, 10.4), (8, 10.8)])
+    fresh = [[1.0, 1.0, 1.0, 0.0, 0.0]]
+    assert plan(curve, fresh, budget_rates=[[1.0] * 5], max_k=[5]) == [3]
+    assert VarlenPlanner.allocate(5, [[0.9, 0.0], [0.5]]) == [1, 1]
+
+
 def test_a_draft_is_verified_only_after_the_drafts_before_it():
     # rates that rise along a request (not cumulative, e.g. a caller bug) still give prefixes: the late high
     # rate is capped by the low one before it

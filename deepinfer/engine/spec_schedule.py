@@ -373,10 +373,14 @@ class VarlenPlanner:
     def allocate(budget: int, slot_rates: Sequence[Sequence[float]]) -> list[int]:
         """Hand `budget` slots to the highest-ranked (request, position) slots (rate desc, then request, then
         position); returns drafts per request. Rates are made non-increasing per request first, so a request's
-        slot j always ranks after its slot j − 1 and the result is a prefix of each request's drafts."""
+        slot j always ranks after its slot j − 1 and the result is a prefix of each request's drafts. A slot of
+        rate 0 is never handed out, whatever the budget: the budget comes from older rates (`plan`), which may have
+        promised more slots than the fresh ones hold."""
         counts = [0] * len(slot_rates)
         ranked = sorted(_ranked_slots(slot_rates), key=lambda s: (-s[0], s[1], s[2]))
-        for _, i, j in ranked[: max(0, budget)]:
+        for rate, i, j in ranked[: max(0, budget)]:
+            if rate <= 0.0:
+                break  # the rest rank no higher
             assert j == counts[i], "slot ranking broke the prefix rule"
             counts[i] += 1
         return counts
