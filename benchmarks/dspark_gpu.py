@@ -20,13 +20,14 @@ prefilled; greedy; CUDA graphs on; --drafts 5 drafts verified per request and st
            runner's draft_override; the drafter's cost stays in the step): the first j are the reference's next
            tokens (accepted), the (j+1)-th a token the target does not pick there (rejected), so every verification
            accepts exactly j drafts: a mean accepted length of 1 + j tokens per step.
-  --varlen the planner chooses each step's verification lengths from confidences (calibrated: 1.0 for each draft
-           that passes, 0.0 after), and each j >= 1 row gets its own reference first: a run whose confidences trust
-           j drafts of the drafter's own (so its steps have the row's lengths: the planner's online refinement is
-           frozen for these runs, at the curve the j = 0 run left). The j = 0 run's one-token steps are
-           no reference there: outside the batch-invariant mode a step's numerics depend on its rows (one row takes
-           the FP8 GEMV, more the GEMM), and a random-weight model turns any difference into another token.
-Every DSpark row's outputs are checked against its reference (DSpark is lossless for the same numerics).
+  --varlen the planner chooses each step's verification lengths from confidences (1.0 for the first j drafts,
+           0.0 after, as a calibrated head's where j pass), over the drafter's own guesses, of which the runner's
+           accept_override passes j (the sampler's verification made and paid as always). Controlled drafts need a
+           reference run whose steps have the same rows and numerics, which varlen's lengths do not give outside
+           the batch-invariant mode: one row takes the FP8 GEMV, more the GEMM, the MoE adds a token's experts with
+           fp32 atomics in no fixed order, and a random-weight model turns any rounding difference into another
+           token (the H200 runs diverged at the first verification). The j = 0 row verifies nothing.
+The fixed-length rows' outputs are checked against the j = 0 run's (DSpark is lossless for the same numerics).
 mean accepted length = the engine's own counters over the timed steps (engine.metrics.speculative_summary: 1 +
 accepted drafts per verification), not the intended 1 + j. tok/s per user = that / median step time (forward +
 verification + drafting, the engine's device interval); speed-up = DSpark tok/s per user over plain's, same batch,
@@ -112,9 +113,8 @@ def calibrated(j: int, reference: dict | None):
 
 
 def forced(j: int):
-    """confidence_override of a varlen reference run: the first j drafts trusted whatever they are, so the planner
-    verifies what it will verify in the row of j controlled drafts (the same confidences), on the drafter's own
-    guesses (nearly all rejected: the output is the target's own tokens from steps of those lengths)."""
+    """confidence_override of a varlen row: the first j drafts trusted (1.0), the rest not (0.0), whatever they are:
+    a calibrated head's confidences where j drafts pass (the runner's accept_override makes exactly those pass)."""
     def confidences(ids, num_prompt, drafts):
         return [1.0 if i < j else 0.0 for i in range(len(drafts))]
 
@@ -535,26 +535,25 @@ def main(argv=None) -> int:
             runner = engine.client.core.runner
             for j in a.accepted:
                 if a.varlen and j:
-                    # varlen's reference: this engine's own greedy output with the verification lengths the row
-                    # will have (its drafter's guesses, trusted as the row's calibrated head trusts its j drafts),
-                    # not the j = 0 run's one-token steps: outside the batch-invariant mode a step's numerics depend
-                    # on its rows (the FP8 GEMV serves one row, the GEMM more), and a random-weight model turns
-                    # any difference into another token (divergence at the first verification, on the H200)
-                    # and the planner's online refinement frozen from here on (the curve as the j = 0 run left
-                    # it): the same confidences then give the same lengths in the reference and the row, step for
-                    # step, which a curve moving with each run's measured times does not (the H200's B=8 rows
-                    # diverged at the first verification with it)
-                    engine.client.core.scheduler.planner.update_runtime = lambda *args, **kwargs: None
+                    # varlen: no reference. Outside the batch-invariant mode a step's numerics depend on its rows
+                    # (one row takes the FP8 GEMV, more the GEMM; the MoE adds a token's experts with fp32 atomics,
+                    # in no fixed order), so another run's tokens are no reference for steps of other lengths and
+                    # rows, and a random-weight model turns any rounding difference into another token (the H200
+                    # runs diverged at the first verification). The drafter's own guesses are verified, trusted by
+                    # the confidences as a calibrated head trusts j passing drafts, and j of them pass
                     runner.draft_override, runner.confidence_override = None, forced(j)
-                    outs, _, _, _ = run(engine, tap, prompts, need[j], 0, 0)
-                    reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
+                    runner.accept_override = lambda ids, num_prompt, drafts, j=j: j
+                    outs, timed, fb, s = run(engine, tap, prompts, need[j], a.warmup, a.steps)
+                    row = make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine, a.varlen)
+                    record(row, lambda: profile_run(engine, tap, prompts, need[j], a.warmup, a.steps))
+                    continue
                 runner.draft_override = None if j == 0 else controlled(j, reference, vocab)
                 runner.confidence_override = calibrated(j, reference) if a.varlen else None
                 outs, timed, fb, s = run(engine, tap, prompts, ref_tokens if j == 0 else need[j], a.warmup, a.steps)
                 if j == 0:
                     reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
                 row = make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine, a.varlen)
-                row["diverged"] = diverged(prompts, outs, reference)
+                row["diverged"] = diverged(prompts, outs, reference)  # the fixed-length rows' own reference
                 record(row,
                        lambda: profile_run(engine, tap, prompts, need[j] if j else ref_tokens, a.warmup, a.steps))
         finally:

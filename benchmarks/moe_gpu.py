@@ -98,10 +98,9 @@ def main():
 
     # ---- compile everything first, in parallel
     # sweep variants (each a patch of moe.py's tile policy): is deeper pipelining worth the occupancy (the weight
-    # threads keep S-3 stages in flight across each barrier), did splitting the loads between weight and activation
-    # threads pay ("loads unsplit": every thread loads both and waits for all its loads before the permute's proxy
-    # fence), are larger FP4 steps, a wider token tile, or smaller shared-expert steps / a split shared down pass
-    # better? Does moe_prep still beat torch's sorts (moe_table.py) at the largest sizes it builds?
+    # threads keep S-3 stages in flight across each barrier), are larger FP4 steps, a wider token tile, or smaller
+    # shared-expert steps / a split shared down pass better? Does moe_prep still beat torch's sorts (moe_table.py)
+    # at the largest sizes it builds?
     variants = {"kernel": {}}
     if args.sweep or args.variants:
         variants.update({"fp4 stages5": {"fp4": (256, 5)}, "fp4 bk512": {"fp4": (512, 4)},
@@ -111,8 +110,7 @@ def main():
                          "routed bt32 bn128": {"routed_bt": 32, "routed_bn": 128}, "fp8 bk256": {"fp8": (256, 4)},
                          "shared-down split3": {"shared_down_splits": 3},
                          "routed-down split3": {"routed_down_splits": 3},
-                         "table by torch sorts": {"prep_assignments": 0},
-                         "loads unsplit": {"split_loads": False}})
+                         "table by torch sorts": {"prep_assignments": 0}})
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(",")]
         unknown = [v for v in wanted if v not in variants]
@@ -134,10 +132,6 @@ def main():
             for key, name in policy.items():
                 if key in var:
                     stack.enter_context(mock.patch.object(moe, name, lambda *_, v=var[key]: v))
-            if "split_loads" in var:  # every thread loads weights and activations (the kernel before load_roles)
-                base_specs = moe.ffn_specs
-                stack.enter_context(mock.patch.object(moe, "ffn_specs", lambda *a, **k: tuple(
-                    spec + (var["split_loads"],) for spec in base_specs(*a, **k))))
             if "prep_assignments" in var:  # the routing table's crossover from moe_prep to torch's sorts
                 stack.enter_context(mock.patch.object(moe, "PREP_KERNEL_ASSIGNMENTS", var["prep_assignments"]))
             yield

@@ -158,11 +158,27 @@ def test_calibrated_confidences_trust_the_drafts_that_pass_and_nothing_after_a_f
     assert bench.calibrated(1, None)(ids, len(prompt), [9]) == [0.0]
 
 
+def test_an_accept_override_passes_exactly_the_drafts_it_names_whatever_the_sampler_chose():
+    """The runner's accept_override (varlen rows): the verification's tokens as if n drafts passed, then one token
+    that is not the next draft (or the bonus token after all of them)."""
+    from deepinfer.engine.model_runner import _rigged
+    from deepinfer.sampling.logprobs import SampleOutput
+
+    rejected_all = [SampleOutput(9, -1.0, None)]  # the sampler took none of the drafts: its correction 9
+    took_all = [SampleOutput(t, -1.0, None) for t in (3, 4, 5, 8)]  # every draft and the bonus 8
+    assert [o.token_id for o in _rigged(rejected_all, [3, 4, 5], 2, 100)] == [3, 4, 9]
+    assert [o.token_id for o in _rigged(took_all, [3, 4, 5], 1, 100)] == [3, 5]  # 4 would pass: not a rejection
+    assert [o.token_id for o in _rigged(took_all, [3, 4, 5], 3, 100)] == [3, 4, 5, 8]
+    assert [o.token_id for o in _rigged(rejected_all, [3, 4, 5], 7, 100)] == [3, 4, 5, 9]  # capped at k
+    assert [o.token_id for o in _rigged(rejected_all, [9, 4], 0, 100)] == [10]
+
+
 @pytest.mark.slow
 def test_a_varlen_run_on_the_cpu_verifies_exactly_the_drafts_that_pass(tmp_path, monkeypatch):
-    """--varlen: the planner, reading calibrated confidences, verifies the j drafts that pass and no more (every
-    verified draft accepted), and at j = 0 none (one token a step, no verification). The planner prices steps by a
-    given cost curve (a verified token costs a little, as on a GPU at batch 1), not by this machine's clock."""
+    """--varlen: the planner, reading confidences that trust j drafts, verifies those j and no more, and the
+    runner's accept_override passes them (every verified draft accepted); at j = 0 none (one token a step, no
+    verification). The planner prices steps by a given cost curve (a verified token costs a little, as on a GPU at
+    batch 1), not by this machine's clock."""
     from deepinfer.engine import spec_schedule
 
     curve = spec_schedule.CostCurve([(1, 10.0), (2, 10.2), (4, 10.4), (8, 10.8)])

@@ -73,6 +73,10 @@ class ModelRunner:
         # Tests and benchmarks only: fn(sequence ids, prompt length, drafts) -> one confidence per draft, in place of
         # the drafter's (a confidence head that knows which drafts pass: what varlen's planner reads). None in serving.
         self.confidence_override = None
+        # Benchmarks only: fn(sequence ids, prompt length, verified drafts) -> how many of them pass, in place of the
+        # sampler's decision (made and paid as always): a controlled acceptance that holds whatever the numerics.
+        # None in serving.
+        self.accept_override = None
         # Lockstep (EngineCore.enter_lockstep: data-parallel ranks whose forwards are collectives): every execute
         # runs exactly one forward, and a step that fails raises instead of ending only its requests
         self.lockstep = False
@@ -406,6 +410,10 @@ class ModelRunner:
         verified = accepted = 0
         for i, outs in zip(verify, self.backend.sampler.verify(logits[idx], reqs)):
             seq, grammar = sampled[i], grammars[i]
+            if self.accept_override is not None:
+                k = drafts_of[id(seq)]
+                outs = _rigged(outs, seq.drafts[:k], self.accept_override(seq.ids, seq.num_prompt, seq.drafts[:k]),
+                               self.backend.vocab_size)
             k, m = drafts_of[id(seq)], len(outs) - 1
             seq.ids.extend(o.token_id for o in outs)
             seq.state.rollback(k - m)  # the rejected drafts' cache entries are overwritten later
@@ -518,3 +526,15 @@ def _has_penalties(params: Any) -> bool:
         or getattr(params, "frequency_penalty", 0.0) != 0.0
         or getattr(params, "presence_penalty", 0.0) != 0.0
     )
+
+
+def _rigged(outs: list, drafts: list[int], passing: int, vocab: int) -> list:
+    """accept_override's verification: the sampler's outputs (one per appended token) rewritten as if exactly
+    min(passing, k) of the k drafts passed: those drafts, then one more token (a correction that differs from the
+    next draft, or the bonus token after all k)."""
+    n = max(0, min(int(passing), len(drafts)))
+    like = lambda i, t: dataclasses.replace(outs[min(i, len(outs) - 1)], token_id=t)  # noqa: E731
+    last = outs[min(n, len(outs) - 1)].token_id
+    if n < len(drafts) and last == drafts[n]:
+        last = (last + 1) % vocab
+    return [like(i, t) for i, t in enumerate(drafts[:n])] + [like(n, last)]

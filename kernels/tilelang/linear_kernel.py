@@ -55,7 +55,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     NK = K // BK // k_splits           # steps per block
     STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout("fp8", BT, BK, BN)
     CPR = BKP // 16                    # 16-byte weight chunks per row and step
-    TW, _ = load_roles(TH, True)       # the first half loads weights, the second activations (moe_kernel)
+    TW, _ = load_roles(TH)       # the first half loads weights, the second activations (moe_kernel)
     W_IT = BN * CPR // TW
     CS_LD = BN + CS_PAD
     partial = k_splits > 1
@@ -63,7 +63,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
         min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes("fp8", BT, BK, S, BN) + 1024)))
     src = cuda_source(BT)
 
-    load_x, permute, group = stage_macros("fp8", BT, BK, TH, True)
+    load_x, permute, group = stage_macros("fp8", BT, BK, TH)
     m = T.dynamic("m")
     out_shape = (k_splits, m, N) if partial else (m, N)
     out_dtype = "float32" if partial else "bfloat16"

@@ -50,8 +50,8 @@ Pipeline per K step k (S stages, NG = BK/64 groups of 64 K, one warpgroup per 64
     groups 2.. of step k
 Loads are split between the two halves of the block (`load_roles`): the proxy fence is a MEMBAR.ALL.CTA in SASS,
 and a thread that executes it with cp.async in flight may wait for them, so the threads that stream the weights
-never fence. Before the split every thread waited for all its loads at each barrier, and the weights' pipeline
-was about one stage deep: the routed passes reached 44% of copy bandwidth at one token and ~70% at 8-64.
+never fence. (Every thread loading both, and waiting for all its loads at each barrier, measured the same on the
+H200: 44-50% of copy bandwidth at one token, ~73% at 8-64, so the stage drained there was not the limit.)
 On non-Hopper targets (sm_100a lowering, sm_80/89) the same fragments feed mma.sync m16n8k16 instead (identical
 A/C register layouts), so the kernel still compiles and is correct there, without the async overlap.
 
@@ -63,11 +63,9 @@ prefill measured 1.1x at most from it); block_k is 128, 256 or 512; num_stages >
 z, "add" epilogue only); min_blocks (__launch_bounds__). The tile policy (which block_t / block_k / stages per pass)
 is moe.py's.
 
-Predictions (benchmarks/moe_gpu.py measures, results in benchmarks/results/):
-  * Kernels alone, before the split loads: routed FP4 up/down 69-70% of copy bandwidth at B=8..64, 44% at B=1;
-    5 stages were no better than 4 (one block fewer per SM, and every thread drained its loads at each barrier).
-  * With the split (not yet measured): each block keeps about one more weight stage in flight; the "loads
-    unsplit" sweep variant is the kernel before it, for the comparison.
+Measured (benchmarks/moe_gpu.py, results in benchmarks/results/, moe_gpu_s16_split_h200 the latest): the whole
+MoE op at 50% of copy bandwidth at one token, 73-74% at 8-64, 64% at 256; 5 stages 8-13% slower than 4 (one block
+fewer per SM).
 """
 
 import tilelang.language as T
@@ -294,23 +292,24 @@ def smem_layout(fmt: str, block_t: int, block_k: int, block_n: int = BLOCK_N):
     return stage, w_bytes, off_x, bkp, scb
 
 
-def load_roles(threads: int, split: bool) -> tuple[int, int]:
-    """(threads issuing the weight loads, first thread of the activation loads and permute) of a block. Split: the
-    first half streams the weights and never executes the permute's proxy fence, so it keeps weight stages in
-    flight across each step's barrier (the fence is a MEMBAR.ALL.CTA in SASS, which may wait for the thread's
-    in-flight cp.async); the second half loads and permutes the activations. Not split: every thread does both."""
-    return (threads // 2, threads // 2) if split else (threads, 0)
+def load_roles(threads: int) -> tuple[int, int]:
+    """(threads issuing the weight loads, first thread of the activation loads and permute) of a block: the first
+    half streams the weights and never executes the permute's proxy fence, so it keeps weight stages in flight
+    across each step's barrier (the fence is a MEMBAR.ALL.CTA in SASS, which may wait for the thread's in-flight
+    cp.async); the second half loads and permutes the activations. (Every thread doing both measured the same on
+    the H200, hopper-kernels.md's sixteenth session; this is the one generation.)"""
+    return threads // 2, threads // 2
 
 
-def stage_macros(fmt: str, block_t: int, block_k: int, threads: int = THREADS, split: bool = True):
+def stage_macros(fmt: str, block_t: int, block_k: int, threads: int = THREADS):
     """The pipeline-stage macros both weight-streaming GEMMs (this one and linear_kernel.py) share, for an
     activation tile of block_t tokens x block_k: `load_x` (the token rows of K step kk into a stage slot; xr < 0: no
     token, zero-filled), `permute` (activations into the wgmma B layout, in place) and `group` (dequantise one 64-K
     group of weights into the A fragments and issue its MMAs). `load_x` and `permute` run on the activation
-    threads of `load_roles(threads, split)`."""
+    threads of `load_roles(threads)`."""
     BT, BK = block_t, block_k
     STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK, threads // 2)  # a warpgroup per 64 weight rows
-    _, X0 = load_roles(threads, split)
+    _, X0 = load_roles(threads)
     TX = threads - X0                  # activation threads (a multiple of BT: token tx % BT is the same per thread)
     assert TX % BT == 0 and (BT * BK // 8) % TX == 0, "every activation thread loads the same number of chunks"
     X_IT = BT * BK // 8 // TX          # 16-byte activation chunks per thread and step
@@ -349,12 +348,12 @@ def stage_macros(fmt: str, block_t: int, block_k: int, threads: int = THREADS, s
 
 
 def k_loop_macro(num_stages: int, n_steps: int, n_groups: int, block_t: int, issue, permute, group,
-                 weight_threads: int = 0):
+                 weight_threads: int):
     """The pipelined main loop both weight-streaming GEMMs share, over `n_steps` K steps of `n_groups` 64-K groups
     with `num_stages` cp.async stage slots: prologue (stages 0..S-2 in flight, the activations of steps 0 and 1
     permuted), one barrier per step, then the accumulators stored to `c_s` [tokens, 64 rows]. `issue(smem, xr, x,
     w, ws, p, q, tx, kk, slot)` loads global K step kk into a slot; p, q locate the weight tile (each GEMM reads
-    them its own way). weight_threads > 0 (load_roles, split): threads below it load only weights and wait at each
+    them its own way). weight_threads (load_roles): threads below it load only weights and wait at each
     barrier for the next step's weights alone, the others only activations, for the step two ahead (its permute)."""
     S, NK, NG, BT = num_stages, n_steps, n_groups, block_t
 
@@ -379,11 +378,8 @@ def k_loop_macro(num_stages: int, n_steps: int, n_groups: int, block_t: int, iss
             # SASS) runs on threads with no cp.async of their own in flight: the activation threads have waited
             # for all theirs at 4 stages, and split weight threads never fence, so they keep step k+2's weights
             # (and from S = 5 more) in flight across the barrier.
-            if weight_threads > 0:
-                if tx < weight_threads:
-                    T.call_extern("handle", f"di3_cp_wait<{S - 3}>")
-                else:
-                    T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
+            if tx < weight_threads:
+                T.call_extern("handle", f"di3_cp_wait<{S - 3}>")
             else:
                 T.call_extern("handle", f"di3_cp_wait<{S - 4}>")
             T.sync_threads()
@@ -418,15 +414,14 @@ def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int, block_n:
 
 def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_n: int = 64,
                        block_t: int = 16, block_k: int = 256, threads: int = 128, num_stages: int = 4,
-                       gather: bool = True, k_splits: int = 1, min_blocks: int = 0, split_loads: bool = True):
+                       gather: bool = True, k_splits: int = 1, min_blocks: int = 0):
     """fmt: "fp4" (w [E, N, K/2] uint8, scale [E, N, K/32] uint8) or "fp8" (w [E, N, K] uint8 e4m3 bits, scale
     [E, N/32, K/32] uint8). X is [tokens, K] bf16 read at rows[pos] (gather) or at pos (not gather). k_splits: K
     split over grid z ("add" only); min_blocks: __launch_bounds__ min blocks per SM (0 = from shared memory, capped
     at 4). block_n 64 (one warpgroup, threads 128) or 128 (two warpgroups, threads 256, each its own 64 weight
     rows against the one activation tile: half the activation bytes per weight byte in shared memory, so a block
-    of 16+ tokens keeps as many weight bytes in flight per SM as one of 8 tokens at block_n 64). split_loads:
-    weights and activations loaded by the two halves of the block (load_roles); False: by every thread, which
-    then waits for all its loads before each permute."""
+    of 16+ tokens keeps as many weight bytes in flight per SM as one of 8 tokens at block_n 64). Weights and
+    activations are loaded by the two halves of the block (load_roles)."""
     assert fmt in ("fp4", "fp8") and epilogue in ("swiglu", "add")
     assert block_n in (64, 128) and threads == 2 * block_n, "a warpgroup per 64 weight rows (the wgmma M)"
     assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
@@ -439,7 +434,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     STAGE, OFF_S, OFF_X, BKP, SCB = smem_layout(fmt, BT, BK, BN)
     KP = K // 2 if fmt == "fp4" else K
     CPR = BKP // 16                    # 16-byte weight chunks per row and step
-    TW, _ = load_roles(TH, split_loads)  # threads that load weights
+    TW, _ = load_roles(TH)  # threads that load weights
     assert (BN * CPR) % TW == 0
     W_IT = BN * CPR // TW
     CS_LD = BN + CS_PAD
@@ -455,7 +450,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     n_x, n_pos, n_slots, n_y = T.dynamic("n_x"), T.dynamic("n_pos"), T.dynamic("n_slots"), T.dynamic("n_y")
     out_dtype = "bfloat16" if epilogue == "swiglu" else "float32"
     out_rows = n_pos if epilogue == "swiglu" else n_y
-    load_x, permute, group = stage_macros(fmt, BT, BK, TH, split_loads)
+    load_x, permute, group = stage_macros(fmt, BT, BK, TH)
 
     @T.macro
     def issue(smem, xr, x, w, ws, e, bx, tx, kk, slot):
@@ -479,7 +474,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
                               T.address_of(ws[e, bx * (BN // 32) + tx, kk * SCB]), 1)
         load_x(smem, xr, x, tx, kk, base)
 
-    k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group, TW if split_loads else 0)
+    k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group, TW)
 
     @T.prim_func
     def grouped_gemm(
