@@ -61,6 +61,32 @@ def test_fill_writes_the_rows_a_real_prefill_writes_with_valid_codes(tiny):
             assert not ((parts[0] & 0x7F) == 0x7F).any()
 
 
+def test_the_fill_starts_after_the_engine_so_varlen_prices_real_forwards(tiny, monkeypatch):
+    """The varlen planner profiles its cost curve while the engine starts, through the backend's prefill: those
+    steps run the model; only the requests' prefills are filled."""
+    from deepinfer import SamplingParams
+    from deepinfer.engine import spec_schedule
+
+    fills, profiled, fill = [], [], bench.fill_step
+    monkeypatch.setattr(bench, "fill_step", lambda *args, **kwargs: fills.append(1) or fill(*args, **kwargs))
+
+    def profile(cache_dir, key, ttl, run_tokens, sizes, **kwargs):
+        for n in sizes:
+            run_tokens(n)
+            profiled.append(n)
+        return spec_schedule.CostCurve([(n, 1.0) for n in sizes])
+
+    monkeypatch.setattr(spec_schedule, "load_or_profile_cost_curve", profile)
+    engine, _, _ = bench.make_engine(tiny, fill=True, max_seqs=2, context=16, max_tokens=4, graphs=False,
+                                     interval=8, batched_tokens=64, num_draft=2, varlen=True)
+    try:
+        assert profiled and not fills  # the start-up profile ran forwards, none of them a fill
+        engine.generate([[5] * 16], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+        assert fills  # a request's prefill is filled
+    finally:
+        engine.close()
+
+
 def test_engine_with_the_fill_backend_times_decode_steps_and_writes_rows(tmp_path):
     out = tmp_path / "decode.json"
     rc = bench.main(["--model", "tiny", "--device", "cpu", "--batches", "2", "--contexts", "64", "--steps", "3",
