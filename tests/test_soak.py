@@ -31,7 +31,8 @@ def test_a_short_soak_loses_nothing_and_never_crashes(tmp_path):
         assert targets[name]["met"], (name, targets[name], summary["examples_not_completed"])
     assert sum(summary["outcomes"].values()) == 90 and summary["outcomes"].get("completed", 0) > 0
     assert summary["server_starts"] >= 2 and all(e["code"] == 1 for e in summary["server_exits"])
-    assert out.with_suffix(".png").exists()
+    # the plot needs matplotlib, which is not a project dependency (its absence is tested below)
+    assert out.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_the_plot_is_skipped_without_matplotlib_and_said_so(tmp_path, monkeypatch, capsys):
