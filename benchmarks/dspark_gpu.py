@@ -41,7 +41,8 @@ their difference in steps (the context fill and prefill cancel out).
 
 Exit status 1 when a row did not run as asked (a timed step that did not replay a CUDA graph, for the forward or
 for the drafting; a TileLang call falling back to torch; an error; fewer timed steps than asked; a measured mean
-accepted length more than --tolerance from 1 + j); every row is written first. Exit 2: bad arguments.
+accepted length more than --tolerance from 1 + j; a fixed-length row's outputs not the reference's; under --varlen
+a verified draft that failed, or a draft verified at j = 0); every row is written first. Exit 2: bad arguments.
 
 Budget (H200, defaults: j in 0 1 2 3 5, 2 + 6 decode steps a row, context 4096): per batch ~110 decode steps of
 which ~60 are j=0's (the reference must cover j=5's 6 tokens a step); flash40 at B=64 ~0.25 s a step. Estimated
