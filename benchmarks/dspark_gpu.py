@@ -527,8 +527,10 @@ def main(argv=None) -> int:
             engine.close()
         # DSpark: j = 0 first (the reference: long enough for the largest j's run), then the same context again
         need = {j: 1 + (j + 1) * per_run + a.drafts + 1 for j in a.accepted}
-        ref_tokens = max(need.values()) + a.drafts + 1
-        engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=a.context, max_tokens=ref_tokens,
+        # the j = 0 run's length: the reference of the fixed-length rows (varlen's rows need none)
+        ref_tokens = need[0] if a.varlen else max(need.values()) + a.drafts + 1
+        longest = max(ref_tokens, *need.values())
+        engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=a.context, max_tokens=longest,
                                      graphs=graphs, interval=8, batched_tokens=batched, num_draft=a.drafts, seed=1,
                                      same_fill=True, varlen=a.varlen)
         try:
