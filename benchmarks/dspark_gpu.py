@@ -94,25 +94,6 @@ def controlled(j: int, reference: dict, vocab: int):
     return override
 
 
-def calibrated(j: int, reference: dict | None):
-    """confidence_override for --varlen: a confidence head that knows which drafts pass, 1.0 for each draft that is
-    the reference's next token (all before it passing too), else 0.0; without a reference (the j = 0 run, whose
-    drafts are the random draft layers' guesses) 0.0 for every draft. Varlen's planner then verifies the drafts
-    that pass and nothing more: what a calibrated head would have it do, the best case of confidence scheduling."""
-    def confidences(ids, num_prompt, drafts):
-        if reference is None or j == 0:
-            return [0.0] * len(drafts)
-        ref = reference[tuple(ids[:KEY_PREFIX])]
-        done = len(ids) - num_prompt
-        out, ok = [], True
-        for i, t in enumerate(drafts):
-            ok = ok and done + i < len(ref) and ref[done + i] == t
-            out.append(1.0 if ok else 0.0)
-        return out
-
-    return confidences
-
-
 def forced(j: int):
     """confidence_override of a varlen row: the first j drafts trusted (1.0), the rest not (0.0), whatever they are:
     a calibrated head's confidences where j drafts pass (the runner's accept_override makes exactly those pass)."""
@@ -425,8 +406,8 @@ def parse(argv=None):
                     help="only read these result files: --plot and --docs from them, the table printed (no GPU)")
     ap.add_argument("--docs", default=None, help="with --render: rewrite this page's generated table block")
     ap.add_argument("--varlen", action="store_true",
-                    help="DSpark rows with decoding.varlen and a calibrated confidence head (`calibrated`): the "
-                         "planner verifies the drafts that pass")
+                    help="DSpark rows with decoding.varlen, confidences that trust j drafts (`forced`) and the "
+                         "runner's accept_override passing them: the planner verifies the drafts that pass")
     ap.add_argument("--eager", action="store_true",
                     help="CUDA graphs off (enforce_eager), a diagnosis: the graph checks then do not apply")
     ap.add_argument("--profile", nargs="+", default=[], metavar="B:J",
@@ -537,28 +518,25 @@ def main(argv=None) -> int:
             reference = None
             runner = engine.client.core.runner
             for j in a.accepted:
-                if a.varlen and j:
-                    # varlen: no reference. Outside the batch-invariant mode a step's numerics depend on its rows
-                    # (one row takes the FP8 GEMV, more the GEMM; the MoE adds a token's experts with fp32 atomics,
-                    # in no fixed order), so another run's tokens are no reference for steps of other lengths and
-                    # rows, and a random-weight model turns any rounding difference into another token (the H200
-                    # runs diverged at the first verification). The drafter's own guesses are verified, trusted by
-                    # the confidences as a calibrated head trusts j passing drafts, and j of them pass
-                    runner.draft_override, runner.confidence_override = None, forced(j)
-                    runner.accept_override = lambda ids, num_prompt, drafts, j=j: j
-                    outs, timed, fb, s = run(engine, tap, prompts, need[j], a.warmup, a.steps)
-                    row = make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine, a.varlen)
-                    record(row, lambda: profile_run(engine, tap, prompts, need[j], a.warmup, a.steps))
-                    continue
-                runner.draft_override = None if j == 0 else controlled(j, reference, vocab)
-                runner.confidence_override = calibrated(j, reference) if a.varlen else None
-                outs, timed, fb, s = run(engine, tap, prompts, ref_tokens if j == 0 else need[j], a.warmup, a.steps)
+                if a.varlen:
+                    # no reference: outside the batch-invariant mode a step's numerics depend on its rows (one row
+                    # takes the FP8 GEMV, more the GEMM; the MoE adds a token's experts with fp32 atomics, in no
+                    # fixed order), so another run's tokens are no reference for steps of other lengths and rows,
+                    # and a random-weight model turns any rounding difference into another token (the H200 runs
+                    # diverged at the first verification). The drafter's own guesses are verified, trusted as a
+                    # calibrated head trusts j passing drafts, and j of them pass (none verified at j = 0)
+                    runner.confidence_override = forced(j)
+                    runner.accept_override = (lambda ids, num_prompt, drafts, j=j: j) if j else None
+                else:
+                    runner.draft_override = None if j == 0 else controlled(j, reference, vocab)
+                tokens = ref_tokens if j == 0 else need[j]
+                outs, timed, fb, s = run(engine, tap, prompts, tokens, a.warmup, a.steps)
                 if j == 0:
                     reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
                 row = make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine, a.varlen)
-                row["diverged"] = diverged(prompts, outs, reference)  # the fixed-length rows' own reference
-                record(row,
-                       lambda: profile_run(engine, tap, prompts, need[j] if j else ref_tokens, a.warmup, a.steps))
+                if not a.varlen:  # the fixed-length rows against the j = 0 run's output (lossless)
+                    row["diverged"] = diverged(prompts, outs, reference)
+                record(row, lambda: profile_run(engine, tap, prompts, tokens, a.warmup, a.steps))
         finally:
             engine.close()
     flush()

@@ -148,14 +148,10 @@ def test_a_run_whose_acceptance_is_not_the_intended_one_fails(tmp_path, monkeypa
     assert "j=2: measured mean accepted length 2.000, intended 3" in bad
 
 
-def test_calibrated_confidences_trust_the_drafts_that_pass_and_nothing_after_a_failure():
-    prompt = list(range(100, 140))
-    ref = {tuple(prompt[:bench.KEY_PREFIX]): [7, 8, 9, 10, 11, 12]}
-    ids = prompt + [7, 8]  # the next reference tokens: 9, 10, 11
-    assert bench.calibrated(2, ref)(ids, len(prompt), [9, 10, 12, 4]) == [1.0, 1.0, 0.0, 0.0]
-    assert bench.calibrated(2, ref)(ids, len(prompt), [9, 3, 11, 12]) == [1.0, 0.0, 0.0, 0.0]  # 11 after a miss
-    assert bench.calibrated(0, ref)(ids, len(prompt), [9, 10]) == [0.0, 0.0]  # the random draft layers' run
-    assert bench.calibrated(1, None)(ids, len(prompt), [9]) == [0.0]
+def test_varlen_confidences_trust_the_first_j_drafts_whatever_they_are():
+    assert bench.forced(2)([1, 2], 1, [9, 10, 12, 4]) == [1.0, 1.0, 0.0, 0.0]
+    assert bench.forced(0)([1, 2], 1, [9, 10]) == [0.0, 0.0]  # the j = 0 row: nothing verified
+    assert bench.forced(3)([1, 2], 1, [9]) == [1.0]
 
 
 def test_an_accept_override_passes_exactly_the_drafts_it_names_whatever_the_sampler_chose():
