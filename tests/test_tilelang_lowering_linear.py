@@ -244,3 +244,42 @@ def test_the_gemv_machine_code(m_max, tmp_path):
     regs = int(log.split("Used ")[1].split(" registers")[0])
     # at one row under 255: the integer decode took all 255 (8 warps an SM); the hardware conversion needs fewer
     assert regs <= (200 if m_max == 1 else 255), regs
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_dense_dequantisation_lowers_to_one_pass_of_16_byte_loads_and_hardware_conversions(arch):
+    """fp8_dense_kernel.py (the projections' weight for cuBLAS from linear.DENSE_ROWS rows): 16 codes a thread in
+    one load, converted two at a time by the e4m3x2 cvt, written as two 16-byte stores."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.fp8_dense_kernel import build_fp8_dense
+
+    n, k = FLASH["wq_b"]
+    src = lower_source(build_fp8_dense(n, k), arch)
+    assert "__global__" in src and "fp8_e4_16_t" in src and "cvt_fp8x2_to_half2" in src
+    assert src.count("*(uint4*)(out") == 1  # the two 16-byte stores, one unrolled statement
+
+
+def test_the_launcher_multiplies_the_dense_weight_from_the_row_threshold_only_outside_the_invariant_mode(monkeypatch):
+    """linear(): the GEMV at one row, the weight-only kernel below dense_rows(N, K) (128 rows for weights of 2^25
+    codes or more, 512 for smaller ones), the dense bf16 weight (cuBLAS) from there, never in the batch-invariant
+    mode (cuBLAS picks its kernel by the row count). Recorded on the CPU: the dispatch only."""
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    calls = []
+    dense = torch.zeros(1, dtype=torch.bfloat16)
+    monkeypatch.setattr(launcher, "why_not", lambda x, w: None)
+    monkeypatch.setattr(launcher, "fp8_linear", lambda x, w: calls.append("kernel"))
+    monkeypatch.setattr(launcher, "fp8_gemv", lambda x, w: calls.append("gemv"))
+    monkeypatch.setattr(launcher, "dense_bf16", lambda w: calls.append("dense") or dense.expand(w.shape))
+    for (n, k), rows in (((1280, 5120), launcher.DENSE_ROWS), ((32768, 1280), launcher.DENSE_ROWS_LARGE)):
+        w = Fp8BlockWeight(torch.zeros(n, k, dtype=torch.uint8), torch.full((n // 32, k // 32), 127, dtype=torch.uint8))
+        assert launcher.dense_rows(n, k) == rows
+        calls.clear()
+        for m in (1, rows - 1, rows):
+            launcher.linear(torch.zeros(m, k, dtype=torch.bfloat16), w)
+        assert calls == ["gemv", "kernel", "dense"]
+        calls.clear()
+        monkeypatch.setattr(launcher, "batch_invariant", lambda: True)
+        launcher.linear(torch.zeros(rows, k, dtype=torch.bfloat16), w)
+        monkeypatch.setattr(launcher, "batch_invariant", lambda: False)
+        assert calls == ["kernel"]

@@ -10,12 +10,12 @@ Other inputs: the torch op (cuBLAS on CUDA), which dequantises an Fp8BlockWeight
 shapes; counted by the registry's per-call fallbacks). Dense bf16 weights stay on cuBLAS: it picks its kernel by
 M, so those projections are not batch invariant on the GPU; the FP8 ones are (see linear_kernel.py).
 
-Prefill sizes: from PREFILL_ROWS rows and PREFILL_MIN_N output columns, outside the batch-invariant mode, the
-weight is dequantised to bf16 for the call (exact: e4m3 times a power of two) and multiplied by cuBLAS, whose
-large tiles run near the bf16 rate; the weight-only kernel re-reads and re-dequantises the weight for every
-token tile. The dequantisation costs
-~3 bytes per weight against the GEMM's 2 x rows FLOPs per weight. The kernel stays the path of decode steps
-and of the batch-invariant mode (cuBLAS picks its kernel by the row count).
+Verification and prefill sizes: from `dense_rows(N, K)` rows and DENSE_MIN_N output columns, outside the
+batch-invariant mode, the weight is dequantised to bf16 for the call (fp8_dense_kernel.py, one pass; exact: e4m3
+times a power of two) and multiplied by cuBLAS, whose large tiles run near the bf16 rate; the weight-only kernel
+re-reads and re-dequantises the weight for every token tile. The dequantisation costs 3 bytes per weight against
+the GEMM's 2 x rows FLOPs per weight. The kernel stays the path of decode steps and of the batch-invariant mode
+(cuBLAS picks its kernel by the row count).
 
 Decode sizes: up to GEMV_ROWS rows, outside the batch-invariant mode, gemv_kernel.py's GEMV (a warp streams a
 weight row from HBM to registers; no tiles, rarely a K split): the GEMM's 16-token tiles are mostly empty there.
@@ -38,6 +38,7 @@ from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import linear as torch_linear
 
 from ._build import jit, pdl_enabled
+from .fp8_dense_kernel import build_fp8_dense
 from .gemv_kernel import M_MAX, WARPS, build_fp8_gemv, chunk_width
 from .linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear, build_split_reduce
 
@@ -45,10 +46,12 @@ BLOCK_N = 64
 TARGET_BLOCKS = 264  # per token tile: two resident blocks on each of the H200's 132 SMs
 MAX_SPLITS = 16  # each split costs M * N * 8 bytes of fp32 partials (written, then read) at large M
 MAX_SCALE_BYTE = 134  # dequant.py's e4m3 bit placement holds scales up to 2^7
-# rows (and output width) from which a call dequantises the weight and takes cuBLAS, outside the invariant mode:
-# the crossover at V4.1-Flash's projection shapes on an H200 (benchmarks/prefill_kernels_gpu.py); narrower
-# projections (wkv, 512 rows) gain less than the dequantisation costs until several thousand rows
-PREFILL_ROWS, PREFILL_MIN_N = 1024, 1024
+# rows from which a call dequantises the weight and takes cuBLAS, outside the invariant mode (`dense_rows`): the
+# crossovers at V4.1-Flash's projection shapes on an H200 with the one-pass dequantisation
+# (benchmarks/results/prefill_kernels_dense_s17_h200.log): the large weights (wq_b, wo_b: 42 M codes) from 128 rows
+# (1.5x the kernel at 192 rows), the smaller ones (wq_a, the indexer's wq_b, a group of wo_a) from 512; narrower
+# projections (wkv, 512 rows: DENSE_MIN_N) gain less than the dequantisation costs until ~1,024 rows
+DENSE_ROWS, DENSE_ROWS_LARGE, LARGE_WEIGHT, DENSE_MIN_N = 512, 128, 1 << 25, 1024
 # rows up to which a call takes the GEMV (outside the invariant mode): on an H200 it beats the GEMM 1.1-2.2x at one
 # row on every Flash shape; at two it wins on some and loses on others, from four it loses: its per-row activation
 # loads and sums grow with the rows (linear_gpu_gemv_h200.log, linear_gpu_gemv_cvt_h200.log)
@@ -63,6 +66,11 @@ def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
     tiles, steps = n_rows // BLOCK_N, k_dim // block_k
     divisors = [d for d in range(1, min(steps, MAX_SPLITS) + 1) if steps % d == 0]
     return next((d for d in divisors if tiles * d >= TARGET_BLOCKS), divisors[-1])
+
+
+def dense_rows(n_rows: int, k_dim: int) -> int:
+    """Rows from which an [N, K] weight is dequantised for cuBLAS (outside the invariant mode; see DENSE_ROWS)."""
+    return DENSE_ROWS_LARGE if n_rows * k_dim >= LARGE_WEIGHT else DENSE_ROWS
 
 
 def gemv_splits(n_rows: int, k_dim: int) -> int:
@@ -111,7 +119,7 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     reason = why_not(x, weight)
     if reason is None:
         m = x.numel() // x.shape[-1]
-        if m >= PREFILL_ROWS and weight.shape[0] >= PREFILL_MIN_N and not batch_invariant():
+        if m >= dense_rows(*weight.shape) and weight.shape[0] >= DENSE_MIN_N and not batch_invariant():
             return torch.nn.functional.linear(x, dense_bf16(weight))
         if _gemv_ok(m, weight):
             return fp8_gemv(x, weight)
@@ -191,12 +199,18 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
 
 
 def dense_bf16(w: Fp8BlockWeight) -> torch.Tensor:
-    """w dequantised to bf16 in two element-wise passes: e4m3 -> bf16 is exact, and so is the product with a
-    power-of-two block scale (bf16 has fp32's exponent range), so this equals w.dense(torch.bfloat16)."""
+    """w dequantised to bf16: one pass of fp8_dense_kernel.py on a weight the kernel path takes (`why_not`: CUDA,
+    whole 32x32 scale blocks from row 0), else two element-wise torch passes. Both exact (e4m3 -> bf16, then a
+    power-of-two block scale; bf16 has fp32's exponent range), so this equals w.dense(torch.bfloat16)."""
     n, k = w.shape
-    codes = w.weight.view(torch.float8_e4m3fn).to(torch.bfloat16).view(n // 32, 32, k // 32, 32)
+    codes = w.weight.view(torch.float8_e4m3fn)
+    if w.device.type == "cuda" and not w.row_offset and w.scale.shape == (n // 32, k // 32) and not (n | k) % 32 \
+            and w.weight.is_contiguous() and w.scale.is_contiguous():
+        out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
+        jit(build_fp8_dense, n, k)(codes, w.scale, out)
+        return out
     scale = torch.exp2(w.scale[: n // 32, : k // 32].float() - 127.0).to(torch.bfloat16)
-    return (codes * scale[:, None, :, None]).view(n, k)
+    return (codes.to(torch.bfloat16).view(n // 32, 32, k // 32, 32) * scale[:, None, :, None]).view(n, k)
 
 
 def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
@@ -213,7 +227,7 @@ def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
     if reason is not None:
         return fall_back("grouped_linear", reason, torch_linear.grouped_linear, x, weight)
     R = whole.shape[0] // G
-    if T_ >= PREFILL_ROWS and not batch_invariant():
+    if T_ >= dense_rows(R, K) and not batch_invariant():
         w = dense_bf16(whole).view(G, R, K)
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(T_, G * R)
     if _gemv_ok(T_, whole, G):

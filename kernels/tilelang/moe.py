@@ -35,7 +35,7 @@ INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-in
 # gap widening), so it serves every size below the 2,048 tokens from which moe_prefill takes FP4 experts (12,288
 # assignments at top-6; 1,024-2,047 tokens not measured)
 PREP_KERNEL_ASSIGNMENTS = 12288
-# tokens from which the shared expert runs dequantised through cuBLAS (as linear.py's projections from PREFILL_ROWS)
+# tokens from which the shared expert runs dequantised through cuBLAS (as linear.py's projections from DENSE_ROWS)
 SHARED_DENSE_TOKENS = 1024
 
 

@@ -92,6 +92,22 @@ def test_grouped_moe_matches_the_reference_at_flash_width(tokens, skew, monkeypa
     assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2
 
 
+def test_the_dense_kernel_dequantises_every_finite_e4m3_code_at_every_realistic_scale_exactly():
+    """fp8_dense_kernel.py against Fp8BlockWeight.dense: every finite e4m3 code (subnormals and both zeros
+    included) under block scales from 2^-30 to 2^7, bit for bit, at a V4.1-Flash projection shape."""
+    from deepinfer.kernels.fp8_weight import Fp8BlockWeight
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n, k = 1280, 5120
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
+    codes = finite[torch.randint(0, finite.numel(), (n, k), device="cuda", generator=g)]
+    scale = torch.randint(97, 135, (n // 32, k // 32), dtype=torch.uint8, device="cuda", generator=g)
+    w = Fp8BlockWeight(codes, scale)
+    got = launcher.dense_bf16(w)
+    assert torch.equal(got.view(torch.int16), w.dense(torch.bfloat16).view(torch.int16))
+
+
 def test_prefill_rows_take_dequantise_and_cublas_and_match_the_reference():
     from deepinfer.kernels import registry
     from deepinfer.kernels.fp8_weight import Fp8BlockWeight
@@ -101,7 +117,7 @@ def test_prefill_rows_take_dequantise_and_cublas_and_match_the_reference():
     codes, scale, deq = fp8_blocks(1024, 4096, g)
     w = Fp8BlockWeight(codes, scale)
     assert torch.equal(launcher.dense_bf16(w), w.dense(torch.bfloat16))
-    x = torch.randn(launcher.PREFILL_ROWS + 3, 4096, device="cuda", generator=g).bfloat16()
+    x = torch.randn(launcher.DENSE_ROWS + 3, 4096, device="cuda", generator=g).bfloat16()
     before = registry.fallback_counts().get("linear", {})
     out = launcher.linear(x, w)
     assert registry.fallback_counts().get("linear", {}) == before

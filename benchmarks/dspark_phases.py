@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Where a DSpark step's time goes, by phase: the engine's runner (ModelRunner.execute) with every phase bracketed
+by torch.cuda.synchronize(), so each phase's wall time is its own device work plus its own host work, and what
+execute spends outside the phases is host time the GPU waits for.
+
+    source benchmarks/gpu_env.sh
+    python3 benchmarks/dspark_phases.py flash40 64 2     # model, batch, drafts accepted a step (varlen, rigged)
+
+Phases: the forward (graph replay), the sampler's verification, the runner's _verify (verification plus
+bookkeeping), drafting (_draft, with its graph replay). Same setup as dspark_gpu.py --varlen (a filled 4K context,
+the drafter's own guesses, confidences 1.0 for the first j and j of them passed by the runner's accept_override).
+The synchronisations cost a little overlap, so the phases sum to about the step, not exactly to it. A diagnosis:
+no targets.
+"""
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_gpu import build, make_engine  # noqa: E402
+from dspark_gpu import forced, run  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", choices=("flash", "flash40", "tiny"))
+    ap.add_argument("batch", type=int)
+    ap.add_argument("accepted", type=int, help="drafts passed a verification (0..5)")
+    ap.add_argument("--context", type=int, default=4096)
+    a = ap.parse_args()
+    from deepinfer.models import synthetic
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = build(a.model, "cuda" if cuda else "cpu", {"default": ["tilelang-sm90", "torch"]} if cuda else ["torch"],
+                  overrides=synthetic.DSPARK_FLASH)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(a.batch * 7919 + a.context)
+    prompts = torch.randint(3, min(500, vocab), (a.batch, a.context), generator=g).tolist()
+    engine, tap, _ = make_engine(model, fill=True, max_seqs=a.batch, context=a.context, max_tokens=60, graphs=cuda,
+                                 interval=8, batched_tokens=max(a.batch * (a.context + 1), 8192), num_draft=5,
+                                 seed=1, same_fill=True, varlen=True)
+    runner, j = engine.client.core.runner, a.accepted
+    runner.confidence_override = forced(j)
+    runner.accept_override = (lambda ids, num_prompt, drafts: j) if j else None
+    times = collections.defaultdict(list)
+
+    def wrap(obj, name, label):
+        inner = getattr(obj, name)
+
+        def call(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                sync()
+                times[label].append(time.perf_counter() - t0)
+        setattr(obj, name, call)
+
+    try:
+        run(engine, tap, prompts, 24, 2, 6)  # warm: graphs captured, the planner settled
+        wrap(runner, "execute", "execute (the step)")
+        if runner.graphs is not None:
+            wrap(runner.graphs, "run", "  forward (graph replay)")
+        wrap(runner.backend.sampler, "verify", "  sampler.verify")
+        wrap(runner, "_verify", "  _verify (incl. sampler.verify)")
+        wrap(runner, "_draft", "  _draft")
+        if runner.draft_graphs is not None:
+            wrap(runner.draft_graphs, "run", "    drafting (graph replay)")
+        times.clear()
+        _, timed, fallbacks, _ = run(engine, tap, prompts, 24, 2, 8)
+    finally:
+        engine.close()
+    n = len(times["execute (the step)"])
+    step = statistics.median([t.device_end - t.device_start for t in timed]) * 1e3
+    print(f"{a.model} B={a.batch} j={j}: {n} steps; the engine's timed step (median) {step:.2f} ms; "
+          f"fallbacks {fallbacks or 'none'}")
+    for label, v in times.items():
+        print(f"  {label:<34} calls {len(v):3d}  median {statistics.median(v) * 1e3:8.2f} ms")
+    return 1 if fallbacks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
