@@ -66,13 +66,15 @@ class PackedExperts:
     def nbytes(self) -> int:
         return sum(t.numel() for t in (self.w13, self.s13, self.w2, self.s2))
 
-    def dense(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert e dequantised: (w1 [I, D], w2 [D, I], w3 [I, D]), exactly the checkpoint's values."""
-        w13 = _dequant(self.fmt, self.w13[e], self.s13[e])
+    def dense(self, e: int, dtype: torch.dtype, dequant=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e dequantised: (w1 [I, D], w2 [D, I], w3 [I, D]), exactly the checkpoint's values. `dequant(w, s)`:
+        another exact dequantisation of one stored matrix (a kernel's), instead of the torch one."""
+        dq = dequant or (lambda w, s: _dequant(self.fmt, w, s))
+        w13 = dq(self.w13[e], self.s13[e])
         half = BLOCK_N // 2
         t = w13.view(-1, 2, half, w13.shape[-1])
         w1, w3 = t[:, 0].reshape(self.inter, -1), t[:, 1].reshape(self.inter, -1)
-        w2 = _dequant(self.fmt, self.w2[e], self.s2[e])
+        w2 = dq(self.w2[e], self.s2[e])
         return w1.to(dtype), w2.to(dtype), w3.to(dtype)
 
 

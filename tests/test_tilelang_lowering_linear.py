@@ -283,3 +283,21 @@ def test_the_launcher_multiplies_the_dense_weight_from_the_row_threshold_only_ou
         launcher.linear(torch.zeros(rows, k, dtype=torch.bfloat16), w)
         monkeypatch.setattr(launcher, "batch_invariant", lambda: False)
         assert calls == ["kernel"]
+
+
+def test_the_shared_expert_for_cublas_keeps_the_packed_values_off_the_kernel_path():
+    """linear.expert_dense on the CPU (dense_bf16's torch passes): PackedExperts.dense's values, bit for bit, so the
+    one-pass kernel (tests/gpu) and the CPU agree on what the shared expert's dense path multiplies."""
+    from deepinfer.kernels.packed_experts import pack_experts
+    from deepinfer.kernels.tilelang.linear import expert_dense
+
+    g = torch.Generator().manual_seed(0)
+
+    def fp8(rows, cols):
+        codes = (torch.randn(rows, cols, generator=g) * 30).to(torch.float8_e4m3fn).view(torch.uint8)
+        return codes, torch.randint(110, 130, (rows // 32, cols // 32), dtype=torch.uint8, generator=g)
+
+    (a, sa), (b, sb), (c, sc) = fp8(64, 96), fp8(64, 96), fp8(96, 64)
+    shared = pack_experts("fp8", [a], [sa], [b], [sb], [c], [sc])
+    for got, ref in zip(expert_dense(shared, 0, torch.bfloat16), shared.dense(0, torch.bfloat16)):
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), ref.view(torch.int16))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.fp8_weight import Fp8BlockWeight, RowGroups
+from deepinfer.kernels.packed_experts import PackedExperts
 from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import linear as torch_linear
 
@@ -211,6 +212,15 @@ def dense_bf16(w: Fp8BlockWeight) -> torch.Tensor:
         return out
     scale = torch.exp2(w.scale[: n // 32, : k // 32].float() - 127.0).to(torch.bfloat16)
     return (codes.to(torch.bfloat16).view(n // 32, 32, k // 32, 32) * scale[:, None, :, None]).view(n, k)
+
+
+def expert_dense(p: PackedExperts, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert e of packed experts as (w1, w2, w3) for cuBLAS (the shared expert at prefill sizes): FP8 matrices
+    through dense_bf16 (one pass on CUDA; e4m3 with 32x32 block scales is Fp8BlockWeight's format), the same values
+    as PackedExperts.dense."""
+    if p.fmt != "fp8" or dtype != torch.bfloat16:
+        return p.dense(e, dtype)
+    return p.dense(e, dtype, dequant=lambda w, s: dense_bf16(Fp8BlockWeight(w, s)))
 
 
 def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:

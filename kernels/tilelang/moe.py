@@ -24,6 +24,7 @@ from deepinfer.kernels.torch import moe as torch_moe
 from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
 from . import moe_prefill
 from ._fallback import reason
+from .linear import expert_dense
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
 from .moe_prep_kernel import build_moe_prep
 from .moe_table import routing_table_torch
@@ -231,7 +232,7 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
         # one expert over every token: dequantised once (a few dozen MB) and multiplied by cuBLAS, which fills the
         # GPU where the streaming kernel's 72-80 blocks per 64-token tile stream the FP8 weights once per tile
         ffn(routed, x, table, y, routed_specs(routed, T_, k), limit)
-        y += torch_moe.swiglu_expert(x, *shared.dense(0, x.dtype), limit).float()
+        y += torch_moe.swiglu_expert(x, *expert_dense(shared, 0, x.dtype), limit).float()
         return y.to(x.dtype)
     main = torch.cuda.current_stream(dev)
     if shared is not None:

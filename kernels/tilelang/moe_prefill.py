@@ -29,6 +29,7 @@ from deepinfer.kernels.torch import moe as torch_moe
 from ._build import jit
 from .dequant import fp4_perm
 from .expert_gemm_kernel import HALF, build_fp4_expert_gemm
+from .linear import expert_dense
 from .moe_combine_kernel import build_moe_combine
 
 PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (1.8x the streaming kernel there, H200)
@@ -124,6 +125,6 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     row_of = torch.empty(T_ * k, dtype=torch.int64, device=dev)
     row_of[order] = dest
     tok_rows = row_of.view(T_, k).gather(1, torch.argsort(idx, dim=1))
-    shared_y = (torch_moe.swiglu_expert(x, *shared.dense(0, x.dtype), limit) if shared is not None
+    shared_y = (torch_moe.swiglu_expert(x, *expert_dense(shared, 0, x.dtype), limit) if shared is not None
                 else torch.zeros_like(x))
     return combine(out, tok_rows, shared_y)

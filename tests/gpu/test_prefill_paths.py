@@ -108,6 +108,17 @@ def test_the_dense_kernel_dequantises_every_finite_e4m3_code_at_every_realistic_
     assert torch.equal(got.view(torch.int16), w.dense(torch.bfloat16).view(torch.int16))
 
 
+def test_the_shared_expert_dequantised_for_cublas_has_the_packed_values():
+    """linear.expert_dense (the shared expert from moe.SHARED_DENSE_TOKENS tokens and in the grouped prefill MoE):
+    the one-pass kernel per stored matrix, bit for bit PackedExperts.dense's (w1, w2, w3) at Flash width."""
+    from deepinfer.kernels.tilelang.linear import expert_dense
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    _, shared = _experts(1, 5120, 2304, g)
+    for got, ref in zip(expert_dense(shared, 0, torch.bfloat16), shared.dense(0, torch.bfloat16)):
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
 def test_prefill_rows_take_dequantise_and_cublas_and_match_the_reference():
     from deepinfer.kernels import registry
     from deepinfer.kernels.fp8_weight import Fp8BlockWeight
