@@ -37,7 +37,9 @@ measured length between the two measured rows around 3.0 (the default j = 2 meas
 --profile B:J ... (e.g. 1:plain 1:0 64:2) runs those rows twice more (the row's tokens and half of them), untimed,
 and records where a step goes: its drafting (ModelRunner._draft) against the rest (forward and verification), host
 clock, medians; and on CUDA the kernels by name per decode step (torch.profiler), the two runs' difference over
-their difference in steps (the context fill and prefill cancel out).
+their difference in steps (the context fill and prefill cancel out). Under --varlen those sums came out below a
+plain step's (B=64, j=2: 1,405 kernels and 105 ms of kernel time for a 129 ms step, seventeenth session): read
+them as shares, and take a step's split from benchmarks/dspark_phases.py (its phases between synchronisations).
 
 Exit status 1 when a row did not run as asked (a timed step that did not replay a CUDA graph, for the forward or
 for the drafting; a TileLang call falling back to torch; an error; fewer timed steps than asked; a measured mean

@@ -174,6 +174,59 @@ def test_non_finite_logits_end_their_row_with_an_error_that_says_so_not_a_token(
     assert outs[0].token_id == 1 and outs[-1].error is not None and "not finite" in outs[-1].error
 
 
+def _counting_host_reads(monkeypatch):
+    reads = []
+    inner = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or inner(self))
+    return reads
+
+
+def test_a_greedy_step_reads_the_device_once_and_matches_the_general_path(monkeypatch):
+    """All rows greedy, none forced, no top logprobs: argmax, blocked rows and chosen logprobs come back in one
+    read (each read is a synchronisation at decode). The outputs equal the general path's (forced here by asking
+    one top logprob), for plain, tied, fully masked and non-finite rows, with logprobs reported or not."""
+    sampler = Sampler(vocab_size=4, eos_token_id=1)
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 0.0], [0.0, float("nan"), 1.0, 0.0],
+                           [1.0, 2.0, 0.0, 0.0]])
+    blocked = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[0, 2, 3])  # eos 1 and 0, 2, 3 banned
+    params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=True), blocked]
+    reads = _counting_host_reads(monkeypatch)
+    fast = sampler.sample(logits, [row(p) for p in params])
+    assert len(reads) == 1
+    general = sampler.sample(logits, [row(p) for p in params[:3]] + [row(SamplingParams(
+        temperature=0.0, min_tokens=1, stop_token_ids=[0, 2, 3], logprobs=True, top_logprobs=1))])
+    assert len(reads) > 2
+    assert [o.token_id for o in fast[:3]] == [o.token_id for o in general[:3]] == [1, 0, 1]
+    assert [o.error for o in fast] == [o.error for o in general]
+    assert fast[3].error is not None and "no token is allowed" in fast[3].error and "not finite" in fast[2].error
+    assert repr([o.logprob for o in fast[:3]]) == repr([o.logprob for o in general[:3]])  # NaN for the NaN row
+    assert fast[0].top_logprobs is None
+
+
+def test_a_greedy_verification_reads_the_device_once_and_keeps_its_logprobs(monkeypatch):
+    """Greedy verification without top logprobs: every kept token is its row's argmax, so one read brings the
+    verdicts' logprobs too; equal to the general path's (a request asking one top logprob)."""
+    from deepinfer.sampling import VerifyRequest
+
+    sampler = Sampler(vocab_size=5, eos_token_id=None)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 5, generator=g)
+    target = logits.argmax(-1).tolist()
+    drafts = [[target[0], target[1], (target[2] + 1) % 5], [target[4], target[5]]]  # 2 then all accepted
+    fast_params = SamplingParams(temperature=0.0, logprobs=True)
+    reads = _counting_host_reads(monkeypatch)
+    fast = sampler.verify(logits, [VerifyRequest(row(fast_params), drafts[0]), VerifyRequest(row(fast_params),
+                                                                                             drafts[1])])
+    assert len(reads) == 1
+    slow_params = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=1)
+    slow = sampler.verify(logits, [VerifyRequest(row(slow_params), drafts[0]), VerifyRequest(row(slow_params),
+                                                                                             drafts[1])])
+    assert [[(o.token_id, o.logprob, o.error) for o in outs] for outs in fast] == \
+        [[(o.token_id, o.logprob, o.error) for o in outs] for outs in slow]
+    assert [len(outs) for outs in fast] == [3, 3]
+
+
 # ---- logprobs ---------------------------------------------------------------------------------------------------
 
 

@@ -150,9 +150,16 @@ class Sampler:
                     advanced[i] += 1
         logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
         # a few whole-step reads instead of per-request ones: every row's argmax (greedy rows choose it; an
-        # accepted greedy draft equals it) and why no token can be chosen, if none can
-        blocked = row_blocked(x)
-        greedy_target = x.argmax(dim=-1).tolist()
+        # accepted greedy draft equals it) and why no token can be chosen, if none can. With every request greedy
+        # and no top logprobs asked, every token a verdict keeps is its row's argmax, so one read (greedy_reads)
+        # also brings the logprobs
+        fast = all(req.row.params.greedy and not req.row.params.top_logprobs for req in requests)
+        if fast:
+            greedy_target, codes, row_lps = greedy_reads(logprobs, x, vocab)
+            blocked = [BLOCKED[c] for c in codes]
+        else:
+            blocked = row_blocked(x)
+            greedy_target = x.argmax(dim=-1).tolist()
         verdicts = []
         for req, (start, k) in zip(requests, spans):
             if req.row.params.greedy:
@@ -162,10 +169,13 @@ class Sampler:
                 verdicts.append(spec.accept_sampled(p, req.draft_weights, req.drafts, req.row.seed, req.row.position))
         chosen = [start + r for (start, _), v in zip(spans, verdicts) for r in v.rows]
         tokens = [t for v in verdicts for t in v.tokens]
-        lps = logprobs[chosen].gather(1, torch.tensor(tokens, device=x.device).clamp(max=vocab - 1)[:, None])
-        lps = lps.squeeze(1).tolist()
-        tops = top_n(logprobs[chosen], [requests[i].row.params.top_logprobs for i, v in enumerate(verdicts)
-                                        for _ in v.rows])
+        if fast:  # each kept token is its row's argmax (accept_greedy_ids): its logprob came with the read
+            lps, tops = [row_lps[r] for r in chosen], [None] * len(chosen)
+        else:
+            lps = logprobs[chosen].gather(1, torch.tensor(tokens, device=x.device).clamp(max=vocab - 1)[:, None])
+            lps = lps.squeeze(1).tolist()
+            tops = top_n(logprobs[chosen], [requests[i].row.params.top_logprobs for i, v in enumerate(verdicts)
+                                            for _ in v.rows])
         results, at = [], 0
         for i, (req, v) in enumerate(zip(requests, verdicts)):
             n = len(v.tokens)
@@ -194,6 +204,11 @@ class Sampler:
     ) -> list[SampleOutput]:
         vocab = min(self.vocab_size, logits.shape[1])
         logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
+        if all(row.params.greedy and not row.params.golden_token_ids and not row.params.top_logprobs
+               for row in rows):
+            tokens, codes, lps = greedy_reads(logprobs, x, vocab)
+            return [SampleOutput(t, lp if row.params.reports_logprobs else None, None, BLOCKED[c])
+                    for row, t, c, lp in zip(rows, tokens, codes, lps)]
         stuck = row_blocked(x)
 
         tokens = [0] * len(rows)
@@ -315,10 +330,29 @@ NO_TOKEN_ALLOWED = "no token is allowed: the grammar and min_tokens exclude ever
 NOT_FINITE = "the model's logits are not finite (NaN or infinity) for this token: the step's numerics failed"
 
 
-def row_blocked(x: torch.Tensor) -> list[str | None]:
-    """Per row of processed logits x: why no token can be chosen (every token masked, or the model's logits NaN or
-    +inf where tokens are allowed: a masked position holds -inf whatever the model gave), else None. One
-    whole-step max and one host read; a NaN row would otherwise yield an arbitrary argmax as if it were a token."""
+BLOCKED = (None, NO_TOKEN_ALLOWED, NOT_FINITE)  # by blocked_codes' value
+
+
+def blocked_codes(x: torch.Tensor) -> torch.Tensor:
+    """Per row of processed logits x, on x's device: 0 when a token can be chosen, 1 when every token is masked,
+    2 when the model's logits are NaN or +inf where tokens are allowed (a masked position holds -inf whatever the
+    model gave). One whole-step max; a NaN row would otherwise yield an arbitrary argmax as if it were a token."""
     top = x.max(dim=-1).values
-    code = (top == float("-inf")).to(torch.int8) + 2 * (torch.isnan(top) | (top == float("inf"))).to(torch.int8)
-    return [(None, NO_TOKEN_ALLOWED, NOT_FINITE)[c] for c in code.tolist()]
+    return (top == float("-inf")).to(torch.int8) + 2 * (torch.isnan(top) | (top == float("inf"))).to(torch.int8)
+
+
+def row_blocked(x: torch.Tensor) -> list[str | None]:
+    """Per row of processed logits x: why no token can be chosen (BLOCKED[blocked_codes]), else None; one host
+    read."""
+    return [BLOCKED[c] for c in blocked_codes(x).tolist()]
+
+
+def greedy_reads(logprobs: torch.Tensor, x: torch.Tensor, vocab: int) -> tuple[list[int], list[int], list[float]]:
+    """Per row of processed logits x: its argmax (ties: the lowest id), its blocked_codes value and the raw logprob
+    of that token, read back in one transfer (float64 holds the ids and the float32 logprobs exactly). Greedy
+    steps need nothing else from the device, and each separate host read is a synchronisation that leaves the
+    device idle while the host waits, then launches the next read."""
+    tokens = x.argmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.clamp(max=vocab - 1).unsqueeze(1)).squeeze(1)
+    back = torch.stack([tokens.double(), blocked_codes(x).double(), chosen.double()]).tolist()
+    return [int(t) for t in back[0]], [int(c) for c in back[1]], back[2]
