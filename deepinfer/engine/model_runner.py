@@ -450,7 +450,11 @@ class ModelRunner:
             step = self.drafter.step(as_tensor(slots), as_tensor(last), self.num_draft, self.pools)
             drafted = self.drafter.draft(as_tensor(golden), step, self.pools, chooser)
             out = drafted.tokens, drafted.confidences
-        tokens, rates = out[0].tolist(), torch.cumprod(out[1], 1).tolist()
+        # the drafts and their running confidences in one host read (float64 holds both exactly): each read is a
+        # synchronisation that leaves the device idle
+        n = out[0].shape[1]
+        both = torch.cat([out[0].double(), torch.cumprod(out[1], 1).double()], 1).tolist()
+        tokens, rates = [[int(t) for t in row[:n]] for row in both], [row[n:] for row in both]
         for r, seq in enumerate(seqs):
             seq.drafts = tokens[r]
             seq.draft_weights = None if seq.params.greedy else chooser.weights[r]
