@@ -1,5 +1,35 @@
+import importlib
+import importlib.metadata
+import os
+import sys
+
 import pytest
 import torch
+
+
+def _bind_the_kernels_distribution() -> None:
+    """The repository's kernels/ (installed as deepinfer.kernels) is also a top-level `kernels` package when the
+    repository root is on sys.path (pytest run from it), and so shadows the `kernels` distribution (Hugging Face
+    hub kernels) that transformers imports where it is installed: transformers' DeepSeek-V4 modules then fail to
+    import, and the op-parity tests against them skipped instead of running. Bind the distribution's module
+    first; nothing of ours imports the top-level name."""
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != root]
+    try:
+        sys.modules.pop("kernels", None)
+        importlib.import_module("kernels")
+    except Exception:  # noqa: BLE001 (a broken distribution: transformers' own import will say so)
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_bind_the_kernels_distribution()
 
 # The tiny test models are dominated by per-op overhead; torch's intra-op thread pool only adds
 # contention (a 16x64 GEMM takes ~8 us on one thread and can take >1 ms on two busy cores).
