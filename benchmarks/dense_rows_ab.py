@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Runs another benchmark script with the FP8 projections' dequantise-for-cuBLAS crossover
-(kernels/tilelang/linear.py `dense_rows`) at one row count for every weight, for A/B runs of that policy:
+(kernels/tilelang/linear.py `dense_rows`) at one row count for every weight of DENSE_MIN_N rows or more, for
+A/B runs of that policy:
 
     source benchmarks/gpu_env.sh
     for r in 128 1024; do python3 benchmarks/dense_rows_ab.py $r benchmarks/dspark_gpu.py --model flash40 \\
@@ -21,7 +22,7 @@ from deepinfer.kernels.tilelang import linear  # noqa: E402
 
 rows = int(sys.argv[1])
 linear.dense_rows = lambda n_rows, k_dim: rows
-print(f"linear.dense_rows = {rows} for every weight", flush=True)
+print(f"linear.dense_rows = {rows} for every weight of >= {linear.DENSE_MIN_N} rows", flush=True)
 script = sys.argv[2]
 sys.argv = sys.argv[2:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

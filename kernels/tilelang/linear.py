@@ -200,18 +200,16 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
 
 
 def dense_bf16(w: Fp8BlockWeight) -> torch.Tensor:
-    """w dequantised to bf16: one pass of fp8_dense_kernel.py on a weight the kernel path takes (`why_not`: CUDA,
-    whole 32x32 scale blocks from row 0), else two element-wise torch passes. Both exact (e4m3 -> bf16, then a
-    power-of-two block scale; bf16 has fp32's exponent range), so this equals w.dense(torch.bfloat16)."""
+    """w dequantised to bf16, equal to w.dense(torch.bfloat16) (exact: e4m3 times a power-of-two block scale):
+    one pass of fp8_dense_kernel.py on CUDA for whole 32x32 scale blocks from row 0 (every weight `why_not`
+    passes), else the torch reference."""
     n, k = w.shape
-    codes = w.weight.view(torch.float8_e4m3fn)
-    if w.device.type == "cuda" and not w.row_offset and w.scale.shape == (n // 32, k // 32) and not (n | k) % 32 \
+    if w.device.type == "cuda" and not w.row_offset and w.scale.shape == (n // 32, k // 32) \
             and w.weight.is_contiguous() and w.scale.is_contiguous():
         out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
-        jit(build_fp8_dense, n, k)(codes, w.scale, out)
+        jit(build_fp8_dense, n, k)(w.weight.view(torch.float8_e4m3fn), w.scale, out)
         return out
-    scale = torch.exp2(w.scale[: n // 32, : k // 32].float() - 127.0).to(torch.bfloat16)
-    return (codes.to(torch.bfloat16).view(n // 32, 32, k // 32, 32) * scale[:, None, :, None]).view(n, k)
+    return w.dense(torch.bfloat16)
 
 
 def expert_dense(p: PackedExperts, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
