@@ -414,6 +414,8 @@ class _FakeGenerator(_Generator):
 class _Stream:
     """torch.cuda.Stream / current_stream stand-in: launches on a side stream still count."""
 
+    cuda_stream = 0
+
     def __init__(self, *a, **k):
         pass
 

@@ -110,7 +110,9 @@ def main():
                          "routed bt32 bn128": {"routed_bt": 32, "routed_bn": 128}, "fp8 bk256": {"fp8": (256, 4)},
                          "shared-down split3": {"shared_down_splits": 3},
                          "routed-down split3": {"routed_down_splits": 3},
-                         "table by torch sorts": {"prep_assignments": 0}})
+                         "table by torch sorts": {"prep_assignments": 0},
+                         "shared dense": {"shared_dense_tokens": 1},
+                         "shared streamed": {"shared_dense_tokens": 1 << 30}})
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(",")]
         unknown = [v for v in wanted if v not in variants]
@@ -134,6 +136,8 @@ def main():
                     stack.enter_context(mock.patch.object(moe, name, lambda *_, v=var[key]: v))
             if "prep_assignments" in var:  # the routing table's crossover from moe_prep to torch's sorts
                 stack.enter_context(mock.patch.object(moe, "PREP_KERNEL_ASSIGNMENTS", var["prep_assignments"]))
+            if "shared_dense_tokens" in var:  # the shared expert's crossover from streaming to dequantise + cuBLAS
+                stack.enter_context(mock.patch.object(moe, "SHARED_DENSE_TOKENS", var["shared_dense_tokens"]))
             yield
 
     specs = []

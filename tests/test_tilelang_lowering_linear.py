@@ -118,9 +118,41 @@ def test_the_k_splits_and_their_reduction_follow_the_weight_shape_alone(monkeypa
         specs = _specs_by_rows(monkeypatch, n, k)
         assert len({(kern[0][1][:3], tuple(kern[1:])) for kern in specs.values()}) == 1, (n, k)
         for m, kern in specs.items():
-            tile = kern[0][1][3:4] + kern[0][1][-1:]
+            tile = kern[0][1][3:4] + kern[0][1][8:9]
             want = ((16 if m <= 16 else 32), WIDE_N) if n % WIDE_N == 0 else ()
             assert tile == want, (n, k, m, kern)
+
+
+def test_a_split_gemm_sums_its_partials_in_its_own_last_block_up_to_the_counters_it_has(monkeypatch):
+    """Split K at decode and verification sizes: one launch, the tile's last block to finish adding the partials
+    (fused_reduce = the counters' count); beyond TILE_COUNTERS output tiles the separate split_reduce launch, which
+    adds the same partials in the same order."""
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    n, k = FLASH["wq_a"]
+    specs = _specs_by_rows(monkeypatch, n, k, rows=(1, 8, 1000))
+    assert all(len(kern) == 1 and kern[0][1][2] == 10 and kern[0][1][-1] == launcher.TILE_COUNTERS
+               for kern in specs.values())
+    monkeypatch.setattr(launcher, "TILE_COUNTERS", 10)  # wq_a beyond 16 rows: 32 x 128 tiles, 10 per token tile
+    specs = _specs_by_rows(monkeypatch, n, k, rows=(32, 33))
+    assert specs[32][0][1][-1] == 10 and len(specs[32]) == 1
+    assert len(specs[33][0][1]) == 9 and specs[33][1] == ("build_split_reduce", (n, 10))
+
+
+def test_the_fused_split_reduction_lowers_to_a_counted_hand_over_and_a_split_order_sum():
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.linear import TILE_COUNTERS, WIDE_N, split_count
+    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, STAGES, build_fp8_linear
+
+    n, k = FLASH["wq_a"]
+    src = lower_source(build_fp8_linear(n, k, split_count(n, k), 16, BLOCK_K, STAGES, 0, 1, WIDE_N, TILE_COUNTERS),
+                       "sm_90a")
+    body = src[src.index("__global__"):]
+    fence, arrive = body.index("__threadfence();"), body.index("AtomicAddRet(")
+    assert fence < body.index("__syncthreads();", fence) < arrive  # every thread's stores fenced before it counts
+    assert "== 9)" in body[arrive:]  # the tenth of ten splits to arrive sums
+    assert "for (int s = 0; s < 10; ++s)" in body and "di_ld_cg(" in body  # split order, past L1
+    assert "] = 0;" in body[arrive:]  # and resets its tile's counter for the next launch
 
 
 def test_the_invariant_mode_uses_one_kernel_configuration_for_every_batch_size(monkeypatch):

@@ -23,7 +23,8 @@ A row's result is the same at every row count up to GEMV_ROWS, but differs from 
 the invariant mode keeps the GEMM for every size.
 
 Tile policy: 128-K steps, and K split over `split_count(N, K)` blocks when N alone gives too few blocks to keep
-HBM busy at decode (each split's fp32 partial is reduced in split order by a second small kernel), both fixed by
+HBM busy at decode (each split's fp32 partial is reduced in split order by the tile's last block to finish, or by
+a second small kernel beyond TILE_COUNTERS tiles), both fixed by
 (N, K) alone, so a row's result never depends on the batch. The block's tile (tokens x weight rows) follows the
 row count outside the invariant mode (`gemm_tiles`: 16 or 32 x 128) and is 32 x 64 in it; every tile gives a row
 the same bits.
@@ -59,6 +60,10 @@ DENSE_ROWS, DENSE_ROWS_LARGE, LARGE_WEIGHT, DENSE_MIN_N = 512, 128, 1 << 25, 102
 GEMV_ROWS = 1
 WIDE_N = 128  # weight rows per block of the GEMM outside the invariant mode (`gemm_tiles`)
 GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
+# output tiles whose split partials the GEMM's own last block sums (linear_kernel's fused_reduce; 256 KB of
+# counters): every decode and verification size. Larger calls (the invariant mode's prefill) take the separate
+# split_reduce launch, the same sums in the same order
+TILE_COUNTERS = 1 << 16
 
 
 def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
@@ -166,15 +171,33 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
     bt, bn = gemm_tiles(m, n // groups)
     bt, bn = block_t or bt, block_n or bn
     splits = k_splits or split_count(n, k)
-    spec = (build_fp8_linear, n, k, splits) + (() if groups == 1 and (bt, bn) == (BLOCK_T, BLOCK_N)
-                                               else (bt, BLOCK_K, STAGES, 0, groups, bn))
+    fused = splits > 1 and -(-m // bt) * (n // bn) <= TILE_COUNTERS
+    tail = (bt, BLOCK_K, STAGES, 0, groups, bn) + ((TILE_COUNTERS,) if fused else ())
+    spec = (build_fp8_linear, n, k, splits) + (() if groups == 1 and (bt, bn) == (BLOCK_T, BLOCK_N) and not fused
+                                               else tail)
     if splits == 1:
         jit(*spec)(x2, w.weight, w.scale, out)
+    elif fused:
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        jit(*spec)(x2, w.weight, w.scale, part, out, tile_counters(x.device))
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
         jit(*spec)(x2, w.weight, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
+
+
+_COUNTERS: dict = {}
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """The split GEMM's per-tile arrival counters (zero between launches: each tile's last block resets its own),
+    one set per device and stream: two streams' launches in flight at once must not count into one tile."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tensor:

@@ -14,8 +14,11 @@ description: one weight matrix, no routing table, and the tokens tiled over the 
     find it in L2.
 
 Output: k_splits == 1 writes bf16 directly; k_splits > 1 writes each split's unrounded fp32 partial to
-part[bz, m, n], and `build_split_reduce` adds them in split order (0, 1, ...) and rounds once. No atomics, so the
-result is deterministic.
+part[bz, m, n], and the last of a tile's k_splits blocks to finish (an arrival counter per output tile) adds them in
+split order (0, 1, ...), rounds once and writes bf16 (`fused_reduce`; without it `build_split_reduce`, a second
+launch, does the same sums). Which block is last changes nothing but who adds: the order of the sums is fixed, so
+the result is deterministic and the same bits either way. The counter is reset by the block that read it, so
+the next launch (stream-ordered; under PDL its griddepcontrol.wait is the whole previous grid) finds it zero.
 
 Batch invariance: the tile shape, the K split and the reduction order are fixed by (N, K) alone, never by M, and
 a token's MMA column depends only on its own activations (columns of tokens beyond M are never loaded, their
@@ -32,11 +35,25 @@ BLOCK_T = 32  # tokens per tile (the wgmma N): M <= 32 reads each weight once fr
 BLOCK_K = 128  # K per pipeline step: 8 KB of FP8 weights + 8 KB of activations per stage
 STAGES = 4  # the MoE kernel's loop is ordered for 4 (the activation threads' proxy fence has no cp.async to wait on)
 
+# The split blocks' hand-over (CUDA's threadFenceReduction pattern): every thread fences its partial stores, then one
+# thread counts the block in; the block that counts last fences again and reads the partials past L1 (.cg).
+ARRIVE_SOURCE = r"""
+#ifndef DEEPINFER_SPLIT_ARRIVE
+#define DEEPINFER_SPLIT_ARRIVE
+__device__ __forceinline__ float di_ld_cg(const float* p) { return __ldcg(p); }
+#endif
+"""
+
 
 def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = BLOCK_T, block_k: int = BLOCK_K,
-                     num_stages: int = STAGES, min_blocks: int = 0, groups: int = 1, block_n: int = BLOCK_N):
+                     num_stages: int = STAGES, min_blocks: int = 0, groups: int = 1, block_n: int = BLOCK_N,
+                     fused_reduce: int = 0):
     """x [m, K] bf16, w [N, K] uint8 (e4m3), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or
     part [k_splits, m, N] fp32. m is symbolic: one compiled kernel serves every batch size.
+
+    fused_reduce = C > 0 (with k_splits > 1): the arguments are (x, w, ws, part, out, counters [C] int32, zero), and
+    the last block of each output tile sums the partials into out; tile (bm, bn) uses counters[bm * N / BN + bn],
+    so the launcher keeps ceil(m / block_t) * N / block_n <= C.
 
     groups > 1 (the grouped output projection in one launch): x [m, groups * K], and row group g of W (rows
     [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K): a block's group follows
@@ -59,9 +76,11 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     W_IT = BN * CPR // TW
     CS_LD = BN + CS_PAD
     partial = k_splits > 1
+    fused = partial and fused_reduce > 0
+    C = max(fused_reduce, 1)
     if min_blocks == 0:
         min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes("fp8", BT, BK, S, BN) + 1024)))
-    src = cuda_source(BT)
+    src = cuda_source(BT) + (ARRIVE_SOURCE if fused else "")  # one import_source per kernel
 
     load_x, permute, group = stage_macros("fp8", BT, BK, TH)
     m = T.dynamic("m")
@@ -88,40 +107,80 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
 
     k_loop = k_loop_macro(S, NK, NG, BT, issue, permute, group, TW)
 
+    @T.macro
+    def body(x, w, ws, out, bm, bn, bz):
+        T.annotate_min_blocks_per_sm(min_blocks)
+        smem = T.alloc_shared((S * STAGE // 4,), "uint32")  # stage slots as 32-bit words (see moe_kernel.py)
+        c_s = T.alloc_shared((BT, CS_LD), "float32")
+        a = T.alloc_local((32,), "uint32")       # two A buffers of 16 registers
+        acc = T.alloc_local((BT // 2,), "float32")
+        xr = T.alloc_var("int32", init=-1)
+        tx = T.get_thread_binding()
+        T.import_source(src)
+
+        k_first = bz * NK
+        for i in T.unroll(BT // 2):
+            acc[i] = T.float32(0)
+        xr = T.if_then_else(bm * BT + tx % BT < m, bm * BT + tx % BT, -1)
+        k_loop(smem, a, acc, c_s, xr, x, w, ws, bn, 0, tx, k_first)
+        T.sync_threads()
+        # consecutive threads write consecutive output columns (weight rows)
+        for it in T.unroll(BN * BT // TH):
+            j = (it * TH + tx) // BN
+            i = (it * TH + tx) % BN
+            if bm * BT + j < m:
+                if partial:
+                    out[bz, bm * BT + j, bn * BN + i] = c_s[j, i]
+                else:
+                    out[bm * BT + j, bn * BN + i] = T.cast(c_s[j, i], "bfloat16")
+
+    if not fused:
+        @T.prim_func
+        def fp8_linear(
+            x: T.Tensor((m, groups * K), "bfloat16"),
+            w: T.Tensor((N, K), "uint8"),
+            ws: T.Tensor((N // 32, K // 32), "uint8"),
+            out: T.Tensor(out_shape, out_dtype),
+        ):
+            with T.Kernel(T.ceildiv(m, BT), N // BN, k_splits, threads=TH) as (bm, bn, bz):
+                body(x, w, ws, out, bm, bn, bz)
+
+        return fp8_linear
+
     @T.prim_func
-    def fp8_linear(
+    def fp8_linear_fused(
         x: T.Tensor((m, groups * K), "bfloat16"),
         w: T.Tensor((N, K), "uint8"),
         ws: T.Tensor((N // 32, K // 32), "uint8"),
-        out: T.Tensor(out_shape, out_dtype),
+        part: T.Tensor((k_splits, m, N), "float32"),
+        out: T.Tensor((m, N), "bfloat16"),
+        counters: T.Tensor((C,), "int32"),
     ):
         with T.Kernel(T.ceildiv(m, BT), N // BN, k_splits, threads=TH) as (bm, bn, bz):
-            T.annotate_min_blocks_per_sm(min_blocks)
-            smem = T.alloc_shared((S * STAGE // 4,), "uint32")  # stage slots as 32-bit words (see moe_kernel.py)
-            c_s = T.alloc_shared((BT, CS_LD), "float32")
-            a = T.alloc_local((32,), "uint32")       # two A buffers of 16 registers
-            acc = T.alloc_local((BT // 2,), "float32")
-            xr = T.alloc_var("int32", init=-1)
+            body(x, w, ws, part, bm, bn, bz)
+            arrived = T.alloc_shared((1,), "int32")
+            total = T.alloc_var("float32", init=0)
             tx = T.get_thread_binding()
-            T.import_source(src)
-
-            k_first = bz * NK
-            for i in T.unroll(BT // 2):
-                acc[i] = T.float32(0)
-            xr = T.if_then_else(bm * BT + tx % BT < m, bm * BT + tx % BT, -1)
-            k_loop(smem, a, acc, c_s, xr, x, w, ws, bn, 0, tx, k_first)
+            T.call_extern("handle", "__threadfence")  # this thread's partial stores, before the block counts in
             T.sync_threads()
-            # consecutive threads write consecutive output columns (weight rows)
-            for it in T.unroll(BN * BT // TH):
-                j = (it * TH + tx) // BN
-                i = (it * TH + tx) % BN
-                if bm * BT + j < m:
-                    if partial:
-                        out[bz, bm * BT + j, bn * BN + i] = c_s[j, i]
-                    else:
-                        out[bm * BT + j, bn * BN + i] = T.cast(c_s[j, i], "bfloat16")
+            if tx == 0:
+                arrived[0] = T.atomic_add(counters[bm * (N // BN) + bn], 1, return_prev=True)
+            T.sync_threads()
+            if arrived[0] == k_splits - 1:
+                T.call_extern("handle", "__threadfence")
+                for it in T.unroll(BN * BT // TH):
+                    j = (it * TH + tx) // BN
+                    i = (it * TH + tx) % BN
+                    if bm * BT + j < m:
+                        total = T.float32(0)
+                        for s in T.unroll(k_splits):  # split order, as build_split_reduce
+                            total = total + T.call_extern("float32", "di_ld_cg",
+                                                          T.address_of(part[s, bm * BT + j, bn * BN + i]))
+                        out[bm * BT + j, bn * BN + i] = T.cast(total, "bfloat16")
+                if tx == 0:
+                    counters[bm * (N // BN) + bn] = 0
 
-    return fp8_linear
+    return fp8_linear_fused
 
 
 REDUCE_THREADS = 64  # one thread per output column of a 64-wide tile (N is a multiple of 64)

@@ -47,15 +47,17 @@ def _precompile():
 
     from deepinfer.kernels.tilelang._build import jit
     from deepinfer.kernels.tilelang.gemv_kernel import M_MAX, build_fp8_gemv
-    from deepinfer.kernels.tilelang.linear import WIDE_N, gemv_splits, split_count
-    from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, STAGES, build_fp8_linear, build_split_reduce
+    from deepinfer.kernels.tilelang.linear import BLOCK_N, TILE_COUNTERS, WIDE_N, gemv_splits, split_count
+    from deepinfer.kernels.tilelang.linear_kernel import (BLOCK_K, BLOCK_T, STAGES, build_fp8_linear,
+                                                          build_split_reduce)
 
     specs = []
     for n, k in list(SHAPES.values()) + [(128, 5120)]:
         s = split_count(n, k)
         specs.append((build_fp8_linear, n, k, s))
-        if n % WIDE_N == 0:
-            specs += [(build_fp8_linear, n, k, s, bt, BLOCK_K, STAGES, 0, 1, WIDE_N) for bt in (16, 32)]
+        tiles = [(bt, WIDE_N) for bt in (16, 32)] if n % WIDE_N == 0 else [(BLOCK_T, BLOCK_N)]
+        for fused in (((), (TILE_COUNTERS,)) if s > 1 else ((),)):
+            specs += [(build_fp8_linear, n, k, s, bt, BLOCK_K, STAGES, 0, 1, bn) + fused for bt, bn in tiles]
         if s > 1:
             specs.append((build_split_reduce, n, s))
         g = gemv_splits(n, k)
@@ -107,6 +109,40 @@ def test_a_row_is_bitwise_the_same_at_every_batch_size_and_position(name):
         rows = min(64, m)
         x[at:at + rows] = x64[:rows]
         assert torch.equal(fp8_linear(x, w)[at:at + rows], out64[:rows]), (m, at)
+
+
+@pytest.mark.parametrize("name", ["wq_a", "wkv", "wo_b", "shared_w2"])
+def test_the_last_block_of_a_tile_sums_the_split_partials_as_the_reduce_launch_does(name, monkeypatch):
+    """Split K: the tile's last block to finish adds the partials (linear.TILE_COUNTERS counters), bit for bit the
+    separate split_reduce launch's result, at every row count, call after call and replayed from a CUDA graph
+    (each tile's counter is back at zero after every call)."""
+    from deepinfer.kernels.tilelang import linear
+
+    w, _ = _weight(name)
+    assert linear.split_count(*w.shape) > 1
+    xs = {m: _x(m, w.shape[1], seed=100 + m) for m in (1, 8, 16, 17, 64, 200)}
+    fused = {m: linear.fp8_linear(x, w) for m, x in xs.items()}
+    again = {m: linear.fp8_linear(x, w) for m, x in xs.items()}
+    x8 = xs[8]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        linear.fp8_linear(x8, w)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = linear.fp8_linear(x8, w)
+    replays = []
+    for _ in range(3):
+        graph.replay()
+        replays.append(replayed.clone())
+    torch.cuda.synchronize()
+    assert not linear.tile_counters(x8.device).any()
+    monkeypatch.setattr(linear, "TILE_COUNTERS", 0)  # the split_reduce launch
+    for m, x in xs.items():
+        ref = linear.fp8_linear(x, w)
+        assert torch.equal(fused[m], ref) and torch.equal(again[m], ref), m
+    assert all(torch.equal(r, fused[8]) for r in replays)
 
 
 @pytest.mark.parametrize("tile", [(64, 64), (32, 128), (64, 128), (16, 128)])
