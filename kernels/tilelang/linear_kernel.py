@@ -51,7 +51,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     """x [m, K] bf16, w [N, K] uint8 (e4m3), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or
     part [k_splits, m, N] fp32. m is symbolic: one compiled kernel serves every batch size.
 
-    fused_reduce = C > 0 (with k_splits > 1): the arguments are (x, w, ws, part, out, counters [C] int32, zero), and
+    fused_reduce = C > 0 (with k_splits > 1): the arguments are (x, w, ws, part, out, counters [C] int32 all zero), and
     the last block of each output tile sums the partials into out; tile (bm, bn) uses counters[bm * N / BN + bn],
     so the launcher keeps ceil(m / block_t) * N / block_n <= C.
 
