@@ -4,6 +4,7 @@ source for sm_90a and sm_100a without a GPU."""
 import importlib.util
 
 import pytest
+import torch
 
 tilelang_missing = importlib.util.find_spec("tilelang") is None
 
@@ -20,6 +21,10 @@ def _kernels():
            for s in wrap.SPLITS}
     out.update({f"finalize_s{s}": (lambda s=s: k.build_mhc_mix_finalize(HC, D, s, ITERS)) for s in wrap.SPLITS})
     out["finalize_iters1"] = lambda: k.build_mhc_mix_finalize(HC, D, 4, 1)
+    out.update({f"mixes_fused_s{s}": (lambda s=s: k.build_mhc_premix(HC, D, s, wrap.BLOCK_T, wrap.BLOCK_K,
+                                                                      wrap._stages(s, steps), 128, ITERS,
+                                                                      wrap.TILE_COUNTERS))
+                for s in (1, 64)})
     out["collapse"] = lambda: k.build_mhc_collapse(HC, D)
     out["expand"] = lambda: k.build_mhc_expand(HC, D)
     out["collapse_512"] = lambda: k.build_mhc_collapse(HC, 1536, 512, 64)
@@ -28,7 +33,8 @@ def _kernels():
 
 
 NAMES = ["premix_s1", "premix_s4", "premix_s16", "premix_s64", "finalize_s1", "finalize_s4", "finalize_s16",
-         "finalize_s64", "finalize_iters1", "collapse", "expand", "collapse_512", "expand_256"]
+         "finalize_s64", "finalize_iters1", "mixes_fused_s1", "mixes_fused_s64", "collapse", "expand",
+         "collapse_512", "expand_256"]
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
@@ -46,7 +52,7 @@ def test_mhc_kernel_lowers_to_cuda(name, arch):
 
     src = lower_source(_kernels()[name](), arch)
     assert "__global__" in src
-    if name.startswith("premix") and arch == "sm_90a":
+    if name.startswith(("premix", "mixes_fused")) and arch == "sm_90a":
         assert "wgmma" in src  # the projection must take the Hopper tensor-core path (one n=80 instruction)
         assert ", 64, 80, 16," in src
     if name.startswith(("collapse", "expand")):
@@ -61,3 +67,37 @@ def test_split_choice():
     assert _splits(1, steps) == 64 and _splits(256, steps) == 64  # decode: 64..256 blocks
     assert _splits(4096, steps) == 4 and _splits(32768, steps) == 1
     assert all(steps % _splits(t, steps) == 0 for t in (1, 7, 64, 300, 1000, 4096, 8192, 32768))
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_the_fused_mixes_finalize_a_tile_in_its_last_block_with_the_finalize_kernels_sums():
+    """One launch: every split block fences its partials and counts in; the last sums the tile's partials in split
+    order past L1 (as mhc_mix_finalize sums them), finalizes the tile's tokens and zeroes its counter."""
+    from lowering_helpers import lower_source
+
+    body = lower_source(_kernels()["mixes_fused_s64"](), "sm_90a")
+    body = body[body.index("__global__"):]
+    fence, arrive = body.index("__threadfence();"), body.index("AtomicAddRet(")
+    assert fence < body.index("__syncthreads();", fence) < arrive
+    tail = body[arrive:]
+    assert "== 63)" in tail and "for (int s = 0; s < 64; ++s)" in tail and "di_ld_cg(" in tail
+    assert "di_rcp_nr(" in tail and "comb[" in tail and "cnt[((int)blockIdx.x)] = 0;" in tail
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_the_mixes_take_one_launch_up_to_the_counters_and_two_beyond(monkeypatch):
+    from deepinfer.kernels.tilelang import mhc as wrap
+
+    launched = []
+    monkeypatch.setattr(wrap, "jit", lambda builder, *a: launched.append((builder.__name__, a)) or (lambda *t: None))
+    n = (2 + HC) * HC
+    fn, scale, base = torch.zeros(n, HC * D), torch.ones(3), torch.zeros(n)
+    for tokens in (1, 65):
+        launched.clear()
+        wrap.mixes_with_splits(torch.zeros(tokens, HC, D), fn, scale, base, 1e-6, ITERS, 1e-6, 64)
+        assert launched == [("build_mhc_premix", (HC, D, 64, 64, 64, 5, 128, ITERS, wrap.TILE_COUNTERS))]
+    monkeypatch.setattr(wrap, "TILE_COUNTERS", 1)  # 65 tokens are two 64-token tiles
+    launched.clear()
+    wrap.mixes_with_splits(torch.zeros(65, HC, D), fn, scale, base, 1e-6, ITERS, 1e-6, 64)
+    assert [name for name, _ in launched] == ["build_mhc_premix", "build_mhc_mix_finalize"]
+    assert launched[0][1] == (HC, D, 64, 64, 64, 5)

@@ -40,6 +40,10 @@ from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import linear as torch_linear
 
 from ._build import jit, pdl_enabled
+# output tiles whose split partials the GEMM's own last block sums (linear_kernel's fused_reduce): every decode and
+# verification size; larger calls (the invariant mode's prefill) take the separate split_reduce launch, the same
+# sums in the same order
+from .counters import TILE_COUNTERS, tile_counters
 from .fp8_dense_kernel import build_fp8_dense
 from .gemv_kernel import M_MAX, WARPS, build_fp8_gemv, chunk_width
 from .linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear, build_split_reduce
@@ -60,10 +64,6 @@ DENSE_ROWS, DENSE_ROWS_LARGE, LARGE_WEIGHT, DENSE_MIN_N = 512, 128, 1 << 25, 102
 GEMV_ROWS = 1
 WIDE_N = 128  # weight rows per block of the GEMM outside the invariant mode (`gemm_tiles`)
 GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
-# output tiles whose split partials the GEMM's own last block sums (linear_kernel's fused_reduce; 256 KB of
-# counters): every decode and verification size. Larger calls (the invariant mode's prefill) take the separate
-# split_reduce launch, the same sums in the same order
-TILE_COUNTERS = 1 << 16
 
 
 def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
@@ -186,18 +186,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
 
-
-_COUNTERS: dict = {}
-
-
-def tile_counters(device: torch.device) -> torch.Tensor:
-    """The split GEMM's per-tile arrival counters (zero between launches: each tile's last block resets its own),
-    one set per device and stream: two streams' launches in flight at once must not count into one tile."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    buf = _COUNTERS.get(key)
-    if buf is None:
-        buf = _COUNTERS[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
-    return buf
 
 
 def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tensor:

@@ -4,8 +4,9 @@ Each keeps the torch op's signature and return dtypes. Kernel path: CUDA bf16 st
 for expand), fp32 pre/post/comb, widths the tiles divide; anything else goes to the torch op unchanged.
 
 The mixes split their K loop over `_splits(T)` blocks per 64-token tile (static per compiled variant: 64 at
-decode, fewer as tiles multiply); the split count changes the fp32 summation order, so a token's mixes can differ
-in the last bits between batch sizes. In the batch-invariant mode every token count uses the decode split (64):
+decode, fewer as tiles multiply), and the last of a tile's blocks to finish sums the partials and finalizes the
+tile's tokens in the same launch (mhc_kernel's fused premix); the split count changes the fp32 summation order, so
+a token's mixes can differ in the last bits between batch sizes. In the batch-invariant mode every token count uses the decode split (64):
 the order is then fixed (partials summed in split order by the finalize kernel), at the price of more partials
 at prefill sizes.
 """
@@ -16,6 +17,7 @@ from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import mhc as torch_mhc
 
 from ._build import jit
+from .counters import TILE_COUNTERS, tile_counters
 from ._fallback import reason
 from .mhc_kernel import (NOUT, build_mhc_collapse, build_mhc_expand, build_mhc_mix_finalize, build_mhc_premix,
                          mix_width)
@@ -43,23 +45,29 @@ def _block_d(dim: int):
     return next((b for b in (1024, 512, 256) if dim % b == 0), None)
 
 
-def mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps, splits: int):
-    """The kernel path of mhc_mixes with an explicit K-split count (tests / benchmarks); no fallback."""
+def mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps, splits: int,
+                      fused: bool = True):
+    """The kernel path of mhc_mixes with an explicit K-split count (tests / benchmarks); no fallback. One launch
+    (the premix's last block of each token tile finalizes it) up to TILE_COUNTERS token tiles; two launches beyond,
+    or with fused=False (tests compare the two: the same sums in the same order, the same bits)."""
     hc, dim = streams.shape[-2:]
     lead = streams.shape[:-2]
-    n = mix_width(hc)
     x = streams.reshape(-1, hc * dim).contiguous()
     n_tok, k_steps = x.shape[0], hc * dim // BLOCK_K
     dev = x.device
     part = torch.empty(splits, n_tok, NOUT, dtype=torch.float32, device=dev)
-    jit(build_mhc_premix, hc, dim, splits, BLOCK_T, BLOCK_K, _stages(splits, k_steps))(
-        x, fn.float().contiguous(), part)
     pre = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
     post = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
     comb = torch.empty(n_tok, hc, hc, dtype=torch.float32, device=dev)
-    jit(build_mhc_mix_finalize, hc, dim, splits, int(sinkhorn_iters))(
-        part, scale.reshape(-1)[:3].float().contiguous(), base.reshape(-1).float().contiguous(), pre, post, comb,
-        float(hc_eps), float(norm_eps))
+    premix = (build_mhc_premix, hc, dim, splits, BLOCK_T, BLOCK_K, _stages(splits, k_steps))
+    mix_args = (scale.reshape(-1)[:3].float().contiguous(), base.reshape(-1).float().contiguous(), pre, post, comb)
+    eps = (float(hc_eps), float(norm_eps))
+    if fused and -(-n_tok // BLOCK_T) <= TILE_COUNTERS:
+        jit(*premix, 128, int(sinkhorn_iters), TILE_COUNTERS)(
+            x, fn.float().contiguous(), part, *mix_args, tile_counters(dev), *eps)
+    else:
+        jit(*premix)(x, fn.float().contiguous(), part)
+        jit(build_mhc_mix_finalize, hc, dim, splits, int(sinkhorn_iters))(part, *mix_args, *eps)
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 

@@ -93,6 +93,26 @@ def test_mixes_other_split_counts(splits):
     _check_mixes(got, streams, fn, scale, base)
 
 
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_the_one_launch_mixes_are_bitwise_the_two_launch_mixes(tokens):
+    """The premix's last block of each token tile finalizes it (one launch): the same partial sums in the same
+    order as the separate finalize kernel, so the same bits, call after call (the tile counters back at zero)."""
+    from deepinfer.kernels.tilelang.counters import tile_counters
+    from deepinfer.kernels.tilelang.mhc import BLOCK_K, _splits, mixes_with_splits
+
+    g = _gen(3000 + tokens)
+    streams = _streams(tokens, g)
+    fn, scale, base = _mix_params(g)
+    splits = _splits(tokens, HC * D // BLOCK_K)
+    args = (streams, fn, scale, base, HC_EPS, ITERS, NORM_EPS, splits)
+    one, again = mixes_with_splits(*args), mixes_with_splits(*args)
+    two = mixes_with_splits(*args, fused=False)
+    torch.cuda.synchronize()
+    for a, b, c in zip(one, again, two):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert not tile_counters(streams.device).any()
+
+
 def _bf16_checks(out, expect64, torch_op):
     assert out.dtype == torch.bfloat16 and out.shape == torch_op.shape
     assert torch.isfinite(out).all()
