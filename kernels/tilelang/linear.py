@@ -40,9 +40,6 @@ from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import linear as torch_linear
 
 from ._build import jit, pdl_enabled
-# output tiles whose split partials the GEMM's own last block sums (linear_kernel's fused_reduce): every decode and
-# verification size; larger calls (the invariant mode's prefill) take the separate split_reduce launch, the same
-# sums in the same order
 from .counters import TILE_COUNTERS, tile_counters
 from .fp8_dense_kernel import build_fp8_dense
 from .gemv_kernel import M_MAX, WARPS, build_fp8_gemv, chunk_width
@@ -171,6 +168,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
     bt, bn = gemm_tiles(m, n // groups)
     bt, bn = block_t or bt, block_n or bn
     splits = k_splits or split_count(n, k)
+    # the tiles' own last blocks sum the split partials up to TILE_COUNTERS tiles (every decode and verification
+    # size); larger calls (the invariant mode's prefill) add the split_reduce launch: the same sums, same order
     fused = splits > 1 and -(-m // bt) * (n // bn) <= TILE_COUNTERS
     tail = (bt, BLOCK_K, STAGES, 0, groups, bn) + ((TILE_COUNTERS,) if fused else ())
     spec = (build_fp8_linear, n, k, splits) + (() if groups == 1 and (bt, bn) == (BLOCK_T, BLOCK_N) and not fused

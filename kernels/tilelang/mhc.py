@@ -5,10 +5,10 @@ for expand), fp32 pre/post/comb, widths the tiles divide; anything else goes to 
 
 The mixes split their K loop over `_splits(T)` blocks per 64-token tile (static per compiled variant: 64 at
 decode, fewer as tiles multiply), and the last of a tile's blocks to finish sums the partials and finalizes the
-tile's tokens in the same launch (mhc_kernel's fused premix); the split count changes the fp32 summation order, so
-a token's mixes can differ in the last bits between batch sizes. In the batch-invariant mode every token count uses the decode split (64):
-the order is then fixed (partials summed in split order by the finalize kernel), at the price of more partials
-at prefill sizes.
+tile's tokens in the same launch (mhc_kernel's fused premix); the split count changes the fp32 summation order,
+so a token's mixes can differ in the last bits between batch sizes. In the batch-invariant mode every token count
+uses the decode split (64): the order is then fixed (partials summed in split order), at the price of more
+partials at prefill sizes.
 """
 
 import torch
