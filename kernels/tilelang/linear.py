@@ -176,15 +176,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, k_splits: int | None = None, 
                                                else tail)
     if splits == 1:
         jit(*spec)(x2, w.weight, w.scale, out)
-    elif fused:
-        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        return out.view(*lead, n)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    if fused:
         jit(*spec)(x2, w.weight, w.scale, part, out, tile_counters(x.device))
     else:
-        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
         jit(*spec)(x2, w.weight, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
-
 
 
 def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tensor:

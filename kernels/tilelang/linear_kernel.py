@@ -28,21 +28,13 @@ in.
 
 import tilelang.language as T
 
+from .counters import LD_CG_SOURCE, count_in
 from .moe_kernel import (BLOCK_N, CS_PAD, cuda_source, k_loop_macro, load_roles, shared_bytes, smem_layout,
                          stage_macros)
 
 BLOCK_T = 32  # tokens per tile (the wgmma N): M <= 32 reads each weight once from HBM
 BLOCK_K = 128  # K per pipeline step: 8 KB of FP8 weights + 8 KB of activations per stage
 STAGES = 4  # the MoE kernel's loop is ordered for 4 (the activation threads' proxy fence has no cp.async to wait on)
-
-# The split blocks' hand-over (CUDA's threadFenceReduction pattern): every thread fences its partial stores, then one
-# thread counts the block in; the block that counts last fences again and reads the partials past L1 (.cg).
-ARRIVE_SOURCE = r"""
-#ifndef DEEPINFER_SPLIT_ARRIVE
-#define DEEPINFER_SPLIT_ARRIVE
-__device__ __forceinline__ float di_ld_cg(const float* p) { return __ldcg(p); }
-#endif
-"""
 
 
 def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = BLOCK_T, block_k: int = BLOCK_K,
@@ -51,9 +43,9 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     """x [m, K] bf16, w [N, K] uint8 (e4m3), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or
     part [k_splits, m, N] fp32. m is symbolic: one compiled kernel serves every batch size.
 
-    fused_reduce = C > 0 (with k_splits > 1): the arguments are (x, w, ws, part, out, counters [C] int32 all zero), and
-    the last block of each output tile sums the partials into out; tile (bm, bn) uses counters[bm * N / BN + bn],
-    so the launcher keeps ceil(m / block_t) * N / block_n <= C.
+    fused_reduce = C > 0 (with k_splits > 1): the arguments are (x, w, ws, part, out, counters [C] int32 all zero),
+    and the last block of each output tile sums the partials into out (counters.count_in); tile (bm, bn) uses
+    counters[bm * N / BN + bn], so the launcher keeps ceil(m / block_t) * N / block_n <= C.
 
     groups > 1 (the grouped output projection in one launch): x [m, groups * K], and row group g of W (rows
     [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K): a block's group follows
@@ -80,7 +72,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
     C = max(fused_reduce, 1)
     if min_blocks == 0:
         min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes("fp8", BT, BK, S, BN) + 1024)))
-    src = cuda_source(BT) + (ARRIVE_SOURCE if fused else "")  # one import_source per kernel
+    src = cuda_source(BT) + (LD_CG_SOURCE if fused else "")  # one import_source per kernel
 
     load_x, permute, group = stage_macros("fp8", BT, BK, TH)
     m = T.dynamic("m")
@@ -161,11 +153,7 @@ def build_fp8_linear(n_rows: int, k_dim: int, k_splits: int = 1, block_t: int = 
             arrived = T.alloc_shared((1,), "int32")
             total = T.alloc_var("float32", init=0)
             tx = T.get_thread_binding()
-            T.call_extern("handle", "__threadfence")  # this thread's partial stores, before the block counts in
-            T.sync_threads()
-            if tx == 0:
-                arrived[0] = T.atomic_add(counters[bm * (N // BN) + bn], 1, return_prev=True)
-            T.sync_threads()
+            count_in(counters, bm * (N // BN) + bn, arrived, tx)
             if arrived[0] == k_splits - 1:
                 T.call_extern("handle", "__threadfence")
                 for it in T.unroll(BN * BT // TH):

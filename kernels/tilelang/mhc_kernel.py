@@ -22,6 +22,8 @@ so T = 1 still spreads over D / block_d blocks and T = 32768 is a long flat grid
 
 import tilelang.language as T
 
+from .counters import LD_CG_SOURCE, count_in
+
 NOUT = 32  # partial row: dots [0, N), sum of squares at N; padded to 128 bytes
 
 # The Sinkhorn rounds' reciprocal: the hardware's approximation plus one Newton step (within ~1 ulp of 1/x). IEEE
@@ -40,15 +42,6 @@ __device__ __forceinline__ float di_rcp_nr(float x) {
 """
 
 
-# the fused mixes' last block reads the other blocks' partials past L1 (linear_kernel.py's hand-over)
-SPLIT_SOURCE = r"""
-#ifndef DEEPINFER_SPLIT_ARRIVE
-#define DEEPINFER_SPLIT_ARRIVE
-__device__ __forceinline__ float di_ld_cg(const float* p) { return __ldcg(p); }
-#endif
-"""
-
-
 def mix_width(hc: int) -> int:
     return (2 + hc) * hc
 
@@ -60,10 +53,8 @@ def build_mhc_premix(hc: int, dim: int, splits: int, block_t: int = 64, block_k:
     counters = C > 0 (the fused mixes): the arguments are (x, fn, part, scale, base, pre, post, comb, counters [C]
     int32 all zero, hc_eps, norm_eps), and the last of a token tile's `splits` blocks to finish sums the tile's
     partials in split order and writes its tokens' pre / post / comb, as build_mhc_mix_finalize does in a second
-    launch (the same sums in the same order: the same bits). Tile bx counts in counters[bx]; the launcher keeps
-    ceil(n_tok / block_t) <= C. The hand-over is linear_kernel's: every thread fences its partial stores before one
-    thread counts the block in, the last block fences again and reads the partials past L1, then zeroes its
-    counter for the next launch."""
+    launch (the same sums in the same order: the same bits). Tile bx counts in counters[bx] (counters.count_in,
+    the split GEMM's hand-over); the launcher keeps ceil(n_tok / block_t) <= C."""
     K, N = hc * dim, mix_width(hc)
     BT, BK, S = block_t, block_k, splits
     NP = -(-3 * N // 16) * 16  # three bf16 terms of fn, padded to a multiple of 16 rows
@@ -146,18 +137,14 @@ def build_mhc_premix(hc: int, dim: int, splits: int, block_t: int = 64, block_k:
         norm_eps: T.float32,
     ):
         with T.Kernel(T.ceildiv(n_tok, BT), S, threads=threads) as (bx, by):
-            T.import_source(RCP_SOURCE + SPLIT_SOURCE)
+            T.import_source(RCP_SOURCE + LD_CG_SOURCE)
             out_s = T.alloc_shared((BT, NP + 1), "float32")  # the partial rows, then the summed ones (odd stride)
             arrived = T.alloc_shared((1,), "int32")
             total = T.alloc_local((1,), "float32")
             tx = T.get_thread_binding()
             lane = tx % 32
             premix(x, fn, part, out_s, bx, by)
-            T.call_extern("handle", "__threadfence")  # this thread's partial stores, before the block counts in
-            T.sync_threads()
-            if tx == 0:
-                arrived[0] = T.atomic_add(cnt[bx], 1, return_prev=True)
-            T.sync_threads()
+            count_in(cnt, bx, arrived, tx)
             if arrived[0] == S - 1:
                 T.call_extern("handle", "__threadfence")
                 # build_mhc_mix_finalize's phase 1 (warp w sums token i * warps + w, lane c column c), then phase 2
