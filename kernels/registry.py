@@ -34,6 +34,7 @@ OP_KINDS = (
     "fake_quant_fp4",
     "encode_fp8",
     "encode_fp4",
+    "window_kv",
     "mhc_mixes",
     "mhc_collapse",
     "mhc_expand",

@@ -2,6 +2,7 @@
 and agrees bitwise with the prefill path, a step's work does not grow with the batch, and a replayed decode step
 (the CUDA-graph path, here with the graph replaced by re-running the captured function) equals an eager one."""
 
+import dataclasses
 import random
 
 import pytest
@@ -54,6 +55,24 @@ def test_a_decode_step_through_the_stored_caches_equals_the_prefill_path_bitwise
     model.forward(ForwardBatch([ids[:40]], [st]))
     rows = [model.forward(ForwardBatch([[t]], [st])) for t in ids[40:]]  # decode-only steps: the decode op
     assert torch.equal(torch.cat(rows), one_shot[40:])
+
+
+def test_decode_steps_write_their_window_rows_through_window_kv_and_prefill_steps_do_not(model):
+    """The decode path's norm, rope, FP8 encode and ring writes are one op kind (one launch on the GPU); the prefill
+    paths read the rings before the step's writes and keep the separate ops."""
+    calls = []
+    ops = model.ops
+    spy = dataclasses.replace(ops, _fns=dict(ops._fns))
+    spy._fns["window_kv"] = lambda kv, *rest: calls.append(kv.shape[0]) or ops.window_kv(kv, *rest)
+    model.use_ops(spy)
+    try:
+        st = model.new_state()
+        model.forward(ForwardBatch([[5, 6, 7]], [st]))
+        assert calls == []
+        model.forward(ForwardBatch([[8]], [st]))
+    finally:
+        model.use_ops(ops)
+    assert calls == [1] * model.config.num_hidden_layers
 
 
 class CountOps(TorchDispatchMode):

@@ -31,7 +31,13 @@ HOT_KINDS = [{"build_fp8_gemv", "build_fp8_linear"}, {"build_rms_norm_block", "b
              {"build_grouped_gemm"}, {"build_mhc_premix"}, {"build_mhc_collapse"}, {"build_mhc_expand"},
              {"build_sink_attention_decode"}, {"build_router_logits"}, {"build_router_topk"}, {"build_moe_prep"},
              {"build_indexer_scores"}, {"build_index_topk"}, {"build_engram_hash"}, {"build_engram_gate"},
-             {"build_compressor_pool"}]
+             {"build_compressor_pool"}, {"build_window_kv"}]
+
+
+def test_no_decode_step_writes_the_window_rings_by_index_copy(census):
+    """The window KV's ring rows are stored by the kernel that encodes them (window_kv), not by glue."""
+    for res in census["batches"].values():
+        assert not [s for s in res["glue_sites"] if "_write_window" in s["site"]]
 
 
 def test_every_op_of_the_step_takes_the_tilelang_path(census):

@@ -41,13 +41,17 @@ def _kernels():
     out["fp8_32_encode"] = lambda: k.build_fake_quant("fp8", 32, encode=True)
     out["fp4_ue8m0_32_encode"] = lambda: k.build_fake_quant("fp4_ue8m0", 32, encode=True)
     out["fp4_e4m3_16_encode"] = lambda: k.build_fake_quant("fp4_e4m3", 16, encode=True)
+    from deepinfer.kernels.tilelang.window_kv_kernel import build_window_kv
+
+    for d in (512, 5120):
+        out[f"window_kv_{d}"] = lambda d=d: build_window_kv(d, 64)
     return out
 
 
 NAMES = ([f"rms_warp_{d}" for d in NORM_DIMS] + [f"rms_block_{d}" for d in NORM_DIMS if d >= 256]
          + ["rms_warp_512_fp32w", "rms_block_512_fp32w", "rope_512_fwd", "rope_512_inv", "rope_128_fwd",
             "rope_128_inv", "fp8_32", "fp4_ue8m0_32", "fp4_e4m3_16", "fp8_32_encode", "fp4_ue8m0_32_encode",
-            "fp4_e4m3_16_encode"])
+            "fp4_e4m3_16_encode", "window_kv_512", "window_kv_5120"])
 
 
 @needs_tilelang
@@ -74,6 +78,11 @@ def test_rowwise_kernel_lowers_to_cuda(name, arch):
     if name.startswith("fp"):
         assert "*(uint4*)" in src and "__shfl_xor_sync" in src
         assert ("__fdiv_rn" in src) == ("e4m3" in name)
+    if name.startswith("window_kv"):  # the norm's rounded squares, rope's accurate cos / sin, the amax shuffles,
+        # and the codes (4 bytes a thread) and the block's scale byte stored at the write row, nothing else stored
+        assert "__fmul_rn" in src and "rsqrtf(" in src and "cosf(" in src and "sinf(" in src
+        assert "__shfl_xor_sync" in src and "write_row[" in src
+        assert "*(uint*)(ring_codes + " in src and "ring_scale[" in src
     if name.endswith("encode"):  # the codes as 8 bytes (fp8) or 4 e2m1 pairs, the block's scale byte from its first lane
         assert ("*(uint*)(codes + " if name.startswith("fp4") else "*(uint2*)(codes + ") in src and "scale[" in src
 
@@ -85,11 +94,14 @@ def test_registry_functions_keep_the_torch_signatures():
     from deepinfer.kernels.tilelang import rowwise
     from deepinfer.kernels.torch import norm, rope
 
+    from deepinfer.kernels.tilelang import window_kv as tl_window_kv
     from deepinfer.kernels.torch import cache_formats
+    from deepinfer.kernels.torch import window_kv as torch_window_kv
 
     for ours, ref in ((rowwise.rms_norm, norm.rms_norm), (rowwise.rope, rope.rope),
                       (rowwise.fake_quant_fp8, quant.fake_quant_fp8), (rowwise.fake_quant_fp4, quant.fake_quant_fp4),
-                      (rowwise.encode_fp8, cache_formats.encode_fp8), (rowwise.encode_fp4, cache_formats.encode_fp4)):
+                      (rowwise.encode_fp8, cache_formats.encode_fp8), (rowwise.encode_fp4, cache_formats.encode_fp4),
+                      (tl_window_kv.window_kv, torch_window_kv.window_kv)):
         assert inspect.signature(ours, eval_str=True) == inspect.signature(ref, eval_str=True), ours.__name__
 
 

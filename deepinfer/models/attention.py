@@ -43,20 +43,21 @@ class Attention:
         q_res = ops.rms_norm(ops.linear(h, w.wq_a), w.q_norm, cfg.rms_norm_eps)
         q = ops.rope(ops.linear(q_res, w.wq_b).view(T, cfg.num_attention_heads, cfg.head_dim), meta.positions,
                      self.freqs)
-        kv = ops.rope(ops.rms_norm(ops.linear(h, w.wkv), w.kv_norm, cfg.rms_norm_eps), meta.positions, self.freqs)
-        # the window KV is cached in FP8 (the model's own fake quantisation): this step uses what the cache holds
-        codec = pools.layout.win_codec
-        if isinstance(codec, Fp8Codec):  # parts and their decoded values in one op (one launch on the GPU)
-            *kv_parts, kv_q = ops.encode_fp8(kv)
+        kv = ops.linear(h, w.wkv)
+        cp = meta.cp
+        if pools.layout.as_stored and meta.host.decode_only and cp is None:
+            # a decode step reads its window back from the ring (_attend_decode): the norm, rope, FP8 encode and
+            # ring writes as one op (one launch on the GPU, five unfused)
+            ops.window_kv(kv, w.kv_norm, cfg.rms_norm_eps, meta.positions, self.freqs, *pools.window[self.layer],
+                          meta.window.write_row)
+            kv = kv_parts = None
         else:
-            kv_parts, kv_q = list(codec.encode(kv)), None
+            kv, kv_parts = self._window_kv(kv, meta, pools, h.dtype)
         compressing = self.ratio and self.is_source and self.layer not in meta.shared_kv_written
         c_in = self.compress_input(h) if compressing else None
-        cp = meta.cp
         if cp is not None:  # context parallel: the whole step's window KV and compressor input, from every rank
             *kv_parts, c_in = cp.gather(*kv_parts, c_in)
-            kv_q = None
-        kv = codec.decode(*kv_parts, dtype=h.dtype) if kv_q is None else kv_q.to(h.dtype)
+            kv = pools.layout.win_codec.decode(*kv_parts, dtype=h.dtype)
 
         if self.ratio:
             if compressing:
@@ -69,6 +70,18 @@ class Attention:
         grouped = out.reshape(T, cfg.o_groups, -1)
         y = ops.grouped_linear(grouped, w.wo_a)
         return ops.linear(y, w.wo_b)
+
+    def _window_kv(self, kv, meta: StepMeta, pools: CachePools, dtype: torch.dtype):
+        """(the step's window KV as the cache holds it, its codec parts) from the wkv projection: the window KV is
+        cached in FP8 (the model's own fake quantisation), and this step uses what the cache holds."""
+        ops, cfg = self.ops, self.cfg
+        kv = ops.rope(ops.rms_norm(kv, self.w.kv_norm, cfg.rms_norm_eps), meta.positions, self.freqs)
+        codec = pools.layout.win_codec
+        if isinstance(codec, Fp8Codec):  # parts and their decoded values in one op (one launch on the GPU)
+            *kv_parts, kv_q = ops.encode_fp8(kv)
+            return kv_q.to(dtype), kv_parts
+        kv_parts = list(codec.encode(kv))
+        return codec.decode(*kv_parts, dtype=dtype), kv_parts
 
     # ---------------------------------------------------------------------------------------
     def compress(self, h: torch.Tensor, meta: StepMeta, pools: CachePools) -> None:
@@ -243,7 +256,8 @@ class Attention:
         kernel on the GPU; the same slate as the prefill path, so bitwise the same result on the CPU)."""
         L, S, R = pools.layout, pools.slots_alloc, pools.layout.ring
         ring = pools.window[self.layer]
-        self._write_window(kv_parts, meta, pools)
+        if kv_parts is not None:  # (None: window_kv wrote the rows)
+            self._write_window(kv_parts, meta, pools)
         codes, scales = (p[: S * R].view(S, R, -1) for p in ring)
         slot, pos = meta.tok_slot32, meta.positions32
         sel, cmp_kv, cmp_scale = self._pool_keys(meta, pools, q.shape[0], q.device)

@@ -28,6 +28,7 @@ _WHERE = {
     "fake_quant_fp4": "rowwise",
     "encode_fp8": "rowwise",
     "encode_fp4": "rowwise",
+    "window_kv": "window_kv",
     "compressor_pool": "compressor",
     "engram_hash": "engram",
     "engram_gate": "engram",

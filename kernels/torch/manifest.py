@@ -12,6 +12,7 @@ _WHERE = {
     "fake_quant_fp4": "quant",
     "encode_fp8": "cache_formats",
     "encode_fp4": "cache_formats",
+    "window_kv": "window_kv",
     "mhc_mixes": "mhc",
     "mhc_collapse": "mhc",
     "mhc_expand": "mhc",
