@@ -14,8 +14,11 @@ from deepinfer.kernels.torch import window_kv as torch_window_kv
 
 from ._build import dense, jit
 from ._fallback import reason
+from . import rowwise
 from .rowwise import _ones, _rms_plan, _rope_ok
 from .window_kv_kernel import BLOCK, build_window_kv
+
+ONE_LAUNCH = 1  # 0: the separate kernels and index_copy_ writes, five launches (for A/B runs: benchmarks/with_attrs.py)
 
 
 def why_not(kv, norm_weight, positions, inv_freq, ring_codes, ring_scales, write_row) -> str | None:
@@ -45,6 +48,11 @@ def window_kv(kv: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, po
     if why is not None:
         return fall_back("window_kv", why, torch_window_kv.window_kv, kv, norm_weight, eps, positions, inv_freq,
                          ring_codes, ring_scales, write_row)
+    if not ONE_LAUNCH:
+        codes, scale, _ = rowwise.encode_fp8(rowwise.rope(rowwise.rms_norm(kv, norm_weight, eps), positions, inv_freq))
+        ring_codes.index_copy_(0, write_row, codes)
+        ring_scales.index_copy_(0, write_row, scale)
+        return None
     dim, _, lanes = _rms_plan(kv, norm_weight)
     w = _ones(dim, str(kv.device)) if norm_weight is None else dense(norm_weight)
     inv = inv_freq.to(device=kv.device, dtype=torch.float32).contiguous()
