@@ -34,10 +34,13 @@ HOT_KINDS = [{"build_fp8_gemv", "build_fp8_linear"}, {"build_rms_norm_block", "b
              {"build_compressor_pool"}, {"build_window_kv"}]
 
 
-def test_no_decode_step_writes_the_window_rings_by_index_copy(census):
-    """The window KV's ring rows are stored by the kernel that encodes them (window_kv), not by glue."""
+def test_the_window_writes_and_the_moe_output_fill_are_no_glue_launches(census):
+    """The window KV's ring rows are stored by the kernel that encodes them (window_kv), and the MoE's fp32 output
+    is zeroed by the routing table's launch (moe_prep), not by glue."""
     for res in census["batches"].values():
         assert not [s for s in res["glue_sites"] if "_write_window" in s["site"]]
+        assert not [s for s in res["glue_sites"] if s["site"].startswith("kernels/tilelang/moe.py")
+                    and s["op"] in ("zeros", "zero_", "fill_")]
 
 
 def test_every_op_of_the_step_takes_the_tilelang_path(census):

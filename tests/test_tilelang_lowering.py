@@ -21,6 +21,7 @@ def _kernels():
 
     return {
         "moe_prep": lambda: moe_prep_kernel.build_moe_prep(384, 6),
+        "moe_prep_zero": lambda: moe_prep_kernel.build_moe_prep(384, 6, 5120),
         "router_logits": lambda: moe_router_kernel.build_router_logits(384, 5120),
         "router_topk": lambda: moe_router_kernel.build_router_topk(384, 20, 6, "sqrtsoftplus", True),
         "attn_dense": lambda: att.build_sink_attention_dense(splits=2),
@@ -36,13 +37,15 @@ def _kernels():
 # lowering tests: test_tilelang_lowering_moe.py, test_tilelang_lowering_attention_decode.py.
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name", ["moe_prep", "router_logits", "router_topk", "attn_dense", "attn_dense_single",
+@pytest.mark.parametrize("name", ["moe_prep", "moe_prep_zero", "router_logits", "router_topk", "attn_dense", "attn_dense_single",
                                   "attn_combine", "indexer_dense", "indexer_fp4", "indexer_fp4_tiles"])
 def test_kernel_lowers_to_cuda(name, arch):
     from lowering_helpers import lower_source
 
     src = lower_source(_kernels()[name](), arch)
     assert "__global__" in src
+    if name.startswith("moe_prep"):  # the table's block; with zero_cols, blocks past it storing 16-byte zeros
+        assert ("*(float4*)(zero + " in src) == name.endswith("zero")
     if arch == "sm_90a" and name.startswith(("attn_dense", "indexer")):
         assert "wgmma" in src  # the matrix kernels must take the Hopper tensor-core path
 

@@ -342,7 +342,8 @@ def test_grouped_output_projection(cfg):
     )
     ours_attn = Attention(mcfg, 0, w, ident, rope_freqs=torch.ones(D // 4), compress_freqs=torch.ones(D // 4))
     ours_attn._attend = lambda q, kv, kv_parts, meta, pools: o.reshape(T, H, D)
-    pools = SimpleNamespace(layout=SimpleNamespace(win_codec=RawCodec(torch.float32)))  # the window cache as is
+    # the window cache as is (not the stored formats)
+    pools = SimpleNamespace(layout=SimpleNamespace(win_codec=RawCodec(torch.float32), as_stored=False))
     with torch.no_grad():
         ours = ours_attn(torch.randn(T, cfg.hidden_size), SimpleNamespace(positions=torch.arange(T), cp=None), pools)
     _check("grouped output projection", ours, ref.reshape(T, -1))

@@ -142,7 +142,7 @@ def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
 def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: int, top_k: int,
                   shared_down_splits: int = 1):
     """Every jit spec moe_experts_packed needs at n_tok tokens (for precompile / warm-up)."""
-    specs = [(build_moe_prep, routed.n_experts, top_k)]
+    specs = [(build_moe_prep, routed.n_experts, top_k, routed.hidden)]
     specs += routed_specs(routed, n_tok, top_k)
     if shared is not None and n_tok < SHARED_DENSE_TOKENS:
         specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
@@ -181,18 +181,25 @@ def _side_stream(device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
-def routing_table(idx, weights, n_experts: int):
+def routing_table(idx, weights, n_experts: int, zero: torch.Tensor | None = None):
     """moe_prep's (rows, aw, slot_expert, slot_start, slot_count) for router output idx/weights [T, k]: the one-block
-    kernel up to PREP_KERNEL_ASSIGNMENTS assignments (decode: one launch), torch's sorts beyond (moe_table.py)."""
+    kernel up to PREP_KERNEL_ASSIGNMENTS assignments (decode: one launch), torch's sorts beyond (moe_table.py).
+    `zero`: a contiguous fp32 [T, D] tensor (D % 4 == 0) set to zeros too, by the same launch on the kernel path."""
     T_, k = idx.shape
     if T_ * k > PREP_KERNEL_ASSIGNMENTS:
+        if zero is not None:
+            zero.zero_()
         return routing_table_torch(idx, weights, n_experts)
     n_slots = min(n_experts, T_ * k)
     dev = idx.device
     rows = torch.empty(T_ * k, dtype=torch.int32, device=dev)
     aw = torch.empty(T_ * k, dtype=torch.float32, device=dev)
     slots = [torch.empty(n_slots, dtype=torch.int32, device=dev) for _ in range(3)]
-    jit(build_moe_prep, n_experts, k)(idx.contiguous(), weights.float().contiguous(), rows, aw, *slots)
+    args = (idx.contiguous(), weights.float().contiguous(), rows, aw, *slots)
+    if zero is None:
+        jit(build_moe_prep, n_experts, k)(*args)
+    else:
+        jit(build_moe_prep, n_experts, k, zero.shape[1])(*args, zero.view(-1, 4))
     return (rows, aw, *slots)
 
 
@@ -225,8 +232,9 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     x = x.contiguous()
     T_, k = idx.shape
     dev = x.device
-    table = routing_table(idx, weights, routed.n_experts)
-    y = torch.zeros(T_, routed.hidden, dtype=torch.float32, device=dev)  # both passes add into it (fp32 atomics)
+    # both passes add into y (fp32 atomics); the routing table's launch zeroes it
+    y = torch.empty(T_, routed.hidden, dtype=torch.float32, device=dev)
+    table = routing_table(idx, weights, routed.n_experts, zero=y)
     limit = float(swiglu_limit)
     if shared is not None and T_ >= SHARED_DENSE_TOKENS:
         # one expert over every token: dequantised once (a few dozen MB) and multiplied by cuBLAS, which fills the

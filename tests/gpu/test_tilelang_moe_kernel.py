@@ -213,3 +213,22 @@ def test_the_prep_kernel_and_the_torch_table_agree(tokens):
     assert torch.equal(rows[:n], t_rows[:n]) and torch.equal(aw[:n], t_aw[:n])
     for a, b in zip(slots, t_slots):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 85, 256, 2047, 2100])
+def test_the_routing_table_launch_zeroes_the_moe_output_and_builds_the_same_table(tokens):
+    """routing_table(..., zero=y): the prep kernel's extra blocks zero y (poisoned with NaN first) and block 0's table
+    is the plain kernel's; beyond moe_prep's size (2,100 tokens) the torch table and a zero fill."""
+    from deepinfer.kernels.tilelang import moe as moe
+
+    E, k, D = 384, TOP_K, 5120
+    g = _gen(tokens + 1)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).cuda()
+    weights = torch.rand(tokens, k, generator=g).cuda()
+    y = torch.full((tokens, D), float("nan"), device="cuda")
+    table = moe.routing_table(idx, weights, E, zero=y)
+    plain = moe.routing_table(idx, weights, E)
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.zeros_like(y))
+    for a, b in zip(table, plain):
+        assert torch.equal(a, b)
