@@ -38,6 +38,7 @@ INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-in
 PREP_KERNEL_ASSIGNMENTS = 12288
 # tokens from which the shared expert runs dequantised through cuBLAS (as linear.py's projections from DENSE_ROWS)
 SHARED_DENSE_TOKENS = 1024
+PREP_ZEROES_OUTPUT = 1  # the routing table's launch zeroes the fp32 output (0: a fill launch; for A/B runs)
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -234,7 +235,9 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     dev = x.device
     # both passes add into y (fp32 atomics); the routing table's launch zeroes it
     y = torch.empty(T_, routed.hidden, dtype=torch.float32, device=dev)
-    table = routing_table(idx, weights, routed.n_experts, zero=y)
+    table = routing_table(idx, weights, routed.n_experts, zero=y if PREP_ZEROES_OUTPUT else None)
+    if not PREP_ZEROES_OUTPUT:
+        y.zero_()
     limit = float(swiglu_limit)
     if shared is not None and T_ >= SHARED_DENSE_TOKENS:
         # one expert over every token: dequantised once (a few dozen MB) and multiplied by cuBLAS, which fills the
