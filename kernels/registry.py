@@ -37,6 +37,7 @@ OP_KINDS = (
     "window_kv",
     "mhc_mixes",
     "mhc_collapse",
+    "mhc_collapse_norm",
     "mhc_expand",
     "sink_attention",
     "sink_attention_decode",

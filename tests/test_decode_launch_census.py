@@ -28,7 +28,7 @@ def census(tmp_path_factory):
 # a kernel of every hot op kind of the step, each kind by its builders (the projections: the GEMV at one row, the
 # GEMM beyond; RMSNorm: a block or a warp a row, by the width)
 HOT_KINDS = [{"build_fp8_gemv", "build_fp8_linear"}, {"build_rms_norm_block", "build_rms_norm_warp"}, {"build_rope"},
-             {"build_grouped_gemm"}, {"build_mhc_premix"}, {"build_mhc_collapse"}, {"build_mhc_expand"},
+             {"build_grouped_gemm"}, {"build_mhc_premix"}, {"build_mhc_collapse_norm"}, {"build_mhc_expand"},
              {"build_sink_attention_decode"}, {"build_router_logits"}, {"build_router_topk"}, {"build_moe_prep"},
              {"build_indexer_scores"}, {"build_index_topk"}, {"build_engram_hash"}, {"build_engram_gate"},
              {"build_compressor_pool"}, {"build_window_kv"}]

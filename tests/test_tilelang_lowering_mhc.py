@@ -29,12 +29,16 @@ def _kernels():
     out["expand"] = lambda: k.build_mhc_expand(HC, D)
     out["collapse_512"] = lambda: k.build_mhc_collapse(HC, 1536, 512, 64)
     out["expand_256"] = lambda: k.build_mhc_expand(HC, 768, 256, 32)
+    from deepinfer.kernels.tilelang.collapse_norm_kernel import build_mhc_collapse_norm
+
+    out["collapse_norm"] = lambda: build_mhc_collapse_norm(HC, D)
+    out["collapse_norm_fp32w"] = lambda: build_mhc_collapse_norm(HC, D, "fp32")
     return out
 
 
 NAMES = ["premix_s1", "premix_s4", "premix_s16", "premix_s64", "finalize_s1", "finalize_s4", "finalize_s16",
          "finalize_s64", "finalize_iters1", "mixes_fused_s1", "mixes_fused_s64", "collapse", "expand",
-         "collapse_512", "expand_256"]
+         "collapse_512", "expand_256", "collapse_norm", "collapse_norm_fp32w"]
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
@@ -57,6 +61,25 @@ def test_mhc_kernel_lowers_to_cuda(name, arch):
         assert ", 64, 80, 16," in src
     if name.startswith(("collapse", "expand")):
         assert "*(uint4*)" in src  # 16-byte vector loads / stores
+    if name.startswith("collapse_norm"):  # the collapsed row in shared memory, then the norm's rounded squares
+        assert "__syncthreads" in src and "__fmul_rn" in src and "rsqrtf(" in src
+
+
+def test_collapse_norm_collapses_with_the_collapse_kernels_expression():
+    """The fused kernel's per-channel collapse is the collapse kernel's CUDA expression, character for character
+    (both then contract p * x into the same fma chain), so its bf16 row is the collapse kernel's."""
+    pytest.importorskip("tilelang")
+    from lowering_helpers import lower_source
+
+    def body(src):  # the collapse's fp32 arithmetic lines, loop variable names normalised
+        import re
+
+        lines = [ln.strip() for ln in src.splitlines() if ln.strip().startswith("a[")]
+        return [re.sub(r"\b(v|i)(_\d+)?\b", "i", ln) for ln in lines]
+
+    ks = _kernels()
+    fused, plain = body(lower_source(ks["collapse_norm"](), "sm_90a")), body(lower_source(ks["collapse"](), "sm_90a"))
+    assert fused == plain and len(plain) == 2, (fused, plain)
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")

@@ -220,11 +220,11 @@ class DeepseekV41Model:
         if cp is not None:  # the logit rows' final hidden state from the rank that computed each of them
             rows = last if last is not None else torch.arange(len(cp.index), device=self.device)
             sel = cp.local_rows(rows)
-            y = ops.rms_norm(ops.mhc_collapse(streams[sel], pre[sel]), self.final_norm, cfg.rms_norm_eps)
+            y = ops.mhc_collapse_norm(streams[sel], pre[sel], self.final_norm, cfg.rms_norm_eps)
             return ops.linear(cp.pick(y, rows), self.head).float()
         if last is not None:
             streams, pre = streams[last], pre[last]
-        y = ops.rms_norm(ops.mhc_collapse(streams, pre), self.final_norm, cfg.rms_norm_eps)
+        y = ops.mhc_collapse_norm(streams, pre, self.final_norm, cfg.rms_norm_eps)
         return ops.linear(y, self.head).float()
 
     def _embed(self, meta: StepMeta) -> torch.Tensor:
@@ -251,13 +251,13 @@ class DeepseekV41Model:
         h = self.attn_input(streams, prev_pre, lw)
         streams = ops.mhc_expand(attn(h, meta, pools), streams, a_post, a_comb)
         f_pre, f_post, f_comb = ops.mhc_mixes(streams, *_hc(lw.hc_ffn), *mix)
-        g = ops.rms_norm(ops.mhc_collapse(streams, a_pre), lw.ffn_norm, cfg.rms_norm_eps)
+        g = ops.mhc_collapse_norm(streams, a_pre, lw.ffn_norm, cfg.rms_norm_eps)
         streams = ops.mhc_expand(self._moe(g, lw.ffn, layer, image), streams, f_post, f_comb)
         return streams, f_pre
 
     def attn_input(self, streams, prev_pre, lw: Layer) -> torch.Tensor:
         """A layer's attention-norm output: the streams collapsed with the previous site's pre-mix, normed."""
-        return self.ops.rms_norm(self.ops.mhc_collapse(streams, prev_pre), lw.attn_norm, self.config.rms_norm_eps)
+        return self.ops.mhc_collapse_norm(streams, prev_pre, lw.attn_norm, self.config.rms_norm_eps)
 
     def _moe(self, g: torch.Tensor, moe: MoE, layer: int | None = None, image: torch.Tensor | None = None
              ) -> torch.Tensor:

@@ -20,6 +20,7 @@ _WHERE = {
     "indexer_scores_fp4": "indexer",
     "mhc_mixes": "mhc",
     "mhc_collapse": "mhc",
+    "mhc_collapse_norm": "mhc",
     "mhc_expand": "mhc",
     "index_topk_ids": "topk",
     "rms_norm": "rowwise",

@@ -1,4 +1,5 @@
-"""Registry-facing mHC ops (`mhc_mixes`, `mhc_collapse`, `mhc_expand`) on the TileLang kernels in mhc_kernel.py.
+"""Registry-facing mHC ops (`mhc_mixes`, `mhc_collapse`, `mhc_collapse_norm`, `mhc_expand`) on the TileLang kernels in
+mhc_kernel.py (and collapse_norm_kernel.py).
 
 Each keeps the torch op's signature and return dtypes. Kernel path: CUDA bf16 streams (and a bf16 layer output
 for expand), fp32 pre/post/comb, widths the tiles divide; anything else goes to the torch op unchanged.
@@ -11,20 +12,25 @@ uses the decode split (64): the order is then fixed (partials summed in split or
 partials at prefill sizes.
 """
 
+import numpy as np
 import torch
 
 from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import mhc as torch_mhc
 
+from ._build import dense as _dense
 from ._build import jit
 from .counters import TILE_COUNTERS, tile_counters
 from ._fallback import reason
+from .collapse_norm_kernel import build_mhc_collapse_norm
+from .rowwise import _ones, _rms_plan, rms_norm
 from .mhc_kernel import (NOUT, build_mhc_collapse, build_mhc_expand, build_mhc_mix_finalize, build_mhc_premix,
                          mix_width)
 
 BLOCK_T, BLOCK_K = 64, 64
 SPLITS = (1, 4, 16, 64)  # K-split variants (each one compile); 320 K steps of 64 at hc*D = 20480
 FILL_BLOCKS = 256        # premix blocks wanted in flight: ~2 per SM on an H200 (3 fit by shared memory)
+COLLAPSE_NORM_ONE_LAUNCH = 1  # 0: mhc_collapse_norm as the collapse and rms_norm kernels (for A/B runs)
 
 
 def _splits(n_tok: int, k_steps: int) -> int:
@@ -103,6 +109,28 @@ def mhc_collapse(streams, pre):
     x = streams.reshape(-1, hc, dim).contiguous()
     out = torch.empty(x.shape[0], dim, dtype=torch.bfloat16, device=x.device)
     jit(build_mhc_collapse, hc, dim, bd, bd // 8)(x, pre.reshape(-1, hc).contiguous(), out)
+    return out.view(*streams.shape[:-2], dim)
+
+
+def mhc_collapse_norm(streams, pre, weight, eps):
+    """Same contract as deepinfer.kernels.torch.mhc.mhc_collapse_norm. Kernel path (one launch, bit for bit the
+    collapse kernel then the rms_norm kernel): mhc_collapse's conditions and rms_norm's (rowwise.py) for the
+    collapsed [rows, D]; else the two ops (each its own kernel or torch op)."""
+    collapse_ok = (streams.is_cuda and streams.dtype == torch.bfloat16 and streams.dim() >= 2
+                   and pre.dtype == torch.float32 and pre.shape == streams.shape[:-1] and pre.device == streams.device
+                   and streams.numel() > 0 and _block_d(streams.shape[-1]) is not None)
+    plan = _rms_plan(streams[..., 0, :], weight) if collapse_ok else None
+    if plan is None or not COLLAPSE_NORM_ONE_LAUNCH:
+        return rms_norm(mhc_collapse(streams, pre), weight, eps)
+    dim, rows, lanes = plan
+    hc = streams.shape[-2]
+    if weight is None:
+        weight = _ones(dim, str(streams.device))
+    kind = "fp32" if weight.dtype == torch.float32 else "bf16"
+    out = torch.empty(rows, dim, dtype=weight.dtype, device=streams.device)
+    jit(build_mhc_collapse_norm, hc, dim, kind)(streams.reshape(-1, hc, dim).contiguous(),
+                                                pre.reshape(-1, hc).contiguous(), _dense(weight), out,
+                                                float(np.float32(eps)), lanes)
     return out.view(*streams.shape[:-2], dim)
 
 

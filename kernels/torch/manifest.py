@@ -15,6 +15,7 @@ _WHERE = {
     "window_kv": "window_kv",
     "mhc_mixes": "mhc",
     "mhc_collapse": "mhc",
+    "mhc_collapse_norm": "mhc",
     "mhc_expand": "mhc",
     "sink_attention": "attention",
     "sink_attention_decode": "attention",

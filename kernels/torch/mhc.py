@@ -5,6 +5,7 @@ import torch
 from .elementwise import ew
 
 from .linear import linear
+from .norm import rms_norm
 
 
 def mhc_mixes(
@@ -39,6 +40,12 @@ def mhc_mixes(
 def mhc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_k pre_k * X_k in fp32 -> [T, D] in the stream dtype."""
     return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+
+
+def mhc_collapse_norm(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """rms_norm(mhc_collapse(streams, pre), weight, eps): a site's collapsed streams normalised (the attention and
+    FFN inputs, the final norm), one op kind so that kernel backends can do both in one pass."""
+    return rms_norm(mhc_collapse(streams, pre), weight, eps)
 
 
 def mhc_expand(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

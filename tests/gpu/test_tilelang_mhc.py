@@ -189,3 +189,31 @@ def test_fp32_streams_fall_back_to_torch(monkeypatch):
     assert torch.equal(tl_mhc.mhc_collapse(streams, pre), ref.mhc_collapse(streams, pre))
     x = torch.randn(5, D, generator=g, device="cuda")
     assert torch.equal(tl_mhc.mhc_expand(x, streams, post, comb), ref.mhc_expand(x, streams, post, comb))
+
+
+@pytest.fixture(params=[False, True], ids=["batch-dependent", "batch-invariant"])
+def norm_mode(request):
+    from deepinfer.kernels import registry
+
+    registry.OpSet.build("cuda", ["torch"], batch_invariant=request.param)  # the mode is the process's
+    yield request.param
+    registry.OpSet.build("cuda", ["torch"], batch_invariant=False)
+
+
+# rows 1-3: 512 lanes a row in ATen's reduction at width 5120, 4-7: 128, 8-15: 64, from 16: 32
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 12, 16, 40, 300])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_the_one_launch_collapse_norm_is_bitwise_the_collapse_then_the_norm(tokens, weight_dtype, norm_mode):
+    from deepinfer.kernels.tilelang import mhc, rowwise
+
+    g = _gen(3000 + tokens)
+    streams = _streams(tokens, g)
+    pre = torch.rand(tokens, HC, generator=g, device="cuda") + 1e-6
+    weight = (1 + 0.3 * torch.randn(D, generator=g, device="cuda")).to(weight_dtype)
+    ref_out = rowwise.rms_norm(mhc.mhc_collapse(streams, pre), weight, NORM_EPS)
+    poison_allocator()
+    out = mhc.mhc_collapse_norm(streams, pre, weight, NORM_EPS)
+    torch.cuda.synchronize()
+    assert out.dtype == ref_out.dtype and out.shape == ref_out.shape
+    view = torch.int16 if out.element_size() == 2 else torch.int32
+    assert torch.equal(out.view(view), ref_out.view(view)), (tokens, weight_dtype, int((out != ref_out).sum()))
