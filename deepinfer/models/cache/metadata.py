@@ -3,8 +3,9 @@
 The host packs a few small integer tensors (token ids, positions, which sequence each token belongs to, slots,
 tokens held before the step, block tables) and copies them to the device once; everything else is derived from
 them on the device with fixed shapes, so the same derivation can run inside a captured CUDA graph:
-  - window: for each query, where each of its `window` keys is (the slot's ring or this step's new rows), and
-    the ring row each new token is written to (only the last `ring` tokens of a sequence: no two writes collide);
+  - window: for each query, where each of its `window` keys is (the slot's ring or this step's new rows; not on a
+    decode-only step as stored, whose attention reads the ring itself), and the ring row each new token is written
+    to (only the last `ring` tokens of a sequence: no two writes collide);
   - compression (per ratio > 1): every token at the end of a group closes it: the group's member rows (open-group
     ring or new rows) and the pool row of the new entry; other tokens write to the trash row;
   - entries (per ratio): the pool rows of every entry of each sequence, and how many each query may see;
@@ -112,10 +113,11 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all
 
 @dataclass
 class WindowIndex:
-    valid: torch.Tensor  # [T, W] the key position exists (>= 0)
-    is_new: torch.Tensor  # [T, W] it is one of this step's tokens (else it is in the ring)
-    ring_row: torch.Tensor  # [T, W]
-    new_row: torch.Tensor  # [T, W]
+    # each query's window keys as a slate (None on a decode-only step as stored: the decode op reads the ring)
+    valid: torch.Tensor | None  # [T, W] the key position exists (>= 0)
+    is_new: torch.Tensor | None  # [T, W] it is one of this step's tokens (else it is in the ring)
+    ring_row: torch.Tensor | None  # [T, W]
+    new_row: torch.Tensor | None  # [T, W]
     write_row: torch.Tensor  # [T] ring row of each new token (trash: overwritten later in the same step)
 
 
@@ -247,45 +249,53 @@ def derive(host: HostStep, pools: CachePools) -> StepMeta:
 
     def ring_index(look: torch.Tensor, rows: int):
         """For positions `look` [T, k] of each token's own sequence: (valid, is_new, ring row, new row)."""
-        valid = look >= 0
+        return (look >= 0, *ring_rows(look, rows))
+
+    def ring_rows(look: torch.Tensor, rows: int):
+        """ring_index without `valid`: (is_new, ring row, new row)."""
         is_new = look >= tok_past[:, None]
         ring = tok_slot[:, None] * rows + torch.remainder(look, rows)
         new = (tok_start[:, None] + look - tok_past[:, None]).clamp_min(0)
-        return valid, is_new, ring, new
+        return is_new, ring, new
 
-    def write_rows(rows: int, trash: int):
-        """Ring row of each new token, or the trash row when a later token of the step takes the same row."""
-        keep = pos >= tok_end - rows
-        return torch.where(keep, tok_slot * rows + torch.remainder(pos, rows), trash)
+    # the ring row of each new token in every ring the step writes (layout.write_rings; row i of [rings, T] for the
+    # i-th), or the ring's trash row when a later token of the step takes the same row: one pass for all rings
+    rings, trash = pools.write_ring_rows, pools.write_ring_trash
+    write = torch.where(pos[None, :] >= tok_end[None, :] - rings, tok_slot[None, :] * rings
+                        + torch.remainder(pos[None, :], rings), trash)
+    write_row = dict(zip(layout.write_rings(), write))
 
     W, R = layout.window, layout.ring
-    win_look = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
-    valid, is_new, ring, new = ring_index(win_look, R)
-    meta = StepMeta(host, b["ids"], pos, tok_seq, tok_slot, slots,
-                    WindowIndex(valid, is_new, ring, new, write_rows(R, S * R)))
+    if host.decode_only and layout.as_stored:
+        # the decode op reads each query's window from the ring as stored: no [T, W] slates (in a captured decode
+        # graph, eleven launches fewer)
+        window = WindowIndex(None, None, None, None, write_row["window"])
+    else:
+        win_look = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
+        window = WindowIndex(*ring_index(win_look, R), write_row["window"])
+    meta = StepMeta(host, b["ids"], pos, tok_seq, tok_slot, slots, window)
     last_block = table.shape[1] - 1
+    closes = {}  # ratio -> [T] the token closes a group (ends an entry)
     for src in layout.sources.values():
         r, pb = src.ratio, src.per_block
         trash = pools.blocks_alloc * pb
         if r not in meta.entry_rows:
             ent = pos // r
-            closes = torch.remainder(pos + 1, r) == 0
-            meta.entry_rows[r] = torch.where(closes, table[tok_seq, (ent // pb).clamp_max(last_block)] * pb + ent % pb,
-                                             trash)
+            closes[r] = torch.remainder(pos + 1, r) == 0
+            meta.entry_rows[r] = torch.where(closes[r], table[tok_seq, (ent // pb).clamp_max(last_block)] * pb
+                                             + ent % pb, trash)
             G = host.max_entries[r]
             g = torch.arange(G, device=dev)
             rows = table[:, (g // pb).clamp_max(last_block)] * pb + (g % pb)[None, :]
             meta.entries[r] = EntryIndex(rows, (pos + 1) // r, G)
         if r > 1 and r not in meta.groups:
             look = pos[:, None] - (r - 1) + torch.arange(r, device=dev)[None, :]
-            _, m_new, m_ring, m_newrow = ring_index(look.clamp_min(0), src.open_rows)
-            meta.groups[r] = GroupIndex(
-                torch.remainder(pos + 1, r) == 0, m_new, m_ring, m_newrow, meta.entry_rows[r], pos - (r - 1),
-                write_rows(src.open_rows, S * src.open_rows))
+            meta.groups[r] = GroupIndex(closes[r], *ring_rows(look.clamp_min(0), src.open_rows), meta.entry_rows[r],
+                                        pos - (r - 1), write_row[r])
     if layout.ngram_rows:
         n = layout.cfg.engram_max_ngram_size
         look = pos[:, None] - torch.arange(n, device=dev)[None, :]  # look-back 0..n-1
-        meta.ngram = (ring_index(look, layout.ngram_rows), write_rows(layout.ngram_rows, S * layout.ngram_rows))
+        meta.ngram = (ring_index(look, layout.ngram_rows), write_row["ngram"])
     if host.prefill_seqs and layout.as_stored:  # the decode op reads the strips as it reads a ring
         meta.prefill_window = _prefill_window(host, pos, tok_seq, slots, layout)
     return meta
@@ -323,7 +333,8 @@ def query_view(meta: StepMeta, rows: torch.Tensor, cp: Any) -> StepMeta:
     keys) and `window.write_row` stays the whole step's, so each rank writes every row's window KV into its own
     rings; compression groups, entry rows and the Engram look-back are read from `cp.full` (= meta) only."""
     wi = meta.window
-    window = WindowIndex(wi.valid[rows], wi.is_new[rows], wi.ring_row[rows], wi.new_row[rows], wi.write_row)
+    slates = (wi.valid, wi.is_new, wi.ring_row, wi.new_row)
+    window = WindowIndex(*(None if t is None else t[rows] for t in slates), wi.write_row)
     entries = {r: EntryIndex(e.rows, e.visible[rows], e.width) for r, e in meta.entries.items()}
     return replace(meta, ids=meta.ids[rows], positions=meta.positions[rows], tok_seq=meta.tok_seq[rows],
                    tok_slot=meta.tok_slot[rows], window=window, groups={}, entry_rows={}, entries=entries, ngram=None,
