@@ -45,6 +45,7 @@ OP_KINDS = (
     "indexer_scores",
     "indexer_scores_fp4",
     "index_topk_ids",
+    "index_topk_rows",
     "moe_router",
     "moe_experts",
     "engram_hash",

@@ -101,7 +101,7 @@ def test_the_work_of_a_decode_step_does_not_grow_with_the_batch(model, monkeypat
                 counter.paused = False
         return run
 
-    for kind in ("moe_experts", "index_topk_ids"):
+    for kind in ("moe_experts", "index_topk_rows"):
         monkeypatch.setitem(model.ops._fns, kind, opaque(model.ops._fns[kind]))
     counts = {}
     for batch in (1, 9):

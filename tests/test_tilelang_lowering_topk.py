@@ -24,7 +24,7 @@ tilelang_missing = importlib.util.find_spec("tilelang") is None
 needs_tilelang = pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 
 
-def _lowered_as_compiled(cache, arch="sm_90a", block_size=8):
+def _lowered_as_compiled(cache, arch="sm_90a", block_size=8, to_rows=False):
     """CUDA source of the kernel with its function-level pass configs merged in, as tilelang.compile (jit) does."""
     import tilelang
     from tvm import transform
@@ -32,7 +32,7 @@ def _lowered_as_compiled(cache, arch="sm_90a", block_size=8):
     from deepinfer.kernels.tilelang._build import PASS_CONFIGS, target
     from deepinfer.kernels.tilelang.topk_kernel import build_index_topk
 
-    f = build_index_topk(cache, block_size)
+    f = build_index_topk(cache, block_size, 512, to_rows) if to_rows else build_index_topk(cache, block_size)
     cfg = dict(PASS_CONFIGS)
     if f.attrs and "tilelang_pass_configs" in f.attrs:
         cfg.update(dict(f.attrs["tilelang_pass_configs"]))
@@ -155,23 +155,25 @@ def _gxx_ok():
     return r.returncode == 0
 
 
-def _emulated_kernel(tmp_path, cache):
-    src = _lowered_as_compiled(cache)
+def _emulated_kernel(tmp_path, cache, to_rows=False):
+    src = _lowered_as_compiled(cache, to_rows=to_rows)
+    kname = "index_topk_rows_kernel" if to_rows else "index_topk_kernel"
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
     body = body.replace("extern __shared__ __align__(1024) uchar buf_dyn_shmem[];", "uchar* buf_dyn_shmem = g_smem;")
-    sig = re.search(r"index_topk_kernel\((.*?)\) \{", body).group(1)
+    sig = re.search(kname + r"\((.*?)\) \{", body).group(1)
     params = [p.strip() for p in sig.split(",")]
     names = [p.split()[-1] for p in params]
     threads = int(re.search(r"__launch_bounds__\((\d+)", body).group(1))
     code = EMU_H + body + ('\nextern "C" void launch(' + ", ".join(params) + ") {\n"
-                           f"  emu_launch(n_q, {threads}, [&] {{ index_topk_kernel(" + ", ".join(names) + "); });\n}\n")
+                           f"  emu_launch(n_q, {threads}, [&] {{ {kname}(" + ", ".join(names) + "); });\n}\n")
     (tmp_path / "k.cpp").write_text(code)
     subprocess.check_call(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-w", "-shared", "-fPIC", "-pthread",
                            str(tmp_path / "k.cpp"), "-o", str(tmp_path / "k.so")])
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
 
-    def run(scores, visible, topk, candidates=None, kb=0):
-        """Mirrors topk._launch on CPU tensors; outputs are poisoned first."""
+    def run(scores, visible, topk, candidates=None, kb=0, rows=None, seq=None):
+        """Mirrors topk._launch on CPU tensors (rows, seq: the to_rows variant's tables); outputs are poisoned
+        first."""
         S, G = scores.shape
         dummy = torch.zeros(1, 1, dtype=torch.uint8)
         use = candidates is not None and kb <= 0
@@ -183,6 +185,9 @@ def _emulated_kernel(tmp_path, cache):
         dims = dict(n_q=S, n_g=G, n_k=topk, c_q=t["cand_in"].shape[0], c_g=t["cand_in"].shape[1], m_q=S, m_g=G,
                     o_q=t["cand_out"].shape[0], o_g=t["cand_out"].shape[1], use_cand=int(use), write_mask=1,
                     k_blocks=kb)
+        if to_rows:
+            t.update(rows_tab=rows.long().contiguous(), seq=seq.int().contiguous())
+            dims.update(r_b=rows.shape[0])
         lib.launch(*[ctypes.c_void_p(t[n].data_ptr()) if n in t else ctypes.c_int(dims[n]) for n in names])
         return t["ids"], t["sel_mask"], (t["cand_out"] if kb > 0 else None)
 
@@ -247,3 +252,27 @@ def test_generated_cuda_runs_correctly_under_cpu_emulation(tmp_path):
         for s in range(scores.shape[0]):
             n = int(sel[s].sum())
             assert torch.equal(ids[s, :n], torch.nonzero(sel[s]).flatten().int()) and (ids[s, n:] == -1).all()
+
+
+@pytest.mark.slow
+@needs_tilelang
+@pytest.mark.skipif(not _gxx_ok(), reason="needs g++ with C++20 <barrier>")
+def test_the_rows_variant_writes_each_selected_entrys_pool_row_under_cpu_emulation(tmp_path):
+    """build_index_topk(to_rows=True), the kernel of index_topk_rows: the selection the ids kernel makes, written as
+    rows[seq[q], id] (-1 padded), equal to the torch op index_topk_rows, with and without the candidate level."""
+    from deepinfer.kernels.tilelang.topk import CACHE
+
+    run = _emulated_kernel(tmp_path, CACHE, to_rows=True)
+    g = torch.Generator().manual_seed(1)
+    B = 3
+    for S, G, topk, kb in ((5, 3001, 512, 0), (4, 40, 512, 0), (4, 2500, 64, 30)):
+        scores = torch.randn(S, G, generator=g)
+        vis = torch.randint(0, G + 1, (S,), generator=g)
+        rows = torch.randperm(B * G * 2, generator=g)[: B * G].view(B, G)
+        seq = torch.randint(0, B, (S,), generator=g)
+        got, _, cand = run(scores, vis, topk, None, kb, rows, seq)
+        want = ref.index_topk_rows(scores, vis, topk, rows, seq, None, kb, 8 if kb else 0)
+        if kb:
+            want, want_cand = want
+            assert torch.equal(cand.bool(), want_cand)
+        assert torch.equal(got, want), (S, G, topk, kb)

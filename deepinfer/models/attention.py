@@ -150,22 +150,23 @@ class Attention:
             keys = L.key_codec.decode(*stored, dtype=torch.float32)
             scores = ops.indexer_scores(iq, keys, meta.tok_seq, weights, cfg.index_head_dim**-0.5)
         blocks = cfg.candidate_topk_blocks if self.is_candidate_source else 0
-        ids = ops.index_topk_ids(
+        # the selected entries in ascending entry order as pool rows, -1 padded; int32, the kernels' index type, so
+        # no layer that reads the selection casts it again
+        rows = ops.index_topk_rows(
             scores,
             ent.visible32,
             topk,
+            ent.rows,
+            meta.tok_seq32,
             candidates=meta.candidates if self.uses_candidates else None,
             candidate_blocks=blocks,
             candidate_block_size=cfg.candidate_block_size,
         )
         if blocks > 0:
-            ids, meta.candidates = ids
+            rows, meta.candidates = rows
         elif self.is_candidate_source:
             meta.candidates = None
-        # the selected entries in ascending entry order as pool rows; unused slots (-1) stay masked; int32, the
-        # kernels' index type, so no layer that reads the selection casts it again
-        rows = ent.rows[meta.tok_seq[:, None], ids.long().clamp(0, ent.width - 1)]
-        meta.selected = Selection(self.source, rows.masked_fill(ids < 0, -1).to(torch.int32))
+        meta.selected = Selection(self.source, rows)
 
     # ---------------------------------------------------------------------------------------
     def _attend(self, q, kv, kv_parts, meta: StepMeta, pools: CachePools) -> torch.Tensor:

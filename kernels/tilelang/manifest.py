@@ -23,6 +23,7 @@ _WHERE = {
     "mhc_collapse_norm": "mhc",
     "mhc_expand": "mhc",
     "index_topk_ids": "topk",
+    "index_topk_rows": "topk",
     "rms_norm": "rowwise",
     "rope": "rowwise",
     "fake_quant_fp8": "rowwise",

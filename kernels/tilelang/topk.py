@@ -1,9 +1,9 @@
-"""Registry-facing `index_topk_ids` over the radix-select kernel (topk_kernel.py), and `index_topk`, the same kernel
-with the torch op `index_topk`'s outputs (selected [S, G] bool, candidate mask [S, G] bool or None), which the tests
-hold to that op.
+"""Registry-facing `index_topk_ids` and `index_topk_rows` over the radix-select kernel (topk_kernel.py), and
+`index_topk`, the same kernel with the torch op `index_topk`'s outputs (selected [S, G] bool, candidate mask [S, G]
+bool or None), which the tests hold to that op.
 
-`index_topk_ids` returns the selected entry ids: int32 [S, topk], ascending, -1 padded (the model turns them into
-pool rows). Both run the kernel for fp32 scores on CUDA; anything else (CPU, other dtypes, a non-bool or
+`index_topk_ids` returns the selected entry ids: int32 [S, topk], ascending, -1 padded; `index_topk_rows` the same
+selection as pool rows (the kernel looks each id up in its sequence's entry rows), which the model reads. Both run the kernel for fp32 scores on CUDA; anything else (CPU, other dtypes, a non-bool or
 differently shaped `candidates`, topk <= 0, G = 0 or G >= 2^22) goes to the torch op.
 
 Ties: the torch op leaves the order of equal scores to torch.topk; the kernel takes the LOWEST indices among entries
@@ -45,22 +45,43 @@ def _placeholder(device: str) -> torch.Tensor:
     return torch.zeros(1, 1, dtype=torch.uint8, device=device)
 
 
-def _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size, want_mask):
+def _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size, want_mask, to_rows=None):
+    """to_rows: (rows [B, G] int64, tok_seq [S] int32): write rows[tok_seq[q], id] instead of the ids."""
     S, G = scores.shape
     dev = scores.device
     level1 = candidate_blocks > 0
     use_cand = candidates is not None and not level1  # the candidate source's own selection is unrestricted
     # the block size is a compile-time constant; without the candidate level any value serves, so reuse 8
-    kernel = jit(build_index_topk, CACHE, candidate_block_size if level1 else 8)
+    bs = candidate_block_size if level1 else 8
+    kernel = jit(build_index_topk, CACHE, bs) if to_rows is None else jit(build_index_topk, CACHE, bs, 512, True)
     dummy = _placeholder(str(dev))
     ids = torch.empty(S, topk, dtype=torch.int32, device=dev)
     sel = torch.empty(S, G, dtype=torch.bool, device=dev) if want_mask else None
     cand = torch.empty(S, G, dtype=torch.bool, device=dev) if level1 else None
-    kernel(scores.contiguous(), visible.to(device=dev, dtype=torch.int32).contiguous(),
-           candidates.to(dev).contiguous().view(torch.uint8) if use_cand else dummy, ids,
-           sel.view(torch.uint8) if want_mask else dummy, cand.view(torch.uint8) if level1 else dummy,
-           int(use_cand), int(want_mask), int(candidate_blocks) if level1 else 0)
+    tensors = (scores.contiguous(), visible.to(device=dev, dtype=torch.int32).contiguous(),
+               candidates.to(dev).contiguous().view(torch.uint8) if use_cand else dummy, ids,
+               sel.view(torch.uint8) if want_mask else dummy, cand.view(torch.uint8) if level1 else dummy)
+    if to_rows is not None:
+        rows, seq = to_rows
+        tensors += (rows.contiguous(), seq.to(device=dev, dtype=torch.int32).contiguous())
+    kernel(*tensors, int(use_cand), int(want_mask), int(candidate_blocks) if level1 else 0)
     return ids, sel, cand
+
+
+def index_topk_rows(scores, visible, topk, rows, tok_seq, candidates=None, candidate_blocks=0,
+                    candidate_block_size=0):
+    """Same contract as deepinfer.kernels.torch.indexer.index_topk_rows: index_topk_ids's selection as pool rows
+    (rows[tok_seq[q], id], int32, -1 padded), written by the selecting kernel itself (the gather, mask and cast
+    were six launches); with its candidate mask when candidate_blocks > 0."""
+    if not (_covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
+            and rows.dtype == torch.int64 and rows.dim() == 2 and rows.shape[1] == scores.shape[1]
+            and rows.device == scores.device and tok_seq.shape == (scores.shape[0],)
+            and not tok_seq.is_floating_point() and tok_seq.device == scores.device):
+        return fall_back("index_topk_rows", _why_not(scores), torch_indexer.index_topk_rows, scores, visible, topk,
+                         rows, tok_seq, candidates, candidate_blocks, candidate_block_size)
+    sel, _, cand = _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size,
+                           want_mask=False, to_rows=(rows, tok_seq))
+    return (sel, cand) if candidate_blocks > 0 else sel
 
 
 def index_topk(scores, visible, topk, candidates=None, candidate_blocks=0, candidate_block_size=0):

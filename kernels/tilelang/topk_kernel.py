@@ -39,8 +39,12 @@ def _u(x):
     return T.uint32(x)
 
 
-def build_index_topk(cache: int = 16384, block_size: int = 8, threads: int = 512):
+def build_index_topk(cache: int = 16384, block_size: int = 8, threads: int = 512, to_rows: bool = False):
     """scores [n_q, n_g] fp32, visible [n_q] int32 -> ids [n_q, n_k] int32 (ascending, -1 padded).
+
+    to_rows: the kernel takes rows_tab [n_b, n_g] int64 (each sequence's pool row of every entry) and seq [n_q]
+    int32 (each query's sequence) and writes the selected entries' pool rows rows_tab[seq[q], id] instead of the
+    ids (the same order, -1 padded): what the model gathered in six more launches.
 
     Scalars: use_cand != 0 restricts to cand_in [n_q, n_g] (uint8, nonzero = allowed); write_mask != 0 writes
     sel_mask [n_q, n_g] (uint8 0/1); k_blocks > 0 runs the candidate level and writes cand_out [n_q, n_g]. Unused
@@ -55,6 +59,7 @@ def build_index_topk(cache: int = 16384, block_size: int = 8, threads: int = 512
     NBJ = -(-NBM // NT)
     n_q, n_g, n_k = T.dynamic("n_q"), T.dynamic("n_g"), T.dynamic("n_k")
     c_q, c_g, m_q, m_g, o_q, o_g = (T.dynamic(s) for s in ("c_q", "c_g", "m_q", "m_g", "o_q", "o_g"))
+    r_b = T.dynamic("r_b")
 
     # ---- keys -------------------------------------------------------------------------------------------------
     @T.macro
@@ -195,21 +200,8 @@ def build_index_topk(cache: int = 16384, block_size: int = 8, threads: int = 512
             ist[2] = -1
         T.sync_threads()
 
-    @T.prim_func
-    def index_topk(
-        scores: T.Tensor((n_q, n_g), "float32"),
-        visible: T.Tensor((n_q,), "int32"),
-        cand_in: T.Tensor((c_q, c_g), "uint8"),
-        ids: T.Tensor((n_q, n_k), "int32"),
-        sel_mask: T.Tensor((m_q, m_g), "uint8"),
-        cand_out: T.Tensor((o_q, o_g), "uint8"),
-        use_cand: T.int32,
-        write_mask: T.int32,
-        k_blocks: T.int32,
-    ):
-        # every barrier below is placed by hand; the automatic pass cannot see that shared-memory atomics from
-        # different threads need none and would add two per streamed chunk
-        T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
+    @T.macro
+    def body(scores, visible, cand_in, ids, sel_mask, cand_out, use_cand, write_mask, k_blocks, rows_tab, seq):
         with T.Kernel(n_q, threads=NT) as row:
             # two rows per SM (<= 64 registers/thread): a 256-query decode batch runs in one wave on 132 SMs
             T.annotate_min_blocks_per_sm(2)
@@ -379,7 +371,10 @@ def build_index_topk(cache: int = 16384, block_size: int = 8, threads: int = 512
                         for v in T.unroll(V):
                             t = take(kv[v], i0 + v, thr, cut)
                             if t != 0:
-                                ids[row, off] = i0 + v
+                                if to_rows:  # the entry's pool row in the query's sequence
+                                    ids[row, off] = T.cast(rows_tab[seq[row], i0 + v], "int32")
+                                else:
+                                    ids[row, off] = i0 + v
                                 off = off + 1
                             if write_mask != 0:
                                 if i0 + v < n_g:
@@ -397,5 +392,42 @@ def build_index_topk(cache: int = 16384, block_size: int = 8, threads: int = 512
                                 if b * BS + e < n_g:
                                     cand_out[row, b * BS + e] = T.cast(keep, "uint8")
                 T.sync_threads()  # level 1 overwrites the key cache and the state
+
+    # every barrier is placed by hand; the automatic pass cannot see that shared-memory atomics from different
+    # threads need none and would add two per streamed chunk
+    if to_rows:
+        @T.prim_func
+        def index_topk_rows(
+            scores: T.Tensor((n_q, n_g), "float32"),
+            visible: T.Tensor((n_q,), "int32"),
+            cand_in: T.Tensor((c_q, c_g), "uint8"),
+            ids: T.Tensor((n_q, n_k), "int32"),
+            sel_mask: T.Tensor((m_q, m_g), "uint8"),
+            cand_out: T.Tensor((o_q, o_g), "uint8"),
+            rows_tab: T.Tensor((r_b, n_g), "int64"),
+            seq: T.Tensor((n_q,), "int32"),
+            use_cand: T.int32,
+            write_mask: T.int32,
+            k_blocks: T.int32,
+        ):
+            T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
+            body(scores, visible, cand_in, ids, sel_mask, cand_out, use_cand, write_mask, k_blocks, rows_tab, seq)
+
+        return index_topk_rows
+
+    @T.prim_func
+    def index_topk(
+        scores: T.Tensor((n_q, n_g), "float32"),
+        visible: T.Tensor((n_q,), "int32"),
+        cand_in: T.Tensor((c_q, c_g), "uint8"),
+        ids: T.Tensor((n_q, n_k), "int32"),
+        sel_mask: T.Tensor((m_q, m_g), "uint8"),
+        cand_out: T.Tensor((o_q, o_g), "uint8"),
+        use_cand: T.int32,
+        write_mask: T.int32,
+        k_blocks: T.int32,
+    ):
+        T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
+        body(scores, visible, cand_in, ids, sel_mask, cand_out, use_cand, write_mask, k_blocks, None, None)
 
     return index_topk

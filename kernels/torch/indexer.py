@@ -139,6 +139,18 @@ def index_topk_ids(scores, visible, topk, candidates=None, candidate_blocks=0, c
     return (ids, cand) if candidate_blocks > 0 else ids
 
 
+def index_topk_rows(scores, visible, topk, rows, tok_seq, candidates=None, candidate_blocks=0,
+                    candidate_block_size=0):
+    """index_topk_ids's selection as pool rows: rows [B, G] int64 the pool row of entry g of sequence b, tok_seq [S]
+    each query's sequence -> int32 [S, topk] rows[tok_seq[q], id], -1 where the id is -1 (and the candidate mask,
+    as index_topk_ids, when candidate_blocks > 0)."""
+    out = index_topk_ids(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
+    ids = out[0] if candidate_blocks > 0 else out
+    sel = rows[tok_seq.long()[:, None], ids.long().clamp(0, rows.shape[1] - 1)]
+    sel = sel.masked_fill(ids < 0, -1).to(torch.int32)
+    return (sel, out[1]) if candidate_blocks > 0 else sel
+
+
 def indexer_scores_fp4(q, q_seq, visible, k, k_scale, rows, weights, softmax_scale):
     """The indexer over keys as stored (the TileLang FP4 kernel's contract): q [T, h, d] (FP4 fake-quantised
     values), q_seq [T] the sequence of each query, visible [T] entries it may see; the key pool k [N, d/2] e2m1

@@ -23,6 +23,7 @@ _WHERE = {
     "indexer_scores": "indexer",
     "indexer_scores_fp4": "indexer",
     "index_topk_ids": "indexer",
+    "index_topk_rows": "indexer",
     "moe_router": "moe",
     "moe_experts": "moe",
     "engram_hash": "engram",

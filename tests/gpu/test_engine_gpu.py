@@ -94,8 +94,8 @@ def test_bf16_kernel_sized_model_through_the_engine_never_falls_back_per_call():
     model = synthetic.build_model(synthetic.config(SMALL), "cuda", torch.bfloat16,
                                   backends={"default": ["tilelang-sm90", "torch"]}, seed=3)
     covered = {k for k, b in model.ops.chosen.items() if b == "tilelang-sm90"}
-    assert {"sink_attention_decode", "moe_experts", "moe_router", "linear", "index_topk_ids", "compressor_pool",
-            "engram_hash", "engram_gate"} <= covered, covered
+    assert {"sink_attention_decode", "moe_experts", "moe_router", "linear", "index_topk_rows", "compressor_pool",
+            "engram_hash", "engram_gate", "window_kv", "mhc_collapse_norm"} <= covered, covered
     backend = backend_from_model(model)
     before = kernel_stats()["fallbacks"]  # process-wide counters: other tests (fp32 fixtures) add their own
     gen = torch.Generator().manual_seed(0)

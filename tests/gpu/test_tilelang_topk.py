@@ -87,8 +87,9 @@ def _check_ids(ids, sel, topk):
 
 
 def _run_all(scores, visible, topk, candidates=None, kb=0):
-    """Both entry points on poisoned memory, checked against the torch op and the exact rule."""
-    from deepinfer.kernels.tilelang.topk import index_topk, index_topk_ids
+    """The three entry points on poisoned memory, checked against the torch op and the exact rule (the pool rows of
+    index_topk_rows against the ids looked up in a random row table)."""
+    from deepinfer.kernels.tilelang.topk import index_topk, index_topk_ids, index_topk_rows
 
     exp_sel, exp_cand = ref.index_topk(scores, visible, topk, candidates, kb, BS if kb else 0)
     spec_sel, spec_cand = _spec(scores, visible, topk, candidates, kb)
@@ -97,7 +98,16 @@ def _run_all(scores, visible, topk, candidates=None, kb=0):
     poison_allocator()
     out = index_topk_ids(scores, visible, topk, candidates, kb, BS if kb else 0)
     ids, cand2 = out if kb else (out, None)
+    S, G = scores.shape
+    table = torch.randperm(3 * G * 2, device=scores.device)[: 3 * G].view(3, G)  # 3 sequences' entry rows
+    seq = torch.arange(S, device=scores.device, dtype=torch.int32) % 3
+    poison_allocator()
+    out_rows = index_topk_rows(scores, visible, topk, table, seq, candidates, kb, BS if kb else 0)
+    pool_rows, cand3 = out_rows if kb else (out_rows, None)
     torch.cuda.synchronize()
+    want_rows = torch.where(ids >= 0, table[seq.long()[:, None], ids.long().clamp_min(0)], -1).int()
+    assert torch.equal(pool_rows, want_rows), "index_topk_rows: not the ids' pool rows"
+    assert not kb or torch.equal(cand3, cand2)
     _check_mask(sel, exp_sel, scores, visible, topk, None if kb else candidates)
     assert torch.equal(sel, spec_sel), "differs from the lowest-index tie rule"
     _check_ids(ids, sel, topk)
