@@ -61,8 +61,8 @@ FILLED_NOTE = "decode context filled with random valid cache codes (FillBackend)
 # Per-call fallbacks of these kinds make a TileLang row not what it claims to be (the step's heavy ops, and the
 # compressor pooling and Engram ops since they have kernels: a Flash step runs no torch op).
 STRICT_KINDS = ("sink_attention", "sink_attention_decode", "moe_router", "moe_experts", "linear", "indexer_scores",
-                "indexer_scores_fp4", "index_topk_ids", "index_topk_rows", "compressor_pool", "engram_hash", "engram_gate",
-                "window_kv", "mhc_collapse_norm")
+                "indexer_scores_fp4", "index_topk_ids", "index_topk_rows", "compressor_pool", "engram_hash",
+                "engram_gate", "window_kv", "mhc_collapse_norm")
 
 
 # ---- roofline ---------------------------------------------------------------------------------------------------

@@ -37,8 +37,9 @@ def _kernels():
 # lowering tests: test_tilelang_lowering_moe.py, test_tilelang_lowering_attention_decode.py.
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name", ["moe_prep", "moe_prep_zero", "router_logits", "router_topk", "attn_dense", "attn_dense_single",
-                                  "attn_combine", "indexer_dense", "indexer_fp4", "indexer_fp4_tiles"])
+@pytest.mark.parametrize("name", ["moe_prep", "moe_prep_zero", "router_logits", "router_topk", "attn_dense",
+                                  "attn_dense_single", "attn_combine", "indexer_dense", "indexer_fp4",
+                                  "indexer_fp4_tiles"])
 def test_kernel_lowers_to_cuda(name, arch):
     from lowering_helpers import lower_source
 

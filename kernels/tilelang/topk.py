@@ -3,8 +3,9 @@
 bool or None), which the tests hold to that op.
 
 `index_topk_ids` returns the selected entry ids: int32 [S, topk], ascending, -1 padded; `index_topk_rows` the same
-selection as pool rows (the kernel looks each id up in its sequence's entry rows), which the model reads. Both run the kernel for fp32 scores on CUDA; anything else (CPU, other dtypes, a non-bool or
-differently shaped `candidates`, topk <= 0, G = 0 or G >= 2^22) goes to the torch op.
+selection as pool rows (the kernel looks each id up in its sequence's entry rows), which the model reads. They run
+the kernel for fp32 scores on CUDA; anything else (CPU, other dtypes, a non-bool or differently shaped `candidates`,
+topk <= 0, G = 0 or G >= 2^22, a rows table that is not int64 [B, G] on the scores' device) goes to the torch op.
 
 Ties: the torch op leaves the order of equal scores to torch.topk; the kernel takes the LOWEST indices among entries
 equal to the k-th largest score (and the lowest block indices among equal candidate blocks), so its selection is
@@ -73,12 +74,14 @@ def index_topk_rows(scores, visible, topk, rows, tok_seq, candidates=None, candi
     """Same contract as deepinfer.kernels.torch.indexer.index_topk_rows: index_topk_ids's selection as pool rows
     (rows[tok_seq[q], id], int32, -1 padded), written by the selecting kernel itself (the gather, mask and cast
     were six launches); with its candidate mask when candidate_blocks > 0."""
-    if not (_covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
-            and rows.dtype == torch.int64 and rows.dim() == 2 and rows.shape[1] == scores.shape[1]
-            and rows.device == scores.device and tok_seq.shape == (scores.shape[0],)
-            and not tok_seq.is_floating_point() and tok_seq.device == scores.device):
-        return fall_back("index_topk_rows", _why_not(scores), torch_indexer.index_topk_rows, scores, visible, topk,
-                         rows, tok_seq, candidates, candidate_blocks, candidate_block_size)
+    covered = _covered(scores, visible, topk, candidates, candidate_blocks, candidate_block_size)
+    tables = covered and (rows.dtype == torch.int64 and rows.dim() == 2 and rows.shape[1] == scores.shape[1]
+                          and rows.device == scores.device and tok_seq.shape == (scores.shape[0],)
+                          and not tok_seq.is_floating_point() and tok_seq.device == scores.device)
+    if not tables:
+        why = _why_not(scores) if not covered else "rows not int64 [B, G] or tok_seq not [S] on the scores' device"
+        return fall_back("index_topk_rows", why, torch_indexer.index_topk_rows, scores, visible, topk, rows, tok_seq,
+                         candidates, candidate_blocks, candidate_block_size)
     sel, _, cand = _launch(scores, visible, topk, candidates, candidate_blocks, candidate_block_size,
                            want_mask=False, to_rows=(rows, tok_seq))
     return (sel, cand) if candidate_blocks > 0 else sel

@@ -42,7 +42,8 @@ def mhc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
 
 
-def mhc_collapse_norm(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def mhc_collapse_norm(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None,
+                      eps: float) -> torch.Tensor:
     """rms_norm(mhc_collapse(streams, pre), weight, eps): a site's collapsed streams normalised (the attention and
     FFN inputs, the final norm), one op kind so that kernel backends can do both in one pass."""
     return rms_norm(mhc_collapse(streams, pre), weight, eps)
