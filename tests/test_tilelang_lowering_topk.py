@@ -3,21 +3,18 @@
 * it lowers to CUDA source for sm_90a and sm_100a (as tests/test_tilelang_lowering.py does for the other kernels),
   and, lowered the way jit() compiles it (its own pass configs merged in), keeps its launch shape;
 * the wrapper's off-kernel path (CPU tensors) returns the torch op's selection, and as ascending -1 padded ids;
-* (slow) the generated CUDA source itself runs correctly: it is compiled for the CPU with a small emulation layer
+* (slow) the generated CUDA source itself runs correctly: it is compiled for the CPU with tests/cuda_emulation.py
   (one OS thread per CUDA thread, __syncthreads = a barrier over the block, warp shuffles through per-warp slots,
   shared-memory atomics as atomics, cp.async as a copy) and checked against the torch op and the kernel's
   lowest-index tie rule, incl. rows longer than the shared-memory cache and the candidate level.
 """
 
-import ctypes
 import importlib.util
-import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 
+from cuda_emulation import compile_kernel, gxx_ok
 from deepinfer.kernels.torch import indexer as ref
 
 tilelang_missing = importlib.util.find_spec("tilelang") is None
@@ -84,92 +81,8 @@ def test_off_kernel_path_matches_torch_op():
 
 
 # ------------------------------------------------------------------------------------ CPU emulation of the CUDA
-EMU_H = r"""
-#include <barrier>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <type_traits>
-#include <vector>
-typedef unsigned char uchar;
-typedef unsigned int uint;
-struct alignas(16) uint4 { uint x, y, z, w; };
-struct Dim3 { int x, y, z; };
-static thread_local Dim3 threadIdx, blockIdx;
-static std::barrier<>* g_block;
-static std::barrier<>* g_warp[32];
-static long long g_slot[32][32];
-alignas(1024) static uchar g_smem[232448];
-#define __syncthreads() g_block->arrive_and_wait()
-#define __global__
-#define __launch_bounds__(...)
-#define __restrict__ __restrict
-template <class T> inline T emu_shfl(T v, int d) {  // d > 0: from lane + d (down), d < 0: from lane + d (up)
-  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  long long b = 0; std::memcpy(&b, &v, sizeof(T)); g_slot[w][lane] = b;
-  g_warp[w]->arrive_and_wait();
-  T r = v; int src = lane + d;
-  if (src >= 0 && src < 32) std::memcpy(&r, &g_slot[w][src], sizeof(T));
-  g_warp[w]->arrive_and_wait();
-  return r;
-}
-template <class T> inline T __shfl_down_sync(uint, T v, int d, int = 32) { return emu_shfl(v, d); }
-template <class T> inline T __shfl_up_sync(uint, T v, int d, int = 32) { return emu_shfl(v, -d); }
-template <class T, class U> inline void AtomicAdd(T* p, U v) { __atomic_fetch_add(p, (T)v, __ATOMIC_RELAXED); }
-template <class A, class B> inline typename std::common_type<A, B>::type max(A a, B b) { return a > b ? a : b; }
-template <class A, class B> inline typename std::common_type<A, B>::type min(A a, B b) { return a < b ? a : b; }
-namespace tl {
-template <int N> inline void cp_async_gs_conditional(void* d, const void* s, bool p) {
-  if (p) std::memcpy(d, s, N); else std::memset(d, 0, N); }
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
-}
-template <class F> void emu_launch(int blocks, int nt, F body) {
-  std::barrier<> bb(nt); g_block = &bb;
-  std::vector<std::barrier<>*> wb;
-  for (int w = 0; w < nt / 32; ++w) { wb.push_back(new std::barrier<>(32)); g_warp[w] = wb.back(); }
-  std::vector<std::thread> th;
-  for (int t = 0; t < nt; ++t)
-    th.emplace_back([&, t] {
-      threadIdx = {t, 0, 0};
-      for (int b = 0; b < blocks; ++b) {
-        blockIdx = {b, 0, 0};
-        if (t == 0) std::memset(g_smem, 0xAB, sizeof(g_smem));  // shared memory starts as garbage
-        bb.arrive_and_wait();
-        body();
-        bb.arrive_and_wait();
-      }
-    });
-  for (auto& x : th) x.join();
-  for (auto* p : wb) delete p;
-}
-"""
-
-
-def _gxx_ok():
-    gxx = shutil.which("g++")
-    if not gxx:
-        return False
-    r = subprocess.run([gxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
-                       capture_output=True, text=True)
-    return r.returncode == 0
-
-
 def _emulated_kernel(tmp_path, cache, to_rows=False):
-    src = _lowered_as_compiled(cache, to_rows=to_rows)
-    kname = "index_topk_rows_kernel" if to_rows else "index_topk_kernel"
-    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
-    body = body.replace("extern __shared__ __align__(1024) uchar buf_dyn_shmem[];", "uchar* buf_dyn_shmem = g_smem;")
-    sig = re.search(kname + r"\((.*?)\) \{", body).group(1)
-    params = [p.strip() for p in sig.split(",")]
-    names = [p.split()[-1] for p in params]
-    threads = int(re.search(r"__launch_bounds__\((\d+)", body).group(1))
-    code = EMU_H + body + ('\nextern "C" void launch(' + ", ".join(params) + ") {\n"
-                           f"  emu_launch(n_q, {threads}, [&] {{ {kname}(" + ", ".join(names) + "); });\n}\n")
-    (tmp_path / "k.cpp").write_text(code)
-    subprocess.check_call(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-w", "-shared", "-fPIC", "-pthread",
-                           str(tmp_path / "k.cpp"), "-o", str(tmp_path / "k.so")])
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    kernel, _ = compile_kernel(_lowered_as_compiled(cache, to_rows=to_rows), tmp_path)
 
     def run(scores, visible, topk, candidates=None, kb=0, rows=None, seq=None):
         """Mirrors topk._launch on CPU tensors (rows, seq: the to_rows variant's tables); outputs are poisoned
@@ -188,7 +101,7 @@ def _emulated_kernel(tmp_path, cache, to_rows=False):
         if to_rows:
             t.update(rows_tab=rows.long().contiguous(), seq=seq.int().contiguous())
             dims.update(r_b=rows.shape[0])
-        lib.launch(*[ctypes.c_void_p(t[n].data_ptr()) if n in t else ctypes.c_int(dims[n]) for n in names])
+        kernel(S, **t, **dims)
         return t["ids"], t["sel_mask"], (t["cand_out"] if kb > 0 else None)
 
     return run
@@ -215,7 +128,7 @@ def _rule(scores, visible, topk, candidates=None, kb=0, bs=8):
 
 @pytest.mark.slow
 @needs_tilelang
-@pytest.mark.skipif(not _gxx_ok(), reason="needs g++ with C++20 <barrier>")
+@pytest.mark.skipif(not gxx_ok(), reason="needs g++ with C++20 <barrier>")
 def test_generated_cuda_runs_correctly_under_cpu_emulation(tmp_path):
     from deepinfer.kernels.tilelang.topk import CACHE
 
@@ -256,7 +169,7 @@ def test_generated_cuda_runs_correctly_under_cpu_emulation(tmp_path):
 
 @pytest.mark.slow
 @needs_tilelang
-@pytest.mark.skipif(not _gxx_ok(), reason="needs g++ with C++20 <barrier>")
+@pytest.mark.skipif(not gxx_ok(), reason="needs g++ with C++20 <barrier>")
 def test_the_rows_variant_writes_each_selected_entrys_pool_row_under_cpu_emulation(tmp_path):
     """build_index_topk(to_rows=True), the kernel of index_topk_rows: the selection the ids kernel makes, written as
     rows[seq[q], id] (-1 padded), equal to the torch op index_topk_rows, with and without the candidate level."""
