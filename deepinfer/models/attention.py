@@ -210,7 +210,7 @@ class Attention:
         ops, L = self.ops, pools.layout
         ring = pools.window[self.layer]
         wi = meta.window
-        ring_row, is_new, new_row, valid = wi.ring_row, wi.is_new, wi.new_row, wi.valid
+        valid, is_new, ring_row, new_row = wi.slates()
         if rows is not None:
             q, ring_row, is_new, new_row, valid = q[rows], ring_row[rows], is_new[rows], new_row[rows], valid[rows]
         win = L.win_codec.decode(*(p[ring_row] for p in ring), dtype=kv.dtype)

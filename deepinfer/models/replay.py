@@ -138,7 +138,9 @@ def _mask_view(meta: StepMeta, rect_lo: torch.Tensor, window: int) -> StepMeta:
     inside = _window_look(meta.positions, window) >= rect_lo[meta.tok_seq][:, None]
     # the prefill (slate) path also for steps of one-token chunks: the decode path reads visibility from the ring
     host = replace(meta.host, decode_only=False, split=None)
-    return replace(meta, host=host, window=replace(wi, valid=wi.valid & inside), prefill_window=None)
+    valid, is_new, ring_row, new_row = wi.slates()
+    window = WindowIndex(valid & inside, is_new, ring_row, new_row, wi.write_row)
+    return replace(meta, host=host, window=window, prefill_window=None)
 
 
 def _compact_view(meta: StepMeta, pools: CachePools, rect_lo, clip, total: int, window: int, shared: int):
@@ -156,13 +158,14 @@ def _compact_view(meta: StepMeta, pools: CachePools, rect_lo, clip, total: int, 
     pos, tok_seq = meta.positions[kept], meta.tok_seq[kept]
     lo = rect_lo[tok_seq]
     wi = meta.window
+    valid, is_new, ring_row, new_row = wi.slates()
     trash = pools.slots_alloc * pools.layout.ring
     window_c = WindowIndex(
-        valid=wi.valid[kept] & (_window_look(pos, window) >= lo[:, None]),
-        is_new=wi.is_new[kept],
-        ring_row=wi.ring_row[kept],
+        valid=valid[kept] & (_window_look(pos, window) >= lo[:, None]),
+        is_new=is_new[kept],
+        ring_row=ring_row[kept],
         # keys of this step are rows >= rect_lo of the same chunk, all kept: renumber them (masked ones clamp)
-        new_row=(wi.new_row[kept] - offset[tok_seq][:, None]).clamp(0, total - 1),
+        new_row=(new_row[kept] - offset[tok_seq][:, None]).clamp(0, total - 1),
         write_row=torch.where(pos >= lo, wi.write_row[kept], trash),  # the placeholder writes no ring row
     )
     entries = {r: EntryIndex(e.rows, e.visible[kept], e.width) for r, e in meta.entries.items()}

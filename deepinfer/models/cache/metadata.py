@@ -113,12 +113,21 @@ def pack_step(token_ids: list[list[int]], seqs, layout: CacheLayout, device, all
 
 @dataclass
 class WindowIndex:
-    # each query's window keys as a slate (None on a decode-only step as stored: the decode op reads the ring)
+    # each query's window keys as a slate: read them through slates() (a decode-only step as stored derives them
+    # only if something asks, e.g. a YOCO view built over it: its decode op reads the ring itself)
     valid: torch.Tensor | None  # [T, W] the key position exists (>= 0)
     is_new: torch.Tensor | None  # [T, W] it is one of this step's tokens (else it is in the ring)
     ring_row: torch.Tensor | None  # [T, W]
     new_row: torch.Tensor | None  # [T, W]
     write_row: torch.Tensor  # [T] ring row of each new token (trash: overwritten later in the same step)
+    build: Any = None  # () -> (valid, is_new, ring_row, new_row), for slates not derived yet
+
+    def slates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(valid, is_new, ring_row, new_row), derived now if the step did not."""
+        if self.valid is None:
+            self.valid, self.is_new, self.ring_row, self.new_row = self.build()
+            self.build = None
+        return self.valid, self.is_new, self.ring_row, self.new_row
 
 
 @dataclass
@@ -266,13 +275,16 @@ def derive(host: HostStep, pools: CachePools) -> StepMeta:
     write_row = dict(zip(layout.write_rings(), write))
 
     W, R = layout.window, layout.ring
+
+    def window_slates():
+        return ring_index(pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :], R)
+
     if host.decode_only and layout.as_stored:
-        # the decode op reads each query's window from the ring as stored: no [T, W] slates (in a captured decode
-        # graph, eleven launches fewer)
-        window = WindowIndex(None, None, None, None, write_row["window"])
+        # the decode op reads each query's window from the ring as stored: the [T, W] slates only if asked for (in a
+        # captured decode graph, eleven launches fewer)
+        window = WindowIndex(None, None, None, None, write_row["window"], build=window_slates)
     else:
-        win_look = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
-        window = WindowIndex(*ring_index(win_look, R), write_row["window"])
+        window = WindowIndex(*window_slates(), write_row["window"])
     meta = StepMeta(host, b["ids"], pos, tok_seq, tok_slot, slots, window)
     last_block = table.shape[1] - 1
     closes = {}  # ratio -> [T] the token closes a group (ends an entry)
@@ -333,8 +345,7 @@ def query_view(meta: StepMeta, rows: torch.Tensor, cp: Any) -> StepMeta:
     keys) and `window.write_row` stays the whole step's, so each rank writes every row's window KV into its own
     rings; compression groups, entry rows and the Engram look-back are read from `cp.full` (= meta) only."""
     wi = meta.window
-    slates = (wi.valid, wi.is_new, wi.ring_row, wi.new_row)
-    window = WindowIndex(*(None if t is None else t[rows] for t in slates), wi.write_row)
+    window = WindowIndex(*(t[rows] for t in wi.slates()), wi.write_row)
     entries = {r: EntryIndex(e.rows, e.visible[rows], e.width) for r, e in meta.entries.items()}
     return replace(meta, ids=meta.ids[rows], positions=meta.positions[rows], tok_seq=meta.tok_seq[rows],
                    tok_slot=meta.tok_slot[rows], window=window, groups={}, entry_rows={}, entries=entries, ngram=None,
