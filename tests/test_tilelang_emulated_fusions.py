@@ -9,7 +9,8 @@ thread). tests/gpu holds the same claims on the H200.
 * moe_prep with zero_cols: the routing table of moe_table's torch sorts, and its output zeroed by the extra blocks.
 
 The reduction orders are held to weakly here: a changed fp32 sum of squares moves a bf16 output only where a value
-sits at a rounding boundary; the copied fold code and the GPU tests carry that claim.
+sits at a rounding boundary; the one statistic macro all three norm kernels expand (rowwise_kernel.rms_rstd) and
+the GPU tests carry that claim.
 """
 
 import importlib.util

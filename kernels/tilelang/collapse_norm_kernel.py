@@ -5,13 +5,14 @@ layer's attention or FFN input (and the final norm). Unfused that is two launche
 Bit for bit the two kernels: one block per token first collapses the row exactly as mhc_kernel's collapse does (the
 same fp32 expression per channel: p0 * x0, then += p_k * x_k, rounded to bf16) into shared memory, then normalises
 it as rowwise_kernel's rms_norm_block does (thread t is ATen lane t for t < `lanes`, the lane count ATen's
-reduction takes for the call's row count; the halving fold, which for 32 lanes adds as the warp kernel's shuffles).
+reduction takes for the call's row count; the halving fold, which for 32 lanes adds as the warp kernel's shuffles:
+rowwise_kernel.rms_rstd, the block kernel's own macro).
 """
 
 import numpy as np
 import tilelang.language as T
 
-from .rowwise_kernel import BF16, F32, _rms_io, _rms_out, last_pow2
+from .rowwise_kernel import BF16, F32, _rms_io, _rms_out, last_pow2, rms_rstd
 
 V8 = 8  # channels of one collapse vector (mhc_collapse's 16-byte loads)
 V4 = 4  # channels of ATen's reduction vector
@@ -49,7 +50,7 @@ def build_mhc_collapse_norm(hc: int, dim: int, weight: str = "bf16"):
             acc = T.alloc_local((V4,), F32)
             wr = T.alloc_local((V4,), w_dtype)
             o = T.alloc_local((V4,), out_dtype)
-            y = T.alloc_shared((dim,), BF16)  # the collapsed row
+            y = T.alloc_shared((1, dim), BF16)  # the collapsed row
             red = T.alloc_shared((LMAX,), F32)
             for k in T.unroll(H):
                 p[k] = pre[row, k]
@@ -67,31 +68,14 @@ def build_mhc_collapse_norm(hc: int, dim: int, weight: str = "bf16"):
                     for i in T.unroll(V8):
                         o8[i] = T.cast(a[i], BF16)
                     for i in T.vectorized(V8):
-                        y[v * V8 + i] = o8[i]
+                        y[0, v * V8 + i] = o8[i]
             T.sync_threads()
-            for i in T.unroll(V4):  # rms_norm_block's statistic over the collapsed row
-                acc[i] = 0.0
-            for k in T.unroll(KMAX):
-                v = t + k * lanes
-                if t < lanes and v < NV:
-                    for i in T.vectorized(V4):
-                        yr[i] = y[v * V4 + i]
-                    for i in T.unroll(V4):
-                        yv = T.cast(yr[i], F32)
-                        acc[i] = acc[i] + T.ieee_mul(yv, yv)
-            red[t] = ((acc[0] + acc[1]) + acc[2]) + acc[3]
-            for k in T.unroll(LMAX.bit_length() - 1):
-                off = (LMAX // 2) >> k
-                T.sync_threads()
-                if t < off and off < lanes:
-                    red[t] = red[t] + red[t + off]
-            T.sync_threads()
-            r = T.rsqrt(T.ieee_add(T.ieee_mul(red[0], T.float32(factor)), eps))
+            r = rms_rstd(y, 0, t, lanes, eps, NV, KMAX, factor, yr, acc, red)  # rms_norm_block's statistic
             for k in T.unroll(PER4):
                 v = t + k * LMAX
                 if v < NV:
                     for i in T.vectorized(V4):
-                        yr[i] = y[v * V4 + i]
+                        yr[i] = y[0, v * V4 + i]
                     for i in T.vectorized(V4):
                         wr[i] = w[v * V4 + i]
                     for i in T.unroll(V4):

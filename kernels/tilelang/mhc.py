@@ -95,13 +95,17 @@ def mhc_mixes(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps):
                              _splits(n_tok, hc * dim // BLOCK_K))
 
 
+def _collapse_ok(streams, pre) -> bool:
+    """The collapse kernel's inputs: CUDA bf16 streams [..., hc, D] (D a multiple of 256), fp32 pre [..., hc]."""
+    return (streams.is_cuda and streams.dtype == torch.bfloat16 and streams.dim() >= 2 and pre.dtype == torch.float32
+            and pre.shape == streams.shape[:-1] and pre.device == streams.device and streams.numel() > 0
+            and _block_d(streams.shape[-1]) is not None)
+
+
 def mhc_collapse(streams, pre):
     """Same contract as deepinfer.kernels.torch.mhc.mhc_collapse. Kernel path: CUDA bf16 streams [..., hc, D]
     (D a multiple of 256) with fp32 pre [..., hc]; else the torch op."""
-    fast = (streams.is_cuda and streams.dtype == torch.bfloat16 and streams.dim() >= 2 and pre.dtype == torch.float32
-            and pre.shape == streams.shape[:-1] and pre.device == streams.device and streams.numel() > 0
-            and _block_d(streams.shape[-1]) is not None)
-    if not fast:
+    if not _collapse_ok(streams, pre):
         return fall_back("mhc_collapse", reason(streams, "width or pre not covered"), torch_mhc.mhc_collapse,
                          streams, pre)
     hc, dim = streams.shape[-2:]
@@ -116,10 +120,7 @@ def mhc_collapse_norm(streams, pre, weight, eps):
     """Same contract as deepinfer.kernels.torch.mhc.mhc_collapse_norm. Kernel path (one launch, bit for bit the
     collapse kernel then the rms_norm kernel): mhc_collapse's conditions and rms_norm's (rowwise.py) for the
     collapsed [rows, D]; else the two ops (each its own kernel or torch op)."""
-    collapse_ok = (streams.is_cuda and streams.dtype == torch.bfloat16 and streams.dim() >= 2
-                   and pre.dtype == torch.float32 and pre.shape == streams.shape[:-1] and pre.device == streams.device
-                   and streams.numel() > 0 and _block_d(streams.shape[-1]) is not None)
-    plan = _rms_plan(streams[..., 0, :], weight) if collapse_ok else None
+    plan = _rms_plan(streams[..., 0, :], weight) if _collapse_ok(streams, pre) else None
     if plan is None or not COLLAPSE_NORM_ONE_LAUNCH:
         return rms_norm(mhc_collapse(streams, pre), weight, eps)
     dim, rows, lanes = plan

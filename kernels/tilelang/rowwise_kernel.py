@@ -107,6 +107,33 @@ def _rms_out(xv, r, w, kind: str):
     return w * y
 
 
+@T.macro
+def rms_rstd(x, row, t, lanes, eps, nv, kmax, factor, xr, acc, red):
+    """1 / sqrt(mean(x[row]^2) + eps) in ATen's order for `lanes` lanes a row (the block kernels' statistic): thread
+    t < lanes is lane t, summing its 4-wide vectors t, t + lanes, ... (nv in the row, at most kmax each) into four
+    accumulators, combined ((a0 + a1) + a2) + a3; then the halving fold over red [threads] (for 32 lanes the warp
+    kernel's shuffle adds). xr (4 x's dtype), acc (4 fp32): the caller's locals."""
+    for i in T.unroll(4):
+        acc[i] = 0.0
+    for k in T.unroll(kmax):
+        v = t + k * lanes
+        if t < lanes and v < nv:
+            for i in T.vectorized(4):
+                xr[i] = x[row, v * 4 + i]
+            for i in T.unroll(4):
+                xv = T.cast(xr[i], F32)
+                acc[i] = acc[i] + T.ieee_mul(xv, xv)
+    red[t] = ((acc[0] + acc[1]) + acc[2]) + acc[3]
+    threads = red.shape[0]
+    for k in T.unroll(threads.bit_length() - 1):
+        off = (threads // 2) >> k
+        T.sync_threads()
+        if t < off and off < lanes:
+            red[t] = red[t] + red[t + off]
+    T.sync_threads()
+    return T.rsqrt(T.ieee_add(T.ieee_mul(red[0], T.float32(factor)), eps))
+
+
 def build_rms_norm_warp(dim: int, weight: str = "bf16", rows_per_block: int = 4):
     """RMSNorm for ATen's 32-lane configuration (rows >= 16, or dim 128): one warp per row, lane l is ATen lane l
     (4-wide vectors l, l+32, ...: 8-byte accesses, 256 contiguous bytes per warp instruction). Rows up to 2048
@@ -195,24 +222,7 @@ def build_rms_norm_block(dim: int, weight: str = "bf16"):
             wr = T.alloc_local((4,), w_dtype)
             o = T.alloc_local((4,), out_dtype)
             red = T.alloc_shared((LMAX,), F32)
-            for i in T.unroll(4):
-                acc[i] = 0.0
-            for k in T.unroll(KMAX):
-                v = t + k * lanes
-                if t < lanes and v < NV:
-                    for i in T.vectorized(4):
-                        xr[i] = x[row, v * 4 + i]
-                    for i in T.unroll(4):
-                        xv = T.cast(xr[i], F32)
-                        acc[i] = acc[i] + T.ieee_mul(xv, xv)
-            red[t] = ((acc[0] + acc[1]) + acc[2]) + acc[3]
-            for k in T.unroll(LMAX.bit_length() - 1):
-                off = (LMAX // 2) >> k
-                T.sync_threads()
-                if t < off and off < lanes:
-                    red[t] = red[t] + red[t + off]
-            T.sync_threads()
-            r = T.rsqrt(T.ieee_add(T.ieee_mul(red[0], T.float32(factor)), eps))
+            r = rms_rstd(x, row, t, lanes, eps, NV, KMAX, factor, xr, acc, red)
             for k in T.unroll(PER):
                 v = t + k * LMAX
                 if v < NV:

@@ -7,8 +7,8 @@ Bit for bit the unfused kernels (rowwise_kernel.py), which are bit for bit the t
 the same order, each stage's bf16 rounding kept.
 * RMSNorm: one block per row, thread t is ATen lane t for t < `lanes` (32..LMAX, a runtime argument: the lane
   count ATen's reduction uses for the launch's row count, rowwise.torch_reduce_lanes), the halving fold in
-  shared memory (for 32 lanes the same adds as the warp kernel's shuffles), then bf16(x * r) and the weight's
-  product rounded to bf16.
+  shared memory (for 32 lanes the same adds as the warp kernel's shuffles): rowwise_kernel.rms_rstd, the block
+  kernel's own macro; then bf16(x * r) and the weight's product rounded to bf16.
 * RoPE: the trailing `rope_dim` channels as (even, odd) pairs, cos / sin of fp32(pos) * inv_freq rounded to bf16.
 * FP8 encode (block 32 = 8 threads' 4-channel vectors): amax by xor shuffles (a maximum: any order gives the same
   value), ue8m0 scale, e4m3 codes.
@@ -17,7 +17,7 @@ the same order, each stage's bf16 rounding kept.
 import numpy as np
 import tilelang.language as T
 
-from .rowwise_kernel import BF16, F32, _ceil_pow2_exp, _e4m3, _e4m3_byte, _pow2, _rms_out, f32, last_pow2
+from .rowwise_kernel import BF16, F32, _ceil_pow2_exp, _e4m3, _e4m3_byte, _pow2, _rms_out, f32, last_pow2, rms_rstd
 
 BLOCK = 32  # channels per scale of the FP8 window codec (cache_formats.Fp8Codec.block)
 VEC = 4  # channels a thread holds: ATen's 4-wide reduction vector
@@ -64,25 +64,7 @@ def build_window_kv(dim: int, rope_dim: int):
             q = T.alloc_var(F32)
             cs = T.alloc_var(F32)
             sn = T.alloc_var(F32)
-            # RMSNorm's statistic: rms_norm_block's loop and fold
-            for i in T.unroll(VEC):
-                acc[i] = 0.0
-            for k in T.unroll(KMAX):
-                v = t + k * lanes
-                if t < lanes and v < NV:
-                    for i in T.vectorized(VEC):
-                        xr[i] = x[row, v * VEC + i]
-                    for i in T.unroll(VEC):
-                        xv = T.cast(xr[i], F32)
-                        acc[i] = acc[i] + T.ieee_mul(xv, xv)
-            red[t] = ((acc[0] + acc[1]) + acc[2]) + acc[3]
-            for k in T.unroll(LMAX.bit_length() - 1):
-                off = (LMAX // 2) >> k
-                T.sync_threads()
-                if t < off and off < lanes:
-                    red[t] = red[t] + red[t + off]
-            T.sync_threads()
-            r = T.rsqrt(T.ieee_add(T.ieee_mul(red[0], T.float32(factor)), eps))
+            r = rms_rstd(x, row, t, lanes, eps, NV, KMAX, factor, xr, acc, red)  # rms_norm_block's statistic
             p = T.cast(pos[row], F32)
             dst = write_row[row]
             for k in T.unroll(PER):

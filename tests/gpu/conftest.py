@@ -15,3 +15,13 @@ def _previous_module_released():
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     yield
+
+
+@pytest.fixture(params=[False, True], ids=["batch-dependent", "batch-invariant"])
+def either_mode(request):
+    """The registry's batch-invariant mode off, then on (the mode is the process's, set by OpSet.build); off after."""
+    from deepinfer.kernels import registry
+
+    registry.OpSet.build("cuda", ["torch"], batch_invariant=request.param)
+    yield request.param
+    registry.OpSet.build("cuda", ["torch"], batch_invariant=False)

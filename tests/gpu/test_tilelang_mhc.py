@@ -191,19 +191,10 @@ def test_fp32_streams_fall_back_to_torch(monkeypatch):
     assert torch.equal(tl_mhc.mhc_expand(x, streams, post, comb), ref.mhc_expand(x, streams, post, comb))
 
 
-@pytest.fixture(params=[False, True], ids=["batch-dependent", "batch-invariant"])
-def norm_mode(request):
-    from deepinfer.kernels import registry
-
-    registry.OpSet.build("cuda", ["torch"], batch_invariant=request.param)  # the mode is the process's
-    yield request.param
-    registry.OpSet.build("cuda", ["torch"], batch_invariant=False)
-
-
 # rows 1-3: 512 lanes a row in ATen's reduction at width 5120, 4-7: 128, 8-15: 64, from 16: 32
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 12, 16, 40, 300])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_the_one_launch_collapse_norm_is_bitwise_the_collapse_then_the_norm(tokens, weight_dtype, norm_mode):
+def test_the_one_launch_collapse_norm_is_bitwise_the_collapse_then_the_norm(tokens, weight_dtype, either_mode):
     from deepinfer.kernels.tilelang import mhc, rowwise
 
     g = _gen(3000 + tokens)

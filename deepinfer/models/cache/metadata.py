@@ -272,7 +272,7 @@ def derive(host: HostStep, pools: CachePools) -> StepMeta:
     rings, trash = pools.write_ring_rows, pools.write_ring_trash
     write = torch.where(pos[None, :] >= tok_end[None, :] - rings, tok_slot[None, :] * rings
                         + torch.remainder(pos[None, :], rings), trash)
-    write_row = dict(zip(layout.write_rings(), write))
+    write_row = dict(zip(layout.write_rings, write))
 
     W, R = layout.window, layout.ring
 

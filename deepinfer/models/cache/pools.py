@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -69,6 +70,7 @@ class CacheLayout:
         # open groups need no lag: a checkpoint boundary is block-aligned, so no group is open there
         self.ngram_rows = cfg.engram_max_ngram_size - 1 + behind if cfg.engram_layer_ids else 0
 
+    @cached_property
     def write_rings(self) -> dict:
         """Rows per slot of every ring a step writes its new tokens into, in a fixed order: "window", each ratio > 1's
         open groups (key: the ratio), "ngram" (Engram's look-back, if any)."""
@@ -133,7 +135,7 @@ class CachePools:
         self.ngram = torch.zeros(num_slots * max(L.ngram_rows, 1) + 1, dtype=torch.int64, device=self.device)
         # rows per slot of each ring a step writes (layout.write_rings) and its trash row, as [rings, 1] columns: a
         # step derives every ring's write rows in one pass (models/cache/metadata.py)
-        rings = torch.tensor(list(L.write_rings().values()), dtype=torch.int64)[:, None]
+        rings = torch.tensor(list(L.write_rings.values()), dtype=torch.int64)[:, None]
         self.write_ring_rows, self.write_ring_trash = rings.to(self.device), (num_slots * rings).to(self.device)
         # a one-row compressed pool for layers that have none (the decode kernel takes one anyway)
         self.no_compressed = alloc(0, L.cmp_codec, L.head_dim)
