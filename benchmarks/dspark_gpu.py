@@ -11,7 +11,7 @@ decode_gpu.py (`flash`: 6 layers, `flash40`: the released 40-layer pattern) with
         --docs docs/dspark.md
 
 Per batch, two engines over the same model (context filled with decode_gpu.py's random valid cache codes, not
-prefilled; greedy; CUDA graphs on; --drafts 5 drafts verified per request and step):
+prefilled; greedy unless --temperature; CUDA graphs on; --drafts 5 drafts verified per request and step):
   plain    decoding=plain, one token per step.
   j = 0    decoding=dspark, the synthetic draft layers' own guesses (random weights: ~nothing accepted). Its output,
            the target's own greedy continuation (DSpark is lossless), is the reference of the rows below; it runs
@@ -105,6 +105,9 @@ def forced(j: int):
     return confidences
 
 
+SAMPLING = {"temperature": 0.0, "top_p": 1.0}  # --temperature / --top-p (greedy unless asked)
+
+
 def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int):
     """One generate of `prompts`: (outputs, timed decode steps of all rows after `warmup`, fallbacks, seconds)."""
     from deepinfer import SamplingParams
@@ -112,8 +115,9 @@ def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int):
 
     t0 = time.time()
     before = kernel_stats()["fallbacks"]
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                           use_tqdm=False)
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seq_seed=i, **SAMPLING)
+              for i in range(len(prompts))]
+    outs = engine.generate(prompts, params, use_tqdm=False)
     fallbacks = _fallback_delta(before, kernel_stats()["fallbacks"])
     decode = [s for s in tap.take() if s.num_prefill_tokens == 0 and s.num_rows == len(prompts)]
     return outs, decode[warmup: warmup + steps], fallbacks, time.time() - t0
@@ -410,6 +414,10 @@ def parse(argv=None):
     ap.add_argument("--varlen", action="store_true",
                     help="DSpark rows with decoding.varlen, confidences that trust j drafts (`forced`) and the "
                          "runner's accept_override passing them: the planner verifies the drafts that pass")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampled requests (with --varlen: the fixed-length rows need a greedy reference); their "
+                         "drafting replays graphs too (deepinfer.sampling.static_drafts)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (drafting sorts each row)")
     ap.add_argument("--eager", action="store_true",
                     help="CUDA graphs off (enforce_eager), a diagnosis: the graph checks then do not apply")
     ap.add_argument("--profile", nargs="+", default=[], metavar="B:J",
@@ -424,6 +432,12 @@ def parse(argv=None):
         ap.error(f"--accepted: {a.accepted}; allowed: 0..{a.drafts} (--drafts), 0 included (the reference run)")
     if any(b < 1 for b in a.batches) or a.context < 1 or a.steps < 1 or a.warmup < 0:
         ap.error("--batches, --context, --steps: 1 or more; --warmup: 0 or more")
+    if a.temperature < 0 or not 0 < a.top_p <= 1:
+        ap.error(f"--temperature {a.temperature}, --top-p {a.top_p}; allowed: temperature >= 0, 0 < top-p <= 1")
+    if (a.temperature > 0 or a.top_p < 1) and not a.varlen:
+        ap.error("--temperature/--top-p: need --varlen (the fixed-length rows copy a greedy reference's tokens)")
+    if a.top_p < 1 and a.temperature == 0:
+        ap.error("--top-p: needs --temperature > 0 (greedy requests ignore it)")
     a.accepted = sorted(set(a.accepted))
     cells = set()
     for cell in a.profile:
@@ -451,6 +465,7 @@ def main(argv=None) -> int:
     from deepinfer.models import synthetic
 
     t_start = time.time()
+    SAMPLING.update(temperature=a.temperature, top_p=a.top_p)
     on_cuda = a.device.startswith("cuda")
     graphs = on_cuda and not a.eager
     prefs = {"default": ["tilelang-sm90", "torch"]} if on_cuda else ["torch"]
@@ -463,7 +478,7 @@ def main(argv=None) -> int:
     meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu", torch=torch.__version__,
                 model=a.model, cmd=" ".join(sys.argv), time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 drafts=a.drafts, accepted=a.accepted, steps=a.steps, warmup=a.warmup, tolerance=a.tolerance,
-                varlen=a.varlen,
+                varlen=a.varlen, sampling=dict(SAMPLING),
                 graphs=graphs, note=FILLED_NOTE)
     rows, failures = [], []
     per_run = a.warmup + a.steps

@@ -246,13 +246,13 @@ def test_drafting_by_graph_replay_equals_eager_drafting(model_dir):
     from deepinfer.engine.cuda_graphs import DraftGraphs
 
     class Rerun(DraftGraphs):
-        def _capture(self, size):
-            out = self._draft(size)
+        def _capture(self, size, mode):
+            out = self._draft(size, mode)
 
             class Graph:
                 @torch.inference_mode()
                 def replay(inner):
-                    tokens, conf = self._draft(size)
+                    tokens, conf = self._draft(size, mode)
                     out[0].copy_(tokens)
                     out[1].copy_(conf)
 
@@ -273,7 +273,7 @@ def test_drafting_by_graph_replay_equals_eager_drafting(model_dir):
         step = model.drafter.step(torch.tensor(slots), torch.tensor(last), 5, pools)
         want = model.drafter.draft(torch.tensor(golden), step, pools, lambda i, lg: lg.argmax(-1))
         assert torch.equal(tokens, want.tokens) and torch.equal(conf, want.confidences), batch
-    assert graphs.replays == 3 and set(graphs._graphs) == {1, 4, 8}
+    assert graphs.replays == 3 and set(graphs._graphs) == {(1, "greedy"), (4, "greedy"), (8, "greedy")}
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------

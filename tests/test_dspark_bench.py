@@ -109,7 +109,9 @@ def test_the_recorded_h200_runs_measured_every_row_they_name():
 def test_bad_arguments_are_named_in_one_line(capsys):
     for argv, field in ((["--accepted", "1", "2"], "--accepted"), (["--accepted", "0", "6"], "--accepted"),
                         (["--drafts", "0"], "--drafts"), (["--docs", "x.md"], "--docs"),
-                        (["--profile", "2:2"], "--profile"), (["--profile", "1:4"], "--profile")):
+                        (["--profile", "2:2"], "--profile"), (["--profile", "1:4"], "--profile"),
+                        (["--temperature", "0.8"], "--temperature"), (["--varlen", "--top-p", "0.9"], "--top-p"),
+                        (["--varlen", "--temperature", "-1"], "--temperature")):
         with pytest.raises(SystemExit) as e:
             bench.parse(argv)
         assert e.value.code == 2 and field in capsys.readouterr().err.splitlines()[-1]
@@ -170,20 +172,22 @@ def test_an_accept_override_passes_exactly_the_drafts_it_names_whatever_the_samp
 
 
 @pytest.mark.slow
-def test_a_varlen_run_on_the_cpu_verifies_exactly_the_drafts_that_pass(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-p", "0.9"]], ids=["greedy", "sampled"])
+def test_a_varlen_run_on_the_cpu_verifies_exactly_the_drafts_that_pass(tmp_path, monkeypatch, sampling):
     """--varlen: the planner, reading confidences that trust j drafts, verifies those j and no more, and the
     runner's accept_override passes them (every verified draft accepted); at j = 0 none (one token a step, no
-    verification). The planner prices steps by a given cost curve (a verified token costs a little, as on a GPU at
-    batch 1), not by this machine's clock."""
+    verification); sampled requests alike. The planner prices steps by a given cost curve (a verified token costs a
+    little, as on a GPU at batch 1), not by this machine's clock."""
     from deepinfer.engine import spec_schedule
 
     curve = spec_schedule.CostCurve([(1, 10.0), (2, 10.2), (4, 10.4), (8, 10.8)])
     monkeypatch.setattr(spec_schedule, "load_or_profile_cost_curve", lambda *args: curve)
     monkeypatch.setattr(spec_schedule.VarlenPlanner, "update_runtime", lambda *args, **kw: None)
     out = tmp_path / "v.json"
-    rc = bench.main(TINY + ["--batches", "1", "--accepted", "0", "2", "--varlen", "--out", str(out)])
+    rc = bench.main(TINY + ["--batches", "1", "--accepted", "0", "2", "--varlen", "--out", str(out)] + sampling)
     data = json.loads(out.read_text())
     assert rc == 0 and data["failures"] == [] and data["meta"]["varlen"] is True
+    assert data["meta"]["sampling"] == {"temperature": 0.8 if sampling else 0.0, "top_p": 0.9 if sampling else 1.0}
     rows = {r["drafts_accepted"]: r for r in data["rows"]}
     assert rows[0]["variant"] == "dspark-varlen" and rows[0]["verifications"] == 0
     assert rows[0]["mean_accepted_length"] == 1.0

@@ -231,9 +231,12 @@ class DecodeGraphs:
 
 
 class DraftGraphs:
-    """DSpark drafting by graph replay: greedy requests' block drafting (draft layers, heads, argmax choices)
-    captured per batch bucket over static inputs (golden token, slot and last accepted position per request).
-    Padding rows draft in the spare slot. Sampled requests draw on the host, so their steps draft eagerly."""
+    """DSpark drafting by graph replay: block drafting (draft layers, heads, each position's choice) captured per
+    batch bucket and mode over static inputs (golden token, slot and last accepted position per request). Modes:
+    "greedy" (argmax), "sampled" (also temperature and min-p, and draws from static uniforms) and "cut" (also
+    top-k/top-p by the full sort), each row choosing by its own request's parameters
+    (deepinfer.sampling.static_drafts); a batch takes the least mode its requests need. Padding rows draft in the
+    spare slot."""
 
     def __init__(self, drafter, pools, max_batch: int, interval: int, block: int, vocab: int):
         self.drafter, self.pools, self.block, self.vocab = drafter, pools, block, vocab
@@ -242,49 +245,68 @@ class DraftGraphs:
         self.golden = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slots = torch.full((n,), pools.spare_slot, dtype=torch.int64, device=dev)
         self.last = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.static = None  # StaticDraftChooser, made by the first sampled batch
         self._pool = None
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[int, str], tuple] = {}
         self.failed: str | None = None
         self.replays = 0
 
     def _choose(self, i: int, logits: torch.Tensor) -> torch.Tensor:
         return logits[:, : self.vocab].argmax(dim=-1)  # greedy: ties to the lowest id, as DraftChooser
 
-    def _draft(self, size: int):
+    def _draft(self, size: int, mode: str):
+        choose = self._choose if mode == "greedy" else self.static.choose(cut=mode == "cut")
         step = self.drafter.step(self.slots[:size], self.last[:size], self.block, self.pools)
-        out = self.drafter.draft(self.golden[:size], step, self.pools, self._choose)
+        out = self.drafter.draft(self.golden[:size], step, self.pools, choose)
         return out.tokens, out.confidences
 
     @torch.inference_mode()
-    def _capture(self, size: int):
+    def _capture(self, size: int, mode: str):
         self.golden[:size] = 0
         self.slots[:size] = self.pools.spare_slot
         self.last[:size] = 0
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._draft(size)
+            self._draft(size, mode)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._draft(size)
+            out = self._draft(size, mode)
         return graph, out
 
-    def run(self, golden: list[int], slots: list[int], last: list[int]):
-        """(tokens [B, block], confidences [B, block]) by replay, or None (then the caller drafts eagerly)."""
+    @staticmethod
+    def mode(chooser) -> str:
+        from deepinfer.sampling.static_drafts import wants_cut
+
+        if chooser is None or not chooser.sampled:
+            return "greedy"
+        return "cut" if any(wants_cut(chooser.requests[r].params) for r in chooser.sampled) else "sampled"
+
+    def run(self, golden: list[int], slots: list[int], last: list[int], chooser=None):
+        """(tokens [B, block], confidences [B, block]) by replay, or None (then the caller drafts eagerly). With a
+        DraftChooser (deepinfer.sampling.speculative) whose requests sample, its rows choose by their parameters
+        and chooser.weights gets the sampled rows' draft distributions, as eager drafting leaves them."""
         B = len(golden)
         size = next((s for s in self.sizes if s >= B), None)
         if size is None or self.failed:
             return None
-        if size not in self._graphs:
+        mode = self.mode(chooser)
+        if mode != "greedy":
+            if self.static is None:
+                from deepinfer.sampling.static_drafts import StaticDraftChooser
+
+                self.static = StaticDraftChooser(self.sizes[-1], self.block, self.vocab, self.golden.device)
+            self.static.fill(chooser, size)
+        if (size, mode) not in self._graphs:
             try:
-                self._graphs[size] = self._capture(size)
+                self._graphs[size, mode] = self._capture(size, mode)
             except Exception as exc:
                 self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                log.warning("CUDA graph capture of DSpark drafting failed for batch %d; drafting runs eagerly from "
-                            "now on: %s", size, self.failed)
+                log.warning("CUDA graph capture of DSpark drafting (%s) failed for batch %d; drafting runs eagerly "
+                            "from now on: %s", mode, size, self.failed)
                 return None
         rows = to_device([[g, s, a] for g, s, a in zip(golden, slots, last)], self.golden.device)
         self.golden[:B].copy_(rows[:, 0])
@@ -294,7 +316,9 @@ class DraftGraphs:
             self.golden[B:size] = 0
             self.slots[B:size] = self.pools.spare_slot
             self.last[B:size] = 0
-        graph, (tokens, conf) = self._graphs[size]
+        graph, (tokens, conf) = self._graphs[size, mode]
         graph.replay()
         self.replays += 1
+        if mode != "greedy":
+            self.static.hand_over(chooser)
         return tokens[:B], conf[:B]

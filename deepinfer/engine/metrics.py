@@ -6,7 +6,7 @@ Definitions (all times in seconds):
 - prefill/decode tokens per second: tokens of that kind over the device time they used; a mixed step's device
   time is split between its prefill and decode tokens in proportion to their counts.
 - graph_steps: decode steps whose forward replayed a captured CUDA graph (the rest ran eagerly); draft_graph_steps:
-  steps whose DSpark drafting replayed one (greedy drafting on CUDA; sampled requests draft eagerly).
+  steps whose DSpark drafting replayed one (greedy and sampled requests alike, on CUDA).
 - speculative (DSpark): drafts verified and accepted, the acceptance rate, the mean accepted length (tokens a
   verifying request gains per step: accepted drafts + the target's own token, DeepInfer's figure) and the
   histogram of accepted drafts per verification (index m: m drafts accepted).

@@ -442,8 +442,8 @@ class ModelRunner:
         chooser = DraftChooser([DraftRequest(seq.params, seq.seed, len(seq.ids) - seq.num_prompt) for seq in seqs],
                                self.backend.vocab_size)
         out = None
-        if self.draft_graphs is not None and not chooser.sampled:
-            out = self.draft_graphs.run(golden, slots, last)
+        if self.draft_graphs is not None:
+            out = self.draft_graphs.run(golden, slots, last, chooser)
             self._draft_graph_step = out is not None
         if out is None:
             as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731

@@ -32,8 +32,14 @@ def draw_from_weights(weights: torch.Tensor, uniforms: list[float]) -> list[int]
 
     Inverse-CDF needs one random number per row instead of one per vocabulary entry (Gumbel-max), and the
     integer prefix sum makes the result independent of the batch."""
+    u = torch.tensor(uniforms, dtype=torch.float64, device=weights.device)
+    return draw_tokens(weights, u).tolist()
+
+
+def draw_tokens(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """draw_from_weights with the uniforms a float64 tensor [rows] and the tokens an int64 tensor [rows]: no host
+    read, so a captured CUDA graph can draw."""
     cdf = torch.cumsum(weights, dim=-1)
     total = cdf[:, -1:]
-    u = torch.tensor(uniforms, dtype=torch.float64, device=weights.device).unsqueeze(1)
-    target = torch.minimum(torch.floor(u * total.double()).to(torch.int64), total - 1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).tolist()
+    target = torch.minimum(torch.floor(u.unsqueeze(1) * total.double()).to(torch.int64), total - 1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -81,23 +81,36 @@ def apply_top_k_top_p_(
     logits[rows] = out
 
 
-def _drop_past_top_p(vals: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, ps: list[float]):
+def _drop_past_top_p(vals: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, p: torch.Tensor):
     """vals: logits sorted most likely first, weights their fixed-point weights, total the mass they are measured
-    against. Returns vals with the tokens past each row's top_p mass at -inf."""
-    p = torch.tensor(ps, dtype=torch.float64, device=vals.device).unsqueeze(1)
+    against, p each row's top_p (float64 [rows, 1]). Returns vals with the tokens past each row's top_p mass at
+    -inf."""
     mass_before = torch.cumsum(weights, dim=-1) - weights  # mass of the strictly more likely tokens
     drop = (mass_before.double() >= p * total.double()) & (p < 1.0)  # p == 1 keeps every token
     return vals.masked_fill(drop, NEG_INF)
 
 
+def _k_column(ks: list[int], vocab: int, device) -> torch.Tensor:
+    return torch.tensor([kk if kk > 0 else vocab for kk in ks], device=device).unsqueeze(1)
+
+
+def _p_column(ps: list[float], device) -> torch.Tensor:
+    return torch.tensor(ps, dtype=torch.float64, device=device).unsqueeze(1)
+
+
 def _cut_from_sorted_row(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
     """The definition: one stable sort of the whole row."""
+    return cut_top_k_top_p_sorted(x, _k_column(ks, x.shape[-1], x.device), _p_column(ps, x.device))
+
+
+def cut_top_k_top_p_sorted(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The top-k/top-p cut by its definition, with the parameters as tensors (k int64 [rows, 1], the vocabulary for
+    no top-k; p float64 [rows, 1]), so it reads nothing on the host: what a captured CUDA graph can run."""
     vocab = x.shape[-1]
     vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in ks], device=x.device).unsqueeze(1)
     vals = vals.masked_fill(torch.arange(vocab, device=x.device).unsqueeze(0) >= k, NEG_INF)
     weights = fixed_point_weights(vals)
-    vals = _drop_past_top_p(vals, weights, weights.sum(dim=-1, keepdim=True), ps)
+    vals = _drop_past_top_p(vals, weights, weights.sum(dim=-1, keepdim=True), p)
     return torch.empty_like(x).scatter_(-1, order, vals)
 
 
@@ -111,12 +124,12 @@ def _cut_from_candidates(x: torch.Tensor, ks: list[int], ps: list[float], width:
     vals, order = torch.sort(vals.gather(-1, by_id), dim=-1, descending=True, stable=True)
     ids = ids.gather(-1, order)
     certain = (vals > vals[:, -1:]).sum(dim=-1)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in ks], device=x.device).unsqueeze(1)
+    k = _k_column(ks, vocab, x.device)
     vals = vals.masked_fill(torch.arange(width, device=x.device).unsqueeze(0) >= k, NEG_INF)
     weights = fixed_point_weights(vals, vocab)  # the same integers the full sort computes for these tokens
     # top-p's total: what top-k left, which is among the candidates, or else the whole row's mass
     total = torch.where(k < vocab, weights.sum(dim=-1, keepdim=True), fixed_point_weights(x).sum(-1, keepdim=True))
-    vals = _drop_past_top_p(vals, weights, total, ps)
+    vals = _drop_past_top_p(vals, weights, total, _p_column(ps, x.device))
     kept = (vals > NEG_INF).sum(dim=-1)
     out = torch.full_like(x, NEG_INF).scatter_(-1, ids, vals)
     return out, (kept <= certain).tolist()
@@ -125,5 +138,10 @@ def _cut_from_candidates(x: torch.Tensor, ks: list[int], ps: list[float], width:
 def apply_min_p_(logits: torch.Tensor, min_p: list[float]) -> None:
     """Drops tokens whose probability is below min_p times the most likely token's (p_i < min_p * p_max,
     i.e. logit_i < logit_max + log(min_p), which needs no softmax)."""
-    threshold = torch.log(_column(min_p, logits)) + logits.max(dim=-1, keepdim=True).values
+    apply_min_p_column_(logits, _column(min_p, logits))
+
+
+def apply_min_p_column_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """apply_min_p_ with min_p a column of the logits' dtype [rows, 1] (0: off, log(0) = -inf drops nothing)."""
+    threshold = torch.log(min_p) + logits.max(dim=-1, keepdim=True).values
     logits.masked_fill_(logits < threshold, NEG_INF)

@@ -110,11 +110,17 @@ def test_chunked_prefill_and_eager_steps_give_the_same_result(backend, kind):
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_dspark_requests_are_bitwise_the_same_alone_and_batched_and_lossless_for_greedy(backend, kind):
     """DSpark (5 drafts a step, verified on the decode path): alone vs beside 33 others; greedy also equals plain
-    decoding token for token (lossless) and in its logprobs (verification rows are computed as decode rows)."""
+    decoding token for token (lossless) and in its logprobs (verification rows are computed as decode rows). Both
+    kinds draft by graph replay (sampled requests too: deepinfer.sampling.static_drafts), and drafting eagerly
+    gives the same result."""
     target, others = _prompts(33, seed=2)
     alone, m = _run(backend, [target], _params(kind), drafts=5)
     want = _result(alone[0])
     assert m["speculative"] and m["speculative"]["draft_tokens"] > 0, m
+    assert m["draft_graph_steps"] > 0, m
+    eager, m = _run(backend, [target], _params(kind), eager=True, drafts=5)
+    _assert_same(want, _result(eager[0]), f"{kind} DSpark, graphs off")
+    assert m["draft_graph_steps"] == 0, m
     batched, _ = _run(backend, [target] + others, _params(kind), budget=512, drafts=5)
     _assert_same(want, _result(batched[0]), f"{kind} DSpark, beside 33 others")
     if kind == "greedy":
