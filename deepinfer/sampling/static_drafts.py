@@ -19,6 +19,14 @@ from deepinfer.sampling.seeds import DrawKind, uniform
 from deepinfer.sampling.speculative import DraftChooser
 
 
+def _queued(t: torch.Tensor, device) -> torch.Tensor:
+    """t on `device`, a CUDA copy queued in stream order from pinned memory (a pageable copy would wait for the
+    GPU to drain: the host would lose its lead under async scheduling)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def wants_cut(params) -> bool:
     return params.top_k > 0 or params.top_p < 1.0
 
@@ -54,7 +62,7 @@ class StaticDraftChooser:
                                         float(wants_cut(p)), 1.0], dtype=torch.float64)
             host[r, 6:] = torch.tensor([uniform(q.seed, q.position + i, DrawKind.DRAFT) for i in range(self.block)],
                                        dtype=torch.float64)
-        dev = host.to(self.temperature.device)
+        dev = _queued(host, self.temperature.device)
         self.temperature[:size, 0] = dev[:, 0].float()
         self.min_p[:size, 0] = dev[:, 1].float()
         self.top_k[:size, 0] = dev[:, 2].long()
@@ -84,7 +92,7 @@ class StaticDraftChooser:
     def hand_over(self, chooser: DraftChooser) -> None:
         """The sampled rows' weights into chooser.weights (as DraftChooser keeps them), copied out of the static
         buffer that the next replay overwrites: a request not verified next step still holds its own."""
-        q = self.weights[torch.tensor(chooser.sampled, device=self.weights.device)]
+        q = self.weights[_queued(torch.tensor(chooser.sampled), self.weights.device)]
         for j, r in enumerate(chooser.sampled):
             chooser.weights[r] = list(q[j].unbind(0))
         for r in chooser.greedy:
