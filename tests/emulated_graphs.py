@@ -1,4 +1,4 @@
-"""Decode-step graphs on the CPU, for testing what the runner does around them under expert parallel (CUDA graph
+"""Decode-step and drafting graphs on the CPU, for testing what the runner does around them under expert parallel (CUDA graph
 capture itself needs CUDA: tests/gpu/test_expert_parallel_gpu.py runs the real ones).
 
 EmulatedDecodeGraphs is DecodeGraphs with `_record` replaced: recording runs nothing (as a CUDA capture launches
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from deepinfer.engine.cuda_graphs import DecodeGraphs
+from deepinfer.engine.cuda_graphs import DecodeGraphs, DraftGraphs
 from deepinfer.models.cache import derive
 
 
@@ -43,6 +43,24 @@ class EmulatedDecodeGraphs(DecodeGraphs):
         self.records += 1
         graph = _Replay(self, host)
         return graph, graph.out
+
+
+class RerunDraftGraphs(DraftGraphs):
+    """DraftGraphs with each captured graph replaced by running what was captured again into its outputs: static
+    inputs, padding rows, buckets and modes are the engine's own."""
+
+    def _capture(self, size, mode):
+        out = self._draft(size, mode)
+        graphs = self
+
+        class Graph:
+            @torch.inference_mode()
+            def replay(self):
+                tokens, conf = graphs._draft(size, mode)
+                out[0].copy_(tokens)
+                out[1].copy_(conf)
+
+        return Graph(), out
 
 
 def install(log_dir: str) -> None:

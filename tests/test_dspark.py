@@ -243,20 +243,7 @@ def test_sampled_tokens_with_drafts_follow_plain_sampling(model_dir):
 def test_drafting_by_graph_replay_equals_eager_drafting(model_dir):
     """DraftGraphs (here with the captured graph replaced by re-running what was captured, no CUDA): static
     inputs, padding rows in the spare slot, batch buckets; the drafts and confidences equal eager drafting."""
-    from deepinfer.engine.cuda_graphs import DraftGraphs
-
-    class Rerun(DraftGraphs):
-        def _capture(self, size, mode):
-            out = self._draft(size, mode)
-
-            class Graph:
-                @torch.inference_mode()
-                def replay(inner):
-                    tokens, conf = self._draft(size, mode)
-                    out[0].copy_(tokens)
-                    out[1].copy_(conf)
-
-            return Graph(), out
+    from emulated_graphs import RerunDraftGraphs
 
     model = load_model(model_dir)
     rng = random.Random(5)
@@ -264,7 +251,7 @@ def test_drafting_by_graph_replay_equals_eager_drafting(model_dir):
     pools = states[0].pools
     for st in states:
         model.forward(ForwardBatch([[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 60))]], [st]))
-    graphs = Rerun(model.drafter, pools, max_batch=8, interval=4, block=5, vocab=model.config.vocab_size)
+    graphs = RerunDraftGraphs(model.drafter, pools, max_batch=8, interval=4, block=5, vocab=model.config.vocab_size)
     for batch in (1, 3, 5):
         chosen = states[:batch]
         golden = [rng.randrange(3, VOCAB) for _ in chosen]

@@ -5,8 +5,9 @@ sit in static tensors and every row takes every step with neutral values where i
 (deepinfer.sampling.static_drafts). Specified here: per row the drafted token and the draft distribution q (the
 integer weights verification divides by) are eager drafting's (DraftChooser) bit for bit, for any mix of greedy and
 sampled requests, with top-k/top-p by the full sort (what DraftChooser's candidate cut reproduces, ties included).
-On the CPU the graph's replay is emulated by running what was captured again (as tests/test_dspark.py does for
-greedy drafting); tests/gpu/test_dspark_gpu.py captures the real ones.
+On the CPU the graph's replay is emulated by running what was captured again (tests/emulated_graphs.py, as for
+greedy drafting); tests/gpu/test_sampled_drafting_gpu.py captures real ones, and
+tests/gpu/test_engine_batch_invariance.py drafts seeded requests by graph replay through the engine.
 """
 
 from __future__ import annotations
@@ -95,19 +96,7 @@ def test_sampled_drafting_by_graph_replay_equals_eager_drafting():
     top-k/top-p batches the drafts, confidences and every sampled row's q equal eager drafting with DraftChooser;
     each (bucket, mode) is captured once, and a request keeps its q after the next replay overwrites the buffer."""
     from deepinfer.engine.cuda_graphs import DraftGraphs
-
-    class Rerun(DraftGraphs):
-        def _capture(self, size, mode):
-            out = self._draft(size, mode)
-
-            class Graph:
-                @torch.inference_mode()
-                def replay(inner):
-                    tokens, conf = self._draft(size, mode)
-                    out[0].copy_(tokens)
-                    out[1].copy_(conf)
-
-            return Graph(), out
+    from emulated_graphs import RerunDraftGraphs
 
     model = load_model(str(embedded.materialize("tiny-random")))
     vocab = model.config.vocab_size
@@ -116,7 +105,7 @@ def test_sampled_drafting_by_graph_replay_equals_eager_drafting():
     pools = states[0].pools
     for st in states:
         model.forward(ForwardBatch([[rng.randrange(3, 500) for _ in range(rng.randint(1, 60))]], [st]))
-    graphs = Rerun(model.drafter, pools, max_batch=8, interval=4, block=5, vocab=vocab)
+    graphs = RerunDraftGraphs(model.drafter, pools, max_batch=8, interval=4, block=5, vocab=vocab)
     kept = None
     for batch, mix in ((3, "temperature only"), (1, "temperature only"), (5, "top-k and top-p"), (3, "min-p")):
         chosen, params = states[:batch], MIXES[mix][:batch]
