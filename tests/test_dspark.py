@@ -203,6 +203,41 @@ def test_verification_draws_from_the_target_distribution():
     assert chi2 < 20.5, (chi2, counts)  # 5 degrees of freedom: p = 0.001
 
 
+def test_a_batched_verification_gives_each_sampled_request_its_own_verdict():
+    """accept_sampled_rows (one read of the tests' integers, one batched draw) against accept_sampled request by
+    request: the same accepted drafts and last token, over requests of 0-5 drafts, q near p or far from it, drafts
+    drawn from q or not, and point masses (q None: drafts chosen deterministically)."""
+    from deepinfer.sampling.fixed_point import fixed_point_weights
+    from deepinfer.sampling.speculative import SampledDrafts, accept_sampled_rows
+
+    rng, g, V = random.Random(0), torch.Generator().manual_seed(0), 300
+    seen = set()
+    for _ in range(120):
+        batch, ps, want = [], [], []
+        for _ in range(rng.randint(1, 6)):
+            k = rng.randint(0, 5)
+            logits = torch.randn(k + 1, V, generator=g) * rng.choice([0.5, 2, 6])
+            p = fixed_point_weights(logits)
+            qs, drafts = [], []
+            for j in range(k):
+                if rng.random() < 0.3:
+                    q, d = None, int(p[j].argmax()) if rng.random() < 0.5 else rng.randrange(V)
+                else:
+                    q = fixed_point_weights(logits[j : j + 1] + torch.randn(1, V, generator=g) * rng.choice([0.01, 3]))[0]
+                    d = int(torch.multinomial(q.double(), 1, generator=g)) if rng.random() < 0.8 else rng.randrange(V)
+                qs.append(q)
+                drafts.append(d)
+            q_list = None if k and rng.random() < 0.2 else qs
+            seed, pos = rng.randrange(1 << 40), rng.randrange(1000)
+            want.append(accept_sampled(p, q_list, drafts, seed, pos))
+            batch.append(SampledDrafts(drafts, q_list, seed, pos))
+            ps.append(p)
+        got = accept_sampled_rows(torch.cat(ps), batch)
+        assert [(v.tokens, v.rows, v.num_accepted) for v in got] == [(v.tokens, v.rows, v.num_accepted) for v in want]
+        seen |= {(len(b.drafts), v.num_accepted) for b, v in zip(batch, want)}
+    assert {(0, 0), (3, 0), (3, 1), (3, 3), (5, 5)} <= seen  # rejections at every place, and whole acceptances
+
+
 def test_seeded_sampling_with_drafts_is_the_same_alone_and_in_any_batch(model_dir):
     rng = random.Random(9)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 40))] for _ in range(8)]

@@ -160,13 +160,17 @@ class Sampler:
         else:
             blocked = row_blocked(x)
             greedy_target = x.argmax(dim=-1).tolist()
-        verdicts = []
-        for req, (start, k) in zip(requests, spans):
-            if req.row.params.greedy:
-                verdicts.append(spec.accept_greedy_ids(greedy_target[start : start + k + 1], req.drafts))
-            else:
-                p = spec.processed_weights(x[start : start + k + 1].clone(), [req.row.params] * (k + 1))
-                verdicts.append(spec.accept_sampled(p, req.draft_weights, req.drafts, req.row.seed, req.row.position))
+        verdicts = [spec.accept_greedy_ids(greedy_target[start : start + k + 1], req.drafts)
+                    if req.row.params.greedy else None for req, (start, k) in zip(requests, spans)]
+        sampled = [i for i, v in enumerate(verdicts) if v is None]
+        if sampled:  # every sampled request's rows in one batch (row-local transforms: the same weights)
+            rows_of = [range(spans[i][0], spans[i][0] + spans[i][1] + 1) for i in sampled]
+            p = spec.processed_weights(x[[r for rs in rows_of for r in rs]],
+                                       [requests[i].row.params for i, rs in zip(sampled, rows_of) for _ in rs])
+            batch = [spec.SampledDrafts(requests[i].drafts, requests[i].draft_weights, requests[i].row.seed,
+                                        requests[i].row.position) for i in sampled]
+            for i, v in zip(sampled, spec.accept_sampled_rows(p, batch)):
+                verdicts[i] = v
         chosen = [start + r for (start, _), v in zip(spans, verdicts) for r in v.rows]
         tokens = [t for v in verdicts for t in v.tokens]
         if fast:  # each kept token is its row's argmax (accept_greedy_ids): its logprob came with the read

@@ -14,6 +14,8 @@ Verification (`verify`), per request, over its k + 1 target rows (row j follows 
     probability min(1, p(d) / q(d)) using the uniform (seed, position, DRAFT, 1); at the first rejection draw from
     the residual max(0, p - q) with (seed, position, DRAFT, 2); when all k are accepted draw the bonus token from
     p_k with the plain (seed, position, TOKEN) uniform. The output distribution is then exactly p's.
+`accept_sampled` is the per-request definition; the sampler verifies a step's sampled requests together with
+`accept_sampled_rows` (the same verdicts, two host reads a step instead of four a draft).
 Every uniform is a function of the request's seed and the output position only, so a run is reproduced by its
 seq_seed whatever the batch (as long as the number of drafts verified per step is the same: verification length
 chosen by measured timings, DEEPINFER_ENABLE_MTP_VARLEN, breaks that).
@@ -27,7 +29,7 @@ from fractions import Fraction
 import torch
 
 from deepinfer.sampling import processors as proc
-from deepinfer.sampling.fixed_point import draw_from_weights, fixed_point_scale, fixed_point_weights
+from deepinfer.sampling.fixed_point import draw_from_weights, draw_tokens, fixed_point_scale, fixed_point_weights
 from deepinfer.sampling.seeds import DrawKind, uniform
 
 ACCEPT, RESIDUAL = 1, 2  # uniform indices within the DRAFT stream of a position (0 draws the draft itself)
@@ -129,3 +131,89 @@ def _draw_residual(p: torch.Tensor, q: torch.Tensor, sp: int, sq: int, u: float)
         return draw_from_weights(p[None], [u])[0]
     w = torch.floor(r / top * fixed_point_scale(r.shape[-1])).to(torch.int64)
     return draw_from_weights(w[None], [u])[0]
+
+
+@dataclass
+class SampledDrafts:
+    """One sampled request's part of a batched verification: its k drafts, their draft distributions (None, or
+    None entries: drafts chosen deterministically, point masses), its seed and the output position of its row 0."""
+
+    drafts: list[int]
+    q: list | None
+    seed: int
+    position: int
+
+
+def accept_sampled_rows(p: torch.Tensor, requests: list[SampledDrafts]) -> list[Verdict]:
+    """accept_sampled for many requests at once, with the same verdicts: p [sum(k_i + 1), V] holds each request's
+    k_i + 1 target rows in order. The acceptance tests' integers (each row's total, the draft's weight in p and
+    in q) come to the host in one read and the tests run there in exact rationals; then every request's last token
+    (the residual's draw at its first rejection, or the bonus token) is drawn on the device in one batch and read
+    once: two synchronisations a verification, where request by request made four a draft."""
+    dev, V = p.device, p.shape[-1]
+    starts, tested, q_rows = [], [], []  # tested: (p row, draft, index into q_rows or -1) per draft, in order
+    at = 0
+    for req in requests:
+        starts.append(at)
+        for j, d in enumerate(req.drafts):
+            qj = None if req.q is None else req.q[j]
+            tested.append((at + j, d, -1 if qj is None else len(q_rows)))
+            if qj is not None:
+                q_rows.append(qj)
+        at += len(req.drafts) + 1
+    parts = [p.sum(dim=-1)]
+    if tested:
+        rows = torch.tensor([r for r, _, _ in tested], dtype=torch.int64).to(dev)
+        ids = torch.tensor([d for _, d, _ in tested], dtype=torch.int64).to(dev)
+        parts.append(p[rows, ids])
+    if q_rows:
+        q = torch.stack(q_rows)
+        q_ids = torch.tensor([d for _, d, qi in tested if qi >= 0], dtype=torch.int64).to(dev)
+        parts += [q.sum(dim=-1), q.gather(1, q_ids[:, None]).squeeze(1)]
+    read = torch.cat(parts).tolist()
+    n, t, m = p.shape[0], len(tested), len(q_rows)
+    sp, pd, sq, qd = read[:n], read[n : n + t], read[n + t : n + t + m], read[n + t + m :]
+
+    # per request its last row, that row's uniform and, at a rejection, (j, q row or None, draft, sp, sq)
+    finals, ti = [], 0
+    for s, req in zip(starts, requests):
+        k, rejected = len(req.drafts), None
+        for j in range(k):
+            _, d, qi = tested[ti + j]
+            sqj, qdj = (1, 1) if qi < 0 else (sq[qi], qd[qi])  # a point mass at the draft: weight 1 of 1
+            spj, pdj = sp[s + j], pd[ti + j]
+            u = uniform(req.seed, req.position + j, DrawKind.DRAFT, ACCEPT)
+            if not (qdj > 0 and spj > 0 and Fraction(u) * qdj * spj < pdj * sqj):
+                rejected = (j, None if qi < 0 else q_rows[qi], d, spj, sqj)
+                break
+        ti += k
+        if rejected is None:
+            finals.append((s + k, uniform(req.seed, req.position + k, DrawKind.TOKEN), None))
+        else:
+            j = rejected[0]
+            finals.append((s + j, uniform(req.seed, req.position + j, DrawKind.DRAFT, RESIDUAL), rejected))
+
+    w = p[torch.tensor([f[0] for f in finals], dtype=torch.int64).to(dev)]
+    rej = [i for i, f in enumerate(finals) if f[2] is not None]
+    if rej:
+        pr = w[rej]
+        qr = torch.zeros_like(pr)
+        given = [row for row, i in enumerate(rej) if finals[i][2][1] is not None]
+        if given:
+            qr[given] = torch.stack([finals[rej[row]][2][1] for row in given])
+        points = [(row, finals[i][2][2]) for row, i in enumerate(rej) if finals[i][2][1] is None]
+        if points:
+            qr[torch.tensor([r for r, _ in points]).to(dev), torch.tensor([d for _, d in points]).to(dev)] = 1
+        # _draw_residual's arithmetic row by row: p / sp - q / sq in float64, the clamp, the row max, the scale
+        sp_col = torch.tensor([[float(finals[i][2][3])] for i in rej], dtype=torch.float64).to(dev)
+        sq_col = torch.tensor([[float(finals[i][2][4])] for i in rej], dtype=torch.float64).to(dev)
+        r = (pr.double() / sp_col - qr.double() / sq_col).clamp_min(0)
+        top = r.max(dim=-1, keepdim=True).values
+        scaled = torch.floor(r / torch.where(top > 0, top, 1.0) * fixed_point_scale(V)).to(torch.int64)
+        w[rej] = torch.where(top > 0, scaled, pr)  # p == q up to rounding: p itself, as _draw_residual
+    drawn = draw_tokens(w, torch.tensor([f[1] for f in finals], dtype=torch.float64).to(dev)).tolist()
+    verdicts = []
+    for req, f, token in zip(requests, finals, drawn):
+        j = len(req.drafts) if f[2] is None else f[2][0]
+        verdicts.append(Verdict(req.drafts[:j] + [token], list(range(j + 1)), j))
+    return verdicts
