@@ -53,15 +53,14 @@ class StaticDraftChooser:
         """The parameters of chooser's requests in rows 0..B-1 and neutral rows up to `size` (the graph's bucket),
         in one host-to-device copy. top-k off is k = the vocabulary: past it the sorted row holds only the padding
         columns' -inf."""
-        host = torch.zeros(size, 6 + self.block, dtype=torch.float64)
-        host[:, 0], host[:, 2], host[:, 3] = 1.0, self.vocab, 1.0  # temperature 1, no top-k, top_p 1
+        neutral = [1.0, 0.0, float(self.vocab), 1.0, 0.0, 0.0] + [0.0] * self.block  # temperature 1, no cut
+        rows = [neutral] * size
         for r in chooser.sampled:
             q = chooser.requests[r]
             p = q.params
-            host[r, :6] = torch.tensor([p.temperature, p.min_p, p.top_k if p.top_k > 0 else self.vocab, p.top_p,
-                                        float(wants_cut(p)), 1.0], dtype=torch.float64)
-            host[r, 6:] = torch.tensor([uniform(q.seed, q.position + i, DrawKind.DRAFT) for i in range(self.block)],
-                                       dtype=torch.float64)
+            rows[r] = [p.temperature, p.min_p, p.top_k if p.top_k > 0 else self.vocab, p.top_p, float(wants_cut(p)),
+                       1.0] + [uniform(q.seed, q.position + i, DrawKind.DRAFT) for i in range(self.block)]
+        host = torch.tensor(rows, dtype=torch.float64)
         dev = _queued(host, self.temperature.device)
         self.temperature[:size, 0] = dev[:, 0].float()
         self.min_p[:size, 0] = dev[:, 1].float()
