@@ -4,6 +4,7 @@ kernels and which are "glue" (torch copies, casts, index ops, fills, small eleme
 that make them.
 
     python3 benchmarks/decode_launch_census.py [--model flash_reduced|flash40] [--batches 1 8] [--context 4096]
+        [--drafting greedy sampled cut]
         [--top 40] [--out benchmarks/results/decode_launch_census.json]
 
 No GPU is needed (~15 s a run). The synthetic V4.1-Flash-width model (deepinfer.models.synthetic: FLASH_REDUCED,
@@ -30,6 +31,12 @@ that file (the caller), the innermost frame in deepinfer/ (the model line behind
 captured graph), `pre` (embedding, Engram hash, window positions), `layer i` (model.layer_hook) and `head` (final
 collapse, norm, lm head). `stage` is the host-side staging DecodeGraphs.run does before each replay (the step's
 ids / positions / slots / block table copied into the static buffers), outside the graph and reported apart.
+
+--drafting MODE... also counts one DSpark drafting step per batch (DraftGraphs' graph body: the three draft layers
+over the block, the heads, each position's choice) in each mode: greedy, sampled (temperature 0.8) and cut (also
+top-p 0.9; deepinfer.sampling.static_drafts). The model then carries V4.1-Flash's draft layers. The body runs under
+registry.no_host_reads, as the decode step's does: a host read in it raises, so a run that completes says the mode
+can be captured as far as reads go (torch's own kernels' capturability is the GPU test's to show).
 
 Checked against the H200 profile of the 40-layer B=1 step (benchmarks/results/decode_flash40_s13_rcp_h200.json):
 `--model flash40` gives the profile's TileLang counts builder by builder, its 219 direct_copy / bfloat16_copy
@@ -388,10 +395,10 @@ def _setitem(x, idx, value):
         if not isinstance(value, torch.Tensor):  # as the C++ indexing does for a CUDA tensor: a CPU scalar
             value = torch.ops.aten.scalar_tensor.default(value, dtype=x.dtype, device="cpu")
         torch.ops.aten.index_put_.default(out, adv, value)
-    elif isinstance(value, torch.Tensor):
-        out.copy_(value)
+    elif isinstance(value, torch.Tensor):  # as aten ops: the Python bindings' CUDA guard refuses a fake CUDA tensor
+        torch.ops.aten.copy_.default(out, value)
     else:
-        out.fill_(value)
+        torch.ops.aten.fill_.Scalar(out, value)
 
 
 class _FakeGenerator(_Generator):
@@ -497,12 +504,14 @@ def _import_real() -> None:
 
 # ---- the step -----------------------------------------------------------------------------------------------------
 BLOCK_SIZE = 64
+DRAFT_LINES = 12  # glue lines a drafting entry keeps in the JSON
+DRAFTS = 5  # DSpark's block: drafts a drafting step makes per request (V4.1-Flash's num_draft_tokens)
 
 
-def build_model(name: str):
+def build_model(name: str, drafts: bool = False):
     from deepinfer.models import synthetic
 
-    cfg = synthetic.config(full_depth=name == "flash40")
+    cfg = synthetic.config(synthetic.DSPARK_FLASH if drafts else None, full_depth=name == "flash40")
     prefs = {"default": ["tilelang-sm90", "torch"]}
     with mock.patch.object(torch, "Generator", _FakeGenerator):  # random_weights draws with a "cuda" generator
         return synthetic.build_model(cfg, "cuda", torch.bfloat16, backends=prefs, seed=0)
@@ -537,7 +546,7 @@ def warm_weight_checks(model) -> int:
             walk(x, depth + 1)
 
     walk(model.layers)
-    walk([model.head, model.embed])
+    walk([model.head, model.embed, getattr(model, "drafter", None)])  # the draft layers' weights too
     return n
 
 
@@ -594,6 +603,42 @@ def census_step(model, census: Census, capturing: dict, batch: int, context: int
         graphs.run(tokens, states, key)
         census.on = False
     return dict(bucket=dict(batch=size, table_width=width, tokens_per_seq=length), layers=layers,
+                blocks_per_seq=blocks_per_seq)
+
+
+def census_drafting(model, census: Census, capturing: dict, batch: int, context: int, mode: str) -> dict:
+    """One DSpark drafting step of `batch` requests as DraftGraphs captures and replays it in `mode` (greedy,
+    sampled: temperature 0.8, cut: also top-p 0.9): the block's draft layers, heads and each position's choice
+    over the static inputs, under registry.no_host_reads (a host read in the graph body raises)."""
+    from deepinfer.engine.cuda_graphs import DraftGraphs
+    from deepinfer.kernels.registry import no_host_reads
+    from deepinfer.sampling import SamplingParams
+    from deepinfer.sampling.speculative import DraftChooser, DraftRequest
+
+    blocks_per_seq = -(-(context + 16) // BLOCK_SIZE)
+    pools = model.allocate_cache(batch, batch * blocks_per_seq, BLOCK_SIZE, max_rollback=DRAFTS, drafts=True)
+    graphs = DraftGraphs(model.drafter, pools, batch, 8, DRAFTS, model.config.vocab_size)
+    size = next(s for s in graphs.sizes if s >= batch)
+    params = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=0.8),
+              "cut": SamplingParams(temperature=0.8, top_p=0.9)}[mode]
+    chooser = DraftChooser([DraftRequest(params, 1 + r, 0) for r in range(batch)], model.config.vocab_size)
+    if DraftGraphs.mode(chooser) != mode:
+        raise RuntimeError(f"drafting census: the requests of mode {mode} took {DraftGraphs.mode(chooser)}")
+    if mode != "greedy":
+        from deepinfer.sampling.static_drafts import StaticDraftChooser
+
+        graphs.static = StaticDraftChooser(graphs.sizes[-1], DRAFTS, model.config.vocab_size, pools.device)
+        graphs.static.fill(chooser, size)
+    try:
+        for counted in (False, True):  # the capture's warm-up, then the captured body
+            capturing["on"] = counted
+            with torch.inference_mode(), no_host_reads():
+                census.on, census.region = counted, "draft"
+                graphs._draft(size, mode)
+                census.on = False
+    finally:
+        capturing["on"] = False
+    return dict(bucket=dict(batch=size, mode=mode, drafts=DRAFTS), layers=model.drafter.num_layers,
                 blocks_per_seq=blocks_per_seq)
 
 
@@ -689,7 +734,7 @@ def by_batch(results: dict) -> list[dict]:
     return out
 
 
-def print_report(batch: int, res: dict, top: int) -> None:
+def print_report(batch, res: dict, top: int) -> None:
     s, st = res["step"], res["stage"]
     print(f"\n=== B={batch}: graph bucket {res['bucket']}; one step (the graph body): {s['kernels']} kernel launches = "
           f"{s['tilelang']} TileLang + {s['glue']} glue + {s['gemm']} cuBLAS (+{s['memcpy_d2d']} D2D memcpy); "
@@ -715,6 +760,9 @@ def parse(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--top", type=int, default=40, help="glue source sites kept in the JSON / printed")
+    ap.add_argument("--drafting", nargs="+", default=[], choices=("greedy", "sampled", "cut"),
+                    help="also count one DSpark drafting step per batch in these modes (the model then carries "
+                         "V4.1-Flash's three draft layers, so the decode step writes their context too)")
     ap.add_argument("--out", default="benchmarks/results/decode_launch_census.json")
     return ap.parse_args(argv)
 
@@ -742,9 +790,9 @@ def main(argv=None) -> int:
     a = parse(argv)
     t0 = time.time()
     census = Census()
-    results = {}
+    results, drafting = {}, {}
     with fake_cuda(census) as capturing:
-        model = build_model(a.model)
+        model = build_model(a.model, drafts=bool(a.drafting))
         warmed = warm_weight_checks(model)
         print(f"model {a.model} built on fake CUDA in {time.time() - t0:.1f} s ({warmed} weight scale checks "
               "answered as a warm-up would); ops: "
@@ -756,6 +804,18 @@ def main(argv=None) -> int:
             info["torch_fallbacks"] = _delta(before, fallback_counts())  # warm-up + counted step: 2 calls each
             results[str(b)] = summarize(census, info, a.top)
             print_report(b, results[str(b)], a.top)
+        for b in a.batches:
+            for mode in a.drafting:
+                census.__init__()
+                before = fallback_counts()
+                info = census_drafting(model, census, capturing, b, a.context, mode)
+                info["torch_fallbacks"] = _delta(before, fallback_counts())
+                res = summarize(census, info, a.top)
+                print_report(f"{b}, DSpark drafting ({mode})", res, a.top)
+                # one region: the totals, the builders and the glue by line say it (the .log has the rest)
+                drafting[f"{b} {mode}"] = {k: v for k, v in res.items()
+                                           if k not in ("per_region", "glue_sites", "gemm_sites", "tilelang_sites")}
+                drafting[f"{b} {mode}"]["glue_lines"] = res["glue_lines"][:DRAFT_LINES]
     lines = by_batch(results)
     if len(results) > 1:
         print(f"\nglue lines by batch ({', '.join('B=' + b for b in results)}):")
@@ -770,7 +830,8 @@ def main(argv=None) -> int:
                 limits=next(p for p in __doc__.split("\n\n") if p.startswith("Limits")).replace("\n", " "))
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump(dict(meta=meta, targets=targets(results), batches=results, glue_lines_by_batch=lines), f,
+        json.dump(dict(meta=meta, targets=targets(results), batches=results, glue_lines_by_batch=lines,
+                       **({"drafting": drafting} if drafting else {})), f,
                   separators=(",", ":"))  # compact: the .log is the readable form
     print("wrote", a.out)
     return 0

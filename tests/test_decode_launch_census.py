@@ -66,3 +66,32 @@ def test_the_json_carries_the_kernels_per_layer_target(census):
     assert [t["name"] for t in census["targets"]] == [
         f"decode B={b}: kernels per layer of a step (CPU census)" for b in ("1", "8", "16")]
     assert all(t["target"] == 50 and t["met"] == (t["measured"] <= 50) for t in census["targets"])
+
+
+@pytest.fixture(scope="module")
+def drafting(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("census_drafting", ROOT / "benchmarks" / "decode_launch_census.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path_factory.mktemp("census") / "drafting.json"
+    args = ["--model", "flash_reduced", "--batches", "1", "8", "--context", "1024", "--drafting", "greedy", "sampled",
+            "cut", "--out", str(out)]
+    assert mod.main(args) == 0
+    return json.loads(out.read_text())["drafting"]
+
+
+def test_dspark_drafting_reads_nothing_on_the_host_in_any_mode(drafting):
+    """The drafting graph's body for greedy, sampled and top-k/top-p batches ran under registry.no_host_reads (a
+    host read raises there, and a captured graph could not hold one): sampled requests can draft by replay. Each
+    mode adds only its choice's glue to the same draft-layer kernels, and no mode's launches grow with the batch."""
+    assert set(drafting) == {f"{b} {m}" for b in (1, 8) for m in ("greedy", "sampled", "cut")}
+    for b in (1, 8):
+        steps = [drafting[f"{b} {m}"]["step"] for m in ("greedy", "sampled", "cut")]
+        assert steps[0]["tilelang"] == steps[1]["tilelang"] == steps[2]["tilelang"] > 0
+        assert steps[0]["glue"] < steps[1]["glue"] < steps[2]["glue"]
+        assert all(drafting[f"{b} {m}"]["torch_fallbacks"] == {} for m in ("greedy", "sampled", "cut"))
+    for m in ("greedy", "sampled", "cut"):
+        assert drafting[f"1 {m}"]["step"]["kernels"] == drafting[f"8 {m}"]["step"]["kernels"]
+    # the attention bias of the block's queries is made once a step (DSpark.step), not by each draft layer
+    assert not [x for x in drafting["1 greedy"]["glue_lines"] if "dspark.py" in x["site"] and "__call__" in x["site"]
+                and {"masked_fill [index]", "zeros [fill]", "ones [fill]"} & set(x["ops"])]

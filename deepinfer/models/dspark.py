@@ -33,6 +33,7 @@ class DraftStep:
     ctx_valid: torch.Tensor  # [N, W] the position exists (>= 0)
     n: int
     block: int
+    bias: torch.Tensor  # [N * B, W + B] every block query's attention bias (-inf: no such position), all layers'
 
 
 @dataclass
@@ -71,11 +72,8 @@ class DraftAttention:
         ring = pools.draft_window[self.index]
         ctx = codec.decode(*(p[step.ctx_rows] for p in ring), dtype=h.dtype)  # [N, W, D]
         keys = torch.cat([ctx, block], 1)  # every block query sees the same slate
-        valid = torch.cat([step.ctx_valid, torch.ones(N, B, dtype=torch.bool, device=h.device)], 1)
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=h.device).masked_fill(~valid, float("-inf"))
         keys = keys.repeat_interleave(B, 0)
-        bias = bias.repeat_interleave(B, 0)
-        out = ops.sink_attention(q, keys, bias, w.attn_sink, self.scale)
+        out = ops.sink_attention(q, keys, step.bias, w.attn_sink, self.scale)
         out = ops.rope(out, step.positions, self.freqs, inverse=True)
         grouped = out.reshape(T, cfg.o_groups, -1)
         y = ops.grouped_linear(grouped, w.wo_a)
@@ -126,7 +124,11 @@ class DSpark:
         look = last[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
         rows = slots[:, None] * R + torch.remainder(look, R)
         positions = (last[:, None] + 1 + torch.arange(block, device=dev)[None, :]).reshape(-1)
-        return DraftStep(positions, rows, look >= 0, slots.shape[0], block)
+        valid = look >= 0
+        # the block's own keys always exist; made once a step, not by each draft layer
+        seen = torch.cat([valid, torch.ones(valid.shape[0], block, dtype=torch.bool, device=dev)], 1)
+        bias = torch.zeros(seen.shape, dtype=torch.float32, device=dev).masked_fill(~seen, float("-inf"))
+        return DraftStep(positions, rows, valid, slots.shape[0], block, bias.repeat_interleave(block, 0))
 
     @torch.inference_mode()
     def draft(self, golden: torch.Tensor, step: DraftStep, pools: CachePools,
@@ -158,8 +160,10 @@ class DSpark:
                 e = w.markov_embed[prev].float()
                 logits = logits + ops.linear(e, self.markov_head32)  # row-invariant GEMM
                 feats = torch.cat([feats, e], -1)
-            # a per-row product-sum (a GEMV's reduction order may follow the batch size): confidences, and so
-            # the varlen plan, do not depend on what else is drafted in the step
+            # a per-row product-sum (a GEMV's reduction order may follow the batch size), one position at a time:
+            # confidences, and so the varlen plan, do not depend on what else is drafted in the step (all
+            # positions' sums in one [N * B, D] reduction took another order on the CPU from 25 rows to 40, the
+            # graph bucket's padding)
             conf[:, i] = torch.sigmoid((feats * w.confidence).sum(-1) / temps[min(i, len(temps) - 1)])
             prev = choose(i, logits)
             drafts[:, i] = prev
