@@ -550,8 +550,9 @@ def warm_weight_checks(model) -> int:
     return n
 
 
-def census_step(model, census: Census, capturing: dict, batch: int, context: int) -> dict:
-    """One decode step of `batch` sequences of `context` tokens as DecodeGraphs captures and replays it."""
+def census_step(model, census: Census, capturing: dict, batch: int, context: int, drafts: bool = False) -> dict:
+    """One decode step of `batch` sequences of `context` tokens as DecodeGraphs captures and replays it (`drafts`:
+    in DSpark's pools, so the step also writes the draft layers' context rings, as every DSpark step does)."""
     from deepinfer.engine.cuda_graphs import DecodeGraphs
     from deepinfer.kernels.registry import no_host_reads
     from deepinfer.models.cache import SequenceCache, derive
@@ -559,7 +560,8 @@ def census_step(model, census: Census, capturing: dict, batch: int, context: int
     extra = 16  # decoded tokens the pools leave room for (decode_gpu.py: max_model_len = context + max_tokens + 64)
     max_model_len = context + extra + BLOCK_SIZE
     blocks_per_seq = -(-(context + extra) // BLOCK_SIZE)
-    pools = model.allocate_cache(batch, batch * blocks_per_seq, BLOCK_SIZE)
+    extra_pools = dict(max_rollback=DRAFTS, drafts=True) if drafts else {}
+    pools = model.allocate_cache(batch, batch * blocks_per_seq, BLOCK_SIZE, **extra_pools)
     graphs = DecodeGraphs(model, pools, batch, 8, -(-max_model_len // BLOCK_SIZE))
     states = [SequenceCache(pools, i, range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     for s in states:
@@ -800,7 +802,7 @@ def main(argv=None) -> int:
         for b in a.batches:
             census.__init__()
             before = fallback_counts()
-            info = census_step(model, census, capturing, b, a.context)
+            info = census_step(model, census, capturing, b, a.context, drafts=bool(a.drafting))
             info["torch_fallbacks"] = _delta(before, fallback_counts())  # warm-up + counted step: 2 calls each
             results[str(b)] = summarize(census, info, a.top)
             print_report(b, results[str(b)], a.top)

@@ -77,13 +77,22 @@ def drafting(tmp_path_factory):
     args = ["--model", "flash_reduced", "--batches", "1", "8", "--context", "1024", "--drafting", "greedy", "sampled",
             "cut", "--out", str(out)]
     assert mod.main(args) == 0
-    return json.loads(out.read_text())["drafting"]
+    return json.loads(out.read_text())
+
+
+def test_a_dspark_step_writes_the_draft_layers_context_through_window_kv(drafting):
+    """Every DSpark step writes each draft layer's context key into its ring: norm, rope, FP8 encode and the writes
+    as one window_kv launch a layer, no torch encode glue."""
+    for res in drafting["batches"].values():
+        assert res["tilelang_by_builder"]["build_window_kv"] == res["layers"] + 3  # the trunk's and the drafter's
+        assert not [x for x in res["glue_lines"] if "cache_formats.py" in x["site"] or "write_context" in x["site"]]
 
 
 def test_dspark_drafting_reads_nothing_on_the_host_in_any_mode(drafting):
     """The drafting graph's body for greedy, sampled and top-k/top-p batches ran under registry.no_host_reads (a
     host read raises there, and a captured graph could not hold one): sampled requests can draft by replay. Each
     mode adds only its choice's glue to the same draft-layer kernels, and no mode's launches grow with the batch."""
+    drafting = drafting["drafting"]
     assert set(drafting) == {f"{b} {m}" for b in (1, 8) for m in ("greedy", "sampled", "cut")}
     for b in (1, 8):
         steps = [drafting[f"{b} {m}"]["step"] for m in ("greedy", "sampled", "cut")]
