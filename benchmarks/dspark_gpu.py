@@ -105,17 +105,18 @@ def forced(j: int):
     return confidences
 
 
-SAMPLING = {"temperature": 0.0, "top_p": 1.0}  # --temperature / --top-p (greedy unless asked)
+GREEDY = {"temperature": 0.0, "top_p": 1.0}  # the sampling of a run without --temperature / --top-p
 
 
-def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int):
-    """One generate of `prompts`: (outputs, timed decode steps of all rows after `warmup`, fallbacks, seconds)."""
+def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int, sampling: dict = GREEDY):
+    """One generate of `prompts` with the `sampling` parameters (--temperature / --top-p): (outputs, timed decode
+    steps of all rows after `warmup`, fallbacks, seconds)."""
     from deepinfer import SamplingParams
     from deepinfer.kernels.registry import kernel_stats
 
     t0 = time.time()
     before = kernel_stats()["fallbacks"]
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seq_seed=i, **SAMPLING)
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seq_seed=i, **sampling)
               for i in range(len(prompts))]
     outs = engine.generate(prompts, params, use_tqdm=False)
     fallbacks = _fallback_delta(before, kernel_stats()["fallbacks"])
@@ -123,7 +124,7 @@ def run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int):
     return outs, decode[warmup: warmup + steps], fallbacks, time.time() - t0
 
 
-def profile_run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int) -> dict:
+def profile_run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int, sampling: dict) -> dict:
     """Two more generates of a row, untimed in the table (the profiler never touches its step times), with
     `max_tokens` and about half of it: each engine step (ModelRunner.execute: forward, verification, drafting; it
     ends on the host with its tokens) and its drafting (ModelRunner._draft, which ends with the drafts on the host)
@@ -154,7 +155,7 @@ def profile_run(engine, tap, prompts, max_tokens: int, warmup: int, steps: int) 
         runner.execute, runner._draft = timed("step", inner_execute), timed("draft", inner_draft)
         try:
             with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-                run(engine, tap, prompts, tokens, warmup, steps)
+                run(engine, tap, prompts, tokens, warmup, steps, sampling)
         finally:
             del runner.execute, runner._draft  # the instance attributes: the class's methods again
         if not spans["step"] or (dspark and not spans["draft"]):
@@ -414,10 +415,10 @@ def parse(argv=None):
     ap.add_argument("--varlen", action="store_true",
                     help="DSpark rows with decoding.varlen, confidences that trust j drafts (`forced`) and the "
                          "runner's accept_override passing them: the planner verifies the drafts that pass")
-    ap.add_argument("--temperature", type=float, default=0.0,
+    ap.add_argument("--temperature", type=float, default=GREEDY["temperature"],
                     help="sampled requests (with --varlen: the fixed-length rows need a greedy reference); their "
                          "drafting replays graphs too (deepinfer.sampling.static_drafts)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (drafting sorts each row)")
+    ap.add_argument("--top-p", type=float, default=GREEDY["top_p"], help="with --temperature: top-p (drafting sorts each row)")
     ap.add_argument("--eager", action="store_true",
                     help="CUDA graphs off (enforce_eager), a diagnosis: the graph checks then do not apply")
     ap.add_argument("--profile", nargs="+", default=[], metavar="B:J",
@@ -465,7 +466,7 @@ def main(argv=None) -> int:
     from deepinfer.models import synthetic
 
     t_start = time.time()
-    SAMPLING.update(temperature=a.temperature, top_p=a.top_p)
+    sampling = dict(temperature=a.temperature, top_p=a.top_p)
     on_cuda = a.device.startswith("cuda")
     graphs = on_cuda and not a.eager
     prefs = {"default": ["tilelang-sm90", "torch"]} if on_cuda else ["torch"]
@@ -478,7 +479,7 @@ def main(argv=None) -> int:
     meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu", torch=torch.__version__,
                 model=a.model, cmd=" ".join(sys.argv), time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 drafts=a.drafts, accepted=a.accepted, steps=a.steps, warmup=a.warmup, tolerance=a.tolerance,
-                varlen=a.varlen, sampling=dict(SAMPLING),
+                varlen=a.varlen, sampling=sampling,
                 graphs=graphs, note=FILLED_NOTE)
     rows, failures = [], []
     per_run = a.warmup + a.steps
@@ -518,9 +519,9 @@ def main(argv=None) -> int:
         engine, tap, _ = make_engine(model, fill=True, max_seqs=batch, context=a.context, max_tokens=per_run + 2,
                                      graphs=graphs, interval=8, batched_tokens=batched, seed=1)
         try:
-            outs, timed, fb, s = run(engine, tap, prompts, per_run + 2, a.warmup, a.steps)
+            outs, timed, fb, s = run(engine, tap, prompts, per_run + 2, a.warmup, a.steps, sampling)
             record(make_row(a.model, batch, a.context, None, outs, timed, fb, s, engine),
-                   lambda: profile_run(engine, tap, prompts, per_run + 2, a.warmup, a.steps))
+                   lambda: profile_run(engine, tap, prompts, per_run + 2, a.warmup, a.steps, sampling))
         finally:
             engine.close()
         # DSpark: j = 0 first (the reference: long enough for the largest j's run), then the same context again
@@ -547,13 +548,13 @@ def main(argv=None) -> int:
                 else:
                     runner.draft_override = None if j == 0 else controlled(j, reference, vocab)
                 tokens = ref_tokens if j == 0 else need[j]
-                outs, timed, fb, s = run(engine, tap, prompts, tokens, a.warmup, a.steps)
+                outs, timed, fb, s = run(engine, tap, prompts, tokens, a.warmup, a.steps, sampling)
                 if j == 0:
                     reference = {tuple(p[:KEY_PREFIX]): list(o.token_ids) for p, o in zip(prompts, outs)}
                 row = make_row(a.model, batch, a.context, j, outs, timed, fb, s, engine, a.varlen)
                 if not a.varlen:  # the fixed-length rows against the j = 0 run's output (lossless)
                     row["diverged"] = diverged(prompts, outs, reference)
-                record(row, lambda: profile_run(engine, tap, prompts, tokens, a.warmup, a.steps))
+                record(row, lambda: profile_run(engine, tap, prompts, tokens, a.warmup, a.steps, sampling))
         finally:
             engine.close()
     flush()

@@ -14,15 +14,19 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")]
 
 
-@pytest.fixture(scope="module")
-def census(tmp_path_factory):
+def _run_census(tmp_path_factory, *args: str) -> dict:
+    """The census script's JSON for `args` on the Flash-width model with one layer of each kind, 1K context."""
     spec = importlib.util.spec_from_file_location("census", ROOT / "benchmarks" / "decode_launch_census.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path_factory.mktemp("census") / "census.json"
-    args = ["--model", "flash_reduced", "--batches", "1", "8", "16", "--context", "1024", "--top", "1000"]
-    assert mod.main(args + ["--out", str(out)]) == 0
+    assert mod.main(["--model", "flash_reduced", "--context", "1024", *args, "--out", str(out)]) == 0
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def census(tmp_path_factory):
+    return _run_census(tmp_path_factory, "--batches", "1", "8", "16", "--top", "1000")
 
 
 # a kernel of every hot op kind of the step, each kind by its builders (the projections: the GEMV at one row, the
@@ -70,14 +74,7 @@ def test_the_json_carries_the_kernels_per_layer_target(census):
 
 @pytest.fixture(scope="module")
 def drafting(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("census_drafting", ROOT / "benchmarks" / "decode_launch_census.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path_factory.mktemp("census") / "drafting.json"
-    args = ["--model", "flash_reduced", "--batches", "1", "8", "--context", "1024", "--drafting", "greedy", "sampled",
-            "cut", "--out", str(out)]
-    assert mod.main(args) == 0
-    return json.loads(out.read_text())
+    return _run_census(tmp_path_factory, "--batches", "1", "8", "--drafting", "greedy", "sampled", "cut")
 
 
 def test_a_dspark_step_writes_the_draft_layers_context_through_window_kv(drafting):
