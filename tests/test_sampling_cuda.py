@@ -1,7 +1,9 @@
 """The sample stage on a CUDA device: draws equal to the CPU's and independent of the batch around them
 (marker gpu; skipped without a GPU)."""
 
+import dataclasses
 import random
+import warnings
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ KINDS = [
     SamplingParams(temperature=0.7, top_k=50, min_p=0.02),
     SamplingParams(temperature=0.0),
     SamplingParams(temperature=1.1, top_p=0.95, frequency_penalty=0.3, repetition_penalty=1.2),
+    SamplingParams(temperature=0.9, top_k=20, logit_bias={5: 2.0, 17: -1.5}, min_tokens=3, stop_token_ids=[9]),
+    SamplingParams(temperature=0.8, golden_token_ids=[4, 8, 15]),
 ]
 
 
@@ -65,3 +69,24 @@ def test_the_integer_cdf_draw_is_the_same_on_cuda_and_cpu():
     x = torch.randn(32, 129280) * 2
     u = [random.Random(i).random() for i in range(32)]
     assert draw_from_weights(fixed_point_weights(x.cuda()), u) == draw_from_weights(fixed_point_weights(x), u)
+
+
+def test_a_sampled_step_reads_the_device_once():
+    # right after the step's graph replay every wait for the device leaves it idle: the rows' parameters travel
+    # as queued copies and the answer (tokens, why none could be chosen, logprobs) comes back in one read. torch's
+    # sync debug mode warns at each synchronising call
+    logits, rows = _batch(129280, 16, seed=3)
+    rows = [dataclasses.replace(r, params=dataclasses.replace(r.params, top_logprobs=0)) for r in rows]
+    sampler = Sampler(129280, eos_token_id=1)
+    logits = logits.cuda()
+    sampler.sample(logits, rows)  # first use: allocations, lazy initialisation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            sampler.sample(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs

@@ -279,7 +279,7 @@ class DraftGraphs:
 
     @staticmethod
     def mode(chooser) -> str:
-        from deepinfer.sampling.static_drafts import wants_cut
+        from deepinfer.sampling.row_columns import wants_cut
 
         if chooser is None or not chooser.sampled:
             return "greedy"

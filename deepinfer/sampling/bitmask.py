@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.sampling.queued_copy import queued
+
 ALL_ALLOWED = -1  # an int32 word with every bit set
 
 
@@ -31,7 +33,7 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Sets the logits of disallowed tokens to -inf in place; bitmask may live on another device. Columns the
     bitmask does not cover (a mask built for a narrower vocabulary) are left alone."""
     covered = min(logits.shape[-1], bitmask.shape[-1] * 32)
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), covered)
+    allowed = unpack_bitmask(queued(bitmask, logits.device), covered)
     logits[:, :covered].masked_fill_(~allowed, float("-inf"))
     return logits
 

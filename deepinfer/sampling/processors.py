@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 
 from deepinfer.sampling.fixed_point import fixed_point_weights
+from deepinfer.sampling.queued_copy import queued_values
 
 NEG_INF = float("-inf")
 
 
 def _column(values: list, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return queued_values(values, like.dtype, like.device).unsqueeze(1)
 
 
 def token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
@@ -24,7 +25,7 @@ def token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch
     flat = [r * vocab_size + t for r, ids in enumerate(token_lists) for t in ids if 0 <= t < vocab_size]
     counts = torch.zeros(rows * vocab_size, dtype=torch.float32, device=device)
     if flat:
-        index = torch.tensor(flat, dtype=torch.int64, device=device)
+        index = queued_values(flat, torch.int64, device)
         counts.index_add_(0, index, torch.ones(len(flat), dtype=torch.float32, device=device))
     return counts.view(rows, vocab_size)
 
@@ -91,11 +92,11 @@ def _drop_past_top_p(vals: torch.Tensor, weights: torch.Tensor, total: torch.Ten
 
 
 def _k_column(ks: list[int], vocab: int, device) -> torch.Tensor:
-    return torch.tensor([kk if kk > 0 else vocab for kk in ks], device=device).unsqueeze(1)
+    return queued_values([kk if kk > 0 else vocab for kk in ks], torch.int64, device).unsqueeze(1)
 
 
 def _p_column(ps: list[float], device) -> torch.Tensor:
-    return torch.tensor(ps, dtype=torch.float64, device=device).unsqueeze(1)
+    return queued_values(ps, torch.float64, device).unsqueeze(1)
 
 
 def _cut_from_sorted_row(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

@@ -36,9 +36,11 @@ import torch
 
 from deepinfer.sampling import processors as proc
 from deepinfer.sampling.bitmask import allocate_bitmask, apply_bitmask_
-from deepinfer.sampling.fixed_point import draw_from_weights, fixed_point_weights
+from deepinfer.sampling.fixed_point import draw_tokens
 from deepinfer.sampling.logprobs import SampleOutput, raw_logprobs, top_n
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.queued_copy import queued_values
+from deepinfer.sampling.row_columns import processed_weights
 from deepinfer.sampling.seeds import DrawKind, uniform
 
 __all__ = ["Sampler", "SampleRow", "SampleOutput", "VerifyRequest"]
@@ -149,24 +151,21 @@ class Sampler:
                         break
                     advanced[i] += 1
         logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
-        # a few whole-step reads instead of per-request ones: every row's argmax (greedy rows choose it; an
-        # accepted greedy draft equals it) and why no token can be chosen, if none can. With every request greedy
-        # and no top logprobs asked, every token a verdict keeps is its row's argmax, so one read (greedy_reads)
-        # also brings the logprobs
+        # one whole-step read instead of per-request ones: every row's argmax (greedy rows choose it; an accepted
+        # greedy draft equals it), why no token can be chosen (if none can) and the argmax's logprob. With every
+        # request greedy and no top logprobs asked, every token a verdict keeps is its row's argmax, so that read
+        # also brings every logprob reported
         fast = all(req.row.params.greedy and not req.row.params.top_logprobs for req in requests)
-        if fast:
-            greedy_target, codes, row_lps = greedy_reads(logprobs, x, vocab)
-            blocked = [BLOCKED[c] for c in codes]
-        else:
-            blocked = row_blocked(x)
-            greedy_target = x.argmax(dim=-1).tolist()
+        greedy_target, codes, row_lps = greedy_reads(logprobs, x, vocab)
+        blocked = [BLOCKED[c] for c in codes]
         verdicts = [spec.accept_greedy_ids(greedy_target[start : start + k + 1], req.drafts)
                     if req.row.params.greedy else None for req, (start, k) in zip(requests, spans)]
         sampled = [i for i, v in enumerate(verdicts) if v is None]
         if sampled:  # every sampled request's rows in one batch (row-local transforms: the same weights)
             rows_of = [range(spans[i][0], spans[i][0] + spans[i][1] + 1) for i in sampled]
-            p = spec.processed_weights(x[[r for rs in rows_of for r in rs]],
-                                       [requests[i].row.params for i, rs in zip(sampled, rows_of) for _ in rs])
+            at = queued_values([r for rs in rows_of for r in rs], torch.int64, x.device)
+            p, _ = processed_weights(x.index_select(0, at), [requests[i].row.params for i, rs in zip(sampled, rows_of)
+                                                             for _ in rs], vocab)
             batch = [spec.SampledDrafts(requests[i].drafts, requests[i].draft_weights, requests[i].row.seed,
                                         requests[i].row.position) for i in sampled]
             for i, v in zip(sampled, spec.accept_sampled_rows(p, batch)):
@@ -176,9 +175,10 @@ class Sampler:
         if fast:  # each kept token is its row's argmax (accept_greedy_ids): its logprob came with the read
             lps, tops = [row_lps[r] for r in chosen], [None] * len(chosen)
         else:
-            lps = logprobs[chosen].gather(1, torch.tensor(tokens, device=x.device).clamp(max=vocab - 1)[:, None])
-            lps = lps.squeeze(1).tolist()
-            tops = top_n(logprobs[chosen], [requests[i].row.params.top_logprobs for i, v in enumerate(verdicts)
+            kept = logprobs.index_select(0, queued_values(chosen, torch.int64, x.device))
+            ids = queued_values(tokens, torch.int64, x.device).clamp(max=vocab - 1)
+            lps = kept.gather(1, ids[:, None]).squeeze(1).tolist()
+            tops = top_n(kept, [requests[i].row.params.top_logprobs for i, v in enumerate(verdicts)
                                             for _ in v.rows])
         results, at = [], 0
         for i, (req, v) in enumerate(zip(requests, verdicts)):
@@ -206,47 +206,43 @@ class Sampler:
     def _sample_rows(
         self, logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None
     ) -> list[SampleOutput]:
+        """Every row's token, why none could be chosen (if so) and its raw logprob come to the host in one read;
+        everything before it is queued on the device (row_columns says why that matters)."""
         vocab = min(self.vocab_size, logits.shape[1])
         logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
-        if all(row.params.greedy and not row.params.golden_token_ids and not row.params.top_logprobs
-               for row in rows):
-            tokens, codes, lps = greedy_reads(logprobs, x, vocab)
-            return [SampleOutput(t, lp if row.params.reports_logprobs else None, None, BLOCKED[c])
-                    for row, t, c, lp in zip(rows, tokens, codes, lps)]
-        stuck = row_blocked(x)
-
-        tokens = [0] * len(rows)
-        greedy = [r for r, row in enumerate(rows) if row.params.greedy]
+        tokens = x.argmax(dim=-1)  # greedy rows: ties go to the lowest token id
         sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
-        if greedy:
-            # torch.argmax returns the first maximum: ties go to the lowest token id.
-            for r, t in zip(greedy, x[greedy].argmax(dim=-1).tolist()):
-                tokens[r] = t
         if sampled:
-            for r, t in zip(sampled, self._draw(x[sampled], [rows[r] for r in sampled])):
-                tokens[r] = t
-        forced = self._golden_(tokens, rows, vocab)
-
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=x.device).clamp(max=vocab - 1).unsqueeze(1))
+            at = queued_values(sampled, torch.int64, x.device)
+            w, cols = processed_weights(
+                x.index_select(0, at), [rows[r].params for r in sampled], vocab,
+                [[uniform(rows[r].seed, rows[r].position, DrawKind.TOKEN)] for r in sampled])
+            tokens.index_copy_(0, at, draw_tokens(w, cols.uniforms[:, 0]))
+        forced = self._golden_(rows, vocab)
+        if forced:  # the forced ids, clamped only where they pick a logprob (an out-of-range one is an error)
+            at = queued_values(list(forced), torch.int64, x.device)
+            ids = queued_values([min(t, vocab - 1) for t, _ in forced.values()], torch.int64, x.device)
+            tokens.index_copy_(0, at, ids)
+        ids, codes, lps = token_reads(logprobs, x, tokens, vocab)
         tops = top_n(logprobs, [row.params.top_logprobs for row in rows])
         outputs = []
-        for r, (t, lp, top) in enumerate(zip(tokens, chosen.squeeze(1).tolist(), tops)):
-            error = forced.get(r, stuck[r])  # a forced token needs no allowed one, only a valid id
-            outputs.append(SampleOutput(t, lp if rows[r].params.reports_logprobs else None, top, error))
+        for r, (row, t, c, lp, top) in enumerate(zip(rows, ids, codes, lps, tops)):
+            t, error = forced.get(r, (t, BLOCKED[c]))  # a forced token needs no allowed one, only a valid id
+            outputs.append(SampleOutput(t, lp if row.params.reports_logprobs else None, top, error))
         return outputs
 
     @staticmethod
-    def _golden_(tokens: list[int], rows: list[SampleRow], vocab: int) -> dict[int, str | None]:
-        """golden_token_ids (DeepInfer's teacher forcing): the drawn token of a row whose position the list covers
-        is replaced by the forced one (the grammar, if any, must still accept it). Returns {row: error or None}."""
+    def _golden_(rows: list[SampleRow], vocab: int) -> dict[int, tuple[int, str | None]]:
+        """golden_token_ids (DeepInfer's teacher forcing): the token of a row whose position the list covers is the
+        forced one, not the drawn one (the grammar, if any, must still accept it). Returns {row: (token, error or
+        None)}."""
         forced = {}
         for r, row in enumerate(rows):
             golden = row.params.golden_token_ids
             if golden and row.position < len(golden):
                 t = golden[row.position]
-                tokens[r] = t
-                forced[r] = None if t < vocab else (
-                    f"SamplingParams.golden_token_ids[{row.position}]={t} is out of range; allowed: a token id < {vocab}")
+                forced[r] = (t, None if t < vocab else f"SamplingParams.golden_token_ids[{row.position}]={t} is out "
+                                                         f"of range; allowed: a token id < {vocab}")
         return forced
 
     def _logprobs_and_masked(self, logits, rows, bitmask, vocab):
@@ -275,7 +271,7 @@ class Sampler:
                 banned += [] if eos is None else [eos]
             banned = [t for t in banned if t < x.shape[1]]
             if banned:
-                x[r, banned] = float("-inf")
+                x[r].index_fill_(0, queued_values(banned, torch.int64, x.device), float("-inf"))
 
     def _penalties_(self, x: torch.Tensor, rows: list[SampleRow]) -> None:
         idx = [
@@ -287,7 +283,8 @@ class Sampler:
         ]
         if not idx:
             return
-        sub = x[idx]
+        at = queued_values(idx, torch.int64, x.device)
+        sub = x.index_select(0, at)
         width = sub.shape[1]
         out_counts = proc.token_counts([rows[r].output_ids for r in idx], width, x.device)
         rep = [rows[r].params.repetition_penalty for r in idx]
@@ -300,7 +297,7 @@ class Sampler:
             [rows[r].params.frequency_penalty for r in idx],
             [rows[r].params.presence_penalty for r in idx],
         )
-        x[idx] = sub
+        x.index_copy_(0, at, sub)
 
     @staticmethod
     def _logit_bias_(x: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -309,17 +306,8 @@ class Sampler:
             if bias:
                 ids = [t for t in bias if t < x.shape[1]]
                 if ids:
-                    x[r, ids] += torch.tensor([float(bias[t]) for t in ids], dtype=x.dtype, device=x.device)
-
-    def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-        params = [row.params for row in rows]
-        proc.apply_temperature_(x, [p.temperature for p in params])
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            proc.apply_top_k_top_p_(x, [p.top_k for p in params], [p.top_p for p in params])
-        if any(p.min_p > 0.0 for p in params):
-            proc.apply_min_p_(x, [p.min_p for p in params])
-        uniforms = [uniform(row.seed, row.position, DrawKind.TOKEN) for row in rows]
-        return draw_from_weights(fixed_point_weights(x), uniforms)
+                    x[r].index_add_(0, queued_values(ids, torch.int64, x.device),
+                                    queued_values([float(bias[t]) for t in ids], x.dtype, x.device))
 
     @staticmethod
     def _advance_grammars(rows: list[SampleRow], outputs: list[SampleOutput]) -> None:
@@ -345,18 +333,15 @@ def blocked_codes(x: torch.Tensor) -> torch.Tensor:
     return (top == float("-inf")).to(torch.int8) + 2 * (torch.isnan(top) | (top == float("inf"))).to(torch.int8)
 
 
-def row_blocked(x: torch.Tensor) -> list[str | None]:
-    """Per row of processed logits x: why no token can be chosen (BLOCKED[blocked_codes]), else None; one host
-    read."""
-    return [BLOCKED[c] for c in blocked_codes(x).tolist()]
-
-
-def greedy_reads(logprobs: torch.Tensor, x: torch.Tensor, vocab: int) -> tuple[list[int], list[int], list[float]]:
-    """Per row of processed logits x: its argmax (ties: the lowest id), its blocked_codes value and the raw logprob
-    of that token, read back in one transfer (float64 holds the ids and the float32 logprobs exactly). Greedy
-    steps need nothing else from the device, and each separate host read is a synchronisation that leaves the
-    device idle while the host waits, then launches the next read."""
-    tokens = x.argmax(dim=-1)
+def token_reads(logprobs: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, vocab: int):
+    """Per row of processed logits x: the chosen token (a device tensor), its blocked_codes value and the raw
+    logprob of that token, read back in one transfer (float64 holds the ids and the float32 logprobs exactly): each
+    separate host read is a synchronisation that leaves the device idle while the host waits."""
     chosen = logprobs.gather(1, tokens.clamp(max=vocab - 1).unsqueeze(1)).squeeze(1)
     back = torch.stack([tokens.double(), blocked_codes(x).double(), chosen.double()]).tolist()
     return [int(t) for t in back[0]], [int(c) for c in back[1]], back[2]
+
+
+def greedy_reads(logprobs: torch.Tensor, x: torch.Tensor, vocab: int) -> tuple[list[int], list[int], list[float]]:
+    """token_reads of each row's argmax (ties: the lowest id): all a greedy step needs from the device."""
+    return token_reads(logprobs, x, x.argmax(dim=-1), vocab)

@@ -28,21 +28,12 @@ from fractions import Fraction
 
 import torch
 
-from deepinfer.sampling import processors as proc
-from deepinfer.sampling.fixed_point import draw_from_weights, draw_tokens, fixed_point_scale, fixed_point_weights
+from deepinfer.sampling.fixed_point import draw_from_weights, draw_tokens, fixed_point_scale
+from deepinfer.sampling.queued_copy import queued_values
+from deepinfer.sampling.row_columns import processed_weights
 from deepinfer.sampling.seeds import DrawKind, uniform
 
 ACCEPT, RESIDUAL = 1, 2  # uniform indices within the DRAFT stream of a position (0 draws the draft itself)
-
-
-def processed_weights(x: torch.Tensor, params: list) -> torch.Tensor:
-    """Integer weights of the distribution a sampled row draws from: temperature, top-k/p, min-p (in place on x)."""
-    proc.apply_temperature_(x, [p.temperature for p in params])
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        proc.apply_top_k_top_p_(x, [p.top_k for p in params], [p.top_p for p in params])
-    if any(p.min_p > 0.0 for p in params):
-        proc.apply_min_p_(x, [p.min_p for p in params])
-    return fixed_point_weights(x)
 
 
 @dataclass
@@ -68,9 +59,10 @@ class DraftChooser:
         tokens = x.argmax(dim=-1)
         if self.sampled:
             reqs = [self.requests[r] for r in self.sampled]
-            w = processed_weights(x[self.sampled], [q.params for q in reqs])
-            drawn = draw_from_weights(w, [uniform(q.seed, q.position + i, DrawKind.DRAFT) for q in reqs])
-            tokens[self.sampled] = torch.tensor(drawn, dtype=tokens.dtype, device=tokens.device)
+            at = queued_values(self.sampled, torch.int64, x.device)
+            w, cols = processed_weights(x.index_select(0, at), [q.params for q in reqs], self.vocab,
+                                        [[uniform(q.seed, q.position + i, DrawKind.DRAFT)] for q in reqs])
+            tokens.index_copy_(0, at, draw_tokens(w, cols.uniforms[:, 0]))
             for j, r in enumerate(self.sampled):
                 self.weights[r].append(w[j])
         for r in self.greedy:
@@ -163,12 +155,12 @@ def accept_sampled_rows(p: torch.Tensor, requests: list[SampledDrafts]) -> list[
         at += len(req.drafts) + 1
     parts = [p.sum(dim=-1)]
     if tested:
-        rows = torch.tensor([r for r, _, _ in tested], dtype=torch.int64).to(dev)
-        ids = torch.tensor([d for _, d, _ in tested], dtype=torch.int64).to(dev)
+        rows = queued_values([r for r, _, _ in tested], torch.int64, dev)
+        ids = queued_values([d for _, d, _ in tested], torch.int64, dev)
         parts.append(p[rows, ids])
     if q_rows:
         q = torch.stack(q_rows)
-        q_ids = torch.tensor([d for _, d, qi in tested if qi >= 0], dtype=torch.int64).to(dev)
+        q_ids = queued_values([d for _, d, qi in tested if qi >= 0], torch.int64, dev)
         parts += [q.sum(dim=-1), q.gather(1, q_ids[:, None]).squeeze(1)]
     read = torch.cat(parts).tolist()
     n, t, m = p.shape[0], len(tested), len(q_rows)
@@ -193,7 +185,7 @@ def accept_sampled_rows(p: torch.Tensor, requests: list[SampledDrafts]) -> list[
             j = rejected[0]
             finals.append((s + j, uniform(req.seed, req.position + j, DrawKind.DRAFT, RESIDUAL), rejected))
 
-    w = p[torch.tensor([f[0] for f in finals], dtype=torch.int64).to(dev)]
+    w = p[queued_values([f[0] for f in finals], torch.int64, dev)]
     rej = [i for i, f in enumerate(finals) if f[2] is not None]
     if rej:
         pr = w[rej]
@@ -203,15 +195,16 @@ def accept_sampled_rows(p: torch.Tensor, requests: list[SampledDrafts]) -> list[
             qr[given] = torch.stack([finals[rej[row]][2][1] for row in given])
         points = [(row, finals[i][2][2]) for row, i in enumerate(rej) if finals[i][2][1] is None]
         if points:
-            qr[torch.tensor([r for r, _ in points]).to(dev), torch.tensor([d for _, d in points]).to(dev)] = 1
+            at = queued_values([[r, d] for r, d in points], torch.int64, dev)
+            qr[at[:, 0], at[:, 1]] = 1
         # _draw_residual's arithmetic row by row: p / sp - q / sq in float64, the clamp, the row max, the scale
-        sp_col = torch.tensor([[float(finals[i][2][3])] for i in rej], dtype=torch.float64).to(dev)
-        sq_col = torch.tensor([[float(finals[i][2][4])] for i in rej], dtype=torch.float64).to(dev)
+        sp_col = queued_values([[float(finals[i][2][3])] for i in rej], torch.float64, dev)
+        sq_col = queued_values([[float(finals[i][2][4])] for i in rej], torch.float64, dev)
         r = (pr.double() / sp_col - qr.double() / sq_col).clamp_min(0)
         top = r.max(dim=-1, keepdim=True).values
         scaled = torch.floor(r / torch.where(top > 0, top, 1.0) * fixed_point_scale(V)).to(torch.int64)
         w[rej] = torch.where(top > 0, scaled, pr)  # p == q up to rounding: p itself, as _draw_residual
-    drawn = draw_tokens(w, torch.tensor([f[1] for f in finals], dtype=torch.float64).to(dev)).tolist()
+    drawn = draw_tokens(w, queued_values([f[1] for f in finals], torch.float64, dev)).tolist()
     verdicts = []
     for req, f, token in zip(requests, finals, drawn):
         j = len(req.drafts) if f[2] is None else f[2][0]

@@ -15,20 +15,10 @@ import torch
 
 from deepinfer.sampling import processors as proc
 from deepinfer.sampling.fixed_point import draw_tokens, fixed_point_weights
+from deepinfer.sampling.queued_copy import queued
+from deepinfer.sampling.row_columns import RowColumns, host_row
 from deepinfer.sampling.seeds import DrawKind, uniform
 from deepinfer.sampling.speculative import DraftChooser
-
-
-def _queued(t: torch.Tensor, device) -> torch.Tensor:
-    """t on `device`, a CUDA copy queued in stream order from pinned memory (a pageable copy would wait for the
-    GPU to drain: the host would lose its lead under async scheduling)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def wants_cut(params) -> bool:
-    return params.top_k > 0 or params.top_p < 1.0
 
 
 class StaticDraftChooser:
@@ -53,22 +43,20 @@ class StaticDraftChooser:
         """The parameters of chooser's requests in rows 0..B-1 and neutral rows up to `size` (the graph's bucket),
         in one host-to-device copy. top-k off is k = the vocabulary: past it the sorted row holds only the padding
         columns' -inf."""
-        neutral = [1.0, 0.0, float(self.vocab), 1.0, 0.0, 0.0] + [0.0] * self.block  # temperature 1, no cut
-        rows = [neutral] * size
+        zeros = [0.0] * self.block
+        rows = [host_row(None, self.vocab, zeros) + [0.0]] * size  # the last column: the row samples
         for r in chooser.sampled:
             q = chooser.requests[r]
-            p = q.params
-            rows[r] = [p.temperature, p.min_p, p.top_k if p.top_k > 0 else self.vocab, p.top_p, float(wants_cut(p)),
-                       1.0] + [uniform(q.seed, q.position + i, DrawKind.DRAFT) for i in range(self.block)]
-        host = torch.tensor(rows, dtype=torch.float64)
-        dev = _queued(host, self.temperature.device)
-        self.temperature[:size, 0] = dev[:, 0].float()
-        self.min_p[:size, 0] = dev[:, 1].float()
-        self.top_k[:size, 0] = dev[:, 2].long()
-        self.top_p[:size, 0] = dev[:, 3]
-        self.cuts[:size, 0] = dev[:, 4] > 0
-        self.sampled[:size] = dev[:, 5] > 0
-        self.uniforms[:size] = dev[:, 6:]
+            rows[r] = host_row(q.params, self.vocab, [uniform(q.seed, q.position + i, DrawKind.DRAFT)
+                                                      for i in range(self.block)]) + [1.0]
+        cols = RowColumns.from_host(rows, self.temperature.device)
+        self.temperature[:size] = cols.temperature
+        self.min_p[:size] = cols.min_p
+        self.top_k[:size] = cols.top_k
+        self.top_p[:size] = cols.top_p
+        self.cuts[:size] = cols.cut
+        self.sampled[:size] = cols.uniforms[:, -1] > 0
+        self.uniforms[:size] = cols.uniforms[:, :-1]
 
     def choose(self, cut: bool):
         def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
@@ -91,7 +79,7 @@ class StaticDraftChooser:
     def hand_over(self, chooser: DraftChooser) -> None:
         """The sampled rows' weights into chooser.weights (as DraftChooser keeps them), copied out of the static
         buffer that the next replay overwrites: a request not verified next step still holds its own."""
-        q = self.weights[_queued(torch.tensor(chooser.sampled), self.weights.device)]
+        q = self.weights[queued(torch.tensor(chooser.sampled), self.weights.device)]
         for j, r in enumerate(chooser.sampled):
             chooser.weights[r] = list(q[j].unbind(0))
         for r in chooser.greedy:
