@@ -87,8 +87,10 @@ def _drop_past_top_p(vals: torch.Tensor, weights: torch.Tensor, total: torch.Ten
     against, p each row's top_p (float64 [rows, 1]). Returns vals with the tokens past each row's top_p mass at
     -inf."""
     mass_before = torch.cumsum(weights, dim=-1) - weights  # mass of the strictly more likely tokens
-    drop = (mass_before.double() >= p * total.double()) & (p < 1.0)  # p == 1 keeps every token
-    return vals.masked_fill(drop, NEG_INF)
+    # p == 1 keeps every token: an infinite bar. The int64 masses meet the float64 bar in float64 (the comparison's
+    # type promotion), as if cast first
+    bar = torch.where(p < 1.0, p * total.double(), float("inf"))
+    return vals.masked_fill(mass_before >= bar, NEG_INF)
 
 
 def _k_column(ks: list[int], vocab: int, device) -> torch.Tensor:
