@@ -10,6 +10,7 @@ import torch
 from deepinfer.sampling import SampleRow, Sampler, SamplingParams, prompt_logprobs
 from deepinfer.sampling import processors as proc
 from deepinfer.sampling.logprobs import raw_logprobs
+from deepinfer.sampling.row_columns import RowColumns, host_row, transform_
 
 NEG_INF = float("-inf")
 
@@ -39,10 +40,19 @@ def test_frequency_scales_with_count_and_presence_applies_once():
     assert x.tolist() == [[2.0 - 2 * 0.5 - 0.25, -1.0 - 0.5 - 0.25, 0.5, 3.0]]
 
 
+def transformed(x, *params):
+    """Steps 5-8 (temperature, top-k/top-p, min-p) as the sampler applies them, one row per params."""
+    cols = RowColumns.from_host([host_row(p, x.shape[-1], []) for p in params], x.device)
+    return transform_(x, list(params), cols)
+
+
 def test_temperature_divides_logits():
-    x = t([1.0, 2.0])
-    proc.apply_temperature_(x, [0.5])
-    assert x.tolist() == [[2.0, 4.0]]
+    assert transformed(t([1.0, 2.0]), SamplingParams(temperature=0.5)).tolist() == [[2.0, 4.0]]
+
+
+def test_a_row_that_samples_nothing_is_left_as_it_is():
+    x = t([1.0, -2.5, 0.3])
+    assert torch.equal(transformed(x.clone(), None), x)
 
 
 def test_top_k_keeps_k_tokens_and_breaks_ties_by_lowest_id():
@@ -98,8 +108,7 @@ def test_cutting_from_candidates_equals_sorting_the_whole_row():
 
 @pytest.mark.parametrize("min_p, kept", [(0.2, [0, 1, 2]), (0.5, [0, 1]), (0.0, [0, 1, 2, 3])])
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(min_p, kept):
-    x = t([math.log(p) for p in [0.5, 0.3, 0.15, 0.05]])
-    proc.apply_min_p_(x, [min_p])
+    x = transformed(t([math.log(p) for p in [0.5, 0.3, 0.15, 0.05]]), SamplingParams(temperature=1.0, min_p=min_p))
     assert [i for i, v in enumerate(x[0].tolist()) if v > NEG_INF] == kept
 
 

@@ -46,10 +46,6 @@ def apply_additive_penalties_(
     logits -= _column(presence, logits) * (output_counts > 0).to(logits.dtype)
 
 
-def apply_temperature_(logits: torch.Tensor, temperature: list[float]) -> None:
-    logits /= _column(temperature, logits)
-
-
 CANDIDATES = 1024  # top-k/top-p look at this many most likely tokens first, sorting the whole row only if needed
 
 
@@ -138,13 +134,9 @@ def _cut_from_candidates(x: torch.Tensor, ks: list[int], ps: list[float], width:
     return out, (kept <= certain).tolist()
 
 
-def apply_min_p_(logits: torch.Tensor, min_p: list[float]) -> None:
-    """Drops tokens whose probability is below min_p times the most likely token's (p_i < min_p * p_max,
-    i.e. logit_i < logit_max + log(min_p), which needs no softmax)."""
-    apply_min_p_column_(logits, _column(min_p, logits))
-
-
 def apply_min_p_column_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
-    """apply_min_p_ with min_p a column of the logits' dtype [rows, 1] (0: off, log(0) = -inf drops nothing)."""
+    """Drops tokens whose probability is below min_p times the most likely token's (p_i < min_p * p_max, i.e.
+    logit_i < logit_max + log(min_p), which needs no softmax). min_p: a column of the logits' dtype [rows, 1] (0:
+    off, log(0) = -inf drops nothing)."""
     threshold = torch.log(min_p) + logits.max(dim=-1, keepdim=True).values
     logits.masked_fill_(logits < threshold, NEG_INF)

@@ -8,7 +8,7 @@ parameters travel once and the only read left is the step's answer.
 
 On the CPU the top-k/top-p cut takes the candidate path (`processors.apply_top_k_top_p_`, a host read that costs
 nothing there, and far cheaper than sorting a 129k row); elsewhere the full stable sort, its definition, which
-reads nothing on the host. Both give the same bits (tests/test_sampling_processors.py).
+reads nothing on the host. Both give the same bits (tests/test_sampling_pipeline.py).
 """
 
 from __future__ import annotations
