@@ -278,6 +278,44 @@ def test_the_gemv_machine_code(m_max, tmp_path):
     assert regs <= (200 if m_max == 1 else 255), regs
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("name", ["wq_a", "wkv", "wo_a_group", "wo_b"])
+def test_the_gemv_fits_four_blocks_an_sm_without_spilling(name, tmp_path):
+    """linear.GEMV_BLOCKS_PER_SM = 4 (__launch_bounds__(128, 4)): every Flash shape at one row in <= 128 registers,
+    no spill (wo_b takes 186 left to itself, two blocks an SM)."""
+    from tilelang import env
+
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
+
+    n, k = FLASH[name]
+    src = lower_source(build_fp8_gemv(n, k, 1, 1, 1, False, 4), "sm_90a")
+    assert "__launch_bounds__(128, 4)" in src
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
+           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = res.stdout + res.stderr
+    assert "0 bytes spill stores" in log, log[-2000:]
+    assert int(log.split("Used ")[1].split(" registers")[0]) <= 128
+
+
+def test_the_launcher_asks_the_gemv_for_its_blocks_an_sm_only_when_set(monkeypatch):
+    from deepinfer.kernels.tilelang import linear as launcher
+
+    specs = []
+    monkeypatch.setattr(launcher, "jit", lambda builder, *a: specs.append((builder.__name__, a)) or (lambda *t: None))
+    w = Fp8BlockWeight(torch.zeros(*FLASH["wo_b"], dtype=torch.uint8), torch.zeros(160, 256, dtype=torch.uint8))
+    x = torch.zeros(1, FLASH["wo_b"][1], dtype=torch.bfloat16)
+    launcher.fp8_gemv(x, w)
+    monkeypatch.setattr(launcher, "GEMV_BLOCKS_PER_SM", 4)
+    launcher.fp8_gemv(x, w)
+    own = (5120, 8192, 1, 1, 1, False)
+    assert specs == [("build_fp8_gemv", own), ("build_fp8_gemv", own + (4,))]
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_the_dense_dequantisation_lowers_to_one_pass_of_16_byte_loads_and_hardware_conversions(arch):
     """fp8_dense_kernel.py (the projections' weight for cuBLAS from linear.DENSE_ROWS rows): 16 codes a thread in

@@ -37,14 +37,15 @@ def chunk_width(k_dim: int) -> int:
 
 
 def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, groups: int = 1,
-                   weights_before_wait: bool = False):
+                   weights_before_wait: bool = False, min_blocks: int = 0):
     """x [m, groups * K] bf16 (m <= m_max), w [N, K] float8_e4m3 (Fp8BlockWeight.weight viewed as
     torch.float8_e4m3fn), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or part
     [k_splits, m, N] fp32 (linear_kernel.build_split_reduce adds them). groups > 1:
     row group g of W (rows [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K).
     weights_before_wait: a programmatic dependent launch (_build.with_pdl) whose wait for the kernel before it
     comes after the weight row's loads are issued, so their HBM latency overlaps that kernel's tail. Only for
-    weights no kernel still running may write (a CUDA graph's: the model's weights are fixed once captured)."""
+    weights no kernel still running may write (a CUDA graph's: the model's weights are fixed once captured).
+    min_blocks: resident blocks an SM asked of the compiler (__launch_bounds__' second argument; 0: none)."""
     N, K, G = n_rows, k_dim, groups
     VEC = chunk_width(K)
     CH = 32 * VEC  # K columns a warp covers per chunk
@@ -64,6 +65,8 @@ def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, group
         out: T.Tensor(out_shape, out_dtype),
     ):
         with T.Kernel(N // WARPS, k_splits, threads=32 * WARPS) as (bn, bz):
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             lane = tx % 32
             n = bn * WARPS + tx // 32

@@ -61,6 +61,12 @@ DENSE_ROWS, DENSE_ROWS_LARGE, LARGE_WEIGHT, DENSE_MIN_N = 512, 128, 1 << 25, 102
 GEMV_ROWS = 1
 WIDE_N = 128  # weight rows per block of the GEMM outside the invariant mode (`gemm_tiles`)
 GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
+# the GEMV's resident blocks an SM asked of the compiler (__launch_bounds__; 0: its own choice). Its own choice gives
+# wo_b at one row 186 registers a thread, two blocks (8 warps, 8 KB of weights in flight each) an SM; 4 fits every
+# Flash shape in <= 128 registers without a spill (ptxas, tests/test_tilelang_lowering_linear.py), twice the warps
+# an SM. Whether the loads stay in flight together that way is the H200's to say: an A/B knob until then
+# (`benchmarks/with_attrs.py deepinfer.kernels.tilelang.linear.GEMV_BLOCKS_PER_SM=4 -- benchmarks/linear_gpu.py`)
+GEMV_BLOCKS_PER_SM = 0
 
 
 def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
@@ -199,11 +205,12 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
     codes = w.weight.view(torch.float8_e4m3fn)  # the kernel converts them with the hardware's e4m3 cvt
     # under graph capture the weights are the model's, fixed: their loads may start before the kernel ahead ends
     early = pdl_enabled() and x.is_cuda and torch.cuda.is_current_stream_capturing()
+    occupancy = (GEMV_BLOCKS_PER_SM,) if GEMV_BLOCKS_PER_SM else ()  # the default's spec as it always was
     if splits == 1:
-        jit(build_fp8_gemv, n, k, m_max, 1, groups, early)(x2, codes, w.scale, out)
+        jit(build_fp8_gemv, n, k, m_max, 1, groups, early, *occupancy)(x2, codes, w.scale, out)
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        jit(build_fp8_gemv, n, k, m_max, splits, groups, early)(x2, codes, w.scale, part)
+        jit(build_fp8_gemv, n, k, m_max, splits, groups, early, *occupancy)(x2, codes, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
 
