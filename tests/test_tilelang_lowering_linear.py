@@ -302,18 +302,49 @@ def test_the_gemv_fits_four_blocks_an_sm_without_spilling(name, tmp_path):
     assert int(log.split("Used ")[1].split(" registers")[0]) <= 128
 
 
-def test_the_launcher_asks_the_gemv_for_its_blocks_an_sm_only_when_set(monkeypatch):
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("rows_per_warp, most", [(2, 64), (4, 96)])
+def test_a_gemv_warp_over_several_short_rows_keeps_them_in_registers(rows_per_warp, most, tmp_path):
+    """linear.GEMV_SHORT_ROWS_PER_WARP: wq_b (1,280 codes a row, 48 registers alone) with 2 or 4 rows a warp,
+    every row's loads in flight at once, without a spill."""
+    from tilelang import env
+
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
+
+    src = lower_source(build_fp8_gemv(*FLASH["wq_b"], 1, 1, 1, False, 0, rows_per_warp), "sm_90a")
+    assert src.count("*(fp8_e4_8_t*)(wl + ") >= 2  # the loads, then the conversions, from one register array
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
+           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = res.stdout + res.stderr
+    assert "0 bytes spill stores" in log, log[-2000:]
+    assert int(log.split("Used ")[1].split(" registers")[0]) <= most
+
+
+def test_the_launcher_passes_the_gemv_knobs_only_when_set_and_rows_only_to_short_rows(monkeypatch):
     from deepinfer.kernels.tilelang import linear as launcher
 
     specs = []
-    monkeypatch.setattr(launcher, "jit", lambda builder, *a: specs.append((builder.__name__, a)) or (lambda *t: None))
-    w = Fp8BlockWeight(torch.zeros(*FLASH["wo_b"], dtype=torch.uint8), torch.zeros(160, 256, dtype=torch.uint8))
-    x = torch.zeros(1, FLASH["wo_b"][1], dtype=torch.bfloat16)
-    launcher.fp8_gemv(x, w)
+    monkeypatch.setattr(launcher, "jit", lambda builder, *a: specs.append(a) or (lambda *t: None))
+
+    def spec(name):
+        n, k = FLASH[name]
+        w = Fp8BlockWeight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n // 32, k // 32, dtype=torch.uint8))
+        launcher.fp8_gemv(torch.zeros(1, k, dtype=torch.bfloat16), w)
+        return specs.pop()
+
+    assert spec("wo_b") == (5120, 8192, 1, 1, 1, False) and spec("wq_b") == (32768, 1280, 1, 1, 1, False)
     monkeypatch.setattr(launcher, "GEMV_BLOCKS_PER_SM", 4)
-    launcher.fp8_gemv(x, w)
-    own = (5120, 8192, 1, 1, 1, False)
-    assert specs == [("build_fp8_gemv", own), ("build_fp8_gemv", own + (4,))]
+    assert spec("wo_b") == (5120, 8192, 1, 1, 1, False, 4)
+    monkeypatch.setattr(launcher, "GEMV_SHORT_ROWS_PER_WARP", 4)
+    assert spec("wo_b") == (5120, 8192, 1, 1, 1, False, 4)  # 8,192 codes a row: not short
+    assert spec("wq_b") == (32768, 1280, 1, 1, 1, False, 4, 4)
+    monkeypatch.setattr(launcher, "GEMV_BLOCKS_PER_SM", 0)
+    assert spec("wq_b") == (32768, 1280, 1, 1, 1, False, 0, 4)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -282,15 +282,16 @@ def test_a_gemv_row_is_bitwise_the_same_at_every_row_count(name):
             assert torch.equal(fp8_gemv(rows, w), out8[at:at + m]), (m, i)
 
 
+@pytest.mark.parametrize("knob, value", [("GEMV_BLOCKS_PER_SM", 4), ("GEMV_SHORT_ROWS_PER_WARP", 4)])
 @pytest.mark.parametrize("name", ["wq_a", "wq_b", "wo_b"])
-def test_the_gemv_asked_for_four_blocks_an_sm_computes_the_same_bits(name, monkeypatch):
-    """GEMV_BLOCKS_PER_SM only bounds the registers (the A/B knob of linear.py): the same instructions' results."""
+def test_the_gemvs_a_b_knobs_change_no_bit(name, knob, value, monkeypatch):
+    """linear.py's GEMV knobs bound the registers or give a warp more rows: each row's sums stay the same ones."""
     from deepinfer.kernels.tilelang import linear
 
     w, _ = _weight(name)
     x = _x(1, w.shape[1], seed=3)
     own = linear.fp8_gemv(x, w)
-    monkeypatch.setattr(linear, "GEMV_BLOCKS_PER_SM", 4)
+    monkeypatch.setattr(linear, knob, value)
     assert torch.equal(linear.fp8_gemv(x, w), own)
 
 
