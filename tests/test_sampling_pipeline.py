@@ -190,6 +190,25 @@ def _counting_host_reads(monkeypatch):
     return reads
 
 
+def test_a_sampled_step_reads_once_whatever_its_rows_ask(monkeypatch):
+    """Temperature, min-p, penalties, logit_bias, min_tokens bans and golden tokens beside greedy rows: their
+    parameters travel as copies, the answer comes back in one read (tests/test_sampling_cuda.py counts the
+    synchronisations on a GPU). On the CPU the top-k/top-p cut also reads, by design: its candidate check, free
+    there, which the GPU's full sort does not need."""
+    sampler = Sampler(vocab_size=50, eos_token_id=1)
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, min_p=0.05, frequency_penalty=0.5, repetition_penalty=1.3),
+              SamplingParams(temperature=0.7, logit_bias={3: 5.0, 7: -2.0}, min_tokens=4, stop_token_ids=[9]),
+              SamplingParams(temperature=0.9, golden_token_ids=[11, 12]),
+              SamplingParams(temperature=0.0, logprobs=True)]
+    rows = [row(p, seed=5 + i, position=1, output_ids=[2, 3], prompt_ids=[4]) for i, p in enumerate(params)]
+    reads = _counting_host_reads(monkeypatch)
+    out = sampler.sample(logits, rows)
+    assert len(reads) == 1
+    assert out[4].token_id == 12 and all(o.error is None for o in out)
+
+
 def test_a_greedy_step_reads_the_device_once_and_matches_the_general_path(monkeypatch):
     """All rows greedy, none forced, no top logprobs: argmax, blocked rows and chosen logprobs come back in one
     read (each read is a synchronisation at decode). The outputs equal the general path's (forced here by asking
