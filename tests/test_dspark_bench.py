@@ -195,3 +195,20 @@ def test_a_varlen_run_on_the_cpu_verifies_exactly_the_drafts_that_pass(tmp_path,
     assert rows[2]["verifications"] == rows[2]["timed_steps"]
     zero = next(t for t in data["targets"] if "zero acceptance" in t["name"])
     assert zero["name"].endswith("(varlen, calibrated confidences)")
+
+
+def test_the_phase_split_times_the_sampled_requests_own_parts(monkeypatch, capsys):
+    """benchmarks/dspark_phases.py --temperature: beside the step's phases, the processed weights and acceptance
+    tests of a sampled verification and (with drafting graphs, on a GPU) the fill and hand-over; on the CPU the
+    drafting is eager, so those two do not appear."""
+    spec = importlib.util.spec_from_file_location("dspark_phases", ROOT / "benchmarks" / "dspark_phases.py")
+    phases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(phases)
+    monkeypatch.setattr(sys, "argv", ["dspark_phases.py", "tiny", "1", "2", "--context", "128", "--temperature", "0.8",
+                                      "--top-p", "0.9"])
+    assert phases.main() == 0
+    out = capsys.readouterr().out
+    assert "tiny B=1 j=2 sampled" in out and "fallbacks none" in out
+    for phase in ("sampler.verify", "the target's processed weights", "accept_sampled_rows", "_draft"):
+        line = next(ln for ln in out.splitlines() if phase in ln)
+        assert int(line.split("calls")[1].split()[0]) > 0, line
