@@ -5,7 +5,6 @@ precondition; the GPU test checks the bits)."""
 
 import importlib.util
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -168,21 +167,12 @@ def test_the_invariant_mode_uses_one_kernel_configuration_for_every_batch_size(m
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_fp8_linear_sm90_machine_code(tmp_path):
     """ptxas: no spills, registers within the occupancy the launch bounds ask for, no serialized wgmma."""
-    from tilelang import env
-
-    from lowering_helpers import lower_source
+    from lowering_helpers import lower_source, ptxas_report
     from deepinfer.kernels.tilelang.linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear
     from deepinfer.kernels.tilelang.moe_kernel import shared_bytes
 
-    cu = tmp_path / "k.cu"
-    cu.write_text(lower_source(build_fp8_linear(1280, 5120, 10), "sm_90a"))
-    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
-           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    log = res.stdout + res.stderr
+    log, regs = ptxas_report(lower_source(build_fp8_linear(1280, 5120, 10), "sm_90a"), tmp_path)
     assert "0 bytes spill stores" in log and "serialized" not in log, log[-2000:]
-    regs = int(log.split("Used ")[1].split(" registers")[0])
     blocks = min(4, (227 * 1024) // (shared_bytes("fp8", BLOCK_T, BLOCK_K, STAGES) + 1024))
     assert regs * 128 * blocks <= 65536, (regs, blocks)
 
@@ -260,20 +250,11 @@ def test_the_gemv_splits_k_only_for_narrow_weights(monkeypatch):
 @pytest.mark.parametrize("m_max", [1, 8])
 def test_the_gemv_machine_code(m_max, tmp_path):
     """ptxas: the widest row (wo_b, K = 8192: 16 loads a lane in flight) in registers, no spills."""
-    from tilelang import env
-
-    from lowering_helpers import lower_source
+    from lowering_helpers import lower_source, ptxas_report
     from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
 
-    cu = tmp_path / "k.cu"
-    cu.write_text(lower_source(build_fp8_gemv(*FLASH["wo_b"], m_max), "sm_90a"))
-    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
-           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    log = res.stdout + res.stderr
+    log, regs = ptxas_report(lower_source(build_fp8_gemv(*FLASH["wo_b"], m_max), "sm_90a"), tmp_path)
     assert "0 bytes spill stores" in log, log[-2000:]
-    regs = int(log.split("Used ")[1].split(" registers")[0])
     # at one row under 255: the integer decode took all 255 (8 warps an SM); the hardware conversion needs fewer
     assert regs <= (200 if m_max == 1 else 255), regs
 
@@ -283,23 +264,15 @@ def test_the_gemv_machine_code(m_max, tmp_path):
 def test_the_gemv_fits_four_blocks_an_sm_without_spilling(name, tmp_path):
     """linear.GEMV_BLOCKS_PER_SM = 4 (__launch_bounds__(128, 4)): every Flash shape at one row in <= 128 registers,
     no spill (wo_b takes 186 left to itself, two blocks an SM)."""
-    from tilelang import env
-
-    from lowering_helpers import lower_source
+    from lowering_helpers import lower_source, ptxas_report
     from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
 
     n, k = FLASH[name]
     src = lower_source(build_fp8_gemv(n, k, 1, 1, 1, False, 4), "sm_90a")
     assert "__launch_bounds__(128, 4)" in src
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
-           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    log = res.stdout + res.stderr
+    log, regs = ptxas_report(src, tmp_path)
     assert "0 bytes spill stores" in log, log[-2000:]
-    assert int(log.split("Used ")[1].split(" registers")[0]) <= 128
+    assert regs <= 128
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -307,22 +280,14 @@ def test_the_gemv_fits_four_blocks_an_sm_without_spilling(name, tmp_path):
 def test_a_gemv_warp_over_several_short_rows_keeps_them_in_registers(rows_per_warp, most, tmp_path):
     """linear.GEMV_SHORT_ROWS_PER_WARP: wq_b (1,280 codes a row, 48 registers alone) with 2 or 4 rows a warp,
     every row's loads in flight at once, without a spill."""
-    from tilelang import env
-
-    from lowering_helpers import lower_source
+    from lowering_helpers import lower_source, ptxas_report
     from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
 
     src = lower_source(build_fp8_gemv(*FLASH["wq_b"], 1, 1, 1, False, 0, rows_per_warp), "sm_90a")
     assert src.count("*(fp8_e4_8_t*)(wl + ") >= 2  # the loads, then the conversions, from one register array
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
-           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    log = res.stdout + res.stderr
+    log, regs = ptxas_report(src, tmp_path)
     assert "0 bytes spill stores" in log, log[-2000:]
-    assert int(log.split("Used ")[1].split(" registers")[0]) <= most
+    assert regs <= most
 
 
 def test_the_launcher_passes_the_gemv_knobs_only_when_set_and_rows_only_to_short_rows(monkeypatch):

@@ -6,7 +6,6 @@ come from cute's ALayout_64x16 / CLayout_64xN formulas, independent of the kerne
 
 import importlib.util
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -81,21 +80,11 @@ def test_moe_kernel_split_k_lowers():
 def test_moe_kernel_sm90_machine_code(name, tmp_path):
     """ptxas on the lowered source: no spills, registers within the occupancy the launch bounds ask for, and no
     'wgmma ... serialized' fallback (which would undo the dequant/MMA overlap)."""
-    from tilelang import env
-
-    from lowering_helpers import lower_source
+    from lowering_helpers import lower_source, ptxas_report
     from deepinfer.kernels.tilelang.moe_kernel import shared_bytes
 
-    src = lower_source(_build(name), "sm_90a")
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    cmd = ["nvcc", "-std=c++20", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "--ptxas-options=-v",
-           f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(tmp_path / "k.cubin"), str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    log = res.stdout + res.stderr
+    log, regs = ptxas_report(lower_source(_build(name), "sm_90a"), tmp_path)
     assert "0 bytes spill stores" in log and "serialized" not in log, log[-2000:]
-    regs = int(log.split("Used ")[1].split(" registers")[0])
     fmt, _, _, _, _, bt, bk, st, _, *bn = CONFIGS[name]
     bn = bn[0] if bn else 64
     blocks = min(4, (227 * 1024) // (shared_bytes(fmt, bt, bk, st, bn) + 1024))
