@@ -1,4 +1,5 @@
-"""Host values onto the sample stage's device without a wait.
+"""Host values onto the device without a wait (the sample stage's parameters, and through
+models.cache.metadata.to_device every step's metadata).
 
 On CUDA a copy from pageable host memory (what `torch.tensor(values, device=...)` and `.to(device)` do) waits for
 the stream to drain first: right after a step's graph replay that leaves the device idle while the host waits, and

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer.sampling.queued_copy import queued
+
 from .pools import CacheLayout, CachePools
 
 
@@ -38,10 +40,8 @@ def block_table(seqs, width: int, fill: int) -> torch.Tensor:
 
 
 def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)  # queued in order: no wait for the GPU to drain
+    """values (a list, or a host tensor) on `device`, queued in stream order (no wait for the GPU to drain)."""
+    return queued(values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype), device)
 
 
 @dataclass
