@@ -5,7 +5,7 @@ compressed pool, as stored) vs the torch op, on one GPU at DeepSeek-V4.1 decode 
 tokens (MTP).
 
     source benchmarks/gpu_env.sh && python3 benchmarks/attention_decode_gpu.py --out $OUT/attention_decode.json \
-        [--sweep] [--batches 1,8,64,256] [--ctx 32768]
+        [--sweep] [--probes] [--batches 1,8,64,256] [--ctx 32768]
 
 Inputs, bytes and FLOPs as benchmarks/kernels_gpu.py bench_attention (rotating input sets so the pool is not
 L2-resident, bytes = the fewest the call must move, FLOPs = 2 * 2 * n_q * 64 * 512 * 640). Time = median of
@@ -15,8 +15,10 @@ torch = deepinfer.kernels.torch.attention.sink_attention on the same keys alread
 per-query bf16 slates (what the model passes today; the gather itself is not timed); the kernel's output is checked
 against it (relative error). The kernel first runs once in a child process with a time limit: a hang (mbarrier
 protocol) is reported instead of stalling the run. Any row or split count that did not run is an error: the script
-exits non-zero. --sweep also times other split counts (one compile each). The previous kernel generation's
-numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
+exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
+part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax; their
+outputs are wrong and not checked), at the default split count: where the time of a key block goes. The previous
+kernel generation's numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
 """
 
 import argparse
@@ -38,14 +40,15 @@ HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 
 
-def smoke(splits_list):
-    """One small call per split count (run in the child process by --smoke)."""
-    from deepinfer.kernels.tilelang.attention import sink_attention_decode
+def smoke(splits_list, probes=()):
+    """One small call per split count, and per probe at the first split count (run in the child process by
+    --smoke)."""
+    from deepinfer.kernels.tilelang.attention import sink_attention_decode_kernel
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n_q, P = 4, 2048
-    for splits in splits_list:
-        out = sink_attention_decode(
+    for splits, probe in [(s, "") for s in splits_list] + [(splits_list[0], p) for p in probes]:
+        out = sink_attention_decode_kernel(
             torch.randn(n_q, 64, 512, device="cuda", generator=g).bfloat16(),
             torch.arange(n_q, dtype=torch.int32, device="cuda"),
             torch.full((n_q,), 200, dtype=torch.int32, device="cuda"),
@@ -55,17 +58,18 @@ def smoke(splits_list):
             torch.randint(0, 256, (P, 256), dtype=torch.uint8, device="cuda", generator=g),
             torch.full((P, 32), 0x38, dtype=torch.uint8, device="cuda"),
             torch.randint(0, P, (n_q, 512), dtype=torch.int32, device="cuda", generator=g),
-            torch.zeros(64, device="cuda"), 512 ** -0.5, splits=splits)
+            torch.zeros(64, device="cuda"), 512 ** -0.5, splits=splits, probe=probe)
         torch.cuda.synchronize()
-        assert torch.isfinite(out).all(), splits
+        assert probe or torch.isfinite(out).all(), splits
     print("ok")
 
 
-def smoke_in_child(splits_list, limit_s):
+def smoke_in_child(splits_list, limit_s, probes=()):
     """Compile (into the JIT disk cache) and run the kernel once per split count in a child process: this script
     again (so sys.path[0] is benchmarks/, never the repo root whose deepinfer/ lacks kernels/). None if fine,
     else a one-line reason."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--smoke", ",".join(map(str, splits_list))]
+    cmd = [sys.executable, os.path.abspath(__file__), "--smoke", ",".join(map(str, splits_list)) + ";"
+           + ",".join(probes)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired:
@@ -105,14 +109,18 @@ def main():
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--no-mtp", action="store_true", help="skip the B=64 x 4 query tokens row")
     ap.add_argument("--sweep", action="store_true", help="also time other split counts")
+    ap.add_argument("--probes", action="store_true", help="also time the kernel's probes (parts of it dropped)")
     ap.add_argument("--hang-limit", type=int, default=240, help="seconds for the first compile + run (child)")
     ap.add_argument("--smoke", help=argparse.SUPPRESS)  # child mode: comma-separated split counts
     a = ap.parse_args()
     if a.smoke:
-        return smoke([int(s) for s in a.smoke.split(",")])
+        splits_arg, probes_arg = a.smoke.split(";")
+        return smoke([int(s) for s in splits_arg.split(",")], [p for p in probes_arg.split(",") if p])
 
     from deepinfer.kernels.tilelang._build import jit_stats, sm_count
-    from deepinfer.kernels.tilelang.attention import default_splits, sink_attention_decode
+    from deepinfer.kernels.tilelang.attention import default_splits, sink_attention_decode, \
+        sink_attention_decode_kernel
+    from deepinfer.kernels.tilelang.attention_decode_kernel import PROBES
     from deepinfer.kernels.torch import attention as ref
 
     t0 = time.time()
@@ -127,7 +135,8 @@ def main():
             cand |= {s for s in (1, 2, 3, 5, 10) if s * B * qps <= 4 * sms}
         sweep[(B, qps)] = sorted(cand)
     all_splits = sorted({s for v in sweep.values() for s in v})
-    err = smoke_in_child(all_splits, a.hang_limit)
+    probes = [p for p in PROBES if p] if a.probes else []
+    err = smoke_in_child(all_splits, a.hang_limit, probes)
     print(f"decode smoke ({all_splits} splits): {err or 'ok'}  [{time.time() - t0:.0f} s]", flush=True)
     if err:
         raise SystemExit(f"attention_decode_gpu: {err}; nothing measured")
@@ -175,11 +184,15 @@ def main():
                 rel = ((out - expect).norm() / expect.norm()).item()
                 runs[s] = dict(us=ms * 1e3, eager_us=eager * 1e3, roofline=floor_s / (ms * 1e-3), rel_err_vs_torch=rel)
             d = default_splits(n_q, n_blocks, sms)
+            probe_us = {}
+            for pr in probes:  # the same call with one part of the work dropped (output not checked)
+                probe_us[pr] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale, splits=d,
+                                                                              probe=pr))[0] * 1e3
             row = dict(B=B, q_per_seq=qps, n_q=n_q, ctx=a.ctx, bytes=nbytes, flops=flops, floor_us=floor_s * 1e6,
                        splits=d, us=runs[d]["us"], eager_us=runs[d]["eager_us"], roofline=runs[d]["roofline"],
                        tflops=flops / (runs[d]["us"] * 1e-6) / 1e12, rel_err_vs_torch=runs[d]["rel_err_vs_torch"],
                        torch_us=t_ms * 1e3, speedup=t_ms * 1e3 / runs[d]["us"],
-                       by_splits={str(k): v for k, v in runs.items()})
+                       by_splits={str(k): v for k, v in runs.items()}, probes_us=probe_us)
         except Exception as exc:  # noqa: BLE001 - record it, finish the other rows, fail at the end
             missing.append(dict(shape=shape, error=f"{type(exc).__name__}: {exc}"[:500]))
             print(f"{shape:>14} FAILED: {missing[-1]['error']}", flush=True)
@@ -191,6 +204,8 @@ def main():
         print(f"{shape:>14} {row['us']:8.1f} {d:6d} {row['tflops']:6.1f} {row['roofline'] * 100:5.1f}% "
               f"{PREDICTED.get(key, 0):4d}% {row['torch_us']:9.1f} {row['speedup']:7.1f}x "
               f"{row['rel_err_vs_torch']:8.1e}", flush=True)
+        if probe_us:
+            print(f"{'':>14} probes (us): " + ", ".join(f"{k} {v:.1f}" for k, v in probe_us.items()), flush=True)
         for s, r in sorted(runs.items()):
             if s != d:
                 print(f"{'':>14} {r['us']:8.1f} {s:6d} {'':>6} {r['roofline'] * 100:5.1f}% {'':>5} {'':>9} "

@@ -103,3 +103,26 @@ def test_the_builder_refuses_a_split_past_the_last_block():
     with pytest.raises(AssertionError, match="past the end"):
         build_sink_attention_decode(splits=8, arch="sm_90a")
     build_sink_attention_decode(splits=5, arch="sm_90a")  # 5 x 2 blocks: every split starts inside the keys
+
+
+def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
+    """attention_decode_gpu.py --probes times the kernel with one part of a key block's work dropped. Each probe
+    lowers; no_load reads no key rows, no_dequant reads them but converts none, no_softmax calls no exp2 in the
+    block loop; the kernel without a probe is the same source as before probes existed (no probe argument)."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.attention_decode_kernel import PROBES, build_sink_attention_decode
+
+    def src(probe):
+        return lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", probe=probe), "sm_90a")
+
+    plain = src("")
+    assert plain == _source("sm_90a", 1)
+    loads = "*(uint4*)(win_kv + "
+    for probe in PROBES[1:]:
+        s = src(probe)
+        assert "__global__" in s and s != plain
+        assert (loads in s) == (probe in ("no_dequant", "no_softmax")), probe
+        assert ("di_dq_e4m3x8((" in s) == (probe in ("no_load", "no_softmax")), probe
+    assert src("no_softmax").count("exp2f(") < plain.count("exp2f(")
+    with pytest.raises(AssertionError, match="probe must be one of"):
+        build_sink_attention_decode(splits=1, arch="sm_90a", probe="no_mma")

@@ -99,7 +99,7 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
 
 
 def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
-                                 window: int = 128, splits: int | None = None):
+                                 window: int = 128, splits: int | None = None, probe: str = ""):
     """Decode attention for a batch of query tokens (1..6 per sequence, any mix), reading the caches as stored
     (attention_decode_kernel; 16-19% of the roofline at B=64..256, 32K, on an H200).
 
@@ -111,6 +111,7 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     (e4m3 per 16 channels): the compressed pool; sel [Nq, topk] int32 rows of it chosen by the indexer (-1 none).
     sink [64] fp32. Returns [Nq, 64, 512] bf16 = softmax-with-sink over [window ∥ selected] keys times the keys.
     splits: key splits per query (None: default_splits, or 1 in the batch-invariant mode).
+    probe: a timing probe of the kernel (attention_decode_kernel.PROBES; wrong output, benchmarks only).
     """
     n_q, H, D = q.shape
     R, topk = win_kv.shape[1], sel.shape[1]
@@ -119,6 +120,8 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     splits = used_splits(splits or _splits(n_q, n_blocks, q.device), n_blocks)
     # a ring wider than the window (rollback rows for speculative decoding): its width is a compile-time shape
     extra = (None, (192, 160, 152), R) if R != window else ()
+    if probe:
+        extra = (None, (192, 160, 152), R if R != window else None, probe)
     kernel = jit(build_sink_attention_decode, H, D, window, topk, splits, *extra)
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),

@@ -32,6 +32,7 @@ import tilelang.language as T
 
 from .dequant import CUDA_SOURCE, fp4_perm
 
+PROBES = ("", "no_load", "no_dequant", "no_producer", "no_softmax")
 NEG_BIG = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) never sees inf - inf
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -48,7 +49,7 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None):
+                                ring: int | None = None, probe: str = ""):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
     elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer. ring: rows
@@ -56,7 +57,12 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     The window keys are read in position order, oldest first (slot j holds position p - window + 1 + j, ring row
     that position mod `ring`, kept when the ring row still holds it), whatever the ring's width: a query's sum runs
     over the same keys in the same order with and without rollback rows, so a verification row of speculative
-    decoding is bitwise the plain decode row."""
+    decoding is bitwise the plain decode row.
+    probe: a timing probe that drops one part of the work (its output is wrong; benchmarks only,
+    attention_decode_gpu.py --probes): "no_load" (the producer dequantises bytes it did not read), "no_dequant"
+    (it reads the rows but writes no keys), "no_producer" (neither: the math warpgroups alone), "no_softmax" (WG0
+    skips the mask, max, exp and rescale between QK and PV)."""
+    assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
     assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0 and W >= window and window % BK == 0
@@ -105,19 +111,23 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                   k_ready, k_free, p_ready, p_free, scale2):
         # QK(n) was issued into s_acc (previous block or prologue); PV_L(n-1) has completed
         wait_mma(0)
-        for h, j in T.Parallel(H, BK):
-            s_acc[h, j] = T.if_then_else(idx_s[n * BK + j] >= 0, s_acc[h, j] * scale2, -T.infinity("float32"))
-        T.copy(m_i, m_prev)
-        T.reduce_max(s_acc, m_i, dim=1, clear=False)
-        for h in T.Parallel(H):
-            alpha[h] = T.exp2(m_prev[h] - m_i[h])
-        for h, j in T.Parallel(H, BK):
-            s_acc[h, j] = T.exp2(s_acc[h, j] - m_i[h])
-        T.reduce_sum(s_acc, rsum, dim=1)
-        for h in T.Parallel(H):
-            l_i[h] = l_i[h] * alpha[h] + rsum[h]
-        for h, d in T.Parallel(H, DH):
-            o_l[h, d] *= alpha[h]
+        if probe == "no_softmax":
+            for h in T.Parallel(H):
+                alpha[h] = 1.0
+        else:
+            for h, j in T.Parallel(H, BK):
+                s_acc[h, j] = T.if_then_else(idx_s[n * BK + j] >= 0, s_acc[h, j] * scale2, -T.infinity("float32"))
+            T.copy(m_i, m_prev)
+            T.reduce_max(s_acc, m_i, dim=1, clear=False)
+            for h in T.Parallel(H):
+                alpha[h] = T.exp2(m_prev[h] - m_i[h])
+            for h, j in T.Parallel(H, BK):
+                s_acc[h, j] = T.exp2(s_acc[h, j] - m_i[h])
+            T.reduce_sum(s_acc, rsum, dim=1)
+            for h in T.Parallel(H):
+                l_i[h] = l_i[h] * alpha[h] + rsum[h]
+            for h, d in T.Parallel(H, DH):
+                o_l[h, d] *= alpha[h]
         # P buffer sb was last read by WG1's wgmma for block n-2
         T.barrier_wait(p_free[sb], ((n // 2) & 1) ^ 1)
         T.copy(s_acc, pbuf)
@@ -151,7 +161,11 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         for i in T.unroll(ROWS):
             row = idx_s[n * BK + warp * ROWS + i]
             ok[i] = row
-            if kb0 + n < NWB:
+            if probe in ("no_load", "no_producer"):
+                for v in T.vectorized(16):
+                    raw[i * 16 + v] = T.cast((row + v) & 0x77, "uint8")
+                sc[i] = T.cast(120, "uint8")
+            elif kb0 + n < NWB:
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
                 sc[i] = win_scale[b, T.max(row, 0), lane // 2]
@@ -163,7 +177,12 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     @T.macro
     def dequant(n, kb0, kbuf, lane, warp, raw, sc, ok, vals):
         for i in T.unroll(ROWS):
-            if kb0 + n < NWB:
+            if probe in ("no_dequant", "no_producer"):
+                if ok[i] == -7:  # never (rows are >= -1), but keeps the loads the compiler would drop
+                    for v in T.vectorized(16):
+                        kbuf[warp * ROWS + i, lane * 16 + v] = T.cast(T.cast(raw[i * 16 + v] + sc[i], "float32"),
+                                                                      "bfloat16")
+            elif kb0 + n < NWB:
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i],
                               T.address_of(vals[8]))
@@ -172,8 +191,10 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                               T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
                               T.address_of(vals[8]))
-            for v in T.vectorized(16):
-                kbuf[warp * ROWS + i, lane * 16 + v] = T.if_then_else(ok[i] >= 0, vals[v], T.cast(0, "bfloat16"))
+            if probe not in ("no_dequant", "no_producer"):
+                for v in T.vectorized(16):
+                    kbuf[warp * ROWS + i, lane * 16 + v] = T.if_then_else(ok[i] >= 0, vals[v],
+                                                                          T.cast(0, "bfloat16"))
         T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
 
     @T.prim_func
