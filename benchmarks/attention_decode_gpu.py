@@ -16,7 +16,7 @@ per-query bf16 slates (what the model passes today; the gather itself is not tim
 against it (relative error). The kernel first runs once in a child process with a time limit: a hang (mbarrier
 protocol) is reported instead of stalling the run. Any row or split count that did not run is an error: the script
 exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
-part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax; their
+part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no key block; their
 outputs are wrong and not checked), at the default split count: where the time of a key block goes. The previous
 kernel generation's numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
 """

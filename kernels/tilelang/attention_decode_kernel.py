@@ -32,7 +32,7 @@ import tilelang.language as T
 
 from .dequant import CUDA_SOURCE, fp4_perm
 
-PROBES = ("", "no_load", "no_dequant", "no_producer", "no_softmax")
+PROBES = ("", "no_load", "no_dequant", "no_producer", "no_softmax", "prologue")
 NEG_BIG = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) never sees inf - inf
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -61,7 +61,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     probe: a timing probe that drops one part of the work (its output is wrong; benchmarks only,
     attention_decode_gpu.py --probes): "no_load" (the producer dequantises bytes it did not read), "no_dequant"
     (it reads the rows but writes no keys), "no_producer" (neither: the math warpgroups alone), "no_softmax" (WG0
-    skips the mask, max, exp and rescale between QK and PV)."""
+    skips the mask, max, exp and rescale between QK and PV), "prologue" (no key block at all: the launch, Q into
+    shared memory and the output's stores)."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
@@ -233,7 +234,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             tx = T.get_thread_binding()
             T.import_source(CUDA_SOURCE)
             kb0 = bs * PER
-            nmine = T.max(T.min(NB - kb0, PER), 0)
+            nmine = T.max(T.min((0 if probe == "prologue" else NB) - kb0, PER), 0)
             b = q_seq[bq]
             p = q_pos[bq]
 
