@@ -120,6 +120,7 @@ def main():
     from deepinfer.kernels.tilelang._build import jit_stats, sm_count
     from deepinfer.kernels.tilelang.attention import default_splits, sink_attention_decode, \
         sink_attention_decode_kernel
+    from deepinfer.kernels.tilelang import attention
     from deepinfer.kernels.tilelang.attention_decode_kernel import PROBES
     from deepinfer.kernels.torch import attention as ref
 
@@ -188,6 +189,15 @@ def main():
             for pr in probes:  # the same call with one part of the work dropped (output not checked)
                 probe_us[pr] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale, splits=d,
                                                                               probe=pr))[0] * 1e3
+            if probes:  # and the candidate Q load (attention.Q_LOADS), a real variant: its output is checked
+                attention.Q_LOADS, keep = 16, attention.Q_LOADS
+                try:
+                    probe_us["q_loads16"] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink,
+                                                                                           scale, splits=d))[0] * 1e3
+                    out = sink_attention_decode_kernel(*data[0], sink, scale, splits=d).float()
+                    probe_us["q_loads16_rel_err"] = ((out - expect).norm() / expect.norm()).item()
+                finally:
+                    attention.Q_LOADS = keep
             row = dict(B=B, q_per_seq=qps, n_q=n_q, ctx=a.ctx, bytes=nbytes, flops=flops, floor_us=floor_s * 1e6,
                        splits=d, us=runs[d]["us"], eager_us=runs[d]["eager_us"], roofline=runs[d]["roofline"],
                        tflops=flops / (runs[d]["us"] * 1e-6) / 1e12, rel_err_vs_torch=runs[d]["rel_err_vs_torch"],
@@ -205,7 +215,7 @@ def main():
               f"{PREDICTED.get(key, 0):4d}% {row['torch_us']:9.1f} {row['speedup']:7.1f}x "
               f"{row['rel_err_vs_torch']:8.1e}", flush=True)
         if probe_us:
-            print(f"{'':>14} probes (us): " + ", ".join(f"{k} {v:.1f}" for k, v in probe_us.items()), flush=True)
+            print(f"{'':>14} probes (us): " + ", ".join(f"{k} {v:.3g}" for k, v in probe_us.items()), flush=True)
         for s, r in sorted(runs.items()):
             if s != d:
                 print(f"{'':>14} {r['us']:8.1f} {s:6d} {'':>6} {r['roofline'] * 100:5.1f}% {'':>5} {'':>9} "
