@@ -3,7 +3,7 @@
 table, shared expert on a side stream) vs the torch op, 384 FP4 routed experts + one FP8 shared expert, hidden
 5120, inter 2304, top-6, uniform random routing.
 
-    source benchmarks/gpu_env.sh && python3 benchmarks/moe_gpu.py --out $OUT/moe.json [--batches 1,8,64,256] [--sweep]
+    source benchmarks/gpu_env.sh && python3 benchmarks/moe_gpu.py --out $OUT/moe.json [--batches 1,8,64,256] [--sweep] [--probes]
 
 Time = median per call of CUDA-event-timed replays of a CUDA graph holding 4 calls on distinct input sets (the GPU
 time a captured decode step sees). Bytes = the fewest the call must move: the experts its routing touched (FP4 0.5
@@ -12,7 +12,8 @@ device-to-device copy bandwidth measured in the same run. torch = deepinfer.kern
 same PackedExperts (it dequantises the experts a call touches), eager. Self-check: the kernel's output against the
 torch op's (relative error, must stay < 1e-2; both follow the same bf16 rounding points); a failed check or a
 variant that did not run exits non-zero. A per-kernel breakdown follows the table (routed up/down, shared up/down,
-each alone). The JSON is rewritten after every row. All kernels are compiled first, in parallel. The previous
+each alone; --probes adds the routed passes with their FP4 decode, their MMAs or both left out). The JSON is
+rewritten after every row. All kernels are compiled first, in parallel. The previous
 kernel generation's numbers stay in benchmarks/results/moe_v3_gpu_h200.json.
 """
 
@@ -75,6 +76,9 @@ def main():
     ap.add_argument("--out", default="moe_gpu.json")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--sweep", action="store_true", help="also time tile variants (stages, token tile, split K)")
+    ap.add_argument("--probes", action="store_true",
+                    help="also time the routed passes alone with the FP4 decode, the MMAs or both left out "
+                         "(moe_kernel.PROBES; wrong results, timing only)")
     ap.add_argument("--variants", default="",
                     help="comma-separated sweep variant names to time (implies --sweep; the others are not compiled)")
     ap.add_argument("--skew", type=float, default=0.0,
@@ -85,7 +89,7 @@ def main():
     t_start = time.time()
 
     from deepinfer.kernels.packed_experts import PackedExperts
-    from deepinfer.kernels.tilelang import moe
+    from deepinfer.kernels.tilelang import moe, moe_kernel
     from deepinfer.kernels.tilelang._build import jit, jit_stats
     from deepinfer.kernels.torch import moe as torch_moe
 
@@ -247,7 +251,15 @@ def main():
             ("shared down (fp8, add)", HID * INTER * FP8_W, lambda i: jit(*s_down)(
                 hsh[i % 4], *stab, shared_copies[i % 4].w2, shared_copies[i % 4].s2, y, LIMIT)),
         ]
-        for (kname, kbytes, fn), spec in zip(kern, (r_up, r_down, s_up, s_down)):
+        for probe in (moe_kernel.PROBES[1:] if args.probes else ()):  # the routed passes without a part of their work
+            kern += [
+                (f"routed up {probe}", w_up, lambda i, p=probe: jit(*r_up, p)(
+                    xs[i % SETS], *tables[i % SETS], routed.w13, routed.s13, hs[i % SETS], LIMIT)),
+                (f"routed down {probe}", w_dn, lambda i, p=probe: jit(*r_down, p)(
+                    hs[i % SETS], *tables[i % SETS], routed.w2, routed.s2, y, LIMIT))]
+        specs_k = [r_up, r_down, s_up, s_down] + [sp + (p,) for p in (moe_kernel.PROBES[1:] if args.probes else ())
+                                                  for sp in (r_up, r_down)]
+        for (kname, kbytes, fn), spec in zip(kern, specs_k):
             ms = graph_ms(fn)
             if ms:
                 rec = dict(B=B, kernel=kname, us=ms * 1e3, bytes=kbytes, tbs=kbytes / (ms * 1e-3) / 1e12,

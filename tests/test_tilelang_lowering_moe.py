@@ -75,6 +75,26 @@ def test_moe_kernel_split_k_lowers():
         _build("up_fp4_bt8", k_splits=2)  # SwiGLU needs the whole K before its nonlinearity
 
 
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_the_timing_probes_leave_out_the_decode_or_the_mmas_and_the_kernel_as_it_is():
+    """moe_gpu.py --probes times the routed passes without their FP4 decode (the packed words feed the MMAs), without
+    their MMAs (the fragments feed an add) or without both; the kernel without a probe is the source it was."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.moe_kernel import PROBES
+
+    plain = lower_source(_build("up_fp4_bt8"), "sm_90a")
+    decodes = "di3_e2m1x8(p0.x, di3_scale_e2m1(s0), d0);"
+    assert decodes in plain and "#if 1" not in plain
+    for probe in PROBES[1:]:
+        src = lower_source(_build("up_fp4_bt8", probe=probe), "sm_90a")
+        assert (decodes in src) == ("nodq" not in probe), probe
+        assert ("#if 1\n#pragma unroll" in src) == ("nomma" in probe), probe  # the add that stands for the MMAs
+    with pytest.raises(AssertionError, match="probe must be one of"):
+        _build("up_fp4_bt8", probe="noload")
+    with pytest.raises(AssertionError, match="FP4 decode"):
+        _build("up_fp8_bt8", probe="nodq")
+
+
 @pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")
 @pytest.mark.parametrize("name", ["up_fp4_bt8", "up_fp8_bt8", "up_fp4_bt16_bn128"])
 def test_moe_kernel_sm90_machine_code(name, tmp_path):

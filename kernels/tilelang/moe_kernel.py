@@ -264,11 +264,40 @@ __device__ __forceinline__ void di3_group(const void* ws_, const void* ss_, cons
 """
 
 
-def cuda_source(block_t: int) -> str:
-    """Device code for one token-tile width (the wgmma N is a compile-time shape)."""
+PROBES = ("", "nodq", "nomma", "nodq_nomma")
+
+
+def cuda_source(block_t: int, probe: str = "") -> str:
+    """Device code for one token-tile width (the wgmma N is a compile-time shape). probe: a timing probe that
+    drops the FP4 decode ("nodq": the packed words themselves feed the MMA), the MMAs ("nomma": the fragments feed
+    one add each) or both; wrong results, benchmarks only (moe_gpu.py --probes)."""
+    assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     wg = _wgmma_fn(block_t)
+    group = _GROUP
+    if "nodq" in probe:  # the packed words and scales themselves as the A fragments: one op a word
+        group = _swap(group, "    di3_e2m1x8(p0.x, di3_scale_e2m1(s0), d0);\n", _NODQ)
+        for line in ("    di3_e2m1x8(p0.y, di3_scale_e2m1(s0), d0 + 4);\n", "    di3_e2m1x8(p1.x, di3_scale_e2m1(s1), d1);\n",
+                     "    di3_e2m1x8(p1.y, di3_scale_e2m1(s1), d1 + 4);\n"):
+            group = _swap(group, line, "")
+    if "nomma" in probe:  # no MMA: the fragments feed one add each, so their loads and decode stay
+        group = _swap(group, "#if DI3_WGMMA\n  asm volatile(\"wgmma.fence", _NOMMA + "#elif DI3_WGMMA\n  asm volatile(\"wgmma.fence")
     return (DEQUANT_SOURCE + _HEAD + "#if DI3_WGMMA\n" + wg + "#endif\n"
-            + f"#define DI3_WGMMA_N di3_wgmma_n{block_t}\n" + _GROUP + "#undef DI3_WGMMA_N\n#endif\n")
+            + f"#define DI3_WGMMA_N di3_wgmma_n{block_t}\n" + group + "#undef DI3_WGMMA_N\n#endif\n")
+
+
+_NODQ = """    for (int i = 0; i < 4; ++i) {
+      d0[i] = p0.x + s0; d0[i + 4] = p0.y + i; d1[i] = p1.x + s1; d1[i + 4] = p1.y + i;
+    }
+"""
+_NOMMA = """#if 1
+#pragma unroll
+  for (int t = 0; t < 16; ++t) acc[t % (BT / 2)] += __uint_as_float(a[t] & 0x00800000u);
+"""
+
+
+def _swap(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
 
 
 def k_index(kf: int) -> int:
@@ -414,15 +443,17 @@ def shared_bytes(fmt: str, block_t: int, block_k: int, num_stages: int, block_n:
 
 def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_n: int = 64,
                        block_t: int = 16, block_k: int = 256, threads: int = 128, num_stages: int = 4,
-                       gather: bool = True, k_splits: int = 1, min_blocks: int = 0):
+                       gather: bool = True, k_splits: int = 1, min_blocks: int = 0, probe: str = ""):
     """fmt: "fp4" (w [E, N, K/2] uint8, scale [E, N, K/32] uint8) or "fp8" (w [E, N, K] uint8 e4m3 bits, scale
     [E, N/32, K/32] uint8). X is [tokens, K] bf16 read at rows[pos] (gather) or at pos (not gather). k_splits: K
     split over grid z ("add" only); min_blocks: __launch_bounds__ min blocks per SM (0 = from shared memory, capped
     at 4). block_n 64 (one warpgroup, threads 128) or 128 (two warpgroups, threads 256, each its own 64 weight
     rows against the one activation tile: half the activation bytes per weight byte in shared memory, so a block
     of 16+ tokens keeps as many weight bytes in flight per SM as one of 8 tokens at block_n 64). Weights and
-    activations are loaded by the two halves of the block (load_roles)."""
+    activations are loaded by the two halves of the block (load_roles). probe: cuda_source's timing probes (FP4;
+    wrong results)."""
     assert fmt in ("fp4", "fp8") and epilogue in ("swiglu", "add")
+    assert not probe or fmt == "fp4", "the probes drop the FP4 decode"
     assert block_n in (64, 128) and threads == 2 * block_n, "a warpgroup per 64 weight rows (the wgmma M)"
     assert block_t in (8, 16, 32, 64) and block_k in (128, 256, 512) and num_stages >= 4
     assert n_rows % block_n == 0 and k_dim % (block_k * k_splits) == 0
@@ -445,7 +476,7 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
     assert shared_bytes(fmt, BT, BK, S, BN) <= 227 * 1024, "stages and tiles exceed an SM's shared memory"
     if min_blocks == 0:
         min_blocks = max(1, min(4, (227 * 1024) // (shared_bytes(fmt, BT, BK, S, BN) + 1024)))
-    src = cuda_source(BT)
+    src = cuda_source(BT, probe)
 
     n_x, n_pos, n_slots, n_y = T.dynamic("n_x"), T.dynamic("n_pos"), T.dynamic("n_slots"), T.dynamic("n_y")
     out_dtype = "bfloat16" if epilogue == "swiglu" else "float32"
