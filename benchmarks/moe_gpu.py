@@ -102,12 +102,14 @@ def main():
 
     # ---- compile everything first, in parallel
     # sweep variants (each a patch of moe.py's tile policy): is deeper pipelining worth the occupancy (the weight
-    # threads keep S-3 stages in flight across each barrier), are larger FP4 steps, a wider token tile, or smaller
+    # threads keep S-3 stages in flight across each barrier; 128-K steps keep 5 of 8 in the same shared memory as
+    # 1 of 4 256-K steps), are larger FP4 steps, a wider token tile, or smaller
     # shared-expert steps / a split shared down pass better? Does moe_prep still beat torch's sorts (moe_table.py)
     # at the largest sizes it builds?
     variants = {"kernel": {}}
     if args.sweep or args.variants:
         variants.update({"fp4 stages5": {"fp4": (256, 5)}, "fp4 bk512": {"fp4": (512, 4)},
+                         "fp4 bk128 stages8": {"fp4": (128, 8)}, "fp4 bk128 stages6": {"fp4": (128, 6)},
                          "routed bn64": {"routed_bn": 64}, "routed bt8 bn128": {"routed_bt": 8, "routed_bn": 128},
                          "routed bt16 bn64": {"routed_bt": 16, "routed_bn": 64},
                          "routed bt16 bn128": {"routed_bt": 16, "routed_bn": 128},

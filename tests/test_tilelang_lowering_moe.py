@@ -17,6 +17,7 @@ tilelang_missing = importlib.util.find_spec("tilelang") is None
 
 CONFIGS = {  # name: (fmt, epilogue, E, N, K, block_t, block_k, stages, gather[, block_n])
     "up_fp4_bt8": ("fp4", "swiglu", 384, 4608, 5120, 8, 256, 4, True),
+    "up_fp4_bt8_k128": ("fp4", "swiglu", 384, 4608, 5120, 8, 128, 8, True),  # 128-K steps, 8 stages
     "up_fp4_bt16_bn128": ("fp4", "swiglu", 384, 4608, 5120, 16, 256, 4, True, 128),
     "down_fp4_bt16_bn128": ("fp4", "add", 384, 5120, 2304, 16, 256, 4, False, 128),
     "down_fp8_bt8_bn128": ("fp8", "add", 1, 5120, 2304, 8, 256, 4, False, 128),
@@ -96,7 +97,7 @@ def test_the_timing_probes_leave_out_the_decode_or_the_mmas_and_the_kernel_as_it
 
 
 @pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")
-@pytest.mark.parametrize("name", ["up_fp4_bt8", "up_fp8_bt8", "up_fp4_bt16_bn128"])
+@pytest.mark.parametrize("name", ["up_fp4_bt8", "up_fp8_bt8", "up_fp4_bt16_bn128", "up_fp4_bt8_k128"])
 def test_moe_kernel_sm90_machine_code(name, tmp_path):
     """ptxas on the lowered source: no spills, registers within the occupancy the launch bounds ask for, and no
     'wgmma ... serialized' fallback (which would undo the dequant/MMA overlap)."""
@@ -182,6 +183,8 @@ def _model_block(fmt, BT, BK, w, ws, x, valid):
             r, cc = divmod(idx, CPR)
             swz = 2 * (r % 4) if fmt == "fp4" else 4 * (r % 2)
             cs = (cc // 8) * 8 + ((cc % 8) ^ swz)
+            if fmt == "fp4" and CPR == 4:  # 128-K steps: 64-byte rows
+                cs = cc ^ (2 * ((r // 2) % 2))
             st[r * BKP + cs * 16:r * BKP + cs * 16 + 16] = w[r, kk * BKP + cc * 16:kk * BKP + cc * 16 + 16]
         for rr in range(BN if fmt == "fp4" else BN // 32):
             st[OFF_S + rr * SCB:OFF_S + rr * SCB + SCB] = ws[rr, kk * SCB:kk * SCB + SCB]
@@ -215,7 +218,7 @@ def _model_block(fmt, BT, BK, w, ws, x, valid):
                 for r in (r0, r1):
                     if fmt == "fp4":
                         c = 2 * G + (q >> 1)
-                        cp = (c & ~7) | ((c & 7) ^ (2 * (g & 3)))
+                        cp = (c ^ (2 * ((g >> 1) & 1))) if BKP == 64 else ((c & ~7) | ((c & 7) ^ (2 * (g & 3))))
                         off = r * BKP + cp * 16 + 8 * (q & 1)
                         s = int(st[OFF_S + r * SCB + 2 * G + (q >> 1)])
                         ws0, sc = _e2m1x8(_u32(st, off), s)
@@ -251,7 +254,8 @@ def _model_block(fmt, BT, BK, w, ws, x, valid):
     return D, frags
 
 
-@pytest.mark.parametrize("fmt,BT,BK,BN", [("fp4", 8, 256, 64), ("fp4", 16, 512, 64), ("fp8", 8, 128, 64),
+@pytest.mark.parametrize("fmt,BT,BK,BN", [("fp4", 8, 256, 64), ("fp4", 16, 512, 64), ("fp4", 8, 128, 64),
+                                          ("fp4", 16, 128, 128), ("fp8", 8, 128, 64),
                                           ("fp8", 32, 256, 64), ("fp4", 16, 256, 128), ("fp8", 8, 256, 128)])
 def test_moe_kernel_data_path_model(fmt, BT, BK, BN):
     rng = np.random.default_rng(BT * 7 + BK + BN)
@@ -302,6 +306,7 @@ def test_moe_kernel_model_matches_source():
 
     src = cuda_source(16)
     for frag in ("0x81C081C0u", "4160u", "260u", "((s + 126u) << 7) * 0x10001u", "(2 * (g & 3))", "(4 * (g & 1))",
+                 "(c ^ (2 * ((g >> 1) & 1)))", "BKP == 64",
                  "2 * G + (q >> 1)", "4 * G + q", "(warp >> 1) * SCB", "0x7632 : 0x5410", "in[2 * q + s]",
                  "(4 * s + c) * ROW", "(4 * G + t) * BT * 2", "(BT * 16) >> 4", "(128 >> 4) << 32",
                  "a[4 * t + 0] = d0[2 * t]", "a[4 * t + 1] = d1[2 * t]", "a[4 * t + 2] = d0[2 * t + 1]",

@@ -57,9 +57,10 @@ A/C register layouts), so the kernel still compiles and is correct there, withou
 
 Limits: block_n 64 with threads 128 (one warpgroup; M = 64 is the wgmma tile), or 128 with threads 256 (two
 warpgroups, each its 64 rows, sharing the activation tile: warp w dequantises rows 16w.., so the fragment code is
-the same); block_t is 8, 16, 32 or 64 (128 tokens would need FP4 steps of 128 K, whose 4 chunks per row the
-bank swizzle below cannot permute, and 256-K steps of 128 tokens do not fit 4 stages in shared memory; an 8K-token
-prefill measured 1.1x at most from it); block_k is 128, 256 or 512; num_stages >= 4; k_splits (K split over grid
+the same); block_t is 8, 16, 32 or 64 (256-K steps of 128 tokens do not fit 4 stages in shared memory; an
+8K-token prefill measured 1.1x at most from 128); block_k is 128, 256 or 512 (FP4 rows of a 128-K step are 64 bytes,
+4 chunks: their swizzle XORs 2*((row>>1)&1), so the two rows of a 128-byte line and the next two land apart);
+num_stages >= 4; k_splits (K split over grid
 z, "add" epilogue only); min_blocks (__launch_bounds__). The tile policy (which block_t / block_k / stages per pass)
 is moe.py's.
 
@@ -201,9 +202,10 @@ __device__ __forceinline__ void di3_group(const void* ws_, const void* ss_, cons
   uint32_t* a = a_all + 16 * BUF;
   uint32_t d0[8], d1[8];
   if (FMT == 0) {
-    // logical 16-byte chunk 2G + q/2, half q&1; physical chunk XOR 2*(row&3) on the low 3 bits
+    // logical 16-byte chunk 2G + q/2, half q&1; physical chunk XOR 2*(row&3) on the low 3 bits (rows of 128-K
+    // steps, 4 chunks: XOR 2*((row>>1)&1), the two rows sharing a 128-byte line apart)
     const int c = 2 * G + (q >> 1);
-    const int cp = (c & ~7) | ((c & 7) ^ (2 * (g & 3)));
+    const int cp = BKP == 64 ? (c ^ (2 * ((g >> 1) & 1))) : ((c & ~7) | ((c & 7) ^ (2 * (g & 3))));
     const uint2 p0 = *reinterpret_cast<const uint2*>(ws + r0 * BKP + cp * 16 + 8 * (q & 1));
     const uint2 p1 = *reinterpret_cast<const uint2*>(ws + r1 * BKP + cp * 16 + 8 * (q & 1));
     const uint8_t s0 = ss[r0 * SCB + 2 * G + (q >> 1)];
@@ -492,7 +494,10 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
             for it in T.unroll(W_IT):
                 r = (it * TW + tx) // CPR
                 cc = (it * TW + tx) % CPR
-                cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, (2 * (r % 4)) if fmt == "fp4" else (4 * (r % 2)))
+                if fmt == "fp4" and CPR == 4:  # 128-K steps: 64-byte rows
+                    cs = T.bitwise_xor(cc, 2 * ((r // 2) % 2))
+                else:
+                    cs = (cc // 8) * 8 + T.bitwise_xor(cc % 8, (2 * (r % 4)) if fmt == "fp4" else (4 * (r % 2)))
                 T.call_extern("handle", "di3_cp16", T.address_of(smem[(base + r * BKP + cs * 16) // 4]),
                               T.address_of(w[e, bx * BN + r, kk * BKP + cc * 16]), 1)
         if fmt == "fp4":

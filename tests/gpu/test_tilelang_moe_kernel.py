@@ -150,6 +150,17 @@ def test_kernels_each_tile(fmt, block_t, block_n):
     """Up (SwiGLU epilogue) and down ("add" epilogue, whole K and split in 3) at one token tile and block height
     (64 weight rows: one warpgroup; 128: two), against torch with the same bf16 rounding points; 37 tokens x top-2
     over 4 experts: every expert spans several chunks at the small tiles, and a partial chunk at the large ones."""
+    _check_tile(fmt, block_t, block_n)
+
+
+@pytest.mark.parametrize("block_t,block_n", [(8, 64), (16, 128)])
+def test_fp4_kernels_in_128_k_steps(block_t, block_n):
+    """The same with FP4 steps of 128 K over 8 stages (64-byte weight rows, their own swizzle; moe_gpu.py's
+    "fp4 bk128 stages8")."""
+    _check_tile("fp4", block_t, block_n, (128, 8))
+
+
+def _check_tile(fmt, block_t, block_n, config=None):
     from deepinfer.kernels.tilelang import moe as moe
     from deepinfer.kernels.tilelang._build import jit
 
@@ -163,7 +174,7 @@ def test_kernels_each_tile(fmt, block_t, block_n):
     rows, aw, s_exp, s_start, s_cnt = table
     poison_allocator()
     h = torch.empty(T_ * k, KI, dtype=torch.bfloat16, device="cuda")
-    bk, st = moe.pass_config(fmt, KD, block_t, block_n)
+    bk, st = config or moe.pass_config(fmt, KD, block_t, block_n)
     jit(moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, block_n, block_t, bk, 2 * block_n, st, True, 1, 0)(
         x, *table, routed.w13, routed.s13, h, LIMIT)
     torch.cuda.synchronize()
@@ -181,7 +192,7 @@ def test_kernels_each_tile(fmt, block_t, block_n):
         h_ref[a:a + n] = (torch.nn.functional.silu(gate) * up * aw[a:a + n, None]).bfloat16()
         y_ref.index_add_(0, rows[a:a + n].long(), (h[a:a + n] @ w2.T).float())  # down from the kernel's own h
     assert torch.isfinite(h).all() and rel_err(h, h_ref) < 1e-2, rel_err(h, h_ref)
-    bk, st = moe.pass_config(fmt, KI, block_t, block_n)
+    bk, st = config or moe.pass_config(fmt, KI, block_t, block_n)
     for splits in (1, 3):
         y = torch.zeros(T_, KD, dtype=torch.float32, device="cuda")
         jit(moe.build_grouped_gemm, fmt, "add", KE, KD, KI, block_n, block_t, bk, 2 * block_n, st, False, splits, 0)(
