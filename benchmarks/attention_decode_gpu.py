@@ -189,15 +189,15 @@ def main():
             for pr in probes:  # the same call with one part of the work dropped (output not checked)
                 probe_us[pr] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale, splits=d,
                                                                               probe=pr))[0] * 1e3
-            if probes:  # and the candidate Q load (attention.Q_LOADS), a real variant: its output is checked
-                attention.Q_LOADS, keep = 16, attention.Q_LOADS
+            if probes:  # and the candidate prologue (attention.PROLOGUE_LOADS = 16), a real variant: its output is checked
+                attention.PROLOGUE_LOADS, keep = 16, attention.PROLOGUE_LOADS
                 try:
-                    probe_us["q_loads16"] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink,
+                    probe_us["prologue16"] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink,
                                                                                            scale, splits=d))[0] * 1e3
                     out = sink_attention_decode_kernel(*data[0], sink, scale, splits=d).float()
-                    probe_us["q_loads16_rel_err"] = ((out - expect).norm() / expect.norm()).item()
+                    probe_us["prologue16_rel_err"] = ((out - expect).norm() / expect.norm()).item()
                 finally:
-                    attention.Q_LOADS = keep
+                    attention.PROLOGUE_LOADS = keep
             row = dict(B=B, q_per_seq=qps, n_q=n_q, ctx=a.ctx, bytes=nbytes, flops=flops, floor_us=floor_s * 1e6,
                        splits=d, us=runs[d]["us"], eager_us=runs[d]["eager_us"], roofline=runs[d]["roofline"],
                        tflops=flops / (runs[d]["us"] * 1e-6) / 1e12, rel_err_vs_torch=runs[d]["rel_err_vs_torch"],

@@ -131,14 +131,17 @@ def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
         build_sink_attention_decode(splits=1, arch="sm_90a", probe="no_mma")
 
 
-def test_q_can_be_loaded_sixteen_loads_at_a_time():
-    """The candidate Q load (attention.Q_LOADS = 16) issues a thread's 16-byte loads of Q in two unrolled runs of
-    sixteen, then permutes and stores them; at 1 the kernel is the source the H200 has run (load, store, ...)."""
+def test_the_prologue_can_issue_its_loads_together():
+    """The candidate prologue (attention.PROLOGUE_LOADS = 16) issues a thread's 16-byte loads of Q in two unrolled
+    runs of sixteen, then permutes and stores them, and unrolls the producer's row table; at 1 the kernel is the
+    source the H200 has run (load, store, ...)."""
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-    batched = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", q_loads=16), "sm_90a")
+    batched = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", prologue_loads=16), "sm_90a")
     assert "for (int i0 = 0; i0 < 2; ++i0)" in batched and "for (int i1 = 0; i1 < 16; ++i1)" in batched
+    table = batched[batched.index("warpgroup_reg_dealloc<152>"):]
+    assert "#pragma unroll" in table[:200]  # the producer's row table, its loads issued together
     assert batched != _source("sm_90a", 1)
-    with pytest.raises(AssertionError, match="q_loads must divide 32"):
-        build_sink_attention_decode(splits=1, arch="sm_90a", q_loads=3)
+    with pytest.raises(AssertionError, match="prologue_loads must divide 32"):
+        build_sink_attention_decode(splits=1, arch="sm_90a", prologue_loads=3)

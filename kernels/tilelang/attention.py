@@ -24,9 +24,9 @@ from .attention_decode_kernel import build_sink_attention_decode
 from .attention_kernel import build_sink_attention_dense
 
 BLOCK_KEYS = 64  # keys per block of both kernels
-# the decode kernel's Q loads in flight a thread (build_sink_attention_decode's q_loads): 1 as the H200 has run it
-# until attention_decode_gpu.py --probes has timed 16 beside it
-Q_LOADS = 1
+# the decode kernel's prologue (build_sink_attention_decode's prologue_loads): 1 as the H200 has run it; 16 issues Q's
+# loads sixteen at a time and the row table's loads together, until attention_decode_gpu.py --probes has timed it
+PROLOGUE_LOADS = 1
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -123,8 +123,8 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     splits = used_splits(splits or _splits(n_q, n_blocks, q.device), n_blocks)
     # a ring wider than the window (rollback rows for speculative decoding): its width is a compile-time shape
     extra = (None, (192, 160, 152), R) if R != window else ()
-    if probe or Q_LOADS != 1:
-        extra = (None, (192, 160, 152), R if R != window else None, probe, Q_LOADS)
+    if probe or PROLOGUE_LOADS != 1:
+        extra = (None, (192, 160, 152), R if R != window else None, probe, PROLOGUE_LOADS)
     kernel = jit(build_sink_attention_decode, H, D, window, topk, splits, *extra)
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),
