@@ -16,9 +16,10 @@ per-query bf16 slates (what the model passes today; the gather itself is not tim
 against it (relative error). The kernel first runs once in a child process with a time limit: a hang (mbarrier
 protocol) is reported instead of stalling the run. Any row or split count that did not run is an error: the script
 exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
-part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no key block; their
-outputs are wrong and not checked), at the default split count: where the time of a key block goes. The previous
-kernel generation's numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
+part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
+key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
+and the candidate prologue (attention.PROLOGUE_LOADS = 16), its output checked. The previous kernel generation's
+numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
 """
 
 import argparse
@@ -189,7 +190,7 @@ def main():
             for pr in probes:  # the same call with one part of the work dropped (output not checked)
                 probe_us[pr] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale, splits=d,
                                                                               probe=pr))[0] * 1e3
-            if probes:  # and the candidate prologue (attention.PROLOGUE_LOADS = 16), a real variant: its output is checked
+            if probes:  # the candidate prologue (attention.PROLOGUE_LOADS = 16), a real variant: output checked
                 attention.PROLOGUE_LOADS, keep = 16, attention.PROLOGUE_LOADS
                 try:
                     probe_us["prologue16"] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink,

@@ -3,7 +3,8 @@
 table, shared expert on a side stream) vs the torch op, 384 FP4 routed experts + one FP8 shared expert, hidden
 5120, inter 2304, top-6, uniform random routing.
 
-    source benchmarks/gpu_env.sh && python3 benchmarks/moe_gpu.py --out $OUT/moe.json [--batches 1,8,64,256] [--sweep] [--probes]
+    source benchmarks/gpu_env.sh && python3 benchmarks/moe_gpu.py --out $OUT/moe.json \
+        [--batches 1,8,64,256] [--sweep] [--probes]
 
 Time = median per call of CUDA-event-timed replays of a CUDA graph holding 4 calls on distinct input sets (the GPU
 time a captured decode step sees). Bytes = the fewest the call must move: the experts its routing touched (FP4 0.5

@@ -266,7 +266,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                             qt[v] = qv[(v % 2) * 4 + v // 2]
                         for v in T.vectorized(8):
                             q_s[(i * 128 + tx) // 64, ((i * 128 + tx) % 64) * 8 + v] = qt[v]
-                else:  # prologue_loads loads issued before their stores (the compiler keeps load, store, load, ... above)
+                else:  # prologue_loads loads issued before their stores (above, the compiler keeps load, store, ...)
                     qv = T.alloc_local((prologue_loads * 8,), "bfloat16")
                     qt = T.alloc_local((8,), "bfloat16")
                     for i0 in T.serial(32 // prologue_loads):

@@ -278,11 +278,13 @@ def cuda_source(block_t: int, probe: str = "") -> str:
     group = _GROUP
     if "nodq" in probe:  # the packed words and scales themselves as the A fragments: one op a word
         group = _swap(group, "    di3_e2m1x8(p0.x, di3_scale_e2m1(s0), d0);\n", _NODQ)
-        for line in ("    di3_e2m1x8(p0.y, di3_scale_e2m1(s0), d0 + 4);\n", "    di3_e2m1x8(p1.x, di3_scale_e2m1(s1), d1);\n",
+        for line in ("    di3_e2m1x8(p0.y, di3_scale_e2m1(s0), d0 + 4);\n",
+                     "    di3_e2m1x8(p1.x, di3_scale_e2m1(s1), d1);\n",
                      "    di3_e2m1x8(p1.y, di3_scale_e2m1(s1), d1 + 4);\n"):
             group = _swap(group, line, "")
     if "nomma" in probe:  # no MMA: the fragments feed one add each, so their loads and decode stay
-        group = _swap(group, "#if DI3_WGMMA\n  asm volatile(\"wgmma.fence", _NOMMA + "#elif DI3_WGMMA\n  asm volatile(\"wgmma.fence")
+        fence = "DI3_WGMMA\n  asm volatile(\"wgmma.fence"
+        group = _swap(group, "#if " + fence, _NOMMA + "#elif " + fence)
     return (DEQUANT_SOURCE + _HEAD + "#if DI3_WGMMA\n" + wg + "#endif\n"
             + f"#define DI3_WGMMA_N di3_wgmma_n{block_t}\n" + group + "#undef DI3_WGMMA_N\n#endif\n")
 
