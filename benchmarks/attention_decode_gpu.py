@@ -138,6 +138,15 @@ def main():
         sweep[(B, qps)] = sorted(cand)
     all_splits = sorted({s for v in sweep.values() for s in v})
     probes = [p for p in PROBES if p] if a.probes else []
+    if probes:  # every probe and the candidate prologue at every default split count, compiled in parallel first
+        from deepinfer.kernels.tilelang._build import precompile
+        from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+        wide = [(s, pr, 1) for s in all_splits for pr in probes] + [(s, "", 16) for s in all_splits]
+        precompile([(build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK, s, None, (192, 160, 152), None, pr, ld)
+                    for s, pr, ld in wide] + [(build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK, s)
+                                              for s in all_splits])
+        print(f"compiled {len(wide) + len(all_splits)} decode kernels  [{time.time() - t0:.0f} s]", flush=True)
     err = smoke_in_child(all_splits, a.hang_limit, probes)
     print(f"decode smoke ({all_splits} splits): {err or 'ok'}  [{time.time() - t0:.0f} s]", flush=True)
     if err:

@@ -152,6 +152,8 @@ def main():
         for var in variants.values():
             with with_variant(var):
                 specs += moe.experts_specs(routed, shared, B, TOPK, var.get("shared_down_splits", 1))
+    for B in batches if args.probes else ():  # the probed routed passes of the per-kernel breakdown
+        specs += [sp + (probe,) for sp in moe.routed_specs(routed, B, TOPK) for probe in moe_kernel.PROBES[1:]]
     t0 = time.time()
     moe.precompile(specs)
     print(f"compiled {len(set(specs))} kernels in {time.time() - t0:.0f} s", flush=True)

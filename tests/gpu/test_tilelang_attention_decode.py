@@ -182,3 +182,23 @@ def test_decode_no_visible_keys_gives_zeros(splits):
         cmp_kv.to(dev), cmp_sc.to(dev), torch.full((1, TOPK), -1, dtype=torch.int32, device=dev),
         torch.randn(H, generator=g).to(dev), D ** -0.5, splits=splits)
     assert torch.equal(out.float().cpu(), torch.zeros(1, H, D))
+
+
+@pytest.mark.parametrize("ring,splits", [(W, 1), (W, 3), (192, None)])
+def test_the_candidate_prologue_gives_the_kernels_bits(ring, splits):
+    """attention.PROLOGUE_LOADS = 16 (Q's loads sixteen at a time, the row table unrolled) changes when the
+    prologue's loads go out, not what the kernel sums: the same bits as the default, on partly filled and rollback
+    rings, whole and split."""
+    from deepinfer.kernels.tilelang import attention
+
+    args, _ = _case(5, seed=2024 + ring + (splits or 0), ring=ring)
+    scale = D ** -0.5
+    base = attention.sink_attention_decode(*args, scale, splits=splits)
+    keep, attention.PROLOGUE_LOADS = attention.PROLOGUE_LOADS, 16
+    try:
+        poison_allocator()
+        cand = attention.sink_attention_decode(*args, scale, splits=splits)
+    finally:
+        attention.PROLOGUE_LOADS = keep
+    torch.cuda.synchronize()
+    assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
