@@ -337,3 +337,25 @@ def test_the_shared_expert_table_has_one_slot_per_token_tile():
     assert rows.tolist() == list(range(70)) and aw.tolist() == [1.0] * 70
     assert expert.tolist() == [0, 0, 0] and start.tolist() == [0, 32, 64] and count.tolist() == [32, 32, 6]
     assert _shared_table(5, "cpu", 8)[4].tolist() == [5]  # fewer tokens than a tile: one slot
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_the_routed_passes_step_and_stages_are_one_ab_knob():
+    """moe.FP4_BLOCK_K / FP4_STAGES (256 x 4 by default) set every routed pass's K step and stages, for
+    with_attrs.py A/B runs of 128 x 8: the same shared memory at every token tile, and each pass still builds."""
+    from unittest import mock
+
+    from deepinfer.kernels.packed_experts import PackedExperts
+    from deepinfer.kernels.tilelang import moe
+    from deepinfer.kernels.tilelang.moe_kernel import shared_bytes
+
+    t = torch.empty(0)
+    routed = PackedExperts("fp4", t.new_empty(384, 2 * 2304, 0), t, t.new_empty(384, 5120, 0), t)
+    assert (moe.FP4_BLOCK_K, moe.FP4_STAGES) == (256, 4)
+    with mock.patch.object(moe, "FP4_BLOCK_K", 128), mock.patch.object(moe, "FP4_STAGES", 8):
+        for n_tok in (1, 8, 64, 256):
+            for spec in moe.routed_specs(routed, n_tok, 6):
+                fmt, bt, bk, st, bn = spec[1], spec[7], spec[8], spec[10], spec[6]
+                assert (fmt, bk, st) == ("fp4", 128, 8)
+                assert shared_bytes(fmt, bt, bk, st, bn) == shared_bytes(fmt, bt, 256, 4, bn)
+                spec[0](*spec[1:])

@@ -39,6 +39,9 @@ PREP_KERNEL_ASSIGNMENTS = 12288
 # tokens from which the shared expert runs dequantised through cuBLAS (as linear.py's projections from DENSE_ROWS)
 SHARED_DENSE_TOKENS = 1024
 PREP_ZEROES_OUTPUT = 1  # the routing table's launch zeroes the fp32 output (0: a fill launch; for A/B runs)
+# the routed (FP4) passes' K step and stages: 256 x 4 as the H200 has run them; 128 x 8 keeps 5 stages in flight
+# across each barrier instead of 1 in the same shared memory (moe_gpu.py "fp4 bk128 stages8"; for A/B runs)
+FP4_BLOCK_K, FP4_STAGES = 256, 4
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -114,7 +117,7 @@ def pass_config(fmt: str, k_dim: int, block_t: int, block_n: int = BLOCK_N) -> t
     expert, 72-80 blocks per token tile, the longest chain at decode): the largest step dividing K that keeps 4
     stages within ~220 KB, so each of its few blocks keeps 16-32 KB in flight."""
     if fmt == "fp4":
-        return 256, 4
+        return FP4_BLOCK_K, FP4_STAGES
     for bk in (512, 256, 128):
         if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4, block_n) <= 220 * 1024:
             return bk, 4
