@@ -111,6 +111,7 @@ def main():
     if args.sweep or args.variants:
         variants.update({"fp4 stages5": {"fp4": (256, 5)}, "fp4 bk512": {"fp4": (512, 4)},
                          "fp4 bk128 stages8": {"fp4": (128, 8)}, "fp4 bk128 stages6": {"fp4": (128, 6)},
+                         "fp8 bk256 stages8": {"fp8": (256, 8)}, "fp8 bk128 stages16": {"fp8": (128, 16)},
                          "routed bn64": {"routed_bn": 64}, "routed bt8 bn128": {"routed_bt": 8, "routed_bn": 128},
                          "routed bt16 bn64": {"routed_bt": 16, "routed_bn": 64},
                          "routed bt16 bn128": {"routed_bt": 16, "routed_bn": 128},
@@ -137,7 +138,8 @@ def main():
         with contextlib.ExitStack() as stack:
             if "fp4" in var or "fp8" in var:
                 stack.enter_context(mock.patch.object(moe, "pass_config", lambda fmt, k, bt, bn=64: var[fmt] if (
-                    fmt in var and k % var[fmt][0] == 0) else base(fmt, k, bt, bn)))
+                    fmt in var and k % var[fmt][0] == 0 and moe_kernel.shared_bytes(fmt, bt, *var[fmt], bn)
+                    <= 227 * 1024) else base(fmt, k, bt, bn)))  # a tile the shared memory cannot hold: the policy
             for key, name in policy.items():
                 if key in var:
                     stack.enter_context(mock.patch.object(moe, name, lambda *_, v=var[key]: v))

@@ -18,6 +18,7 @@ tilelang_missing = importlib.util.find_spec("tilelang") is None
 CONFIGS = {  # name: (fmt, epilogue, E, N, K, block_t, block_k, stages, gather[, block_n])
     "up_fp4_bt8": ("fp4", "swiglu", 384, 4608, 5120, 8, 256, 4, True),
     "up_fp4_bt8_k128": ("fp4", "swiglu", 384, 4608, 5120, 8, 128, 8, True),  # 128-K steps, 8 stages
+    "up_fp8_bt8_k128_s16": ("fp8", "swiglu", 1, 4608, 5120, 8, 128, 16, True),  # moe.FP8_STAGE_SPLIT = 4
     "up_fp4_bt16_bn128": ("fp4", "swiglu", 384, 4608, 5120, 16, 256, 4, True, 128),
     "down_fp4_bt16_bn128": ("fp4", "add", 384, 5120, 2304, 16, 256, 4, False, 128),
     "down_fp8_bt8_bn128": ("fp8", "add", 1, 5120, 2304, 8, 256, 4, False, 128),
@@ -97,7 +98,8 @@ def test_the_timing_probes_leave_out_the_decode_or_the_mmas_and_the_kernel_as_it
 
 
 @pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")
-@pytest.mark.parametrize("name", ["up_fp4_bt8", "up_fp8_bt8", "up_fp4_bt16_bn128", "up_fp4_bt8_k128"])
+@pytest.mark.parametrize("name", ["up_fp4_bt8", "up_fp8_bt8", "up_fp4_bt16_bn128", "up_fp4_bt8_k128",
+                                  "up_fp8_bt8_k128_s16"])
 def test_moe_kernel_sm90_machine_code(name, tmp_path):
     """ptxas on the lowered source: no spills, registers within the occupancy the launch bounds ask for, and no
     'wgmma ... serialized' fallback (which would undo the dequant/MMA overlap)."""
@@ -359,3 +361,26 @@ def test_the_routed_passes_step_and_stages_are_one_ab_knob():
                 assert (fmt, bk, st) == ("fp4", 128, 8)
                 assert shared_bytes(fmt, bt, bk, st, bn) == shared_bytes(fmt, bt, 256, 4, bn)
                 spec[0](*spec[1:])
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+@pytest.mark.parametrize("split,expect", [(1, (512, 4)), (2, (256, 8)), (4, (128, 16)), (8, (128, 16))])
+def test_the_shared_experts_steps_split_into_more_stages(split, expect):
+    """moe.FP8_STAGE_SPLIT cuts the shared expert's K step and multiplies its stages (never below 128-K steps):
+    the same shared memory up to the stages' 128-byte padding, more steps in flight across each barrier; the pass
+    still builds."""
+    from unittest import mock
+
+    from deepinfer.kernels.packed_experts import PackedExperts
+    from deepinfer.kernels.tilelang import moe
+    from deepinfer.kernels.tilelang.moe_kernel import shared_bytes
+
+    t = torch.empty(0)
+    shared = PackedExperts("fp8", t.new_empty(1, 2 * 2304, 0), t, t.new_empty(1, 5120, 0), t)
+    assert moe.FP8_STAGE_SPLIT == 1
+    with mock.patch.object(moe, "FP8_STAGE_SPLIT", split):
+        up, down = moe.ffn_specs(shared, moe.shared_block_t(1))
+        assert (up[8], up[10]) == expect
+        assert 0 <= shared_bytes("fp8", 8, *expect) - shared_bytes("fp8", 8, 512, 4) <= 2048  # stage padding
+        for spec in (up, down):
+            spec[0](*spec[1:])

@@ -42,6 +42,10 @@ PREP_ZEROES_OUTPUT = 1  # the routing table's launch zeroes the fp32 output (0: 
 # the routed (FP4) passes' K step and stages: 256 x 4 as the H200 has run them; 128 x 8 keeps 5 stages in flight
 # across each barrier instead of 1 in the same shared memory (moe_gpu.py "fp4 bk128 stages8"; for A/B runs)
 FP4_BLOCK_K, FP4_STAGES = 256, 4
+# the shared (FP8) expert's steps cut by this factor and its stages multiplied by it (1: as run): a few dozen
+# blocks stream the whole expert at decode, each with one 32 KB step in flight across a barrier; at 2 (256 x 8)
+# five 16 KB steps, at 4 (128 x 16) thirteen 8 KB ones, in the same shared memory (for A/B runs)
+FP8_STAGE_SPLIT = 1
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -120,7 +124,8 @@ def pass_config(fmt: str, k_dim: int, block_t: int, block_n: int = BLOCK_N) -> t
         return FP4_BLOCK_K, FP4_STAGES
     for bk in (512, 256, 128):
         if k_dim % bk == 0 and shared_bytes(fmt, block_t, bk, 4, block_n) <= 220 * 1024:
-            return bk, 4
+            f = max(1, min(FP8_STAGE_SPLIT, bk // 128))
+            return bk // f, 4 * f
     return 128, 4
 
 

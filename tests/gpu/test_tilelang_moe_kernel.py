@@ -160,6 +160,13 @@ def test_fp4_kernels_in_128_k_steps(block_t, block_n):
     _check_tile("fp4", block_t, block_n, (128, 8))
 
 
+@pytest.mark.parametrize("config", [(256, 8), (128, 16)])
+def test_fp8_kernels_with_their_steps_split_into_more_stages(config):
+    """The shared expert's format with moe.FP8_STAGE_SPLIT's shapes (2: 256 x 8, 4: 128 x 16; fewer steps than
+    stages here, so the prologue's guard is exercised too)."""
+    _check_tile("fp8", 8, 64, config)
+
+
 def _check_tile(fmt, block_t, block_n, config=None):
     from deepinfer.kernels.tilelang import moe as moe
     from deepinfer.kernels.tilelang._build import jit
