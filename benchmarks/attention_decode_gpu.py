@@ -18,7 +18,8 @@ protocol) is reported instead of stalling the run. Any row or split count that d
 exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
 key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
-and the candidate prologue (attention.PROLOGUE_LOADS = 16), its output checked. The previous kernel generation's
+and the candidate settings (CANDIDATES: attention.PROLOGUE_LOADS = 16, attention.PREFETCH = 2, both), their
+outputs checked. The previous kernel generation's
 numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
 """
 
@@ -37,6 +38,9 @@ from kernels_gpu import attention_inputs as make_inputs  # noqa: E402  (the main
 from kernels_gpu import ceilings, graph_time, timeit  # noqa: E402  (same timing and ceilings as the main table)
 
 HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
+# candidate settings of the kernel timed beside --probes (attention module constants)
+CANDIDATES = {"prologue16": {"PROLOGUE_LOADS": 16}, "prefetch2": {"PREFETCH": 2},
+              "prologue16_prefetch2": {"PROLOGUE_LOADS": 16, "PREFETCH": 2}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 
@@ -138,14 +142,17 @@ def main():
         sweep[(B, qps)] = sorted(cand)
     all_splits = sorted({s for v in sweep.values() for s in v})
     probes = [p for p in PROBES if p] if a.probes else []
-    if probes:  # every probe and the candidate prologue at every default split count, compiled in parallel first
+    if probes:  # every probe and candidate at every default split count, compiled in parallel first
         from deepinfer.kernels.tilelang._build import precompile
         from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-        wide = [(s, pr, 1) for s in all_splits for pr in probes] + [(s, "", 16) for s in all_splits]
-        precompile([(build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK, s, None, (192, 160, 152), None, pr, ld)
-                    for s, pr, ld in wide] + [(build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK, s)
-                                              for s in all_splits])
+        regs = (192, 160, 152)
+        wide = [(s, None, regs, None, pr, 1) for s in all_splits for pr in probes]
+        for knobs in CANDIDATES.values():  # the launcher's arguments for each candidate (attention.py)
+            ld, pf = knobs.get("PROLOGUE_LOADS", 1), knobs.get("PREFETCH", 1)
+            wide += [(s, None, regs, None, "", ld) + ((pf,) if pf != 1 else ()) for s in all_splits]
+        precompile([(build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK) + w for w in wide]
+                   + [(build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK, s) for s in all_splits])
         print(f"compiled {len(wide) + len(all_splits)} decode kernels  [{time.time() - t0:.0f} s]", flush=True)
     err = smoke_in_child(all_splits, a.hang_limit, probes)
     print(f"decode smoke ({all_splits} splits): {err or 'ok'}  [{time.time() - t0:.0f} s]", flush=True)
@@ -199,15 +206,18 @@ def main():
             for pr in probes:  # the same call with one part of the work dropped (output not checked)
                 probe_us[pr] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale, splits=d,
                                                                               probe=pr))[0] * 1e3
-            if probes:  # the candidate prologue (attention.PROLOGUE_LOADS = 16), a real variant: output checked
-                attention.PROLOGUE_LOADS, keep = 16, attention.PROLOGUE_LOADS
+            for name, knobs in CANDIDATES.items() if probes else ():  # real variants: their outputs checked
+                keep = {k: getattr(attention, k) for k in knobs}
                 try:
-                    probe_us["prologue16"] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink,
-                                                                                           scale, splits=d))[0] * 1e3
+                    for k, v in knobs.items():
+                        setattr(attention, k, v)
+                    probe_us[name] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale,
+                                                                                    splits=d))[0] * 1e3
                     out = sink_attention_decode_kernel(*data[0], sink, scale, splits=d).float()
-                    probe_us["prologue16_rel_err"] = ((out - expect).norm() / expect.norm()).item()
+                    probe_us[f"{name}_rel_err"] = ((out - expect).norm() / expect.norm()).item()
                 finally:
-                    attention.PROLOGUE_LOADS = keep
+                    for k, v in keep.items():
+                        setattr(attention, k, v)
             row = dict(B=B, q_per_seq=qps, n_q=n_q, ctx=a.ctx, bytes=nbytes, flops=flops, floor_us=floor_s * 1e6,
                        splits=d, us=runs[d]["us"], eager_us=runs[d]["eager_us"], roofline=runs[d]["roofline"],
                        tflops=flops / (runs[d]["us"] * 1e-6) / 1e12, rel_err_vs_torch=runs[d]["rel_err_vs_torch"],

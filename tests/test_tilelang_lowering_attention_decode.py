@@ -145,3 +145,32 @@ def test_the_prologue_can_issue_its_loads_together():
     assert batched != _source("sm_90a", 1)
     with pytest.raises(AssertionError, match="prologue_loads must divide 32"):
         build_sink_attention_decode(splits=1, arch="sm_90a", prologue_loads=3)
+
+
+@pytest.mark.parametrize("splits,ring", [(1, None), (2, None), (5, None), (10, None), (1, 192)])
+def test_pool_blocks_can_be_loaded_two_ahead(splits, ring):
+    """The candidate producer (attention.PREFETCH = 2) loads a pool block's 8 bytes a row into either half of its
+    row registers (two blocks in flight) and keeps each half's visibility as bits; it lowers for every split
+    shape (one block a CTA: nothing to load ahead), and ptxas fits it where nvcc is installed."""
+    import shutil
+
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring, prefetch=2), "sm_90a")
+    assert "__global__" in src and "wgmma" in src
+    second_half = r"\(uint2\*\)\(raw \+ \(\(i_\d+ \* 16\) \+ 8\)\)"  # a pool row into the registers' 2nd half
+    assert not re.search(second_half, _source("sm_90a", splits))
+    assert bool(re.search(second_half, src)) == (splits < 10)  # 10 splits: one block a CTA, nothing ahead
+    assert src.count("di_dq_e2m1x8_e4m3((") >= (4 if splits < 10 else 2)  # the pool dequantisation, both halves
+    with pytest.raises(AssertionError, match="prefetch is 1 or 2"):
+        build_sink_attention_decode(splits=1, arch="sm_90a", prefetch=2, probe="no_load")
+    if shutil.which("nvcc") and splits == 1:
+        import tempfile
+        from pathlib import Path
+
+        from lowering_helpers import ptxas_report
+
+        with tempfile.TemporaryDirectory() as tmp:
+            _, regs = ptxas_report(src, Path(tmp))
+        assert regs <= 168

@@ -27,6 +27,9 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 # the decode kernel's prologue (build_sink_attention_decode's prologue_loads): 1 as the H200 has run it; 16 issues Q's
 # loads sixteen at a time and the row table's loads together, until attention_decode_gpu.py --probes has timed it
 PROLOGUE_LOADS = 1
+# how far ahead the decode kernel's producer loads a pool block (build_sink_attention_decode's prefetch): 1 as the
+# H200 has run it; 2 overlaps a block's HBM latency with the dequantisation of the one before, until measured
+PREFETCH = 1
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -125,6 +128,8 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     extra = (None, (192, 160, 152), R) if R != window else ()
     if probe or PROLOGUE_LOADS != 1:
         extra = (None, (192, 160, 152), R if R != window else None, probe, PROLOGUE_LOADS)
+    if PREFETCH != 1:
+        extra = (None, (192, 160, 152), R if R != window else None, probe, PROLOGUE_LOADS, PREFETCH)
     kernel = jit(build_sink_attention_decode, H, D, window, topk, splits, *extra)
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),

@@ -49,7 +49,8 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = "", prologue_loads: int = 1):
+                                ring: int | None = None, probe: str = "", prologue_loads: int = 1,
+                                prefetch: int = 1):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
     elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer. ring: rows
@@ -66,9 +67,14 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     prologue_loads: Q's 16-byte loads a WG0 thread issues before it stores them to shared memory (1: load, store,
     load, ... as the H200 has run it; 16: half of its 32 in flight at once), and above 1 the producer's row-table
     loop unrolled, so its dependent loads (window positions, selected rows) go out together; A/B:
-    attention.PROLOGUE_LOADS."""
+    attention.PROLOGUE_LOADS.
+    prefetch: how far ahead the producer loads a pool block's rows (1: the next block, right after the current
+    one is dequantised, as the H200 has run it; 2: two ahead, in alternate halves of its row registers, so a
+    block's HBM latency overlaps the dequantisation of the one before; window blocks stay one ahead); A/B:
+    attention.PREFETCH."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     assert prologue_loads in (1, 2, 4, 8, 16, 32), f"prologue_loads must divide 32, got {prologue_loads}"
+    assert prefetch in (1, 2) and not (prefetch == 2 and probe), "prefetch is 1 or 2 (2: not with a probe)"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
     assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0 and W >= window and window % BK == 0
@@ -162,11 +168,16 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         T.barrier_arrive(p_free[sb])
 
     @T.macro
-    def load_raw(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
-        # one block's packed rows into registers: issued a block ahead, so HBM latency overlaps the MMAs
+    def load_raw(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, slot=0):
+        # one block's packed rows into registers, issued ahead so HBM latency overlaps the MMAs. prefetch 2: a pool
+        # block's 8 bytes a row go to half `slot` of each row's 16 (a window block fills both halves), and ok[slot]
+        # holds the rows' visibility as bits (ok[i] holds row i's source row otherwise)
         for i in T.unroll(ROWS):
             row = idx_s[n * BK + warp * ROWS + i]
-            ok[i] = row
+            if prefetch == 2:
+                ok[slot] = T.if_then_else(i == 0, 0, ok[slot]) | T.if_then_else(row >= 0, 1 << i, 0)
+            else:
+                ok[i] = row
             if probe in ("no_load", "no_producer"):
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = T.cast((row + v) & 0x77, "uint8")
@@ -174,14 +185,14 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             elif kb0 + n < NWB:
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
-                sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+                sc[slot * ROWS + i] = win_scale[b, T.max(row, 0), lane // 2]
             else:
                 for v in T.vectorized(8):
-                    raw[i * 16 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
-                sc[i] = cmp_scale[T.max(row, 0), lane]
+                    raw[i * 16 + slot * 8 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
+                sc[slot * ROWS + i] = cmp_scale[T.max(row, 0), lane]
 
     @T.macro
-    def dequant(n, kb0, kbuf, lane, warp, raw, sc, ok, vals):
+    def dequant(n, kb0, kbuf, lane, warp, raw, sc, ok, vals, slot=0):
         for i in T.unroll(ROWS):
             if probe in ("no_dequant", "no_producer"):
                 if ok[i] == -7:  # never (rows are >= -1), but keeps the loads the compiler would drop
@@ -189,19 +200,91 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                         kbuf[warp * ROWS + i, lane * 16 + v] = T.cast(T.cast(raw[i * 16 + v] + sc[i], "float32"),
                                                                       "bfloat16")
             elif kb0 + n < NWB:
-                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
-                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i],
+                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[slot * ROWS + i],
+                              T.address_of(vals[0]))
+                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[slot * ROWS + i],
                               T.address_of(vals[8]))
             else:
-                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i],
-                              T.address_of(vals[0]))
-                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
-                              T.address_of(vals[8]))
+                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + slot * 8]),
+                              sc[slot * ROWS + i], T.address_of(vals[0]))
+                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + slot * 8 + 4]),
+                              sc[slot * ROWS + i], T.address_of(vals[8]))
             if probe not in ("no_dequant", "no_producer"):
                 for v in T.vectorized(16):
-                    kbuf[warp * ROWS + i, lane * 16 + v] = T.if_then_else(ok[i] >= 0, vals[v],
-                                                                          T.cast(0, "bfloat16"))
+                    kbuf[warp * ROWS + i, lane * 16 + v] = T.if_then_else(
+                        (((ok[slot] >> i) & 1) > 0) if prefetch == 2 else (ok[i] >= 0), vals[v],
+                        T.cast(0, "bfloat16"))
         T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
+
+    @T.macro
+    def producer_one_ahead(nmine, kb0, b, lane, warp, idx_s, k0, k1, k_ready, k_free, win_kv, win_scale, cmp_kv,
+                           cmp_scale):
+        # block n+1's rows are loaded right after block n is dequantised: their latency overlaps the wait for a
+        # free key buffer only
+        raw = T.alloc_local((ROWS * 16,), "uint8")
+        sc = T.alloc_local((ROWS,), "uint8")
+        ok = T.alloc_local((ROWS,), "int32")
+        vals = T.alloc_local((16,), "bfloat16")
+        if nmine > 0:
+            load_raw(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+        for it in T.serial((nmine + 1) // 2):
+            T.barrier_wait(k_free[0], (it & 1) ^ 1)
+            dequant(it * 2, kb0, k0, lane, warp, raw, sc, ok, vals)
+            T.barrier_arrive(k_ready[0])
+            if it * 2 + 1 < nmine:
+                load_raw(it * 2 + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
+                         cmp_scale)
+                T.barrier_wait(k_free[1], (it & 1) ^ 1)
+                dequant(it * 2 + 1, kb0, k1, lane, warp, raw, sc, ok, vals)
+                T.barrier_arrive(k_ready[1])
+                if it * 2 + 2 < nmine:
+                    load_raw(it * 2 + 2, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
+                             cmp_scale)
+
+    @T.macro
+    def load_after(n, par, nmine, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
+        # after block n (local parity par, a Python int) is dequantised: a window block next is loaded alone
+        # (its FP8 rows fill both halves of the registers); after the last window block the next two pool
+        # blocks; after a pool block the pool block two ahead, into the half block n has just freed
+        if kb0 + n + 1 < NWB:
+            if n + 1 < nmine:
+                load_raw(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale,
+                         1 - par)
+        elif kb0 + n < NWB:
+            if n + 1 < nmine:
+                load_raw(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale,
+                         1 - par)
+            if n + 2 < nmine:
+                load_raw(n + 2, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, par)
+        else:
+            if n + 2 < nmine:
+                load_raw(n + 2, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, par)
+
+    @T.macro
+    def producer_two_ahead(nmine, kb0, b, lane, warp, idx_s, k0, k1, k_ready, k_free, win_kv, win_scale, cmp_kv,
+                           cmp_scale):
+        # pool blocks (FP4: 8 bytes a row and lane) two ahead, in alternate halves of the row registers: a block's
+        # loads are in flight while the one before it is dequantised, not only during the wait for its buffer
+        raw = T.alloc_local((ROWS * 16,), "uint8")
+        sc = T.alloc_local((2 * ROWS,), "uint8")
+        ok = T.alloc_local((2,), "int32")  # each half's rows visible, as bits
+        vals = T.alloc_local((16,), "bfloat16")
+        if nmine > 0:
+            load_raw(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, 0)
+            if kb0 >= NWB and nmine > 1:
+                load_raw(1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, 1)
+        for it in T.serial((nmine + 1) // 2):
+            T.barrier_wait(k_free[0], (it & 1) ^ 1)
+            dequant(it * 2, kb0, k0, lane, warp, raw, sc, ok, vals, 0)
+            T.barrier_arrive(k_ready[0])
+            load_after(it * 2, 0, nmine, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
+                       cmp_scale)
+            if it * 2 + 1 < nmine:
+                T.barrier_wait(k_free[1], (it & 1) ^ 1)
+                dequant(it * 2 + 1, kb0, k1, lane, warp, raw, sc, ok, vals, 1)
+                T.barrier_arrive(k_ready[1])
+                load_after(it * 2 + 1, 1, nmine, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
+                           cmp_scale)
 
     @T.prim_func
     def sink_attention_decode(
@@ -347,24 +430,11 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                             idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
                 T.sync_threads(5, n_prod)  # producers only: the row table is complete
 
-                raw = T.alloc_local((ROWS * 16,), "uint8")
-                sc = T.alloc_local((ROWS,), "uint8")
-                ok = T.alloc_local((ROWS,), "int32")
-                vals = T.alloc_local((16,), "bfloat16")
-                if nmine > 0:
-                    load_raw(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
-                for it in T.serial((nmine + 1) // 2):
-                    T.barrier_wait(k_free[0], (it & 1) ^ 1)
-                    dequant(it * 2, kb0, k0, lane, warp, raw, sc, ok, vals)
-                    T.barrier_arrive(k_ready[0])
-                    if it * 2 + 1 < nmine:
-                        load_raw(it * 2 + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
-                                 cmp_scale)
-                        T.barrier_wait(k_free[1], (it & 1) ^ 1)
-                        dequant(it * 2 + 1, kb0, k1, lane, warp, raw, sc, ok, vals)
-                        T.barrier_arrive(k_ready[1])
-                        if it * 2 + 2 < nmine:
-                            load_raw(it * 2 + 2, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
-                                     cmp_scale)
+                if prefetch == 2:
+                    producer_two_ahead(nmine, kb0, b, lane, warp, idx_s, k0, k1, k_ready, k_free, win_kv,
+                                       win_scale, cmp_kv, cmp_scale)
+                else:
+                    producer_one_ahead(nmine, kb0, b, lane, warp, idx_s, k0, k1, k_ready, k_free, win_kv,
+                                       win_scale, cmp_kv, cmp_scale)
 
     return sink_attention_decode

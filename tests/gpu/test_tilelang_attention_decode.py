@@ -184,21 +184,27 @@ def test_decode_no_visible_keys_gives_zeros(splits):
     assert torch.equal(out.float().cpu(), torch.zeros(1, H, D))
 
 
-@pytest.mark.parametrize("ring,splits", [(W, 1), (W, 3), (192, None)])
-def test_the_candidate_prologue_gives_the_kernels_bits(ring, splits):
-    """attention.PROLOGUE_LOADS = 16 (Q's loads sixteen at a time, the row table unrolled) changes when the
-    prologue's loads go out, not what the kernel sums: the same bits as the default, on partly filled and rollback
-    rings, whole and split."""
+@pytest.mark.parametrize("knobs", [{"PROLOGUE_LOADS": 16}, {"PREFETCH": 2}, {"PROLOGUE_LOADS": 16, "PREFETCH": 2}],
+                         ids=["prologue16", "prefetch2", "both"])
+@pytest.mark.parametrize("ring,splits", [(W, 1), (W, 2), (W, 3), (W, 5), (192, None)])
+def test_the_candidate_settings_give_the_kernels_bits(ring, splits, knobs):
+    """attention.PROLOGUE_LOADS = 16 (Q's loads sixteen at a time, the row table unrolled) and attention.PREFETCH
+    = 2 (pool blocks loaded two ahead) change when loads go out, not what the kernel sums: the same bits as the
+    default, on partly filled and rollback rings, whole and split (splits that start in the window and in the
+    pool)."""
     from deepinfer.kernels.tilelang import attention
 
     args, _ = _case(5, seed=2024 + ring + (splits or 0), ring=ring)
     scale = D ** -0.5
     base = attention.sink_attention_decode(*args, scale, splits=splits)
-    keep, attention.PROLOGUE_LOADS = attention.PROLOGUE_LOADS, 16
+    keep = {k: getattr(attention, k) for k in knobs}
     try:
+        for k, v in knobs.items():
+            setattr(attention, k, v)
         poison_allocator()
         cand = attention.sink_attention_decode(*args, scale, splits=splits)
     finally:
-        attention.PROLOGUE_LOADS = keep
+        for k, v in keep.items():
+            setattr(attention, k, v)
     torch.cuda.synchronize()
     assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
