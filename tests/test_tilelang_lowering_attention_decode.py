@@ -159,7 +159,7 @@ def test_pool_blocks_can_be_loaded_two_ahead(splits, ring):
 
     src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring, prefetch=2), "sm_90a")
     assert "__global__" in src and "wgmma" in src
-    second_half = r"\(uint2\*\)\(raw \+ \(\(i_\d+ \* 16\) \+ 8\)\)"  # a pool row into the registers' 2nd half
+    second_half = r"di_ld8\(\(&\(raw\[\(\(i_\d+ \* 16\) \+ 8\)\]"  # a pool row into the registers' 2nd half
     assert not re.search(second_half, _source("sm_90a", splits))
     assert bool(re.search(second_half, src)) == (splits < 10)  # 10 splits: one block a CTA, nothing ahead
     assert src.count("di_dq_e2m1x8_e4m3((") >= (4 if splits < 10 else 2)  # the pool dequantisation, both halves
