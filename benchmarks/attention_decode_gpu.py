@@ -45,6 +45,21 @@ CANDIDATES = {"prologue16": {"PROLOGUE_LOADS": 16}, "prefetch2": {"PREFETCH": 2}
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 
 
+def kernel_specs(splits_list, probes=()) -> list[tuple]:
+    """jit's arguments for the decode kernel at each split count: as is, with each probe, with each candidate
+    setting (what attention.sink_attention_decode_kernel passes; tests/test_attention_decode_bench.py holds them
+    equal, so the parallel precompile builds the kernels the run uses)."""
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    base, regs = (build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK), (192, 160, 152)
+    specs = [base + (s,) for s in splits_list]
+    specs += [base + (s, None, regs, None, pr, 1) for s in splits_list for pr in probes]
+    for knobs in CANDIDATES.values() if probes else ():
+        ld, pf = knobs.get("PROLOGUE_LOADS", 1), knobs.get("PREFETCH", 1)
+        specs += [base + (s, None, regs, None, "", ld) + ((pf,) if pf != 1 else ()) for s in splits_list]
+    return specs
+
+
 def smoke(splits_list, probes=()):
     """One small call per split count, and per probe at the first split count (run in the child process by
     --smoke)."""
@@ -144,16 +159,10 @@ def main():
     probes = [p for p in PROBES if p] if a.probes else []
     if probes:  # every probe and candidate at every default split count, compiled in parallel first
         from deepinfer.kernels.tilelang._build import precompile
-        from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-        regs = (192, 160, 152)
-        wide = [(s, None, regs, None, pr, 1) for s in all_splits for pr in probes]
-        for knobs in CANDIDATES.values():  # the launcher's arguments for each candidate (attention.py)
-            ld, pf = knobs.get("PROLOGUE_LOADS", 1), knobs.get("PREFETCH", 1)
-            wide += [(s, None, regs, None, "", ld) + ((pf,) if pf != 1 else ()) for s in all_splits]
-        precompile([(build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK) + w for w in wide]
-                   + [(build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK, s) for s in all_splits])
-        print(f"compiled {len(wide) + len(all_splits)} decode kernels  [{time.time() - t0:.0f} s]", flush=True)
+        specs = kernel_specs(all_splits, probes)
+        precompile(specs)
+        print(f"compiled {len(specs)} decode kernels  [{time.time() - t0:.0f} s]", flush=True)
     err = smoke_in_child(all_splits, a.hang_limit, probes)
     print(f"decode smoke ({all_splits} splits): {err or 'ok'}  [{time.time() - t0:.0f} s]", flush=True)
     if err:

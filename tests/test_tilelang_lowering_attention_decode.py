@@ -108,7 +108,8 @@ def test_the_builder_refuses_a_split_past_the_last_block():
 def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
     """attention_decode_gpu.py --probes times the kernel with one part of a key block's work dropped. Each probe
     lowers; no_load reads no key rows, no_dequant reads them but converts none, no_softmax calls no exp2 in the
-    block loop, prologue runs no key block; the kernel without a probe is the same source as before probes existed (no probe argument)."""
+    block loop, prologue runs no key block; the kernel without a probe is the same source as before probes existed
+    (no probe argument)."""
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import PROBES, build_sink_attention_decode
 

@@ -1,0 +1,65 @@
+"""benchmarks/attention_decode_gpu.py on the CPU: the kernels it compiles up front (kernel_specs) are the ones the
+decode kernel's launcher asks for, as is, with each probe and with each candidate setting, so the parallel
+precompile builds what the run uses instead of compiling twice."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    path = ROOT / "benchmarks" / "attention_decode_gpu.py"
+    spec = importlib.util.spec_from_file_location("attention_decode_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _asked(monkeypatch, probe="", **knobs):
+    """The jit arguments of one launch of the decode kernel at 2 splits (jit recorded, nothing compiled or run),
+    with the attention module's constants in `knobs` set for that launch only."""
+    from deepinfer.kernels.tilelang import attention
+
+    asked = []
+
+    def jit(*spec):
+        asked.append(spec)
+        return lambda *a, **k: None
+
+    with monkeypatch.context() as m:
+        m.setattr(attention, "jit", jit)
+        for k, v in knobs.items():
+            m.setattr(attention, k, v)
+        _launch(attention, probe)
+    return [s for s in asked if s[0].__name__ == "build_sink_attention_decode"]
+
+
+def _launch(attention, probe):
+    n_q, B, P = 2, 2, 64
+    attention.sink_attention_decode_kernel(
+        torch.zeros(n_q, 64, 512, dtype=torch.bfloat16), torch.zeros(n_q, dtype=torch.int32),
+        torch.zeros(n_q, dtype=torch.int32), torch.zeros(B, 128, 512, dtype=torch.uint8),
+        torch.zeros(B, 128, 16, dtype=torch.uint8), torch.zeros(B, 128, dtype=torch.int32),
+        torch.zeros(P, 256, dtype=torch.uint8), torch.zeros(P, 32, dtype=torch.uint8),
+        torch.zeros(n_q, 512, dtype=torch.int32), torch.zeros(64), 0.1, splits=2, probe=probe)
+
+
+def test_the_precompiled_kernels_are_the_launched_ones(monkeypatch):
+    bench = _bench()
+    from deepinfer.kernels.tilelang.attention_decode_kernel import PROBES
+
+    probes = [p for p in PROBES if p]
+    specs = set(bench.kernel_specs([2], probes))
+    launched = _asked(monkeypatch)
+    for probe in probes:
+        launched += _asked(monkeypatch, probe)
+    for knobs in bench.CANDIDATES.values():
+        launched += _asked(monkeypatch, **knobs)
+    assert launched and set(launched) == specs
