@@ -35,6 +35,7 @@ def _kernels():
     for d in (512, 128):
         for inv in (False, True):
             out[f"rope_{d}_{'inv' if inv else 'fwd'}"] = lambda d=d, inv=inv: k.build_rope(d, 64, inv)
+    out["rope_512_fwd_inplace"] = lambda: k.build_rope(512, 64, False, inplace=True)
     out["fp8_32"] = lambda: k.build_fake_quant("fp8", 32)
     out["fp4_ue8m0_32"] = lambda: k.build_fake_quant("fp4_ue8m0", 32)
     out["fp4_e4m3_16"] = lambda: k.build_fake_quant("fp4_e4m3", 16)
@@ -50,7 +51,7 @@ def _kernels():
 
 NAMES = ([f"rms_warp_{d}" for d in NORM_DIMS] + [f"rms_block_{d}" for d in NORM_DIMS if d >= 256]
          + ["rms_warp_512_fp32w", "rms_block_512_fp32w", "rope_512_fwd", "rope_512_inv", "rope_128_fwd",
-            "rope_128_inv", "fp8_32", "fp4_ue8m0_32", "fp4_e4m3_16", "fp8_32_encode", "fp4_ue8m0_32_encode",
+            "rope_128_inv", "rope_512_fwd_inplace", "fp8_32", "fp4_ue8m0_32", "fp4_e4m3_16", "fp8_32_encode", "fp4_ue8m0_32_encode",
             "fp4_e4m3_16_encode", "window_kv_512", "window_kv_5120"])
 
 
@@ -75,6 +76,8 @@ def test_rowwise_kernel_lowers_to_cuda(name, arch):
     if name.startswith("rope"):
         assert "cosf(" in src and "sinf(" in src and "__fsub_rn" in src and "__fadd_rn" in src
         assert "*(uint4*)" in src  # 16-byte vector loads / stores
+        # in place: only the rotated chunks (8 of a row's 64 at 512 wide, from channel 448), no copy branch
+        assert ("(int64_t)448))" in src) == name.endswith("inplace"), name
     if name.startswith("fp"):
         assert "*(uint4*)" in src and "__shfl_xor_sync" in src
         assert ("__fdiv_rn" in src) == ("e4m3" in name)
@@ -117,6 +120,8 @@ def test_cpu_inputs_take_the_torch_op():
     inv = rope.default_inv_freq(10000.0, 64)
     pos = torch.tensor([0, 7, 900])
     assert torch.equal(rowwise.rope(x, pos, inv, True), rope.rope(x, pos, inv, True))
+    y = x.clone()
+    assert rowwise.rope(y, pos, inv, True, inplace=True) is y and torch.equal(y, rope.rope(x, pos, inv, True))
     assert torch.equal(rowwise.fake_quant_fp8(x, 32), quant.fake_quant_fp8(x, 32))
     assert torch.equal(rowwise.fake_quant_fp4(x, 16, True), quant.fake_quant_fp4(x, 16, True))
     from deepinfer.kernels.torch import cache_formats
@@ -382,3 +387,20 @@ def test_the_e4m3_byte_arithmetic_gives_every_code():
     nan = (codes & 0x7F) == 0x7F
     assert np.array_equal(got[~nan.numpy()], codes.numpy()[~nan.numpy()])
     assert np.array_equal(got[nan.numpy()], (codes[nan] & 0x80 | 0x7F).numpy())
+
+
+def test_rope_in_place_writes_the_same_values_into_x():
+    """The torch op in place (the model's queries and attention outputs, temporaries of their step): the rotated
+    channels written into x, the others untouched, x returned; bitwise the out-of-place result, also on a
+    strided x."""
+    from deepinfer.kernels.torch import rope
+
+    g = torch.Generator().manual_seed(3)
+    inv = rope.default_inv_freq(10000.0, 64)
+    pos = torch.tensor([0, 5, 70000])
+    for x in (torch.randn(3, 4, 512, generator=g).bfloat16(), torch.randn(3, 4, 1024, generator=g)[..., 256:768]):
+        for inverse in (False, True):
+            expect = rope.rope(x, pos, inv, inverse)
+            y = x.clone() if x.is_contiguous() else x.clone()[..., :]
+            got = rope.rope(y, pos, inv, inverse, inplace=True)
+            assert got is y and torch.equal(y, expect) and torch.equal(y[..., :-64], x[..., :-64])

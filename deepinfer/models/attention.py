@@ -41,8 +41,9 @@ class Attention:
         cfg, w, ops = self.cfg, self.w, self.ops
         T = h.shape[0]
         q_res = ops.rms_norm(ops.linear(h, w.wq_a), w.q_norm, cfg.rms_norm_eps)
+        # in place: the projection's output is this step's alone (the rope launch then moves only rotated bytes)
         q = ops.rope(ops.linear(q_res, w.wq_b).view(T, cfg.num_attention_heads, cfg.head_dim), meta.positions,
-                     self.freqs)
+                     self.freqs, inplace=True)
         kv = ops.linear(h, w.wkv)
         cp = meta.cp
         if pools.layout.as_stored and meta.host.decode_only and cp is None:
@@ -65,7 +66,7 @@ class Attention:
             if self.is_index:
                 self._index(h, q_res, meta, pools)
         out = self._attend(q, kv, kv_parts, meta, pools)
-        out = ops.rope(out, meta.positions, self.freqs, inverse=True)
+        out = ops.rope(out, meta.positions, self.freqs, inverse=True, inplace=True)
         # grouped low-rank output projection: group g holds heads [g*H/G, (g+1)*H/G)
         grouped = out.reshape(T, cfg.o_groups, -1)
         y = ops.grouped_linear(grouped, w.wo_a)
@@ -136,7 +137,7 @@ class Attention:
         cfg, w, ops, L = self.cfg, self.w, self.ops, pools.layout
         T, topk = h.shape[0], cfg.index_topk
         iq = ops.linear(q_res, w.indexer.wq_b).view(T, cfg.index_n_heads, cfg.index_head_dim)
-        iq = ops.fake_quant_fp4(ops.rope(iq, meta.positions, self.compress_freqs), 32, False)
+        iq = ops.fake_quant_fp4(ops.rope(iq, meta.positions, self.compress_freqs, inplace=True), 32, False)
         weights = ops.linear(h, w.indexer.weights_proj).float() * cfg.index_n_heads**-0.5
         ent = meta.entries[self.ratio]
         if ent.width == 0:  # nothing compressed yet in any sequence of the step

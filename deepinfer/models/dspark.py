@@ -64,7 +64,7 @@ class DraftAttention:
         codec = pools.layout.win_codec
         q_res = ops.rms_norm(ops.linear(h, w.wq_a), w.q_norm, cfg.rms_norm_eps)
         q = ops.rope(ops.linear(q_res, w.wq_b).view(T, cfg.num_attention_heads, cfg.head_dim), step.positions,
-                     self.freqs)
+                     self.freqs, inplace=True)
         if isinstance(codec, Fp8Codec):  # decode(encode(kv)) is the fake-quantised kv: one op
             block = ops.fake_quant_fp8(self.kv(h, step.positions), Fp8Codec.block).to(h.dtype).view(N, B, -1)
         else:
@@ -74,7 +74,7 @@ class DraftAttention:
         keys = torch.cat([ctx, block], 1)  # every block query sees the same slate
         keys = keys.repeat_interleave(B, 0)
         out = ops.sink_attention(q, keys, step.bias, w.attn_sink, self.scale)
-        out = ops.rope(out, step.positions, self.freqs, inverse=True)
+        out = ops.rope(out, step.positions, self.freqs, inverse=True, inplace=True)
         grouped = out.reshape(T, cfg.o_groups, -1)
         y = ops.grouped_linear(grouped, w.wo_a)
         return ops.linear(y, w.wo_b)

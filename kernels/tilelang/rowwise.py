@@ -7,7 +7,8 @@ Kernel paths (all need a CUDA bf16 `x`; non-contiguous inputs are made contiguou
 * rms_norm: last dim a multiple of 128 with a configuration ATen reduces in one warp or block per row (every
   width up to 7680, see torch_reduce_lanes); weight None, bf16 or fp32 of shape [dim].
 * rope: x [T, ..., dim] with integer positions [T] on x's device, 2 * len(inv_freq) a multiple of 8, dim a
-  multiple of 8; inv_freq fp32 / bf16 / fp16 (the torch op promotes it to fp32 too).
+  multiple of 8; inv_freq fp32 / bf16 / fp16 (the torch op promotes it to fp32 too). In place on a contiguous x
+  (`inplace=True`) the launch reads and writes only the rotated channels.
 * fake_quant_fp8 / fake_quant_fp4: `block` a multiple of 8 with block / 8 a power of two <= 32.
 * encode_fp8: the FP8 window codec's block of 32 (the fake_quant_fp8 kernel also writing the codes and scales).
 * encode_fp4: fake_quant_fp4's blocks, writing the e2m1 pairs and scale bytes (not the values).
@@ -109,18 +110,26 @@ def _rope_ok(x, positions, inv_freq) -> bool:
     return rd > 0 and rd % 8 == 0 and dim % 8 == 0 and rd <= dim
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Same contract as deepinfer.kernels.torch.rope.rope; one launch on the kernel path (module docstring)."""
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+         inplace: bool = False) -> torch.Tensor:
+    """Same contract as deepinfer.kernels.torch.rope.rope; one launch on the kernel path (module docstring). In
+    place on a contiguous x the launch visits only the rotated channels."""
     if not _rope_ok(x, positions, inv_freq):
         return fall_back("rope", reason(x, "width, positions or inv_freq not covered"), torch_rope.rope, x,
-                         positions, inv_freq, inverse)
+                         positions, inv_freq, inverse, inplace)
     dim, rd = x.shape[-1], 2 * inv_freq.numel()
     heads = x.numel() // (x.shape[0] * dim)
-    x2 = _dense(x.reshape(-1, dim))
-    out = torch.empty_like(x2)
     pos = positions.to(torch.int64).contiguous()
     inv = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
+    if inplace and x.is_contiguous():
+        x2 = x.view(-1, dim)
+        jit(build_rope, dim, rd, bool(inverse), 128, 4, True)(x2, pos, inv, x2, heads)
+        return x
+    x2 = _dense(x.reshape(-1, dim))
+    out = torch.empty_like(x2)
     jit(build_rope, dim, rd, bool(inverse))(x2, pos, inv, out, heads)
+    if inplace:  # a strided x: rotated out of place, then written back
+        return x.copy_(out.view(x.shape))
     return out.view(x.shape)
 
 

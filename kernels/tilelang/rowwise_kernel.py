@@ -239,14 +239,16 @@ def build_rms_norm_block(dim: int, weight: str = "bf16"):
 
 
 # ---------------------------------------------------------------------------------------------- RoPE
-def build_rope(dim: int, rope_dim: int, inverse: bool, threads: int = 128, per: int = 4):
+def build_rope(dim: int, rope_dim: int, inverse: bool, threads: int = 128, per: int = 4, inplace: bool = False):
     """x [rows, dim] bf16 with rows = tokens * heads (row r is token r // heads): the trailing `rope_dim` channels
     rotate as (even, odd) pairs, the others are copied. Each thread owns 16-byte chunks; cos / sin are evaluated
     per rotated pair (accurate cosf / sinf on the fp32 product, rounded to bf16 like the torch op), which keeps
-    the kernel independent of the head count and costs little next to the copy."""
+    the kernel independent of the head count and costs little next to the copy. inplace (out is x): only the
+    rotated chunks are visited, so a [T, 64, 512] query with 64 rotated channels moves an eighth of the bytes."""
     assert rope_dim % 8 == 0 and dim % 8 == 0 and rope_dim <= dim
-    NC = dim // 8
     nope = dim - rope_dim
+    NC = (rope_dim if inplace else dim) // 8  # chunks a row visits, from channel `first`
+    first = nope if inplace else 0
     half = rope_dim // 2
     rows = T.dynamic("rows")
     n_pos = T.dynamic("n_pos")
@@ -269,7 +271,7 @@ def build_rope(dim: int, rope_dim: int, inverse: bool, threads: int = 128, per: 
                 c = (b * per + it) * threads + tx
                 if c < rows * NC:
                     row = c // NC
-                    ch = (c % NC) * 8
+                    ch = first + (c % NC) * 8
                     for v in T.vectorized(8):
                         xr[v] = x[row, ch + v]
                     if ch >= nope:

@@ -30,8 +30,11 @@ def yarn_inv_freq(
     return interpolation * (1 - keep) + extrapolation * keep
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x: [T, ..., n]; positions: [T] (absolute). Rotation in fp32, cast back to x's dtype."""
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+         inplace: bool = False) -> torch.Tensor:
+    """x: [T, ..., n]; positions: [T] (absolute). Rotation in fp32, cast back to x's dtype. inplace: the rotated
+    channels written into x, which is returned (the same values; for a temporary x, the untouched channels are not
+    copied)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]
     cos, sin = ew(torch.cos, freqs).to(x.dtype), ew(torch.sin, freqs).to(x.dtype)
     if inverse:
@@ -43,4 +46,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
     even, odd = r[..., 0::2].float(), r[..., 1::2].float()
     cos, sin = cos.float(), sin.float()
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    if inplace:
+        r.copy_(rotated)
+        return x
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)

@@ -165,6 +165,27 @@ def test_rope_matches_torch(inner, tokens, inverse):
     assert frac < 1e-3, frac
 
 
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_in_place_matches_the_out_of_place_kernel(contiguous, inverse):
+    """In place (the model's queries and attention outputs) the kernel visits only the rotated chunks of a
+    contiguous x (a strided one is rotated out of place and written back): x's rotated channels are the
+    out-of-place kernel's bits, the others untouched, x returned."""
+    from deepinfer.kernels.tilelang.rowwise import rope
+
+    g = _gen(23 + int(inverse))
+    base = (torch.randn(37, 64, 1024 if not contiguous else 512, generator=g) * 4).bfloat16().cuda()
+    x = base if contiguous else base[..., 256:768]
+    pos = torch.randint(0, 1 << 20, (37,), generator=g).cuda()
+    inv_freq = ref_rope.default_inv_freq(10000.0, 64).cuda()
+    expect = rope(x, pos, inv_freq, inverse)
+    before = x[..., :-64].clone()
+    poison_allocator()
+    got = rope(x, pos, inv_freq, inverse, inplace=True)
+    torch.cuda.synchronize()
+    assert got is x and _same_bits(x, expect) and _same_bits(x[..., :-64], before)
+
+
 def test_rope_non_contiguous_and_int32_positions():
     from deepinfer.kernels.tilelang.rowwise import rope
 
