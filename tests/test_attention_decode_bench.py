@@ -63,3 +63,16 @@ def test_the_precompiled_kernels_are_the_launched_ones(monkeypatch):
     for knobs in bench.CANDIDATES.values():
         launched += _asked(monkeypatch, **knobs)
     assert launched and set(launched) == specs
+
+
+def test_the_json_carries_the_kernels_target():
+    """Issue 21's target for the kernel, one entry per batch, from the rows the run made (None where B=64 or 256 did
+    not run at 32K with one query a sequence)."""
+    bench = _bench()
+    rows = [dict(B=64, q_per_seq=1, ctx=32768, roofline=0.157), dict(B=64, q_per_seq=4, ctx=32768, roofline=0.9),
+            dict(B=256, q_per_seq=1, ctx=4096, roofline=0.6)]
+    got = bench.targets(rows)
+    assert [t["target"] for t in got] == [50.0, 50.0] and all(t["unit"] == "%" for t in got)
+    assert got[0]["measured"] == pytest.approx(15.7) and not got[0]["met"]
+    assert got[1]["measured"] is None and not got[1]["met"]
+    assert bench.targets([dict(B=256, q_per_seq=1, ctx=32768, roofline=0.55)])[1]["met"]
