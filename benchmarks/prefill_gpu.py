@@ -196,7 +196,7 @@ def profile_prefill(model, tokens: int, chunk: int) -> dict:
             ms, cnt = per.get(cat, (0.0, 0))
             per[cat] = (ms + t / 1e3, cnt + ev.count)
             kernels[ev.key] = (t / 1e3, ev.count)
-    top = sorted(((k, ms, c) for k, (ms, c) in kernels.items()), key=lambda r: -r[1])[:30]
+    top = sorted(((k, ms, c) for k, (ms, c) in kernels.items()), key=lambda r: -r[1])[:60]
     return dict(tokens=tokens, total_ms=sum(ms for ms, _ in per.values()),
                 categories={k: dict(ms=ms, calls=c) for k, (ms, c) in sorted(per.items(), key=lambda kv: -kv[1][0])},
                 top=top)
@@ -360,6 +360,8 @@ def main(argv=None) -> int:
         print(f"profile of one {a.profile_tokens}-token prefill: {prof['total_ms']:.1f} ms of kernel time")
         for cat, v in prof["categories"].items():
             print(f"  {cat:16s} {v['ms']:9.1f} ms  {v['ms'] / prof['total_ms'] * 100:5.1f}%  {v['calls']:6d} calls")
+        for name, ms, calls in [t for t in prof["top"] if category(t[0]) == "other"][:8]:  # what "other" is
+            print(f"    other: {ms:8.1f} ms {calls:5d} calls  {name[:110]}")
     mixed = []
     for chunk in (a.mixed_chunks if a.mixed_tokens else []):
         mixed_cell(model, a.mixed_tokens, chunk, a.mixed_decoders)  # untimed: this chunk's kernel variants
