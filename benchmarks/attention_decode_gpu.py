@@ -30,6 +30,7 @@ import platform
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -59,16 +60,13 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def kernel_specs(splits_list, probes=()) -> list[tuple]:
     """jit's arguments for the decode kernel at each split count: as is, with each probe, with each candidate
-    setting (what attention.sink_attention_decode_kernel passes; tests/test_attention_decode_bench.py holds them
-    equal, so the parallel precompile builds the kernels the run uses)."""
-    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+    setting (attention.decode_spec, what the launcher passes), for the parallel precompile."""
+    from deepinfer.kernels.tilelang import attention
 
-    base, regs = (build_sink_attention_decode, HEADS, HDIM, WIN, ITOPK), (192, 160, 152)
-    specs = [base + (s,) for s in splits_list]
-    specs += [base + (s, None, regs, None, pr, 1) for s in splits_list for pr in probes]
+    specs = [attention.decode_spec(WIN, ITOPK, s, WIN, pr) for s in splits_list for pr in ("", *probes)]
     for knobs in CANDIDATES.values() if probes else ():
-        ld, pf = knobs.get("PROLOGUE_LOADS", 1), knobs.get("PREFETCH", 1)
-        specs += [base + (s, None, regs, None, "", ld) + ((pf,) if pf != 1 else ()) for s in splits_list]
+        with mock.patch.multiple(attention, **knobs):
+            specs += [attention.decode_spec(WIN, ITOPK, s, WIN) for s in splits_list]
     return specs
 
 
@@ -229,17 +227,11 @@ def main():
                 probe_us[pr] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale, splits=d,
                                                                               probe=pr))[0] * 1e3
             for name, knobs in CANDIDATES.items() if probes else ():  # real variants: their outputs checked
-                keep = {k: getattr(attention, k) for k in knobs}
-                try:
-                    for k, v in knobs.items():
-                        setattr(attention, k, v)
+                with mock.patch.multiple(attention, **knobs):
                     probe_us[name] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale,
                                                                                     splits=d))[0] * 1e3
                     out = sink_attention_decode_kernel(*data[0], sink, scale, splits=d).float()
-                    probe_us[f"{name}_rel_err"] = ((out - expect).norm() / expect.norm()).item()
-                finally:
-                    for k, v in keep.items():
-                        setattr(attention, k, v)
+                probe_us[f"{name}_rel_err"] = ((out - expect).norm() / expect.norm()).item()
             row = dict(B=B, q_per_seq=qps, n_q=n_q, ctx=a.ctx, bytes=nbytes, flops=flops, floor_us=floor_s * 1e6,
                        splits=d, us=runs[d]["us"], eager_us=runs[d]["eager_us"], roofline=runs[d]["roofline"],
                        tflops=flops / (runs[d]["us"] * 1e-6) / 1e12, rel_err_vs_torch=runs[d]["rel_err_vs_torch"],

@@ -104,6 +104,17 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
                                         sel.int(), sink, scale, window, splits)
 
 
+def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "") -> tuple:
+    """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
+    from its default (the ring's width when wider than the window: rollback rows for speculative decoding, a
+    compile-time shape; a probe; the A/B constants above), so a default kernel's spec stays what it always was."""
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, PROLOGUE_LOADS, PREFETCH]
+    defaults = [None, (192, 160, 152), None, "", 1, 1]
+    while tail and tail[-1] == defaults[len(tail) - 1]:
+        tail.pop()
+    return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)
+
+
 def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
                                  window: int = 128, splits: int | None = None, probe: str = ""):
     """Decode attention for a batch of query tokens (1..6 per sequence, any mix), reading the caches as stored
@@ -124,13 +135,7 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     assert R >= window and H == 64 and D == 512 and n_q > 0
     n_blocks = (window + topk) // BLOCK_KEYS
     splits = used_splits(splits or _splits(n_q, n_blocks, q.device), n_blocks)
-    # a ring wider than the window (rollback rows for speculative decoding): its width is a compile-time shape
-    extra = (None, (192, 160, 152), R) if R != window else ()
-    if probe or PROLOGUE_LOADS != 1:
-        extra = (None, (192, 160, 152), R if R != window else None, probe, PROLOGUE_LOADS)
-    if PREFETCH != 1:
-        extra = (None, (192, 160, 152), R if R != window else None, probe, PROLOGUE_LOADS, PREFETCH)
-    kernel = jit(build_sink_attention_decode, H, D, window, topk, splits, *extra)
+    kernel = jit(*decode_spec(window, topk, splits, R, probe))
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),
             (float(scale),))

@@ -350,30 +350,21 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 scale2 = scale * LOG2E
                 # Q -> shared in the twiddled head-dim order (16-byte loads, permuted in registers); WG0 alone
                 # reads Q, so the other roles start without waiting for it
-                if prologue_loads == 1:
-                    qv = T.alloc_local((8,), "bfloat16")
-                    qt = T.alloc_local((8,), "bfloat16")
-                    for i in T.unroll(32):
+                # prologue_loads of a thread's 16-byte loads issued before their stores (at 1 the compiler keeps
+                # load, store, load, ...)
+                qv = T.alloc_local((prologue_loads * 8,), "bfloat16")
+                qt = T.alloc_local((8,), "bfloat16")
+                for i0 in (T.unroll if prologue_loads == 1 else T.serial)(32 // prologue_loads):
+                    for i1 in T.unroll(prologue_loads):
                         for v in T.vectorized(8):
-                            qv[v] = q[bq, (i * 128 + tx) // 64, ((i * 128 + tx) % 64) * 8 + v]
+                            qv[i1 * 8 + v] = q[bq, ((i0 * prologue_loads + i1) * 128 + tx) // 64,
+                                               ((i0 * prologue_loads + i1) * 128 + tx) % 64 * 8 + v]
+                    for i1 in T.unroll(prologue_loads):
                         for v in T.unroll(8):
-                            qt[v] = qv[(v % 2) * 4 + v // 2]
+                            qt[v] = qv[i1 * 8 + (v % 2) * 4 + v // 2]
                         for v in T.vectorized(8):
-                            q_s[(i * 128 + tx) // 64, ((i * 128 + tx) % 64) * 8 + v] = qt[v]
-                else:  # prologue_loads loads issued before their stores (above, the compiler keeps load, store, ...)
-                    qv = T.alloc_local((prologue_loads * 8,), "bfloat16")
-                    qt = T.alloc_local((8,), "bfloat16")
-                    for i0 in T.serial(32 // prologue_loads):
-                        for i1 in T.unroll(prologue_loads):
-                            for v in T.vectorized(8):
-                                qv[i1 * 8 + v] = q[bq, ((i0 * prologue_loads + i1) * 128 + tx) // 64,
-                                                   ((i0 * prologue_loads + i1) * 128 + tx) % 64 * 8 + v]
-                        for i1 in T.unroll(prologue_loads):
-                            for v in T.unroll(8):
-                                qt[v] = qv[i1 * 8 + (v % 2) * 4 + v // 2]
-                            for v in T.vectorized(8):
-                                q_s[((i0 * prologue_loads + i1) * 128 + tx) // 64,
-                                    ((i0 * prologue_loads + i1) * 128 + tx) % 64 * 8 + v] = qt[v]
+                            q_s[((i0 * prologue_loads + i1) * 128 + tx) // 64,
+                                ((i0 * prologue_loads + i1) * 128 + tx) % 64 * 8 + v] = qt[v]
                 T.fence_proxy_async()
                 T.fill(m_i, NEG_BIG)
                 T.fill(l_i, 0.0)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import pytest
 import torch
@@ -197,14 +198,8 @@ def test_the_candidate_settings_give_the_kernels_bits(ring, splits, knobs):
     args, _ = _case(5, seed=2024 + ring + (splits or 0), ring=ring)
     scale = D ** -0.5
     base = attention.sink_attention_decode(*args, scale, splits=splits)
-    keep = {k: getattr(attention, k) for k in knobs}
-    try:
-        for k, v in knobs.items():
-            setattr(attention, k, v)
+    with mock.patch.multiple(attention, **knobs):
         poison_allocator()
         cand = attention.sink_attention_decode(*args, scale, splits=splits)
-    finally:
-        for k, v in keep.items():
-            setattr(attention, k, v)
     torch.cuda.synchronize()
     assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
