@@ -55,7 +55,7 @@ def _is_hopper(arch):
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
                                 ring: int | None = None, probe: str = "", prologue_loads: int = 1,
-                                prefetch: int = 1):
+                                prefetch: int = 1, compact: bool = False):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
     elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer. ring: rows
@@ -76,10 +76,18 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     prefetch: how far ahead the producer loads a pool block's rows (1: the next block, right after the current
     one is dequantised, as the H200 has run it; 2: two ahead, in alternate halves of its row registers, so a
     block's HBM latency overlaps the dequantisation of the one before; window blocks stay one ahead); A/B:
-    attention.PREFETCH."""
+    attention.PREFETCH.
+    compact: the producer as one loop body (False: unrolled two blocks a loop iteration, a copy a key buffer, with
+    the window's and the pool's path in every row, as the H200 has run it; ~74 KB of sm_90a code a loop iteration,
+    past what an SM's instruction caches hold beside the math warpgroups' loops). True: the two key buffers are one
+    shared buffer of 2 x 64 rows, a block's half chosen by its index, and window or pool chosen once a block (~43 KB,
+    of which a block runs one contiguous ~20 KB path). With prefetch 2: one loop body for the window blocks and one
+    for the pool blocks, each pool block dequantised from the row registers' first half, the next block's rows
+    then moved up from the second half and the block two ahead loaded into it. A/B: attention.COMPACT_PRODUCER."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     assert prologue_loads in (1, 2, 4, 8, 16, 32), f"prologue_loads must divide 32, got {prologue_loads}"
     assert prefetch in (1, 2) and not (prefetch == 2 and probe), "prefetch is 1 or 2 (2: not with a probe)"
+    assert not (compact and probe), "compact: not with a probe"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
     assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0 and W >= window and window % BK == 0
@@ -100,6 +108,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     launch_regs = min(255, 65536 // threads) // 8 * 8  # what each thread gets before setmaxnreg
     assert 128 * (REG0 + REG1) + n_prod * REGP <= 65536
     n_q, n_seq, n_pool = T.dynamic("n_q"), T.dynamic("n_seq"), T.dynamic("n_pool")
+    KROWS, R1 = (2 * BK, BK) if compact else (BK, 0)  # rows of k0, and key buffer 1's first row in its buffer
     single = splits == 1
 
     def mma(a, b, c, transpose_B=False, clear_accum=False):
@@ -109,14 +118,14 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         return T.gemm(a, b, c, transpose_B=transpose_B, clear_accum=clear_accum)
 
     @T.macro
-    def qk(q_s, kbuf, s_acc):
+    def qk(q_s, kbuf, r0, s_acc):
         # S = Q K^T in QCH chunks of K (one commit group each, descriptor = base + c * 16 KB). As one gemm,
         # ptxas hoists all 32 k-step descriptors out of the block loop and spills them: WG0 has no registers
         # to spare next to O/2 and S (sm_90a, ptxas 13.0: 83 spill stores in WG0 -> 2)
         T.clear(s_acc)
         for c in T.serial(QCH):
-            mma(q_s[:, c * (D // QCH):(c + 1) * (D // QCH)], kbuf[:, c * (D // QCH):(c + 1) * (D // QCH)], s_acc,
-                transpose_B=True)
+            mma(q_s[:, c * (D // QCH):(c + 1) * (D // QCH)], kbuf[r0:r0 + BK, c * (D // QCH):(c + 1) * (D // QCH)],
+                s_acc, transpose_B=True)
 
     @T.macro
     def wait_mma(n):
@@ -124,7 +133,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             T.wait_wgmma(n)
 
     @T.macro
-    def wg0_block(n, nmine, kcur, knext, pbuf, sb, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
+    def wg0_block(n, nmine, kcur, rcur, knext, rnext, pbuf, sb, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
                   k_ready, k_free, p_ready, p_free, scale2):
         # QK(n) was issued into s_acc (previous block or prologue); PV_L(n-1) has completed
         wait_mma(0)
@@ -152,22 +161,22 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             alpha_s[sb, h] = alpha[h]
         T.fence_proxy_async()
         T.barrier_arrive(p_ready[sb])
-        mma(pbuf, kcur[:, 0:DH], o_l)
+        mma(pbuf, kcur[rcur:rcur + BK, 0:DH], o_l)
         if n + 1 < nmine:
             # QK(n+1) queues behind PV_L(n): the tensor cores stay busy while WG0 waits
             T.barrier_wait(k_ready[1 - sb], ((n + 1) // 2) & 1)
-            qk(q_s, knext, s_acc)
+            qk(q_s, knext, rnext, s_acc)
             wait_mma(QCH)  # PV_L(n) is older than the QCH groups of QK(n+1)
         else:
             wait_mma(0)
         T.barrier_arrive(k_free[sb])  # PV_L(n) done: WG0 no longer reads key buffer sb
 
     @T.macro
-    def wg1_block(n, kcur, pbuf, sb, o_r, alpha_s, k_free, p_ready, p_free):
+    def wg1_block(n, kcur, rcur, pbuf, sb, o_r, alpha_s, k_free, p_ready, p_free):
         T.barrier_wait(p_ready[sb], (n // 2) & 1)
         for h, d in T.Parallel(H, DH):
             o_r[h, d] *= alpha_s[sb, h]
-        mma(pbuf, kcur[:, DH:D], o_r)
+        mma(pbuf, kcur[rcur:rcur + BK, DH:D], o_r)
         wait_mma(0)
         T.barrier_arrive(k_free[sb])
         T.barrier_arrive(p_free[sb])
@@ -297,6 +306,146 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 load_after(it * 2 + 1, 1, nmine, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv,
                            cmp_scale)
 
+    @T.macro
+    def load_block(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
+        # compact: one block's packed rows into registers, window or pool chosen once for the whole block
+        if kb0 + n < NWB:
+            for i in T.unroll(ROWS):
+                row = idx_s[n * BK + warp * ROWS + i]
+                ok[i] = row
+                for v in T.vectorized(16):
+                    raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
+                sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+        else:
+            for i in T.unroll(ROWS):
+                row = idx_s[n * BK + warp * ROWS + i]
+                ok[i] = row
+                for v in T.vectorized(8):
+                    raw[i * 16 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
+                sc[i] = cmp_scale[T.max(row, 0), lane]
+
+    @T.macro
+    def dequant_block(n, kb0, kk, lane, warp, raw, sc, ok, vals):
+        # compact: block n into rows [(n % 2) BK, (n % 2 + 1) BK) of the one key buffer, window or pool chosen once
+        if kb0 + n < NWB:
+            for i in T.unroll(ROWS):
+                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
+                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
+                for v in T.vectorized(16):
+                    kk[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(ok[i] >= 0, vals[v],
+                                                                                      T.cast(0, "bfloat16"))
+        else:
+            for i in T.unroll(ROWS):
+                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
+                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
+                              T.address_of(vals[8]))
+                for v in T.vectorized(16):
+                    kk[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(ok[i] >= 0, vals[v],
+                                                                                      T.cast(0, "bfloat16"))
+        T.fence_proxy_async()
+
+    @T.macro
+    def producer_compact(nmine, kb0, b, lane, warp, idx_s, kk, k_ready, k_free, win_kv, win_scale, cmp_kv,
+                         cmp_scale):
+        # one loop body for every block (the unrolled producers above keep a copy a key buffer, each with both the
+        # window and the pool path in every row: ~74 KB of code a loop iteration on sm_90a, where this loop is
+        # ~30 KB and a block runs one contiguous path of it); the schedule is producer_one_ahead's
+        raw = T.alloc_local((ROWS * 16,), "uint8")
+        sc = T.alloc_local((ROWS,), "uint8")
+        ok = T.alloc_local((ROWS,), "int32")
+        vals = T.alloc_local((16,), "bfloat16")
+        if nmine > 0:
+            load_block(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+        for n in T.serial(nmine):
+            T.barrier_wait(k_free[n % 2], ((n // 2) & 1) ^ 1)
+            dequant_block(n, kb0, kk, lane, warp, raw, sc, ok, vals)
+            T.barrier_arrive(k_ready[n % 2])
+            if n + 1 < nmine:
+                load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+
+    @T.macro
+    def load_pool_half(n, half, lane, warp, raw, sc, ok, idx_s, cmp_kv, cmp_scale):
+        # compact, two ahead: pool block n's 8 bytes a row into half `half` of the row registers, its visibility as
+        # bits in ok[half]
+        for i in T.unroll(ROWS):
+            row = idx_s[n * BK + warp * ROWS + i]
+            ok[half] = T.if_then_else(i == 0, 0, ok[half]) | T.if_then_else(row >= 0, 1 << i, 0)
+            T.call_extern("handle", "di_ld8", T.address_of(raw[i * 16 + half * 8]),
+                          T.address_of(cmp_kv[T.max(row, 0), lane * 8]))
+            sc[half * ROWS + i] = cmp_scale[T.max(row, 0), lane]
+
+    @T.macro
+    def store_row(n, kk, warp, lane, i, ok, vals):
+        for v in T.vectorized(16):
+            kk[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(((ok[0] >> i) & 1) > 0, vals[v],
+                                                                              T.cast(0, "bfloat16"))
+
+    @T.macro
+    def producer_compact_two_ahead(nmine, kb0, b, lane, warp, idx_s, kk, k_ready, k_free, win_kv, win_scale, cmp_kv,
+                                   cmp_scale):
+        # one loop body for the window blocks (one ahead: their FP8 rows fill the registers) and one for the pool
+        # blocks, which keep two blocks in flight: a block is dequantised from the registers' first half, the next
+        # block's rows (loaded a block earlier) move from the second half to the first, and the block two ahead
+        # goes into the second. The move waits for rows that have had a whole block's time to land, where the
+        # one-ahead producer waits on rows issued just before its wait for a free key buffer
+        raw = T.alloc_local((ROWS * 16,), "uint8")
+        sc = T.alloc_local((2 * ROWS,), "uint8")
+        ok = T.alloc_local((2,), "int32")  # each half's rows visible, as bits
+        vals = T.alloc_local((16,), "bfloat16")
+        nwin = T.min(T.max(NWB - kb0, 0), nmine)  # this split's window blocks: its first ones
+        ok[0] = 0
+        ok[1] = 0
+        if nwin > 0:
+            for i in T.unroll(ROWS):
+                row = idx_s[warp * ROWS + i]
+                ok[0] = T.if_then_else(i == 0, 0, ok[0]) | T.if_then_else(row >= 0, 1 << i, 0)
+                for v in T.vectorized(16):
+                    raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
+                sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+        else:
+            if nmine > 0:
+                load_pool_half(0, 0, lane, warp, raw, sc, ok, idx_s, cmp_kv, cmp_scale)
+            if nmine > 1:
+                load_pool_half(1, 1, lane, warp, raw, sc, ok, idx_s, cmp_kv, cmp_scale)
+        for n in T.serial(nwin):
+            T.barrier_wait(k_free[n % 2], ((n // 2) & 1) ^ 1)
+            for i in T.unroll(ROWS):
+                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
+                T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
+                store_row(n, kk, warp, lane, i, ok, vals)
+            T.fence_proxy_async()
+            T.barrier_arrive(k_ready[n % 2])
+            if n + 1 < nwin:
+                for i in T.unroll(ROWS):
+                    row = idx_s[(n + 1) * BK + warp * ROWS + i]
+                    ok[0] = T.if_then_else(i == 0, 0, ok[0]) | T.if_then_else(row >= 0, 1 << i, 0)
+                    for v in T.vectorized(16):
+                        raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
+                    sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+            else:  # the first two pool blocks
+                if n + 1 < nmine:
+                    load_pool_half(n + 1, 0, lane, warp, raw, sc, ok, idx_s, cmp_kv, cmp_scale)
+                if n + 2 < nmine:
+                    load_pool_half(n + 2, 1, lane, warp, raw, sc, ok, idx_s, cmp_kv, cmp_scale)
+        for j in T.serial(nmine - nwin):
+            n = nwin + j
+            T.barrier_wait(k_free[n % 2], ((n // 2) & 1) ^ 1)
+            for i in T.unroll(ROWS):
+                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
+                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
+                              T.address_of(vals[8]))
+                store_row(n, kk, warp, lane, i, ok, vals)
+            T.fence_proxy_async()
+            T.barrier_arrive(k_ready[n % 2])
+            if n + 1 < nmine:
+                for i in T.unroll(ROWS):
+                    for v in T.vectorized(8):
+                        raw[i * 16 + v] = raw[i * 16 + 8 + v]
+                    sc[i] = sc[ROWS + i]
+                ok[0] = ok[1]
+            if n + 2 < nmine:
+                load_pool_half(n + 2, 1, lane, warp, raw, sc, ok, idx_s, cmp_kv, cmp_scale)
+
     @T.prim_func
     def sink_attention_decode(
         q: T.Tensor((n_q, H, D), "bfloat16"),
@@ -316,8 +465,9 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     ):
         with T.Kernel(splits, n_q, threads=threads) as (bs, bq):
             q_s = T.alloc_shared((H, D), "bfloat16")
-            k0 = T.alloc_shared((BK, D), "bfloat16")
-            k1 = T.alloc_shared((BK, D), "bfloat16")
+            # the two key buffers; compact: one buffer of both, block n's at rows [(n % 2) BK, (n % 2 + 1) BK)
+            k0 = T.alloc_shared((KROWS, D), "bfloat16")
+            k1 = k0 if compact else T.alloc_shared((BK, D), "bfloat16")
             p0 = T.alloc_shared((H, BK), "bfloat16")
             p1 = T.alloc_shared((H, BK), "bfloat16")
             alpha_s = T.alloc_shared((2, H), "float32")
@@ -371,12 +521,12 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 T.fill(o_l, 0.0)
                 if nmine > 0:
                     T.barrier_wait(k_ready[0], 0)
-                    qk(q_s, k0, s_acc)
+                    qk(q_s, k0, 0, s_acc)
                 for it in T.serial((nmine + 1) // 2):
-                    wg0_block(it * 2, nmine, k0, k1, p0, 0, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s,
+                    wg0_block(it * 2, nmine, k0, 0, k1, R1, p0, 0, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s,
                               alpha_s, k_ready, k_free, p_ready, p_free, scale2)
                     if it * 2 + 1 < nmine:
-                        wg0_block(it * 2 + 1, nmine, k1, k0, p1, 1, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha,
+                        wg0_block(it * 2 + 1, nmine, k1, R1, k0, 0, p1, 1, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha,
                                   idx_s, alpha_s, k_ready, k_free, p_ready, p_free, scale2)
                 wait_mma(0)
                 if single:
@@ -403,9 +553,9 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 o_r = T.alloc_fragment((H, DH), "float32")
                 T.fill(o_r, 0.0)
                 for it in T.serial((nmine + 1) // 2):
-                    wg1_block(it * 2, k0, p0, 0, o_r, alpha_s, k_free, p_ready, p_free)
+                    wg1_block(it * 2, k0, 0, p0, 0, o_r, alpha_s, k_free, p_ready, p_free)
                     if it * 2 + 1 < nmine:
-                        wg1_block(it * 2 + 1, k1, p1, 1, o_r, alpha_s, k_free, p_ready, p_free)
+                        wg1_block(it * 2 + 1, k1, R1, p1, 1, o_r, alpha_s, k_free, p_ready, p_free)
                 if single:
                     T.barrier_wait(bar_fin[0], 0)
                     for h, d in T.Parallel(H, DH):
@@ -432,7 +582,13 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                             idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
                 T.sync_threads(5, n_prod)  # producers only: the row table is complete
 
-                if prefetch == 2:
+                if compact and prefetch == 2:
+                    producer_compact_two_ahead(nmine, kb0, b, lane, warp, idx_s, k0, k_ready, k_free, win_kv, win_scale,
+                                               cmp_kv, cmp_scale)
+                elif compact:
+                    producer_compact(nmine, kb0, b, lane, warp, idx_s, k0, k_ready, k_free, win_kv, win_scale, cmp_kv,
+                                     cmp_scale)
+                elif prefetch == 2:
                     producer_two_ahead(nmine, kb0, b, lane, warp, idx_s, k0, k1, k_ready, k_free, win_kv,
                                        win_scale, cmp_kv, cmp_scale)
                 else:
