@@ -177,65 +177,77 @@ def test_pool_blocks_can_be_loaded_two_ahead(splits, ring):
         assert regs <= 168
 
 
-@pytest.mark.parametrize("splits,ring", [(1, None), (2, None), (5, None), (10, None), (1, 192)])
-def test_the_producer_can_run_as_one_loop_body(splits, ring):
-    """The candidate producer (attention.COMPACT_PRODUCER = 1) is one loop body for every key block: its barriers
-    are picked by the block's index, its keys go to one double buffer that the math warpgroups read in halves, and
-    each block takes the window's or the pool's path whole (one test a block, not one a row); it lowers for every
-    split shape, and ptxas fits it where nvcc is installed. Off, the kernel is the source the H200 has run."""
+def _nvcc_report(src):
     import shutil
+    import tempfile
+    from pathlib import Path
 
+    from lowering_helpers import ptxas_report
+
+    if not shutil.which("nvcc"):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        return ptxas_report(src, Path(tmp))
+
+
+# one split in the fast tier; the other split shapes and the wide ring in the slow one
+SPLIT_SHAPES = [(1, None)] + [pytest.param(*c, marks=pytest.mark.slow) for c in [(2, None), (5, None), (10, None), (1, 192)]]
+
+
+@pytest.mark.parametrize("compact", [1, 2])
+@pytest.mark.parametrize("splits,ring", SPLIT_SHAPES)
+def test_the_loops_can_run_as_one_body(splits, ring, compact):
+    """attention.COMPACT = 1: the producer is one loop body for every key block, its barriers picked by the block's
+    index, its keys written to one double buffer that the math warpgroups read in halves, each block taking the
+    window's or the pool's path whole (one test a block, not one a row). COMPACT = 2: the math warpgroups' loops
+    too, over one double P buffer. Both lower for every split shape, and ptxas fits them where nvcc is installed
+    (COMPACT = 2 without a spill). At 0 the kernel is the source the H200 has run."""
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring, compact=True), "sm_90a")
+    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring, compact=compact),
+                       "sm_90a")
     plain = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring), "sm_90a")
-    producer = src[src.index("warpgroup_reg_dealloc<152>"):]
+    cut = src.index("warpgroup_reg_dealloc<152>")
+    math, producer = src[:cut], src[cut:]
     assert "wgmma" in src and src != plain
     if splits < 5:  # more than two blocks a CTA (TileLang unrolls a loop of one or two)
-        assert producer.count("k_free[(n & 1)].wait(") == 1 and producer.count("k_ready[(n & 1)].arrive()") == 1
+        by_index = r"k_free\[\(n(_\d+)? & 1\)\]\.wait\("  # the block's buffer from its index (n, or n_1 at 2)
+        assert len(re.findall(by_index, producer)) == 1
+        assert len(re.findall(r"k_ready\[\(n(_\d+)? & 1\)\]\.arrive\(\)", producer)) == 1
         assert "k_free[0].wait(" not in producer
         assert "k_free[0].wait(" in plain[plain.index("warpgroup_reg_dealloc<152>"):]
         # one copy of each row path: the FP4 dequantisation twice a row (two halves of 16 channels), in one loop
         assert producer.count("di_dq_e2m1x8_e4m3((") == 2
-    with pytest.raises(AssertionError, match="compact: not with a probe"):
-        build_sink_attention_decode(splits=1, arch="sm_90a", compact=True, probe="no_load")
-    if shutil.which("nvcc") and splits == 1:
-        import tempfile
-        from pathlib import Path
+        # the math warpgroups: WG0 waits for a free P buffer once in its loop at 2, once a copy (two) at 1
+        assert len(re.findall(r"p_free\[\(n(_\d+)? & 1\)\]\.wait\(", math)) == (1 if compact == 2 else 0)
+        assert ("p_free[1].wait(" in math) == (compact == 1)
+    with pytest.raises(AssertionError, match="compact is 0, 1 or 2"):
+        build_sink_attention_decode(splits=1, arch="sm_90a", compact=1, probe="no_load")
+    if splits in (1, 2):
+        report = _nvcc_report(src)
+        if report:
+            log, regs = report
+            assert regs <= 168
+            assert compact == 1 or "0 bytes spill stores" in log
 
-        from lowering_helpers import ptxas_report
 
-        with tempfile.TemporaryDirectory() as tmp:
-            log, regs = ptxas_report(src, Path(tmp))
-        assert regs <= 168
-
-
-@pytest.mark.parametrize("splits,ring", [(1, None), (2, None), (5, None), (10, None), (1, 192)])
+@pytest.mark.parametrize("splits,ring", SPLIT_SHAPES)
 def test_the_one_body_producer_can_load_pool_blocks_two_ahead(splits, ring):
-    """attention.COMPACT_PRODUCER = 1 with attention.PREFETCH = 2: a loop body for the window blocks and one for the
+    """attention.COMPACT = 2 with attention.PREFETCH = 2: a producer loop body for the window blocks and one for the
     pool blocks, where a block is dequantised from the row registers' first half, the next block's rows move up from
     the second half, and the block two ahead is loaded into it; it lowers for every split shape, and ptxas fits it
     where nvcc is installed."""
-    import shutil
-
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring, compact=True, prefetch=2),
+    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring, compact=2, prefetch=2),
                        "sm_90a")
     producer = src[src.index("warpgroup_reg_dealloc<152>"):]
     assert "wgmma" in src and producer.count("di_dq_e2m1x8_e4m3((") == 2  # one copy of the pool row path
     moved_up = r"\*\(uint2\*\)\(raw \+ \(i_\d+ \* 16\)\) = \*\(uint2\*\)\(raw \+ \(\(i_\d+ \* 16\) \+ 8\)\)"
     assert bool(re.search(moved_up, producer)) == (splits < 10)  # one block a CTA: nothing ahead to move
-    if splits < 5:
-        assert "k_free[(j & 1)].wait(" in producer or "k_free[((" in producer  # the pool loop's barrier by index
-    if shutil.which("nvcc") and splits == 1:
-        import tempfile
-        from pathlib import Path
-
-        from lowering_helpers import ptxas_report
-
-        with tempfile.TemporaryDirectory() as tmp:
-            _, regs = ptxas_report(src, Path(tmp))
-        assert regs <= 168
+    if splits == 1:
+        report = _nvcc_report(src)
+        if report:
+            assert report[1] <= 168

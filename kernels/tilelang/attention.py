@@ -30,9 +30,10 @@ PROLOGUE_LOADS = 1
 # how far ahead the decode kernel's producer loads a pool block (build_sink_attention_decode's prefetch): 1 as the
 # H200 has run it; 2 overlaps a block's HBM latency with the dequantisation of the one before, until measured
 PREFETCH = 1
-# the decode kernel's producer as one loop body (build_sink_attention_decode's compact): 0 as the H200 has run it (two
-# unrolled copies, ~74 KB of code a loop iteration); 1 is ~43 KB, until attention_decode_gpu.py --probes has timed it
-COMPACT_PRODUCER = 0
+# the decode kernel's loops as one body (build_sink_attention_decode's compact): 0 as the H200 has run it (two unrolled
+# copies, the producer's ~74 KB of code a loop iteration); 1 the producer (~43 KB), 2 every role, until
+# attention_decode_gpu.py --probes has timed them
+COMPACT = 0
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -112,8 +113,8 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
     from its default (the ring's width when wider than the window: rollback rows for speculative decoding, a
     compile-time shape; a probe; the A/B constants above), so a default kernel's spec stays what it always was."""
     tail = [None, (192, 160, 152), ring if ring != window else None, probe, PROLOGUE_LOADS, PREFETCH,
-            bool(COMPACT_PRODUCER)]
-    defaults = [None, (192, 160, 152), None, "", 1, 1, False]
+            COMPACT]
+    defaults = [None, (192, 160, 152), None, "", 1, 1, 0]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)

@@ -55,7 +55,7 @@ def _is_hopper(arch):
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
                                 ring: int | None = None, probe: str = "", prologue_loads: int = 1,
-                                prefetch: int = 1, compact: bool = False):
+                                prefetch: int = 1, compact: int = 0):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
     elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer. ring: rows
@@ -77,17 +77,20 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     one is dequantised, as the H200 has run it; 2: two ahead, in alternate halves of its row registers, so a
     block's HBM latency overlaps the dequantisation of the one before; window blocks stay one ahead); A/B:
     attention.PREFETCH.
-    compact: the producer as one loop body (False: unrolled two blocks a loop iteration, a copy a key buffer, with
-    the window's and the pool's path in every row, as the H200 has run it; ~74 KB of sm_90a code a loop iteration,
-    past what an SM's instruction caches hold beside the math warpgroups' loops). True: the two key buffers are one
-    shared buffer of 2 x 64 rows, a block's half chosen by its index, and window or pool chosen once a block (~43 KB,
-    of which a block runs one contiguous ~20 KB path). With prefetch 2: one loop body for the window blocks and one
-    for the pool blocks, each pool block dequantised from the row registers' first half, the next block's rows
-    then moved up from the second half and the block two ahead loaded into it. A/B: attention.COMPACT_PRODUCER."""
+    compact: loops as one body instead of unrolled two blocks an iteration (a copy a key / P buffer). 0: as the
+    H200 has run it; the producer's copies each carry the window's and the pool's path in every row, ~74 KB of
+    sm_90a code a loop iteration, where an SM's instruction caches also hold the math warpgroups' loops (~21 KB).
+    1: the producer as one body over one shared buffer of both key buffers (2 x 64 rows, a block's half by its
+    index), window or pool chosen once a block (~43 KB, a block runs one contiguous ~20 KB path). 2: the math
+    warpgroups too, over one double P buffer (~8 KB for both; P is stored without stmatrix, whose addresses
+    TileLang does not offset at run time); ptxas spills nothing at any split count. With prefetch 2 the producer
+    has one body for the window blocks and one for the pool blocks, each pool block dequantised from the row
+    registers' first half, the next block's rows then moved up from the second half and the block two ahead loaded
+    into it. A/B: attention.COMPACT."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     assert prologue_loads in (1, 2, 4, 8, 16, 32), f"prologue_loads must divide 32, got {prologue_loads}"
     assert prefetch in (1, 2) and not (prefetch == 2 and probe), "prefetch is 1 or 2 (2: not with a probe)"
-    assert not (compact and probe), "compact: not with a probe"
+    assert compact in (0, 1, 2) and not (compact and probe), "compact is 0, 1 or 2 (not with a probe)"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
     assert H == 64 and D == 512 and W % BK == 0 and topk % BK == 0 and W >= window and window % BK == 0
@@ -109,6 +112,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     assert 128 * (REG0 + REG1) + n_prod * REGP <= 65536
     n_q, n_seq, n_pool = T.dynamic("n_q"), T.dynamic("n_seq"), T.dynamic("n_pool")
     KROWS, R1 = (2 * BK, BK) if compact else (BK, 0)  # rows of k0, and key buffer 1's first row in its buffer
+    PROWS, P1 = (2 * H, H) if compact >= 2 else (H, 0)  # the same for the P buffers
     single = splits == 1
 
     def mma(a, b, c, transpose_B=False, clear_accum=False):
@@ -133,7 +137,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             T.wait_wgmma(n)
 
     @T.macro
-    def wg0_block(n, nmine, kcur, rcur, knext, rnext, pbuf, sb, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
+    def wg0_block(n, nmine, kcur, rcur, knext, rnext, pbuf, prow, sb, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
                   k_ready, k_free, p_ready, p_free, scale2):
         # QK(n) was issued into s_acc (previous block or prologue); PV_L(n-1) has completed
         wait_mma(0)
@@ -156,12 +160,12 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 o_l[h, d] *= alpha[h]
         # P buffer sb was last read by WG1's wgmma for block n-2
         T.barrier_wait(p_free[sb], ((n // 2) & 1) ^ 1)
-        T.copy(s_acc, pbuf)
+        T.copy(s_acc, pbuf[prow:prow + H, 0:BK])
         for h in T.Parallel(H):
             alpha_s[sb, h] = alpha[h]
         T.fence_proxy_async()
         T.barrier_arrive(p_ready[sb])
-        mma(pbuf, kcur[rcur:rcur + BK, 0:DH], o_l)
+        mma(pbuf[prow:prow + H, 0:BK], kcur[rcur:rcur + BK, 0:DH], o_l)
         if n + 1 < nmine:
             # QK(n+1) queues behind PV_L(n): the tensor cores stay busy while WG0 waits
             T.barrier_wait(k_ready[1 - sb], ((n + 1) // 2) & 1)
@@ -172,11 +176,11 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         T.barrier_arrive(k_free[sb])  # PV_L(n) done: WG0 no longer reads key buffer sb
 
     @T.macro
-    def wg1_block(n, kcur, rcur, pbuf, sb, o_r, alpha_s, k_free, p_ready, p_free):
+    def wg1_block(n, kcur, rcur, pbuf, prow, sb, o_r, alpha_s, k_free, p_ready, p_free):
         T.barrier_wait(p_ready[sb], (n // 2) & 1)
         for h, d in T.Parallel(H, DH):
             o_r[h, d] *= alpha_s[sb, h]
-        mma(pbuf, kcur[rcur:rcur + BK, DH:D], o_r)
+        mma(pbuf[prow:prow + H, 0:BK], kcur[rcur:rcur + BK, DH:D], o_r)
         wait_mma(0)
         T.barrier_arrive(k_free[sb])
         T.barrier_arrive(p_free[sb])
@@ -468,8 +472,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             # the two key buffers; compact: one buffer of both, block n's at rows [(n % 2) BK, (n % 2 + 1) BK)
             k0 = T.alloc_shared((KROWS, D), "bfloat16")
             k1 = k0 if compact else T.alloc_shared((BK, D), "bfloat16")
-            p0 = T.alloc_shared((H, BK), "bfloat16")
-            p1 = T.alloc_shared((H, BK), "bfloat16")
+            p0 = T.alloc_shared((PROWS, BK), "bfloat16")
+            p1 = p0 if compact >= 2 else T.alloc_shared((H, BK), "bfloat16")
             alpha_s = T.alloc_shared((2, H), "float32")
             fin_s = T.alloc_shared((H,), "float32")
             idx_s = T.alloc_shared((PER * BK,), "int32")  # per key of this split: source row, -1 = invisible
@@ -522,11 +526,15 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 if nmine > 0:
                     T.barrier_wait(k_ready[0], 0)
                     qk(q_s, k0, 0, s_acc)
-                for it in T.serial((nmine + 1) // 2):
-                    wg0_block(it * 2, nmine, k0, 0, k1, R1, p0, 0, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s,
+                for n in T.serial(nmine if compact >= 2 else 0):  # one body, buffers by the block's index
+                    wg0_block(n, nmine, k0, (n % 2) * BK, k0, (1 - n % 2) * BK, p0, (n % 2) * H, n % 2, q_s, s_acc,
+                              o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s, k_ready, k_free, p_ready, p_free,
+                              scale2)
+                for it in T.serial(0 if compact >= 2 else (nmine + 1) // 2):
+                    wg0_block(it * 2, nmine, k0, 0, k1, R1, p0, 0, 0, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s,
                               alpha_s, k_ready, k_free, p_ready, p_free, scale2)
                     if it * 2 + 1 < nmine:
-                        wg0_block(it * 2 + 1, nmine, k1, R1, k0, 0, p1, 1, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha,
+                        wg0_block(it * 2 + 1, nmine, k1, R1, k0, 0, p1, P1, 1, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha,
                                   idx_s, alpha_s, k_ready, k_free, p_ready, p_free, scale2)
                 wait_mma(0)
                 if single:
@@ -552,10 +560,12 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 T.set_max_nreg(REG1, int(REG1 > launch_regs))
                 o_r = T.alloc_fragment((H, DH), "float32")
                 T.fill(o_r, 0.0)
-                for it in T.serial((nmine + 1) // 2):
-                    wg1_block(it * 2, k0, 0, p0, 0, o_r, alpha_s, k_free, p_ready, p_free)
+                for n in T.serial(nmine if compact >= 2 else 0):
+                    wg1_block(n, k0, (n % 2) * BK, p0, (n % 2) * H, n % 2, o_r, alpha_s, k_free, p_ready, p_free)
+                for it in T.serial(0 if compact >= 2 else (nmine + 1) // 2):
+                    wg1_block(it * 2, k0, 0, p0, 0, 0, o_r, alpha_s, k_free, p_ready, p_free)
                     if it * 2 + 1 < nmine:
-                        wg1_block(it * 2 + 1, k1, R1, p1, 1, o_r, alpha_s, k_free, p_ready, p_free)
+                        wg1_block(it * 2 + 1, k1, R1, p1, P1, 1, o_r, alpha_s, k_free, p_ready, p_free)
                 if single:
                     T.barrier_wait(bar_fin[0], 0)
                     for h, d in T.Parallel(H, DH):
