@@ -31,7 +31,7 @@ PROLOGUE_LOADS = 1
 # H200 has run it; 2 overlaps a block's HBM latency with the dequantisation of the one before, until measured
 PREFETCH = 1
 # the decode kernel's loops as one body (build_sink_attention_decode's compact): 0 as the H200 has run it (two unrolled
-# copies, the producer's ~74 KB of code a loop iteration); 1 the producer (~43 KB), 2 every role, until
+# copies, the producer's loop ~79 KB of code); 1 the producer (~42 KB), 2 every role (WG0 23 -> 12.5 KB), until
 # attention_decode_gpu.py --probes has timed them
 COMPACT = 0
 

@@ -78,15 +78,15 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     block's HBM latency overlaps the dequantisation of the one before; window blocks stay one ahead); A/B:
     attention.PREFETCH.
     compact: loops as one body instead of unrolled two blocks an iteration (a copy a key / P buffer). 0: as the
-    H200 has run it; the producer's copies each carry the window's and the pool's path in every row, ~74 KB of
-    sm_90a code a loop iteration, where an SM's instruction caches also hold the math warpgroups' loops (~21 KB).
-    1: the producer as one body over one shared buffer of both key buffers (2 x 64 rows, a block's half by its
-    index), window or pool chosen once a block (~43 KB, a block runs one contiguous ~20 KB path). 2: the math
-    warpgroups too, over one double P buffer (~8 KB for both; P is stored without stmatrix, whose addresses
-    TileLang does not offset at run time); ptxas spills nothing at any split count. With prefetch 2 the producer
-    has one body for the window blocks and one for the pool blocks, each pool block dequantised from the row
-    registers' first half, the next block's rows then moved up from the second half and the block two ahead loaded
-    into it. A/B: attention.COMPACT."""
+    H200 has run it; the producer's copies each carry the window's and the pool's path in every row, a ~79 KB loop
+    of sm_90a code, where an SM's instruction caches also hold the math warpgroups' loops (~23 and ~5 KB). 1: the
+    producer as one body over one shared buffer of both key buffers (2 x 64 rows, a block's half by its index),
+    window or pool chosen once a block (~42 KB, a block runs one contiguous ~20 KB path). 2: the math warpgroups
+    too, over one double P buffer (~12.5 and ~3 KB; P is stored without stmatrix, whose addresses TileLang does
+    not offset at run time); ptxas spills nothing at any split count. With prefetch 2 the producer has one body
+    for the window blocks and one for the pool blocks, each pool block dequantised from the row registers' first
+    half, the next block's rows then moved up from the second half and the block two ahead loaded into it.
+    tools/kernel_code_size.py measures the loops. A/B: attention.COMPACT."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     assert prologue_loads in (1, 2, 4, 8, 16, 32), f"prologue_loads must divide 32, got {prologue_loads}"
     assert prefetch in (1, 2) and not (prefetch == 2 and probe), "prefetch is 1 or 2 (2: not with a probe)"
@@ -352,8 +352,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     def producer_compact(nmine, kb0, b, lane, warp, idx_s, kk, k_ready, k_free, win_kv, win_scale, cmp_kv,
                          cmp_scale):
         # one loop body for every block (the unrolled producers above keep a copy a key buffer, each with both the
-        # window and the pool path in every row: ~74 KB of code a loop iteration on sm_90a, where this loop is
-        # ~30 KB and a block runs one contiguous path of it); the schedule is producer_one_ahead's
+        # window and the pool path in every row: a ~79 KB loop on sm_90a, where this one is ~42 KB and a block runs
+        # one contiguous ~20 KB path of it: tools/kernel_code_size.py); the schedule is producer_one_ahead's
         raw = T.alloc_local((ROWS * 16,), "uint8")
         sc = T.alloc_local((ROWS,), "uint8")
         ok = T.alloc_local((ROWS,), "int32")
