@@ -137,9 +137,10 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             T.wait_wgmma(n)
 
     @T.macro
-    def wg0_block(n, nmine, kcur, rcur, knext, rnext, pbuf, prow, sb, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
-                  k_ready, k_free, p_ready, p_free, scale2):
-        # QK(n) was issued into s_acc (previous block or prologue); PV_L(n-1) has completed
+    def wg0_block(n, nmine, kcur, rcur, knext, rnext, pbuf, prow, sb, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha,
+                  idx_s, alpha_s, k_ready, k_free, p_ready, p_free, scale2):
+        # QK(n) was issued into s_acc (previous block or prologue); PV_L(n-1) has completed. Block n's key rows
+        # start at row rcur of kcur (block n+1's at rnext of knext), its P at row prow of pbuf; sb = n % 2
         wait_mma(0)
         if probe == "no_softmax":
             for h in T.Parallel(H):
@@ -311,15 +312,30 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                            cmp_scale)
 
     @T.macro
+    def load_window(n, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, bits):
+        # compact: window block n's FP8 rows into the row registers (16 bytes a row and lane); visibility as each
+        # row's source row in ok[i], or (bits) as bit i of ok[0]
+        for i in T.unroll(ROWS):
+            row = idx_s[n * BK + warp * ROWS + i]
+            if bits:
+                ok[0] = T.if_then_else(i == 0, 0, ok[0]) | T.if_then_else(row >= 0, 1 << i, 0)
+            else:
+                ok[i] = row
+            for v in T.vectorized(16):
+                raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
+            sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+
+    @T.macro
+    def store_row(n, kk, warp, lane, i, visible, vals):
+        # compact: one dequantised row into block n's half of the double key buffer, zeros where invisible
+        for v in T.vectorized(16):
+            kk[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(visible, vals[v], T.cast(0, "bfloat16"))
+
+    @T.macro
     def load_block(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
         # compact: one block's packed rows into registers, window or pool chosen once for the whole block
         if kb0 + n < NWB:
-            for i in T.unroll(ROWS):
-                row = idx_s[n * BK + warp * ROWS + i]
-                ok[i] = row
-                for v in T.vectorized(16):
-                    raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
-                sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+            load_window(n, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, False)
         else:
             for i in T.unroll(ROWS):
                 row = idx_s[n * BK + warp * ROWS + i]
@@ -335,17 +351,13 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
-                for v in T.vectorized(16):
-                    kk[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(ok[i] >= 0, vals[v],
-                                                                                      T.cast(0, "bfloat16"))
+                store_row(n, kk, warp, lane, i, ok[i] >= 0, vals)
         else:
             for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
                               T.address_of(vals[8]))
-                for v in T.vectorized(16):
-                    kk[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(ok[i] >= 0, vals[v],
-                                                                                      T.cast(0, "bfloat16"))
+                store_row(n, kk, warp, lane, i, ok[i] >= 0, vals)
         T.fence_proxy_async()
 
     @T.macro
@@ -379,12 +391,6 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             sc[half * ROWS + i] = cmp_scale[T.max(row, 0), lane]
 
     @T.macro
-    def store_row(n, kk, warp, lane, i, ok, vals):
-        for v in T.vectorized(16):
-            kk[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(((ok[0] >> i) & 1) > 0, vals[v],
-                                                                              T.cast(0, "bfloat16"))
-
-    @T.macro
     def producer_compact_two_ahead(nmine, kb0, b, lane, warp, idx_s, kk, k_ready, k_free, win_kv, win_scale, cmp_kv,
                                    cmp_scale):
         # one loop body for the window blocks (one ahead: their FP8 rows fill the registers) and one for the pool
@@ -400,12 +406,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         ok[0] = 0
         ok[1] = 0
         if nwin > 0:
-            for i in T.unroll(ROWS):
-                row = idx_s[warp * ROWS + i]
-                ok[0] = T.if_then_else(i == 0, 0, ok[0]) | T.if_then_else(row >= 0, 1 << i, 0)
-                for v in T.vectorized(16):
-                    raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
-                sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+            load_window(0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, True)
         else:
             if nmine > 0:
                 load_pool_half(0, 0, lane, warp, raw, sc, ok, idx_s, cmp_kv, cmp_scale)
@@ -416,16 +417,11 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
-                store_row(n, kk, warp, lane, i, ok, vals)
+                store_row(n, kk, warp, lane, i, ((ok[0] >> i) & 1) > 0, vals)
             T.fence_proxy_async()
             T.barrier_arrive(k_ready[n % 2])
             if n + 1 < nwin:
-                for i in T.unroll(ROWS):
-                    row = idx_s[(n + 1) * BK + warp * ROWS + i]
-                    ok[0] = T.if_then_else(i == 0, 0, ok[0]) | T.if_then_else(row >= 0, 1 << i, 0)
-                    for v in T.vectorized(16):
-                        raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
-                    sc[i] = win_scale[b, T.max(row, 0), lane // 2]
+                load_window(n + 1, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, True)
             else:  # the first two pool blocks
                 if n + 1 < nmine:
                     load_pool_half(n + 1, 0, lane, warp, raw, sc, ok, idx_s, cmp_kv, cmp_scale)
@@ -438,7 +434,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
                               T.address_of(vals[8]))
-                store_row(n, kk, warp, lane, i, ok, vals)
+                store_row(n, kk, warp, lane, i, ((ok[0] >> i) & 1) > 0, vals)
             T.fence_proxy_async()
             T.barrier_arrive(k_ready[n % 2])
             if n + 1 < nmine:
@@ -531,11 +527,11 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                               o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s, k_ready, k_free, p_ready, p_free,
                               scale2)
                 for it in T.serial(0 if compact >= 2 else (nmine + 1) // 2):
-                    wg0_block(it * 2, nmine, k0, 0, k1, R1, p0, 0, 0, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s,
-                              alpha_s, k_ready, k_free, p_ready, p_free, scale2)
+                    wg0_block(it * 2, nmine, k0, 0, k1, R1, p0, 0, 0, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha,
+                              idx_s, alpha_s, k_ready, k_free, p_ready, p_free, scale2)
                     if it * 2 + 1 < nmine:
-                        wg0_block(it * 2 + 1, nmine, k1, R1, k0, 0, p1, P1, 1, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha,
-                                  idx_s, alpha_s, k_ready, k_free, p_ready, p_free, scale2)
+                        wg0_block(it * 2 + 1, nmine, k1, R1, k0, 0, p1, P1, 1, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum,
+                                  alpha, idx_s, alpha_s, k_ready, k_free, p_ready, p_free, scale2)
                 wait_mma(0)
                 if single:
                     for h in T.Parallel(H):
@@ -593,8 +589,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 T.sync_threads(5, n_prod)  # producers only: the row table is complete
 
                 if compact and prefetch == 2:
-                    producer_compact_two_ahead(nmine, kb0, b, lane, warp, idx_s, k0, k_ready, k_free, win_kv, win_scale,
-                                               cmp_kv, cmp_scale)
+                    producer_compact_two_ahead(nmine, kb0, b, lane, warp, idx_s, k0, k_ready, k_free, win_kv,
+                                               win_scale, cmp_kv, cmp_scale)
                 elif compact:
                     producer_compact(nmine, kb0, b, lane, warp, idx_s, k0, k_ready, k_free, win_kv, win_scale, cmp_kv,
                                      cmp_scale)
