@@ -18,8 +18,8 @@ protocol) is reported instead of stalling the run. Any row or split count that d
 exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
 key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
-and the candidate settings (CANDIDATES: attention.PROLOGUE_LOADS = 16, attention.PREFETCH = 2, both,
-attention.COMPACT = 1 and 2, the latter also with PREFETCH = 2), their outputs held to the default kernel's bits (a
+and the candidate settings (CANDIDATES: attention.PREFETCH = 2, attention.COMPACT = 1 and 2, the latter also
+with PREFETCH = 2), their outputs held to the default kernel's bits (a
 candidate that differs is a failure: the run exits non-zero). The previous kernel
 generation's numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
 """
@@ -41,9 +41,8 @@ from kernels_gpu import ceilings, graph_time, timeit  # noqa: E402  (same timing
 
 HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # candidate settings of the kernel timed beside --probes (attention module constants)
-CANDIDATES = {"prologue16": {"PROLOGUE_LOADS": 16}, "prefetch2": {"PREFETCH": 2},
-              "prologue16_prefetch2": {"PROLOGUE_LOADS": 16, "PREFETCH": 2},
-              "compact1": {"COMPACT": 1}, "compact2": {"COMPACT": 2}, "compact2_prefetch2": {"COMPACT": 2, "PREFETCH": 2}}
+CANDIDATES = {"prefetch2": {"PREFETCH": 2}, "compact1": {"COMPACT": 1}, "compact2": {"COMPACT": 2},
+              "compact2_prefetch2": {"COMPACT": 2, "PREFETCH": 2}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 

@@ -132,22 +132,6 @@ def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
         build_sink_attention_decode(splits=1, arch="sm_90a", probe="no_mma")
 
 
-def test_the_prologue_can_issue_its_loads_together():
-    """The candidate prologue (attention.PROLOGUE_LOADS = 16) issues a thread's 16-byte loads of Q in two unrolled
-    runs of sixteen, then permutes and stores them, and unrolls the producer's row table; at 1 the kernel is the
-    source the H200 has run (load, store, ...)."""
-    from lowering_helpers import lower_source
-    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
-
-    batched = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", prologue_loads=16), "sm_90a")
-    assert "for (int i0 = 0; i0 < 2; ++i0)" in batched and "for (int i1 = 0; i1 < 16; ++i1)" in batched
-    table = batched[batched.index("warpgroup_reg_dealloc<152>"):]
-    assert "#pragma unroll" in table[:200]  # the producer's row table, its loads issued together
-    assert batched != _source("sm_90a", 1)
-    with pytest.raises(AssertionError, match="prologue_loads must divide 32"):
-        build_sink_attention_decode(splits=1, arch="sm_90a", prologue_loads=3)
-
-
 @pytest.mark.parametrize("splits,ring", [(1, None), (2, None), (5, None), (10, None), (1, 192)])
 def test_pool_blocks_can_be_loaded_two_ahead(splits, ring):
     """The candidate producer (attention.PREFETCH = 2) loads a pool block's 8 bytes a row into either half of its

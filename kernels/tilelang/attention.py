@@ -24,9 +24,6 @@ from .attention_decode_kernel import build_sink_attention_decode
 from .attention_kernel import build_sink_attention_dense
 
 BLOCK_KEYS = 64  # keys per block of both kernels
-# the decode kernel's prologue (build_sink_attention_decode's prologue_loads): 1 as the H200 has run it; 16 issues Q's
-# loads sixteen at a time and the row table's loads together, until attention_decode_gpu.py --probes has timed it
-PROLOGUE_LOADS = 1
 # how far ahead the decode kernel's producer loads a pool block (build_sink_attention_decode's prefetch): 1 as the
 # H200 has run it; 2 overlaps a block's HBM latency with the dequantisation of the one before, until measured
 PREFETCH = 1
@@ -112,9 +109,8 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
     """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
     from its default (the ring's width when wider than the window: rollback rows for speculative decoding, a
     compile-time shape; a probe; the A/B constants above), so a default kernel's spec stays what it always was."""
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, PROLOGUE_LOADS, PREFETCH,
-            COMPACT]
-    defaults = [None, (192, 160, 152), None, "", 1, 1, 0]
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, PREFETCH, COMPACT]
+    defaults = [None, (192, 160, 152), None, "", 1, 0]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)

@@ -54,8 +54,7 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = "", prologue_loads: int = 1,
-                                prefetch: int = 1, compact: int = 0):
+                                ring: int | None = None, probe: str = "", prefetch: int = 1, compact: int = 0):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
     elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer. ring: rows
@@ -69,10 +68,6 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     (it reads the rows but writes no keys), "no_producer" (neither: the math warpgroups alone), "no_softmax" (WG0
     skips the mask, max, exp and rescale between QK and PV), "prologue" (no key block at all: the launch, Q into
     shared memory and the output's stores).
-    prologue_loads: Q's 16-byte loads a WG0 thread issues before it stores them to shared memory (1: load, store,
-    load, ... as the H200 has run it; 16: half of its 32 in flight at once), and above 1 the producer's row-table
-    loop unrolled, so its dependent loads (window positions, selected rows) go out together; A/B:
-    attention.PROLOGUE_LOADS.
     prefetch: how far ahead the producer loads a pool block's rows (1: the next block, right after the current
     one is dequantised, as the H200 has run it; 2: two ahead, in alternate halves of its row registers, so a
     block's HBM latency overlaps the dequantisation of the one before; window blocks stay one ahead); A/B:
@@ -88,7 +83,6 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     half, the next block's rows then moved up from the second half and the block two ahead loaded into it.
     tools/kernel_code_size.py measures the loops. A/B: attention.COMPACT."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
-    assert prologue_loads in (1, 2, 4, 8, 16, 32), f"prologue_loads must divide 32, got {prologue_loads}"
     assert prefetch in (1, 2) and not (prefetch == 2 and probe), "prefetch is 1 or 2 (2: not with a probe)"
     assert compact in (0, 1, 2) and not (compact and probe), "compact is 0, 1 or 2 (not with a probe)"
     H, D, BK = heads, dim, 64
@@ -499,22 +493,17 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 alpha = T.alloc_fragment((H,), "float32")
                 scale2 = scale * LOG2E
                 # Q -> shared in the twiddled head-dim order (16-byte loads, permuted in registers); WG0 alone
-                # reads Q, so the other roles start without waiting for it
-                # prologue_loads of a thread's 16-byte loads issued before their stores (at 1 the compiler keeps
-                # load, store, load, ...)
-                qv = T.alloc_local((prologue_loads * 8,), "bfloat16")
+                # reads Q, so the other roles start without waiting for it. The source interleaves each load with
+                # its store; ptxas issues all 32 loads first (sm_90a SASS, tools/kernel_code_size.py's cubin)
+                qv = T.alloc_local((8,), "bfloat16")
                 qt = T.alloc_local((8,), "bfloat16")
-                for i0 in (T.unroll if prologue_loads == 1 else T.serial)(32 // prologue_loads):
-                    for i1 in T.unroll(prologue_loads):
-                        for v in T.vectorized(8):
-                            qv[i1 * 8 + v] = q[bq, ((i0 * prologue_loads + i1) * 128 + tx) // 64,
-                                               ((i0 * prologue_loads + i1) * 128 + tx) % 64 * 8 + v]
-                    for i1 in T.unroll(prologue_loads):
-                        for v in T.unroll(8):
-                            qt[v] = qv[i1 * 8 + (v % 2) * 4 + v // 2]
-                        for v in T.vectorized(8):
-                            q_s[((i0 * prologue_loads + i1) * 128 + tx) // 64,
-                                ((i0 * prologue_loads + i1) * 128 + tx) % 64 * 8 + v] = qt[v]
+                for i0 in T.unroll(32):
+                    for v in T.vectorized(8):
+                        qv[v] = q[bq, (i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v]
+                    for v in T.unroll(8):
+                        qt[v] = qv[(v % 2) * 4 + v // 2]
+                    for v in T.vectorized(8):
+                        q_s[(i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v] = qt[v]
                 T.fence_proxy_async()
                 T.fill(m_i, NEG_BIG)
                 T.fill(l_i, 0.0)
@@ -576,7 +565,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 pt = tx - 256
                 lane = pt % 32
                 warp = pt // 32
-                for i in (T.serial if prologue_loads == 1 else T.unroll)(T.ceildiv(PER * BK, n_prod)):
+                for i in T.serial(T.ceildiv(PER * BK, n_prod)):  # ptxas unrolls it, its loads issued together
                     if i * n_prod + pt < nmine * BK:
                         kb = kb0 + (i * n_prod + pt) // BK
                         r = (i * n_prod + pt) % BK
