@@ -68,7 +68,7 @@ def report(splits: int, compact: int, prefetch: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cu, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
         cu.write_text(src)
-        res = subprocess.run([_tool("nvcc") or "nvcc", "-std=c++20", "-O3", "-cubin", "-gencode",
+        res = subprocess.run([_tool("nvcc"), "-std=c++20", "-O3", "-cubin", "-gencode",
                               "arch=compute_90a,code=sm_90a", "--ptxas-options=-v", f"-I{env.TILELANG_TEMPLATE_PATH}",
                               f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(cubin), str(cu)], capture_output=True, text=True)
         if res.returncode:
@@ -95,6 +95,8 @@ def main():
     ap.add_argument("--compact", type=int, nargs="+", default=None, help="attention.COMPACT settings (default 0 1 2)")
     ap.add_argument("--prefetch", type=int, nargs="+", default=None, help="attention.PREFETCH settings")
     a = ap.parse_args()
+    if not _tool("nvcc"):
+        raise SystemExit("kernel_code_size: nvcc not found (install a CUDA toolkit, or set CUDA_BIN=<its bin folder>)")
     settings = [(c, p) for c in (a.compact or [0, 1, 2]) for p in (a.prefetch or [1])]
     if a.compact is None and a.prefetch is None:
         settings.append((2, 2))
