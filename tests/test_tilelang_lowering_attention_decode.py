@@ -235,3 +235,25 @@ def test_the_one_body_producer_can_load_pool_blocks_two_ahead(splits, ring):
         report = _nvcc_report(src)
         if report:
             assert report[1] <= 168
+
+
+@pytest.mark.parametrize("compact", [0, 2])
+def test_one_split_s_output_can_go_through_shared_memory(compact):
+    """attention.STAGE_OUT = 1: with one split, each math warpgroup writes its half of the bf16 output into Q's
+    shared memory (free once WG0's MMAs are done), waits on its own named barrier and stores it in 16-byte stores
+    (16 a thread), where the default stores each fragment value's 2 bytes straight to global memory; split kernels
+    (fp32 partials for the combine) are unchanged; ptxas fits it without a spill where nvcc is installed."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    src = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", compact=compact, stage_out=True), "sm_90a")
+    plain = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", compact=compact), "sm_90a")
+    assert "__sync_thread_partial(6, 128)" in src and "__sync_thread_partial(7, 128)" in src
+    assert src.count("*(uint4*)(out + ") == 2 and "*(uint4*)(out + " not in plain
+    assert "((bfloat16_t*)q_s)[" in src  # the fragments' values into Q's shared memory
+    split = build_sink_attention_decode(splits=2, arch="sm_90a", compact=compact, stage_out=True)
+    assert lower_source(split, "sm_90a") == lower_source(build_sink_attention_decode(splits=2, arch="sm_90a",
+                                                                                     compact=compact), "sm_90a")
+    report = _nvcc_report(src)
+    if report:
+        assert report[1] <= 168 and (compact == 0 or "0 bytes spill stores" in report[0])

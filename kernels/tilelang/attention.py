@@ -31,6 +31,9 @@ PREFETCH = 1
 # copies, the producer's loop ~79 KB of code); 1 the producer (~42 KB), 2 every role (WG0 23 -> 12.5 KB), until
 # attention_decode_gpu.py --probes has timed them
 COMPACT = 0
+# the decode kernel's one-split output through shared memory in 16-byte stores (build_sink_attention_decode's
+# stage_out): 0 as the H200 has run it (2-byte stores straight from the fragments), until measured
+STAGE_OUT = 0
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -109,8 +112,8 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
     """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
     from its default (the ring's width when wider than the window: rollback rows for speculative decoding, a
     compile-time shape; a probe; the A/B constants above), so a default kernel's spec stays what it always was."""
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, PREFETCH, COMPACT]
-    defaults = [None, (192, 160, 152), None, "", 1, 0]
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, PREFETCH, COMPACT, bool(STAGE_OUT)]
+    defaults = [None, (192, 160, 152), None, "", 1, 0, False]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)

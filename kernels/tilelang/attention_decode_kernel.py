@@ -54,7 +54,8 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = "", prefetch: int = 1, compact: int = 0):
+                                ring: int | None = None, probe: str = "", prefetch: int = 1, compact: int = 0,
+                                stage_out: bool = False):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch: None = the current target (wgmma on sm_90*, a synchronous gemm
     elsewhere, which only serves the lowering test). regs: registers per thread of WG0, WG1, producer. ring: rows
@@ -81,7 +82,11 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     not offset at run time); ptxas spills nothing at any split count. With prefetch 2 the producer has one body
     for the window blocks and one for the pool blocks, each pool block dequantised from the row registers' first
     half, the next block's rows then moved up from the second half and the block two ahead loaded into it.
-    tools/kernel_code_size.py measures the loops. A/B: attention.COMPACT."""
+    tools/kernel_code_size.py measures the loops. A/B: attention.COMPACT.
+    stage_out: with one split, the bf16 output goes through Q's shared memory (free once WG0's MMAs are done) and out
+    in 16-byte stores, a warp one head's 512 contiguous bytes; False: each thread stores its fragment's 2-byte
+    values straight to global memory (256 stores a thread, 8 heads' 8-byte pieces an instruction), as the H200
+    has run it. A/B: attention.STAGE_OUT."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     assert prefetch in (1, 2) and not (prefetch == 2 and probe), "prefetch is 1 or 2 (2: not with a probe)"
     assert compact in (0, 1, 2) and not (compact and probe), "compact is 0, 1 or 2 (not with a probe)"
@@ -179,6 +184,15 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         wait_mma(0)
         T.barrier_arrive(k_free[sb])
         T.barrier_arrive(p_free[sb])
+
+    @T.macro
+    def out_half(q_s, out, bq, t, c0):
+        # stage_out: one warpgroup's half of the output columns [c0, c0 + DH) from shared memory, a warp's 32 lanes
+        # storing one head's 512 contiguous bytes (the direct stores write 2 bytes a lane, 8 heads an instruction)
+        for i in T.unroll(H * DH // 8 // 128):
+            for v in T.vectorized(8):
+                out[bq, (i * 128 + t) // (DH // 8), c0 + (i * 128 + t) % (DH // 8) * 8 + v] = \
+                    q_s[(i * 128 + t) // (DH // 8), c0 + (i * 128 + t) % (DH // 8) * 8 + v]
 
     @T.macro
     def load_raw(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, slot=0):
@@ -531,8 +545,14 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                     for h in T.Parallel(H):
                         fin_s[h] = rsum[h]
                     T.barrier_arrive(bar_fin[0])
-                    for h, d in T.Parallel(H, DH):
-                        out[bq, h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
+                    if stage_out:  # through Q's shared memory (free: WG0's MMAs are done), then 16-byte stores
+                        for h, d in T.Parallel(H, DH):
+                            q_s[h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
+                        T.sync_threads(6, 128)
+                        out_half(q_s, out, bq, tx, 0)
+                    else:
+                        for h, d in T.Parallel(H, DH):
+                            out[bq, h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
                 else:
                     for h in T.Parallel(H):
                         ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as the combine expects
@@ -553,8 +573,14 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                         wg1_block(it * 2 + 1, k1, R1, p1, P1, 1, o_r, alpha_s, k_free, p_ready, p_free)
                 if single:
                     T.barrier_wait(bar_fin[0], 0)
-                    for h, d in T.Parallel(H, DH):
-                        out[bq, h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
+                    if stage_out:  # WG0 has passed its last MMA (bar_fin): Q's shared memory is free
+                        for h, d in T.Parallel(H, DH):
+                            q_s[h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
+                        T.sync_threads(7, 128)
+                        out_half(q_s, out, bq, tx - 128, DH)
+                    else:
+                        for h, d in T.Parallel(H, DH):
+                            out[bq, h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
                 else:
                     for h, d in T.Parallel(H, DH):
                         o_part[bq, bs, h, d + DH] = o_r[h, d]
