@@ -27,10 +27,10 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 # how far ahead the decode kernel's producer loads a pool block (build_sink_attention_decode's prefetch): 1 as the
 # H200 has run it; 2 overlaps a block's HBM latency with the dequantisation of the one before, until measured
 PREFETCH = 1
-# the decode kernel's loops as one body (build_sink_attention_decode's compact): 0 as the H200 has run it (two unrolled
-# copies, the producer's loop ~79 KB of code); 1 the producer (~42 KB), 2 every role (WG0 23 -> 12.5 KB), until
-# attention_decode_gpu.py --probes has timed them
-COMPACT = 0
+# the decode kernel's loops as one body (build_sink_attention_decode's compact): 2 every role (1: the producer only; 0:
+# the unrolled loops the probes instrument). On an H100 at 32K (attention_decode_gpu_s23_probes_h100): B=256
+# 159.9 -> 101.7 us, B=64 48.6 -> 36.1 us against 0, the same bits (the unrolled loops overflowed the instruction caches)
+COMPACT = 2
 # the decode kernel's one-split output through shared memory in 16-byte stores (build_sink_attention_decode's
 # stage_out): 0 as the H200 has run it (2-byte stores straight from the fragments), until measured
 STAGE_OUT = 0
@@ -112,7 +112,8 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
     """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
     from its default (the ring's width when wider than the window: rollback rows for speculative decoding, a
     compile-time shape; a probe; the A/B constants above), so a default kernel's spec stays what it always was."""
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, PREFETCH, COMPACT, bool(STAGE_OUT)]
+    compact = 0 if probe else COMPACT  # the probes instrument the unrolled loops
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, PREFETCH, compact, bool(STAGE_OUT)]
     defaults = [None, (192, 160, 152), None, "", 1, 0, False]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()

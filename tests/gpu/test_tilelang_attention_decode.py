@@ -185,16 +185,16 @@ def test_decode_no_visible_keys_gives_zeros(splits):
     assert torch.equal(out.float().cpu(), torch.zeros(1, H, D))
 
 
-@pytest.mark.parametrize("knobs", [{"PREFETCH": 2}, {"COMPACT": 1}, {"COMPACT": 2}, {"COMPACT": 2, "PREFETCH": 2},
-                                   {"STAGE_OUT": 1}, {"COMPACT": 2, "STAGE_OUT": 1}],
-                         ids=["prefetch2", "compact1", "compact2", "compact2_prefetch2", "stage_out",
-                              "compact2_stage_out"])
+@pytest.mark.parametrize("knobs", [{"COMPACT": 0}, {"COMPACT": 0, "PREFETCH": 2}, {"COMPACT": 1}, {"PREFETCH": 2},
+                                   {"STAGE_OUT": 1}, {"COMPACT": 0, "STAGE_OUT": 1}],
+                         ids=["compact0", "compact0_prefetch2", "compact1", "prefetch2", "stage_out",
+                              "compact0_stage_out"])
 @pytest.mark.parametrize("ring,splits", [(W, 1), (W, 2), (W, 3), (W, 5), (192, None)])
 def test_the_candidate_settings_give_the_kernels_bits(ring, splits, knobs):
-    """attention.PREFETCH = 2 (pool blocks loaded two ahead) and attention.COMPACT = 1 / 2 (the producer / every
-    role as one loop body over double key and P buffers) change when loads go out and where keys sit, and
-    attention.STAGE_OUT = 1 how one split's output is stored (through shared memory), not what the kernel sums: the
-    same bits as the default, on partly filled and rollback rings, whole and split (splits that
+    """attention.COMPACT (2 by default: every role as one loop body over double key and P buffers; 1: the producer
+    only; 0: the unrolled loops), attention.PREFETCH = 2 (pool blocks loaded two ahead) and attention.STAGE_OUT = 1
+    (one split's output through shared memory) change when loads go out, where keys sit and how the output is
+    stored, not what the kernel sums: the same bits as the default, on partly filled and rollback rings, whole and split (splits that
     start in the window and in the pool)."""
     from deepinfer.kernels.tilelang import attention
 
