@@ -19,7 +19,7 @@ exits non-zero. --sweep also times other split counts (one compile each). --prob
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
 key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
 and the candidate settings (CANDIDATES: attention.COMPACT = 0 (the unrolled loops, which the probes instrument)
-alone and with PREFETCH = 2, COMPACT = 1, PREFETCH = 2, STAGE_OUT = 1), their outputs held to the default kernel's
+alone and with PREFETCH = 2, COMPACT = 1, PREFETCH = 2, STAGE_OUT = 0), their outputs held to the default kernel's
 bits (a candidate that differs is a failure: the run exits non-zero). The previous kernel
 generation's numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
 """
@@ -42,7 +42,7 @@ from kernels_gpu import ceilings, graph_time, timeit  # noqa: E402  (same timing
 HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # candidate settings of the kernel timed beside --probes (attention module constants)
 CANDIDATES = {"compact0": {"COMPACT": 0}, "compact0_prefetch2": {"COMPACT": 0, "PREFETCH": 2},
-              "compact1": {"COMPACT": 1}, "prefetch2": {"PREFETCH": 2}, "stage_out": {"STAGE_OUT": 1}}
+              "compact1": {"COMPACT": 1}, "prefetch2": {"PREFETCH": 2}, "stage_out0": {"STAGE_OUT": 0}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 
