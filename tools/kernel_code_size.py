@@ -3,10 +3,10 @@ build_sink_attention_decode with TileLang, compiles it with nvcc (as tests/lower
 registers and spills and the size of the kernel's .text section, read from the cubin with cuobjdump, and each
 warpgroup's loop from the SASS with nvdisasm.
 
-Why: a 64-key block of the kernel costs ~6.8 µs on the H200 where its loads, dequantisation, shared-memory traffic
-and MMAs need ~1.5 µs each at most (docs/hopper-kernels.md, the twenty-second and twenty-third sessions), and the
-default build is 149 KB of code with a ~74 KB producer loop beside the math warpgroups' loops on each SM
-sub-partition; attention.COMPACT cuts it (the A/B is attention_decode_gpu.py --probes).
+Why: a 64-key block of the kernel cost ~6.8 µs on the H200 where its loads, dequantisation, shared-memory traffic
+and MMAs need ~1.5 µs each at most; the unrolled build was 149 KB of code with a ~79 KB producer loop beside the math
+warpgroups' loops on each SM sub-partition, and the one-body loops (attention.COMPACT = 2, the default since) ran it
+1.35-1.57x faster on an H100 (docs/hopper-kernels.md, the twenty-third session).
 
 cuobjdump / nvdisasm come with a CUDA toolkit, or from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm: their
 bin/ folder on PATH, or CUDA_BIN=<folder>).
