@@ -24,8 +24,8 @@ from .attention_decode_kernel import build_sink_attention_decode
 from .attention_kernel import build_sink_attention_dense
 
 BLOCK_KEYS = 64  # keys per block of both kernels
-# how far ahead the decode kernel's producer loads a pool block (build_sink_attention_decode's prefetch): 1 as the
-# H200 has run it; 2 overlaps a block's HBM latency with the dequantisation of the one before, until measured
+# how far ahead the decode kernel's producer loads a pool block (build_sink_attention_decode's prefetch): 1; 2 (two
+# blocks in flight) gained nothing with COMPACT 2 on an H100 (B=256 32K 101.1 vs 101.7 us) and lost without it
 PREFETCH = 1
 # the decode kernel's loops as one body (build_sink_attention_decode's compact): 2 every role (1: the producer only; 0:
 # the unrolled loops the probes instrument). On an H100 at 32K (attention_decode_gpu_s23_probes_h100): B=256
@@ -110,8 +110,9 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
 
 def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "") -> tuple:
     """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
-    from its default (the ring's width when wider than the window: rollback rows for speculative decoding, a
-    compile-time shape; a probe; the A/B constants above), so a default kernel's spec stays what it always was."""
+    from the builder's default (the ring's width when wider than the window: rollback rows for speculative decoding,
+    a compile-time shape; a probe; the module constants above), so equal kernels get equal specs (the compile cache,
+    the JIT manifest)."""
     compact = 0 if probe else COMPACT  # the probes instrument the unrolled loops
     tail = [None, (192, 160, 152), ring if ring != window else None, probe, PREFETCH, compact, bool(STAGE_OUT)]
     defaults = [None, (192, 160, 152), None, "", 1, 0, False]
@@ -123,7 +124,7 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
 def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
                                  window: int = 128, splits: int | None = None, probe: str = ""):
     """Decode attention for a batch of query tokens (1..6 per sequence, any mix), reading the caches as stored
-    (attention_decode_kernel; 16-19% of the roofline at B=64..256, 32K, on an H200).
+    (attention_decode_kernel; 20% / 37% of its roofline at B=64 / 256, 32K, on an H100).
 
     q [Nq, 64, 512] bf16 (RoPE applied); q_seq [Nq] int32 sequence of each query; q_pos [Nq] int32 its position.
     win_kv [B, W, 512] uint8 (e4m3 bits) with win_scale [B, W, 16] uint8 (ue8m0 per 32 channels) and win_pos
