@@ -1,18 +1,18 @@
-"""How much sm_90a machine code the decode attention kernel runs, per setting, on a machine without a GPU: lowers
+"""How much sm_90a machine code the decode attention kernel runs, per split count, on a machine without a GPU: lowers
 build_sink_attention_decode with TileLang, compiles it with nvcc (as tests/lowering_helpers does) and prints ptxas's
 registers and spills and the size of the kernel's .text section, read from the cubin with cuobjdump, and each
 warpgroup's loop from the SASS with nvdisasm.
 
 Why: a 64-key block of the kernel cost ~6.8 µs on the H200 where its loads, dequantisation, shared-memory traffic
 and MMAs need ~1.5 µs each at most; the unrolled build was 149 KB of code with a ~79 KB producer loop beside the math
-warpgroups' loops on each SM sub-partition, and the one-body loops (attention.COMPACT = 2, the default since) ran it
-1.35-1.57x faster on an H100 (docs/hopper-kernels.md, the twenty-third session).
+warpgroups' loops on each SM sub-partition, and the one-body loops (the kernel's only form since) ran it 1.35-1.57x
+faster on an H100 (docs/hopper-kernels.md, the twenty-third session).
 
 cuobjdump / nvdisasm come with a CUDA toolkit, or from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm: their
 bin/ folder on PATH, or CUDA_BIN=<folder>).
 
-    python tools/kernel_code_size.py                     # settings 0 / 1 / 2 / 2 + prefetch 2, 1 and 2 splits
-    python tools/kernel_code_size.py --splits 1 5 10 --compact 2
+    python tools/kernel_code_size.py                     # 1 and 2 splits
+    python tools/kernel_code_size.py --splits 1 5 10 --probe no_load
 """
 
 import argparse
@@ -57,14 +57,13 @@ def _role_loops(sass: str) -> list[float]:
     return out
 
 
-def report(splits: int, compact: int, prefetch: int) -> str:
+def report(splits: int, probe: str = "") -> str:
     from lowering_helpers import lower_source
     from tilelang import env
 
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", compact=compact, prefetch=prefetch),
-                       "sm_90a")
+    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", probe=probe), "sm_90a")
     with tempfile.TemporaryDirectory() as tmp:
         cu, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
         cu.write_text(src)
@@ -92,17 +91,12 @@ def report(splits: int, compact: int, prefetch: int) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--compact", type=int, nargs="+", default=None, help="attention.COMPACT settings (default 0 1 2)")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=None, help="attention.PREFETCH settings")
+    ap.add_argument("--probe", default="", help="a timing probe (attention_decode_kernel.PROBES; default none)")
     a = ap.parse_args()
     if not _tool("nvcc"):
         raise SystemExit("kernel_code_size: nvcc not found (install a CUDA toolkit, or set CUDA_BIN=<its bin folder>)")
-    settings = [(c, p) for c in (a.compact or [0, 1, 2]) for p in (a.prefetch or [1])]
-    if a.compact is None and a.prefetch is None:
-        settings.append((2, 2))
     for s in a.splits:
-        for c, p in settings:
-            print(f"splits {s:>2}  compact {c}  prefetch {p}: {report(s, c, p)}", flush=True)
+        print(f"splits {s:>2}{'  probe ' + a.probe if a.probe else ''}: {report(s, a.probe)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,16 +24,6 @@ from .attention_decode_kernel import build_sink_attention_decode
 from .attention_kernel import build_sink_attention_dense
 
 BLOCK_KEYS = 64  # keys per block of both kernels
-# how far ahead the decode kernel's producer loads a pool block (build_sink_attention_decode's prefetch): 1; 2 (two
-# blocks in flight) gained nothing with COMPACT 2 on an H100 (B=256 32K 101.1 vs 101.7 us) and lost without it
-PREFETCH = 1
-# the decode kernel's loops as one body (build_sink_attention_decode's compact): 2 every role (1: the producer only; 0:
-# the unrolled loops the probes instrument). On an H100 at 32K (attention_decode_gpu_s23_probes_h100): B=256
-# 159.9 -> 101.7 us, B=64 48.6 -> 36.1 us against 0, the same bits (the unrolled loops overflowed the instruction caches)
-COMPACT = 2
-# the decode kernel's one-split output through shared memory in 16-byte stores (build_sink_attention_decode's
-# stage_out; 0: 2-byte stores straight from the fragments). H100, B=256 at 32K: 104.7 -> 77.2 us, the same bits
-STAGE_OUT = 1
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -111,11 +101,9 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
 def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "") -> tuple:
     """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
     from the builder's default (the ring's width when wider than the window: rollback rows for speculative decoding,
-    a compile-time shape; a probe; the module constants above), so equal kernels get equal specs (the compile cache,
-    the JIT manifest)."""
-    compact = 0 if probe else COMPACT  # the probes instrument the unrolled loops
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, PREFETCH, compact, bool(STAGE_OUT)]
-    defaults = [None, (192, 160, 152), None, "", 1, 0, False]
+    a compile-time shape; a probe), so equal kernels get equal specs (the compile cache, the JIT manifest)."""
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe]
+    defaults = [None, (192, 160, 152), None, ""]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)

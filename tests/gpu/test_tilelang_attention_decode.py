@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from unittest import mock
 
 import pytest
 import torch
@@ -183,26 +182,3 @@ def test_decode_no_visible_keys_gives_zeros(splits):
         cmp_kv.to(dev), cmp_sc.to(dev), torch.full((1, TOPK), -1, dtype=torch.int32, device=dev),
         torch.randn(H, generator=g).to(dev), D ** -0.5, splits=splits)
     assert torch.equal(out.float().cpu(), torch.zeros(1, H, D))
-
-
-@pytest.mark.parametrize("knobs", [{"COMPACT": 0}, {"COMPACT": 0, "PREFETCH": 2}, {"COMPACT": 1}, {"PREFETCH": 2},
-                                   {"STAGE_OUT": 0}, {"COMPACT": 0, "STAGE_OUT": 0}],
-                         ids=["compact0", "compact0_prefetch2", "compact1", "prefetch2", "stage_out0",
-                              "compact0_stage_out0"])
-@pytest.mark.parametrize("ring,splits", [(W, 1), (W, 2), (W, 3), (W, 5), (192, None)])
-def test_the_candidate_settings_give_the_kernels_bits(ring, splits, knobs):
-    """attention.COMPACT (2 by default: every role as one loop body over double key and P buffers; 1: the producer
-    only; 0: the unrolled loops), attention.PREFETCH = 2 (pool blocks loaded two ahead) and attention.STAGE_OUT = 1
-    (one split's output through shared memory) change when loads go out, where keys sit and how the output is
-    stored, not what the kernel sums: the same bits as the default, on partly filled and rollback rings, whole and split (splits that
-    start in the window and in the pool)."""
-    from deepinfer.kernels.tilelang import attention
-
-    args, _ = _case(5, seed=2024 + ring + (splits or 0), ring=ring)
-    scale = D ** -0.5
-    base = attention.sink_attention_decode(*args, scale, splits=splits)
-    with mock.patch.multiple(attention, **knobs):
-        poison_allocator()
-        cand = attention.sink_attention_decode(*args, scale, splits=splits)
-    torch.cuda.synchronize()
-    assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
