@@ -190,3 +190,38 @@ def test_one_split_s_output_goes_through_shared_memory():
     assert "((bfloat16_t*)q_s)[" in src  # the fragments' values into Q's shared memory
     split = _source("sm_90a", 2)
     assert "*(uint4*)(out + " not in split and "__sync_thread_partial(6, 128)" not in split and "o_part" in split
+
+
+@pytest.mark.parametrize("splits,ring", [(2, None)] + [pytest.param(*c, marks=pytest.mark.slow)
+                                                       for c in [(3, None), (4, None), (5, None), (2, 192)]])
+def test_clustered_splits_merge_in_distributed_shared_memory(splits, ring):
+    """The candidate cluster (attention.CLUSTER_COMBINE = 1): a query's 2-8 splits leave their un-normalised O in
+    their own key buffer and m, l beside it, meet at a cluster barrier, and each merges a contiguous share of the
+    output's 16-byte pieces from every split's shared memory (ld.shared::cluster), storing bf16 in 16-byte stores,
+    then meets its peers again before it exits; no fp32 partial goes to global memory. Off by default, the split
+    kernel is the source it was; ptxas fits it where nvcc is installed."""
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+    from lowering_helpers import lower_source
+
+    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring, cluster=True), "sm_90a")
+    plain = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring), "sm_90a")
+    assert "ld.shared::cluster.v4.f32" in src and src.count("  di_cluster_sync();") == 2
+    assert "(o_part + " not in src and "ml_part[" not in src and "(o_part + " in plain and "ml_part[" in plain
+    assert src.count("*(uint4*)(out + ") == 1 and "di_cluster_sync" not in plain
+    assert "di_st_f32(" in src  # the partial written by address: the key buffer's swizzle does not apply
+    with pytest.raises(AssertionError, match="at most 8 splits"):
+        build_sink_attention_decode(splits=10, arch="sm_90a", cluster=True)
+    report = _nvcc_report(src)
+    if report:
+        assert report[1] <= 168
+
+
+def test_the_cluster_is_asked_for_two_to_eight_splits_only(monkeypatch):
+    """decode_spec asks for the clustered kernel only with attention.CLUSTER_COMBINE on and 2-8 splits; one split
+    has nothing to merge, ten exceed a portable cluster."""
+    from deepinfer.kernels.tilelang import attention
+
+    assert attention.decode_spec(128, 512, 2, 128)[-1] != True  # noqa: E712  (off by default)
+    monkeypatch.setattr(attention, "CLUSTER_COMBINE", 1)
+    assert [attention.decode_spec(128, 512, s, 128)[-1] is True for s in (1, 2, 5, 8, 10)] == [False, True, True,
+                                                                                               True, False]

@@ -24,6 +24,10 @@ from .attention_decode_kernel import build_sink_attention_decode
 from .attention_kernel import build_sink_attention_dense
 
 BLOCK_KEYS = 64  # keys per block of both kernels
+# a decode query's 2-8 key splits as one thread block cluster, merged through distributed shared memory instead of
+# fp32 partials in HBM and the combine launch (build_sink_attention_decode's cluster; the same bits). 0 until the
+# GPU has timed it (attention_decode_gpu.py --probes, candidate "cluster")
+CLUSTER_COMBINE = 0
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -98,12 +102,17 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
                                         sel.int(), sink, scale, window, splits)
 
 
+def _clustered(splits: int) -> bool:
+    return bool(CLUSTER_COMBINE) and 2 <= splits <= 8
+
+
 def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "") -> tuple:
     """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
     from the builder's default (the ring's width when wider than the window: rollback rows for speculative decoding,
-    a compile-time shape; a probe), so equal kernels get equal specs (the compile cache, the JIT manifest)."""
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe]
-    defaults = [None, (192, 160, 152), None, ""]
+    a compile-time shape; a probe; a cluster of the splits), so equal kernels get equal specs (the compile cache,
+    the JIT manifest)."""
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits)]
+    defaults = [None, (192, 160, 152), None, "", False]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)
@@ -133,4 +142,6 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),
             (float(scale),))
-    return _run(kernel, n_q, splits, H, D, sink.float().contiguous(), out, args, permuted=True)
+    # clustered splits merge in the kernel: no partials, no combine
+    return _run(kernel, n_q, 1 if _clustered(splits) else splits, H, D, sink.float().contiguous(), out, args,
+                permuted=True)

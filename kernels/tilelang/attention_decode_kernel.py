@@ -42,6 +42,32 @@ import tilelang.language as T
 from .dequant import CUDA_SOURCE, fp4_perm
 
 PROBES = ("", "no_load", "no_dequant", "no_producer", "no_softmax", "prologue")
+# cluster: a peer CTA's shared memory (mapa + ld.shared::cluster) and the cluster-wide barrier (release / acquire)
+CLUSTER_SOURCE = r"""
+__device__ __forceinline__ uint32_t di_peer(const void* p, uint32_t rank) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float di_ld_peer_f32(const void* p, uint32_t rank) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(di_peer(p, rank)) : "memory");
+  return v;
+}
+__device__ __forceinline__ void di_ld_peer_f32x8(void* dst, const void* base, int i, uint32_t rank) {
+  uint32_t a = di_peer(reinterpret_cast<const float*>(base) + i, rank);
+  float* d = reinterpret_cast<float*>(dst);
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]) : "r"(a) : "memory");
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]) : "r"(a + 16) : "memory");
+}
+// the key buffer's bytes as a plain [64, 512] fp32 array (TileLang's view of it would keep the buffer's swizzle)
+__device__ __forceinline__ void di_st_f32(void* base, int i, float v) { reinterpret_cast<float*>(base)[i] = v; }
+__device__ __forceinline__ void di_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" : : : "memory");
+}
+"""
 NEG_BIG = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) never sees inf - inf
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -58,7 +84,7 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = ""):
+                                ring: int | None = None, probe: str = "", cluster: bool = False):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch:
     None = the current target (wgmma on sm_90*, a synchronous gemm elsewhere, which only serves the lowering test).
@@ -71,7 +97,13 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     attention_decode_gpu.py --probes): "no_load" (the producer dequantises bytes it did not read), "no_dequant"
     (it reads the rows but writes no keys), "no_producer" (neither: the math warpgroups alone), "no_softmax" (WG0
     skips the mask, max, exp and rescale between QK and PV), "prologue" (no key block at all: the launch, Q into
-    shared memory and the output's stores)."""
+    shared memory and the output's stores).
+    cluster: with 2-8 splits, a query's splits run as one thread block cluster and merge their partials through
+    distributed shared memory: each CTA leaves its un-normalised O (fp32, in the key buffer, free after the last
+    block) and its m, l in its own shared memory, and after a cluster barrier each CTA combines a 1/splits share of
+    the output's 16-byte pieces from every split's shared memory (build_sink_combine's arithmetic in its order, so
+    the same bits) and stores it as bf16; no fp32 partials in HBM and no combine launch. A/B:
+    attention.CLUSTER_COMBINE."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
@@ -94,6 +126,11 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     assert 128 * (REG0 + REG1) + n_prod * REGP <= 65536
     n_q, n_seq, n_pool = T.dynamic("n_q"), T.dynamic("n_seq"), T.dynamic("n_pool")
     single = splits == 1
+    clustered = cluster and not single
+    assert not clustered or (hopper and splits <= 8), "cluster: sm_90 and at most 8 splits (a portable cluster)"
+    NG = H * D // 8                # the output's 16-byte pieces (8 channels of one head)
+    PIECES = -(-NG // splits)      # cluster: pieces a CTA merges
+    PS = 1 if clustered else splits  # partials' splits (clustered: unused, as with one split)
     no_load = probe in ("no_load", "no_producer")
     no_dequant = probe in ("no_dequant", "no_producer")
 
@@ -253,6 +290,47 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             if n + 1 < nmine:
                 load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
 
+    @T.macro
+    def merge(bs, bq, tx, k_s, ml_s, w_s, sink, out):
+        # cluster: every split's partial is in its CTA's key buffer (a plain fp32 [H, D] array) after the barrier; the weights per head as
+        # build_sink_combine computes them (max over the sink and the splits' m, in split order), then this CTA's
+        # share of the 16-byte output pieces, each summed over the splits in index order
+        T.call_extern("handle", "di_cluster_sync")
+        if tx < H:
+            m_all = T.alloc_var("float32", init=0.0)
+            den = T.alloc_var("float32", init=0.0)
+            m_all = sink[tx]
+            for i in T.serial(splits):
+                m_all = T.max(m_all, T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[0, tx]), i))
+            den = T.exp(sink[tx] - m_all)
+            for i in T.serial(splits):
+                den = den + T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[1, tx]), i) * T.exp(
+                    T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[0, tx]), i) - m_all)
+            for i in T.serial(splits):
+                w_s[i, tx] = T.exp(T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[0, tx]), i) - m_all)
+            w_s[splits, tx] = den
+        T.sync_threads(9, threads)
+        vals = T.alloc_local((8,), "float32")
+        acc = T.alloc_local((8,), "float32")
+        ov = T.alloc_local((8,), "bfloat16")
+        for k in T.serial(T.ceildiv(PIECES, threads)):
+            # this CTA's pieces are one contiguous range (whole 32-byte sectors of the output but at its ends);
+            # piece c: head c // 64, twiddled channels (c % 64) * 8 .. + 8
+            c = bs * PIECES + k * threads + tx
+            if c < T.min((bs + 1) * PIECES, NG):
+                for v in T.unroll(8):
+                    acc[v] = 0.0
+                for i in T.serial(splits):
+                    T.call_extern("handle", "di_ld_peer_f32x8", T.address_of(vals[0]), T.address_of(k_s[0, 0]), c * 8,
+                                  i)
+                    for v in T.unroll(8):
+                        acc[v] += vals[v] * w_s[i, c // (D // 8)]
+                for v in T.unroll(8):  # un-twiddled: channel v of the piece is twiddled position fp4_perm^-1(v)
+                    ov[v] = T.cast(acc[(v % 4) * 2 + v // 4] / w_s[splits, c // (D // 8)], "bfloat16")
+                for v in T.vectorized(8):
+                    out[bq, c // (D // 8), c % (D // 8) * 8 + v] = ov[v]
+        T.call_extern("handle", "di_cluster_sync")  # no CTA leaves while a peer reads its shared memory
+
     @T.prim_func
     def sink_attention_decode(
         q: T.Tensor((n_q, H, D), "bfloat16"),
@@ -266,13 +344,15 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         sel: T.Tensor((n_q, topk), "int32"),
         sink: T.Tensor((H,), "float32"),
         out: T.Tensor((n_q, H, D), "bfloat16"),
-        o_part: T.Tensor((n_q, splits, H, D), "float32"),
-        ml_part: T.Tensor((n_q, splits, 2, H), "float32"),
+        o_part: T.Tensor((n_q, PS, H, D), "float32"),
+        ml_part: T.Tensor((n_q, PS, 2, H), "float32"),
         scale: T.float32,
     ):
-        with T.Kernel(splits, n_q, threads=threads) as (bs, bq):
+        with T.Kernel(splits, n_q, threads=threads, cluster_dims=(splits, 1, 1) if clustered else None) as (bs, bq):
             q_s = T.alloc_shared((H, D), "bfloat16")
             k_s = T.alloc_shared((2 * BK, D), "bfloat16")  # block n's keys at rows [(n % 2) BK, (n % 2 + 1) BK)
+            ml_s = T.alloc_shared((2, H), "float32")       # cluster: this split's m (natural log) and l
+            w_s = T.alloc_shared((splits + 1, H), "float32")  # cluster: each split's weight and the denominator
             p_s = T.alloc_shared((2 * H, BK), "bfloat16")  # block n's P at rows [(n % 2) H, (n % 2 + 1) H)
             alpha_s = T.alloc_shared((2, H), "float32")
             fin_s = T.alloc_shared((H,), "float32")
@@ -285,7 +365,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             bar_fin = T.alloc_barrier(128)                 # WG0's final row scales in fin_s
 
             tx = T.get_thread_binding()
-            T.import_source(CUDA_SOURCE)
+            T.import_source(CUDA_SOURCE + (CLUSTER_SOURCE if clustered else ""))
             kb0 = bs * PER
             nmine = T.max(T.min((0 if probe == "prologue" else NB) - kb0, PER), 0)
             b = q_seq[bq]
@@ -339,6 +419,13 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                         q_s[h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
                     T.sync_threads(6, 128)
                     out_half(q_s, out, bq, tx, 0)
+                elif clustered:
+                    T.sync_threads(8, 256)  # WG1's last PV is done too: the key buffer is free for the partial
+                    for h in T.Parallel(H):
+                        ml_s[0, h] = m_i[h] * LN2
+                        ml_s[1, h] = l_i[h]
+                    for h, d in T.Parallel(H, DH):
+                        T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d, o_l[h, d])
                 else:
                     for h in T.Parallel(H):
                         ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as the combine expects
@@ -360,6 +447,10 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                         q_s[h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
                     T.sync_threads(7, 128)
                     out_half(q_s, out, bq, tx - 128, DH)
+                elif clustered:
+                    T.sync_threads(8, 256)
+                    for h, d in T.Parallel(H, DH):
+                        T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d + DH, o_r[h, d])
                 else:
                     for h, d in T.Parallel(H, DH):
                         o_part[bq, bs, h, d + DH] = o_r[h, d]
@@ -382,5 +473,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                             idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
                 T.sync_threads(5, n_prod)  # producers only: the row table is complete
                 producer(nmine, kb0, b, lane, warp, idx_s, k_s, k_ready, k_free, win_kv, win_scale, cmp_kv, cmp_scale)
+
+            if clustered:
+                merge(bs, bq, tx, k_s, ml_s, w_s, sink, out)
 
     return sink_attention_decode

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import pytest
 import torch
@@ -182,3 +183,21 @@ def test_decode_no_visible_keys_gives_zeros(splits):
         cmp_kv.to(dev), cmp_sc.to(dev), torch.full((1, TOPK), -1, dtype=torch.int32, device=dev),
         torch.randn(H, generator=g).to(dev), D ** -0.5, splits=splits)
     assert torch.equal(out.float().cpu(), torch.zeros(1, H, D))
+
+
+@pytest.mark.parametrize("ring,splits", [(W, 2), (W, 3), (W, 4), (W, 5), (192, 2), (192, 5)])
+def test_clustered_splits_give_the_combine_s_bits(ring, splits):
+    """attention.CLUSTER_COMBINE = 1: a query's splits run as one thread block cluster and merge through distributed
+    shared memory, with build_sink_combine's arithmetic in its order: the same bits as the split kernel and the
+    combine launch, on partly filled and rollback rings, 2-5 splits (splits that start in the window and in the
+    pool), and with an all-zero poisoned allocator (no partial buffer is read)."""
+    from deepinfer.kernels.tilelang import attention
+
+    args, _ = _case(6, seed=4242 + ring + splits, ring=ring)
+    scale = D ** -0.5
+    base = attention.sink_attention_decode(*args, scale, splits=splits)
+    with mock.patch.object(attention, "CLUSTER_COMBINE", 1):
+        poison_allocator()
+        cand = attention.sink_attention_decode(*args, scale, splits=splits)
+    torch.cuda.synchronize()
+    assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
