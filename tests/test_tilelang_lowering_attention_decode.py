@@ -209,19 +209,21 @@ def test_clustered_splits_merge_in_distributed_shared_memory(splits, ring):
     assert "(o_part + " not in src and "ml_part[" not in src and "(o_part + " in plain and "ml_part[" in plain
     assert src.count("*(uint4*)(out + ") == 1 and "di_cluster_sync" not in plain
     assert "di_st_f32(" in src  # the partial written by address: the key buffer's swizzle does not apply
-    with pytest.raises(AssertionError, match="at most 8 splits"):
-        build_sink_attention_decode(splits=10, arch="sm_90a", cluster=True)
+    with pytest.raises(AssertionError, match="at most 16 splits"):
+        build_sink_attention_decode(splits=17, arch="sm_90a", topk=2048, cluster=True)
     report = _nvcc_report(src)
     if report:
         assert report[1] <= 168
 
 
 def test_the_cluster_is_asked_for_two_to_eight_splits_only(monkeypatch):
-    """decode_spec asks for the clustered kernel only with attention.CLUSTER_COMBINE on and 2-8 splits; one split
-    has nothing to merge, ten exceed a portable cluster."""
+    """decode_spec asks for the clustered kernel only with attention.CLUSTER_COMBINE on and 2-8 splits (2-16 at
+    CLUSTER_COMBINE = 2); one split has nothing to merge, ten exceed a portable cluster."""
     from deepinfer.kernels.tilelang import attention
 
     assert attention.decode_spec(128, 512, 2, 128)[-1] != True  # noqa: E712  (off by default)
     monkeypatch.setattr(attention, "CLUSTER_COMBINE", 1)
     assert [attention.decode_spec(128, 512, s, 128)[-1] is True for s in (1, 2, 5, 8, 10)] == [False, True, True,
                                                                                                True, False]
+    monkeypatch.setattr(attention, "CLUSTER_COMBINE", 2)  # a non-portable cluster size: up to 16
+    assert [attention.decode_spec(128, 512, s, 128)[-1] is True for s in (1, 10)] == [False, True]

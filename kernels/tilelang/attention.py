@@ -24,9 +24,10 @@ from .attention_decode_kernel import build_sink_attention_decode
 from .attention_kernel import build_sink_attention_dense
 
 BLOCK_KEYS = 64  # keys per block of both kernels
-# a decode query's 2-8 key splits as one thread block cluster, merged through distributed shared memory instead of
-# fp32 partials in HBM and the combine launch (build_sink_attention_decode's cluster; the same bits). 0 until the
-# GPU has timed it (attention_decode_gpu.py --probes, candidate "cluster")
+# a decode query's key splits as one thread block cluster, merged through distributed shared memory instead of fp32
+# partials in HBM and the combine launch (build_sink_attention_decode's cluster; the same bits): 1 with 2-8 splits
+# (a portable cluster: B=64's two, DSpark's verification rows), 2 with 2-16 (also B=1 and 8's ten: a non-portable
+# size). 0 until the GPU has timed it (attention_decode_gpu.py --probes, candidates "cluster", "cluster16")
 CLUSTER_COMBINE = 0
 
 
@@ -103,7 +104,7 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
 
 
 def _clustered(splits: int) -> bool:
-    return bool(CLUSTER_COMBINE) and 2 <= splits <= 8
+    return 2 <= splits <= {0: 0, 1: 8, 2: 16}[CLUSTER_COMBINE]
 
 
 def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "") -> tuple:

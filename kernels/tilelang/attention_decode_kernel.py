@@ -98,7 +98,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     (it reads the rows but writes no keys), "no_producer" (neither: the math warpgroups alone), "no_softmax" (WG0
     skips the mask, max, exp and rescale between QK and PV), "prologue" (no key block at all: the launch, Q into
     shared memory and the output's stores).
-    cluster: with 2-8 splits, a query's splits run as one thread block cluster and merge their partials through
+    cluster: with 2-16 splits, a query's splits run as one thread block cluster and merge their partials through
     distributed shared memory: each CTA leaves its un-normalised O (fp32, in the key buffer, free after the last
     block) and its m, l in its own shared memory, and after a cluster barrier each CTA combines a 1/splits share of
     the output's 16-byte pieces from every split's shared memory (build_sink_combine's arithmetic in its order, so
@@ -127,7 +127,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     n_q, n_seq, n_pool = T.dynamic("n_q"), T.dynamic("n_seq"), T.dynamic("n_pool")
     single = splits == 1
     clustered = cluster and not single
-    assert not clustered or (hopper and splits <= 8), "cluster: sm_90 and at most 8 splits (a portable cluster)"
+    # more than 8 CTAs a cluster is a non-portable size (the launch allows it; an H100's GPCs hold 16-18 SMs)
+    assert not clustered or (hopper and splits <= 16), "cluster: sm_90 and at most 16 splits"
     NG = H * D // 8                # the output's 16-byte pieces (8 channels of one head)
     PIECES = -(-NG // splits)      # cluster: pieces a CTA merges
     PS = 1 if clustered else splits  # partials' splits (clustered: unused, as with one split)
