@@ -300,15 +300,19 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         if tx < H:
             m_all = T.alloc_var("float32", init=0.0)
             den = T.alloc_var("float32", init=0.0)
+            m_sp = T.alloc_local((splits,), "float32")
+            l_sp = T.alloc_local((splits,), "float32")
+            for i in T.unroll(splits):  # every split's m and l, the loads issued together
+                m_sp[i] = T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[0, tx]), i)
+                l_sp[i] = T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[1, tx]), i)
             m_all = sink[tx]
-            for i in T.serial(splits):
-                m_all = T.max(m_all, T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[0, tx]), i))
+            for i in T.unroll(splits):
+                m_all = T.max(m_all, m_sp[i])
             den = T.exp(sink[tx] - m_all)
-            for i in T.serial(splits):
-                den = den + T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[1, tx]), i) * T.exp(
-                    T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[0, tx]), i) - m_all)
-            for i in T.serial(splits):
-                w_s[i, tx] = T.exp(T.call_extern("float32", "di_ld_peer_f32", T.address_of(ml_s[0, tx]), i) - m_all)
+            for i in T.unroll(splits):
+                den = den + l_sp[i] * T.exp(m_sp[i] - m_all)
+            for i in T.unroll(splits):
+                w_s[i, tx] = T.exp(m_sp[i] - m_all)
             w_s[splits, tx] = den
         T.sync_threads(9, threads)
         vals = T.alloc_local((8,), "float32")
