@@ -18,9 +18,10 @@ protocol) is reported instead of stalling the run. Any row or split count that d
 exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
 key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
-and the candidate settings (CANDIDATES: attention module constants; now CLUSTER_COMBINE = 1 and 2, the splits merged in a
-cluster of up to 8 and 16), their outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits non-zero). The previous kernel
-generation's numbers stay in benchmarks/results/attn_v2_gpu_h200.json.
+and the candidate settings (CANDIDATES: attention module constants; now CLUSTER_COMBINE = 1 and 2, the splits
+merged in a cluster of up to 8 and 16), their outputs held to the default kernel's bits (a candidate that differs is
+a failure: the run exits non-zero). The previous kernel generation's numbers stay in
+benchmarks/results/attn_v2_gpu_h200.json.
 """
 
 import argparse

@@ -146,7 +146,8 @@ def _nvcc_report(src):
 
 
 # one split in the fast tier; the other split shapes and the wide ring in the slow one
-SPLIT_SHAPES = [(1, None)] + [pytest.param(*c, marks=pytest.mark.slow) for c in [(2, None), (5, None), (10, None), (1, 192)]]
+SPLIT_SHAPES = [(1, None)] + [pytest.param(*c, marks=pytest.mark.slow)
+                              for c in [(2, None), (5, None), (10, None), (1, 192)]]
 
 
 @pytest.mark.parametrize("splits,ring", SPLIT_SHAPES)

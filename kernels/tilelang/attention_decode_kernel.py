@@ -293,9 +293,9 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
 
     @T.macro
     def merge(bs, bq, tx, k_s, ml_s, w_s, sink, out):
-        # cluster: every split's partial is in its CTA's key buffer (a plain fp32 [H, D] array) after the barrier; the weights per head as
-        # build_sink_combine computes them (max over the sink and the splits' m, in split order), then this CTA's
-        # share of the 16-byte output pieces, each summed over the splits in index order
+        # cluster: every split's partial is in its CTA's key buffer (a plain fp32 [H, D] array) after the barrier;
+        # the weights per head as build_sink_combine computes them (max over the sink and the splits' m, in split
+        # order), then this CTA's share of the 16-byte output pieces, each summed over the splits in index order
         T.call_extern("handle", "di_cluster_sync")
         if tx < H:
             m_all = T.alloc_var("float32", init=0.0)
