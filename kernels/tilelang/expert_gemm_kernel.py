@@ -33,6 +33,24 @@ from .dequant import CUDA_SOURCE, fp4_perm
 HALF = 32  # gate (or up) rows per 64-row group of the packed w13
 
 
+def _swiglu_store(rows: int, o_n: int):
+    """The "swiglu" epilogue as a macro: rows [c0, c0 + rows) of the bf16 tile c_s to out rows [r0, r0 + rows),
+    column block bx (o_n outputs wide)."""
+
+    @T.macro
+    def store(c_s, c0, out, r0, bx, aw, limit):
+        for i, j in T.Parallel(rows, o_n):
+            c = fp4_perm(j)  # the pair written at K position j of the down projection's input
+            gate = T.cast(c_s[c0 + i, (c // HALF) * 2 * HALF + c % HALF], "float32")
+            up = T.cast(c_s[c0 + i, (c // HALF) * 2 * HALF + HALF + c % HALF], "float32")
+            gate = T.if_then_else(limit > 0, T.min(gate, limit), gate)
+            up = T.if_then_else(limit > 0, T.max(T.min(up, limit), -limit), up)
+            act = gate / (1.0 + T.exp(-gate)) * up
+            out[r0 + i, bx * o_n + j] = T.cast(act * aw[r0 + i], "bfloat16")
+
+    return store
+
+
 def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_m: int = 64, block_n: int = 256,
                           block_k: int = 64, stages: int = 2, threads: int = 256):
     """prim_func(a [rows, k] bf16 (K permuted), tile_expert [tiles] int32, w [E, n, k/2] uint8, s [E, n, k/32]
@@ -44,6 +62,7 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_m: int = 64, bloc
     assert units % threads == 0
     n_out = n // 2 if epilogue == "swiglu" else n
     o_n = block_n // 2 if epilogue == "swiglu" else block_n
+    swiglu_store = _swiglu_store(block_m, o_n)
     rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")  # rows = tiles * block_m
 
     @T.prim_func
@@ -88,14 +107,7 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_m: int = 64, bloc
             if epilogue == "plain":
                 T.copy(c_s, out[by * block_m:(by + 1) * block_m, bx * block_n:(bx + 1) * block_n])
             else:
-                for i, j in T.Parallel(block_m, o_n):
-                    c = fp4_perm(j)  # the pair written at K position j of the down projection's input
-                    gate = T.cast(c_s[i, (c // HALF) * 2 * HALF + c % HALF], "float32")
-                    up = T.cast(c_s[i, (c // HALF) * 2 * HALF + HALF + c % HALF], "float32")
-                    gate = T.if_then_else(limit > 0, T.min(gate, limit), gate)
-                    up = T.if_then_else(limit > 0, T.max(T.min(up, limit), -limit), up)
-                    act = gate / (1.0 + T.exp(-gate)) * up
-                    out[by * block_m + i, bx * o_n + j] = T.cast(act * aw[by * block_m + i], "bfloat16")
+                swiglu_store(c_s, 0, out, by * block_m, bx, aw, limit)
 
     return fp4_expert_gemm
 
@@ -121,6 +133,7 @@ def build_fp4_expert_gemm_ws(n: int, k: int, epilogue: str, block_n: int = 256, 
     assert n % BN == 0 and k % BK == 0 and BK == 64 and BN == 256 and (k // BK) % 2 == 0
     n_out = n // 2 if epilogue == "swiglu" else n
     o_n = BN // 2 if epilogue == "swiglu" else BN
+    swiglu_store = _swiglu_store(BM, o_n)
     NK = k // BK
     RPT = BN // 128                # weight rows a producer thread dequantises a step
     AV = BM * BK // 128            # activation values a math thread loads a step (half a row)
@@ -196,14 +209,7 @@ def build_fp4_expert_gemm_ws(n: int, k: int, epilogue: str, block_n: int = 256, 
                 for i, j in T.Parallel(BM, BN):
                     out[r0 + i, bx * BN + j] = c_s[mw * BM + i, j]
             else:
-                for i, j in T.Parallel(BM, o_n):
-                    c = fp4_perm(j)
-                    gate = T.cast(c_s[mw * BM + i, (c // HALF) * 2 * HALF + c % HALF], "float32")
-                    up = T.cast(c_s[mw * BM + i, (c // HALF) * 2 * HALF + HALF + c % HALF], "float32")
-                    gate = T.if_then_else(limit > 0, T.min(gate, limit), gate)
-                    up = T.if_then_else(limit > 0, T.max(T.min(up, limit), -limit), up)
-                    act = gate / (1.0 + T.exp(-gate)) * up
-                    out[r0 + i, bx * o_n + j] = T.cast(act * aw[r0 + i], "bfloat16")
+                swiglu_store(c_s, mw * BM, out, r0, bx, aw, limit)
 
     @T.prim_func
     def fp4_expert_gemm_ws(

@@ -85,6 +85,11 @@ def tile_items(tiles: torch.Tensor, n_items: int) -> tuple[torch.Tensor, torch.T
     return first.int(), torch.minimum(tiles[expert] - 2 * j, torch.full_like(j, 2)).int()
 
 
+def _warp_specialised(device: torch.device) -> bool:
+    """WARP_SPECIALISED on a device that has wgmma (sm_90)."""
+    return bool(WARP_SPECIALISED) and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def expert_gemm(a: torch.Tensor, tile_expert: torch.Tensor, p: PackedExperts, which: str, aw: torch.Tensor,
                 epilogue: str, limit: float, tile: tuple | None = None, items: tuple | None = None) -> torch.Tensor:
     """One grouped projection of `p` ("w13" or "w2") over the tiles of `a`: the kernel for FP4 experts on CUDA,
@@ -96,7 +101,7 @@ def expert_gemm(a: torch.Tensor, tile_expert: torch.Tensor, p: PackedExperts, wh
         return expert_gemm_torch(a, tile_expert, w, s, p.fmt, aw, epilogue, limit)
     n, k = w.shape[1], a.shape[1]
     out = torch.empty(a.shape[0], n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
-    if WARP_SPECIALISED and tile is None and torch.cuda.get_device_capability(a.device)[0] == 9:  # wgmma: sm_90
+    if tile is None and _warp_specialised(a.device):
         assert BLOCK_M == 64, "the warp-specialised kernel's tiles are 64 rows"
         if items is None:
             tiles = torch.bincount(tile_expert.long())
@@ -143,7 +148,7 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     xs = torch.cat([x[:, k_perm(D, dev)], x.new_zeros(1, D)])[tok]  # padding rows stay zero
     aw = torch.cat([weights.reshape(-1).float(), weights.new_zeros(1, dtype=torch.float32)])[assignment]
     limit = float(swiglu_limit)
-    items = tile_items(tiles, n_items) if WARP_SPECIALISED and routed.fmt == "fp4" and x.is_cuda else None
+    items = tile_items(tiles, n_items) if routed.fmt == "fp4" and _warp_specialised(dev) else None
     act = expert_gemm(xs, tile_expert, routed, "w13", aw, "swiglu", limit, items=items)
     out = expert_gemm(act, tile_expert, routed, "w2", aw, "plain", limit, items=items)  # each assignment's down
     # a token's experts summed in ascending expert order, then the shared expert: the reference's order
