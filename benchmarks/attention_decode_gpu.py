@@ -18,8 +18,8 @@ protocol) is reported instead of stalling the run. Any row or split count that d
 exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
 key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
-and the candidate settings (CANDIDATES: attention module constants; now CLUSTER_COMBINE = 1 and 2, the splits
-merged in a cluster of up to 8 and 16), their outputs held to the default kernel's bits (a candidate that differs is
+and the candidate settings (CANDIDATES: attention module constants; now CLUSTER_SPLITS = 0, the splits merged by
+the combine launch instead of in a cluster), their outputs held to the default kernel's bits (a candidate that differs is
 a failure: the run exits non-zero). The previous kernel generation's numbers stay in
 benchmarks/results/attn_v2_gpu_h200.json.
 """
@@ -41,8 +41,9 @@ from kernels_gpu import ceilings, graph_time, timeit  # noqa: E402  (same timing
 
 HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # candidate settings of the kernel timed beside --probes, {name: {attention module constant: value}} (the twenty-third
-# session's COMPACT, PREFETCH and STAGE_OUT were settled and their losing code removed; git history)
-CANDIDATES = {"cluster": {"CLUSTER_COMBINE": 1}, "cluster16": {"CLUSTER_COMBINE": 2}}
+# session's COMPACT, PREFETCH and STAGE_OUT were settled and their losing code removed; git history). "combine": the
+# splits merged by the combine launch, as before the cluster (which differs from the default at 2-8 splits only)
+CANDIDATES = {"combine": {"CLUSTER_SPLITS": 0}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 

@@ -65,12 +65,3 @@ def test_the_path_is_for_large_fp4_calls_outside_the_batch_invariant_mode(monkey
     assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS, fp8)  # FP8 experts stream at every size
     monkeypatch.setattr(registry, "batch_invariant", lambda: True)
     assert not moe_prefill.wanted(moe_prefill.PREFILL_TOKENS, fp4)
-
-
-def test_the_warp_specialised_items_pair_each_expert_s_tiles_from_its_first():
-    """moe_prefill.tile_items: an expert's tiles (consecutive, experts ascending) in pairs from its first tile, its
-    odd last tile alone, experts without rows skipped."""
-    tiles = torch.tensor([3, 0, 1, 2, 5, 0])
-    first, count = moe_prefill.tile_items(tiles, int(((tiles + 1) // 2).sum()))
-    assert first.tolist() == [0, 2, 3, 4, 6, 8, 10] and count.tolist() == [2, 1, 1, 2, 2, 2, 1]
-    assert first.dtype == count.dtype == torch.int32

@@ -196,10 +196,10 @@ def test_one_split_s_output_goes_through_shared_memory():
 @pytest.mark.parametrize("splits,ring", [(2, None)] + [pytest.param(*c, marks=pytest.mark.slow)
                                                        for c in [(3, None), (4, None), (5, None), (2, 192)]])
 def test_clustered_splits_merge_in_distributed_shared_memory(splits, ring):
-    """The candidate cluster (attention.CLUSTER_COMBINE = 1): a query's 2-8 splits leave their un-normalised O in
+    """The cluster (attention.CLUSTER_SPLITS): a query's 2-8 splits leave their un-normalised O in
     their own key buffer and m, l beside it, meet at a cluster barrier, and each merges a contiguous share of the
     output's 16-byte pieces from every split's shared memory (ld.shared::cluster), storing bf16 in 16-byte stores,
-    then meets its peers again before it exits; no fp32 partial goes to global memory. Off by default, the split
+    then meets its peers again before it exits; no fp32 partial goes to global memory. Without the cluster, the split
     kernel is the source it was; ptxas fits it where nvcc is installed."""
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
     from lowering_helpers import lower_source
@@ -218,13 +218,13 @@ def test_clustered_splits_merge_in_distributed_shared_memory(splits, ring):
 
 
 def test_the_cluster_is_asked_for_two_to_eight_splits_only(monkeypatch):
-    """decode_spec asks for the clustered kernel only with attention.CLUSTER_COMBINE on and 2-8 splits (2-16 at
-    CLUSTER_COMBINE = 2); one split has nothing to merge, ten exceed a portable cluster."""
+    """decode_spec asks for the clustered kernel with 2 to attention.CLUSTER_SPLITS splits (8 by default, a portable
+    cluster; 0: never); one split has nothing to merge, ten exceed a portable cluster."""
     from deepinfer.kernels.tilelang import attention
 
-    assert attention.decode_spec(128, 512, 2, 128)[-1] != True  # noqa: E712  (off by default)
-    monkeypatch.setattr(attention, "CLUSTER_COMBINE", 1)
-    assert [attention.decode_spec(128, 512, s, 128)[-1] is True for s in (1, 2, 5, 8, 10)] == [False, True, True,
-                                                                                               True, False]
-    monkeypatch.setattr(attention, "CLUSTER_COMBINE", 2)  # a non-portable cluster size: up to 16
-    assert [attention.decode_spec(128, 512, s, 128)[-1] is True for s in (1, 10)] == [False, True]
+    clustered = lambda: [attention.decode_spec(128, 512, s, 128)[-1] is True for s in (1, 2, 5, 8, 10)]  # noqa: E731
+    assert clustered() == [False, True, True, True, False]
+    monkeypatch.setattr(attention, "CLUSTER_SPLITS", 0)
+    assert clustered() == [False] * 5
+    monkeypatch.setattr(attention, "CLUSTER_SPLITS", 16)  # a non-portable cluster size
+    assert clustered() == [False, True, True, True, True]

@@ -24,11 +24,12 @@ from .attention_decode_kernel import build_sink_attention_decode
 from .attention_kernel import build_sink_attention_dense
 
 BLOCK_KEYS = 64  # keys per block of both kernels
-# a decode query's key splits as one thread block cluster, merged through distributed shared memory instead of fp32
-# partials in HBM and the combine launch (build_sink_attention_decode's cluster; the same bits): 1 with 2-8 splits
-# (a portable cluster: B=64's two, DSpark's verification rows), 2 with 2-16 (also B=1 and 8's ten: a non-portable
-# size). 0 until the GPU has timed it (attention_decode_gpu.py --probes, candidates "cluster", "cluster16")
-CLUSTER_COMBINE = 0
+# the most key splits of a decode query launched as one thread block cluster and merged through distributed shared
+# memory instead of fp32 partials in HBM and the combine launch (build_sink_attention_decode's cluster; the same
+# bits). 8, a portable cluster: B=64's two splits, DSpark's verification rows' 3-5; 0: always the combine launch.
+# On the H100, B=64 at 32K: 32.0 us clustered vs 36.5; 16 (a non-portable cluster, also B=1 and 8's ten splits) lost
+# there, 23.6 vs 9.7 us at B=1 (benchmarks/results/attention_decode_gpu_s25_h100.log)
+CLUSTER_SPLITS = 8
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -104,7 +105,7 @@ def sink_attention_decode(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, c
 
 
 def _clustered(splits: int) -> bool:
-    return 2 <= splits <= {0: 0, 1: 8, 2: 16}[CLUSTER_COMBINE]
+    return 2 <= splits <= CLUSTER_SPLITS
 
 
 def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "") -> tuple:

@@ -102,8 +102,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     distributed shared memory: each CTA leaves its un-normalised O (fp32, in the key buffer, free after the last
     block) and its m, l in its own shared memory, and after a cluster barrier each CTA combines a 1/splits share of
     the output's 16-byte pieces from every split's shared memory (build_sink_combine's arithmetic in its order, so
-    the same bits) and stores it as bf16; no fp32 partials in HBM and no combine launch. A/B:
-    attention.CLUSTER_COMBINE."""
+    the same bits) and stores it as bf16; no fp32 partials in HBM and no combine launch. Up to
+    attention.CLUSTER_SPLITS splits (8) in the model."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence

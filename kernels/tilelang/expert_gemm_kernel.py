@@ -33,24 +33,6 @@ from .dequant import CUDA_SOURCE, fp4_perm
 HALF = 32  # gate (or up) rows per 64-row group of the packed w13
 
 
-def _swiglu_store(rows: int, o_n: int):
-    """The "swiglu" epilogue as a macro: rows [c0, c0 + rows) of the bf16 tile c_s to out rows [r0, r0 + rows),
-    column block bx (o_n outputs wide)."""
-
-    @T.macro
-    def store(c_s, c0, out, r0, bx, aw, limit):
-        for i, j in T.Parallel(rows, o_n):
-            c = fp4_perm(j)  # the pair written at K position j of the down projection's input
-            gate = T.cast(c_s[c0 + i, (c // HALF) * 2 * HALF + c % HALF], "float32")
-            up = T.cast(c_s[c0 + i, (c // HALF) * 2 * HALF + HALF + c % HALF], "float32")
-            gate = T.if_then_else(limit > 0, T.min(gate, limit), gate)
-            up = T.if_then_else(limit > 0, T.max(T.min(up, limit), -limit), up)
-            act = gate / (1.0 + T.exp(-gate)) * up
-            out[r0 + i, bx * o_n + j] = T.cast(act * aw[r0 + i], "bfloat16")
-
-    return store
-
-
 def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_m: int = 64, block_n: int = 256,
                           block_k: int = 64, stages: int = 2, threads: int = 256):
     """prim_func(a [rows, k] bf16 (K permuted), tile_expert [tiles] int32, w [E, n, k/2] uint8, s [E, n, k/32]
@@ -62,7 +44,6 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_m: int = 64, bloc
     assert units % threads == 0
     n_out = n // 2 if epilogue == "swiglu" else n
     o_n = block_n // 2 if epilogue == "swiglu" else block_n
-    swiglu_store = _swiglu_store(block_m, o_n)
     rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")  # rows = tiles * block_m
 
     @T.prim_func
@@ -107,158 +88,13 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_m: int = 64, bloc
             if epilogue == "plain":
                 T.copy(c_s, out[by * block_m:(by + 1) * block_m, bx * block_n:(bx + 1) * block_n])
             else:
-                swiglu_store(c_s, 0, out, by * block_m, bx, aw, limit)
+                for i, j in T.Parallel(block_m, o_n):
+                    c = fp4_perm(j)  # the pair written at K position j of the down projection's input
+                    gate = T.cast(c_s[i, (c // HALF) * 2 * HALF + c % HALF], "float32")
+                    up = T.cast(c_s[i, (c // HALF) * 2 * HALF + HALF + c % HALF], "float32")
+                    gate = T.if_then_else(limit > 0, T.min(gate, limit), gate)
+                    up = T.if_then_else(limit > 0, T.max(T.min(up, limit), -limit), up)
+                    act = gate / (1.0 + T.exp(-gate)) * up
+                    out[by * block_m + i, bx * o_n + j] = T.cast(act * aw[by * block_m + i], "bfloat16")
 
     return fp4_expert_gemm
-
-
-def build_fp4_expert_gemm_ws(n: int, k: int, epilogue: str, block_n: int = 256, block_k: int = 64,
-                             regs: tuple = (192, 112)):
-    """The candidate (moe_prefill.WARP_SPECIALISED): the same function over work items of one or two 64-row tiles
-    of one expert, warp-specialised. prim_func(a [rows, k] bf16 (K permuted), item_tile [items] int32 (an item's
-    first tile), item_n [items] int32 (its tiles, 1 or 2, the same expert), tile_expert [tiles] int32, w, s, aw, out,
-    limit); grid (n / block_n, items).
-
-    Why: the kernel above dequantises a weight tile with every thread, then multiplies it, then loads the next: the
-    tensor cores wait during the dequantisation and the ALUs during the MMA (44-48% of the bf16 rate at full
-    128-row tiles, ~40% at 64-row tiles in the prefill step). Here a producer warpgroup keeps the packed weight rows
-    of two steps in flight in registers (alternate sets, so a step's HBM latency runs under the step before it) and
-    dequantises each 64-K step into one half of a double weight buffer, while two math warpgroups multiply the other
-    half, each its own 64-row tile (the second idle when an expert's last item has one tile), each loading its own
-    activation rows one step ahead into the half its previous MMA has finished with: the dequantisation runs under
-    the MMAs, and an expert's pair of tiles shares each dequantised weight. Each output element's K sum runs in the
-    same k16 order as the kernel above. regs: registers a thread of a math warpgroup and of the producer."""
-    assert epilogue in ("plain", "swiglu")
-    BM, BN, BK = 64, block_n, block_k
-    assert n % BN == 0 and k % BK == 0 and BK == 64 and BN == 256 and (k // BK) % 2 == 0
-    n_out = n // 2 if epilogue == "swiglu" else n
-    o_n = BN // 2 if epilogue == "swiglu" else BN
-    swiglu_store = _swiglu_store(BM, o_n)
-    NK = k // BK
-    RPT = BN // 128                # weight rows a producer thread dequantises a step
-    AV = BM * BK // 128            # activation values a math thread loads a step (half a row)
-    REGM, REGP = regs
-    assert 256 * REGM + 128 * REGP <= 65536
-    launch_regs = 65536 // 384 // 8 * 8
-    rows, items, tiles, experts = T.dynamic("rows"), T.dynamic("items"), T.dynamic("tiles"), T.dynamic("experts")
-
-    @T.macro
-    def load_w(kk, e, r0, pt, q_raw, s_raw, w, s):
-        # step kk's packed rows (32 bytes a row) and their two scale bytes into one register set
-        for i in T.unroll(RPT):
-            for v in T.vectorized(BK // 2):
-                q_raw[i * (BK // 2) + v] = w[e, r0 + pt * RPT + i, kk * (BK // 2) + v]
-            for v in T.unroll(BK // 32):
-                s_raw[i * (BK // 32) + v] = s[e, r0 + pt * RPT + i, kk * (BK // 32) + v]
-
-    @T.macro
-    def store_w(kk, pt, q_raw, s_raw, vals, w_s):
-        # step kk dequantised into its half of the weight buffer
-        for i in T.unroll(RPT):
-            for g in T.unroll(BK // 8):
-                T.call_extern("handle", "di_dq_e2m1x8", T.address_of(q_raw[i * (BK // 2) + g * 4]),
-                              s_raw[i * (BK // 32) + g // 4], T.address_of(vals[0]))
-                for v in T.vectorized(8):
-                    w_s[(kk % 2) * BN + pt * RPT + i, g * 8 + v] = vals[v]
-        T.fence_proxy_async()
-
-    @T.macro
-    def load_a(kk, r0, t, a_raw, a):
-        # half a row of this tile's step-kk activations (thread t: row t // 2, columns (t % 2) * 32 ..)
-        for v in T.vectorized(AV):
-            a_raw[v] = a[r0 + t // 2, kk * BK + (t % 2) * AV + v]
-
-    @T.macro
-    def store_a(kk, mw, t, a_raw, a_s):
-        for v in T.vectorized(AV):
-            a_s[(kk % 2) * 2 * BM + mw * BM + t // 2, (t % 2) * AV + v] = a_raw[v]
-        T.fence_proxy_async()  # generic stores -> the wgmma (async proxy) reads them
-
-    @T.macro
-    def math_wg(mw, t, t0, nt, bx, a_s, w_s, c_s, full, empty, a, aw, out, limit):
-        # math warpgroup mw (a Python int): tile t0 + mw of the item, 64 rows x BN; waits and arrives every step
-        # even without a tile (the barriers count both warpgroups)
-        T.set_max_nreg(REGM, int(REGM > launch_regs))
-        acc = T.alloc_fragment((BM, BN), "float32")
-        a_raw = T.alloc_local((AV,), "bfloat16")
-        r0 = (t0 + mw) * BM
-        T.clear(acc)
-        if mw < nt:
-            load_a(0, r0, t, a_raw, a)
-            store_a(0, mw, t, a_raw, a_s)
-            T.sync_threads(1 + mw, 128)
-        for kk in T.serial(NK):
-            if mw < nt:
-                if kk + 1 < NK:
-                    load_a(kk + 1, r0, t, a_raw, a)  # in flight through the wait and the MMA below
-                T.barrier_wait(full[kk % 2], (kk // 2) & 1)
-                T.wgmma_gemm(a_s[(kk % 2) * 2 * BM + mw * BM:(kk % 2) * 2 * BM + (mw + 1) * BM, 0:BK],
-                             w_s[(kk % 2) * BN:(kk % 2 + 1) * BN, 0:BK], acc, transpose_B=True)
-                if kk + 1 < NK:  # the other half: its last reader, MMA kk - 1, is done
-                    store_a(kk + 1, mw, t, a_raw, a_s)
-                T.wait_wgmma(0)
-                T.sync_threads(1 + mw, 128)  # every thread's step kk + 1 rows stored before any issues that MMA
-            else:
-                T.barrier_wait(full[kk % 2], (kk // 2) & 1)
-            T.barrier_arrive(empty[kk % 2])
-        if mw < nt:
-            for i, j in T.Parallel(BM, BN):
-                c_s[mw * BM + i, j] = T.cast(acc[i, j], "bfloat16")  # as the reference's GEMM output
-            T.sync_threads(1 + mw, 128)
-            if epilogue == "plain":
-                for i, j in T.Parallel(BM, BN):
-                    out[r0 + i, bx * BN + j] = c_s[mw * BM + i, j]
-            else:
-                swiglu_store(c_s, mw * BM, out, r0, bx, aw, limit)
-
-    @T.prim_func
-    def fp4_expert_gemm_ws(
-        a: T.Tensor((rows, k), "bfloat16"),
-        item_tile: T.Tensor((items,), "int32"),
-        item_n: T.Tensor((items,), "int32"),
-        tile_expert: T.Tensor((tiles,), "int32"),
-        w: T.Tensor((experts, n, k // 2), "uint8"),
-        s: T.Tensor((experts, n, k // 32), "uint8"),
-        aw: T.Tensor((rows,), "float32"),
-        out: T.Tensor((rows, n_out), "bfloat16"),
-        limit: T.float32,
-    ):
-        with T.Kernel(n // BN, items, threads=384) as (bx, by):
-            a_s = T.alloc_shared((4 * BM, BK), "bfloat16")  # step kk's two tiles at rows [(kk % 2) 128, + 128)
-            w_s = T.alloc_shared((2 * BN, BK), "bfloat16")  # step kk's weights at rows [(kk % 2) BN, + BN)
-            c_s = T.alloc_shared((2 * BM, BN), "bfloat16")  # the two tiles' outputs rounded to bf16
-            full = T.alloc_barrier([128, 128])             # weight half i dequantised by the producer
-            empty = T.alloc_barrier([256, 256])            # weight half i read by both math warpgroups
-            tx = T.get_thread_binding()
-            T.import_source(CUDA_SOURCE)
-            t0 = item_tile[by]
-            nt = item_n[by]
-            e = tile_expert[t0]
-            if tx < 128:
-                math_wg(0, tx, t0, nt, bx, a_s, w_s, c_s, full, empty, a, aw, out, limit)
-            elif tx < 256:
-                math_wg(1, tx - 128, t0, nt, bx, a_s, w_s, c_s, full, empty, a, aw, out, limit)
-            else:
-                # ---- producer: two steps' packed rows in flight, in alternate register sets (A: even steps)
-                T.set_max_nreg(REGP, int(REGP > launch_regs))
-                pt = tx - 256
-                qa = T.alloc_local((RPT * BK // 2,), "uint8")
-                sa = T.alloc_local((RPT * BK // 32,), "uint8")
-                qb = T.alloc_local((RPT * BK // 2,), "uint8")
-                sb = T.alloc_local((RPT * BK // 32,), "uint8")
-                vals = T.alloc_local((8,), "bfloat16")
-                load_w(0, e, bx * BN, pt, qa, sa, w, s)
-                load_w(1, e, bx * BN, pt, qb, sb, w, s)
-                for it in T.serial(NK // 2):
-                    T.barrier_wait(empty[0], (it & 1) ^ 1)
-                    store_w(2 * it, pt, qa, sa, vals, w_s)
-                    T.barrier_arrive(full[0])
-                    if 2 * it + 2 < NK:
-                        load_w(2 * it + 2, e, bx * BN, pt, qa, sa, w, s)
-                    T.barrier_wait(empty[1], (it & 1) ^ 1)
-                    store_w(2 * it + 1, pt, qb, sb, vals, w_s)
-                    T.barrier_arrive(full[1])
-                    if 2 * it + 3 < NK:
-                        load_w(2 * it + 3, e, bx * BN, pt, qb, sb, w, s)
-
-    return fp4_expert_gemm_ws

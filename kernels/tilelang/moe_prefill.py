@@ -28,16 +28,12 @@ from deepinfer.kernels.torch import moe as torch_moe
 
 from ._build import jit
 from .dequant import fp4_perm
-from .expert_gemm_kernel import HALF, build_fp4_expert_gemm, build_fp4_expert_gemm_ws
+from .expert_gemm_kernel import HALF, build_fp4_expert_gemm
 from .linear import expert_dense
 from .moe_combine_kernel import build_moe_combine
 
 PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (1.8x the streaming kernel there, H200)
 BLOCK_M = 64  # rows per tile: each expert's rows start on a multiple of this (64 beat 128 at 2K-16K tokens, H200)
-# the grouped GEMM warp-specialised over items of one or two tiles of an expert (build_fp4_expert_gemm_ws: the
-# dequantisation under the MMAs, a pair of tiles sharing each dequantised weight); 0 until the GPU has timed it
-# (benchmarks/prefill_kernels_gpu.py, prefill_gpu.py with benchmarks/with_attrs.py)
-WARP_SPECIALISED = 0
 
 
 def wanted(n_tok: int, routed: PackedExperts) -> bool:
@@ -74,40 +70,16 @@ def expert_gemm_torch(a: torch.Tensor, tile_expert: torch.Tensor, w: torch.Tenso
     return act[:, k_perm(act.shape[1], a.device)]
 
 
-def tile_items(tiles: torch.Tensor, n_items: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The warp-specialised kernel's work items from each expert's tile count (tiles [E], its tiles consecutive in
-    expert order): an expert's tiles in pairs from its first, the last alone when the count is odd. Returns
-    (item_tile, item_n) int32 [n_items]: an item's first tile and its tiles (1 or 2)."""
-    per = (tiles + 1) // 2
-    expert = torch.repeat_interleave(torch.arange(tiles.numel(), device=tiles.device), per, output_size=n_items)
-    j = torch.arange(n_items, device=tiles.device) - (torch.cumsum(per, 0) - per)[expert]
-    first = (torch.cumsum(tiles, 0) - tiles)[expert] + 2 * j
-    return first.int(), torch.minimum(tiles[expert] - 2 * j, torch.full_like(j, 2)).int()
-
-
-def _warp_specialised(device: torch.device) -> bool:
-    """WARP_SPECIALISED on a device that has wgmma (sm_90)."""
-    return bool(WARP_SPECIALISED) and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def expert_gemm(a: torch.Tensor, tile_expert: torch.Tensor, p: PackedExperts, which: str, aw: torch.Tensor,
-                epilogue: str, limit: float, tile: tuple | None = None, items: tuple | None = None) -> torch.Tensor:
+                epilogue: str, limit: float, tile: tuple | None = None) -> torch.Tensor:
     """One grouped projection of `p` ("w13" or "w2") over the tiles of `a`: the kernel for FP4 experts on CUDA,
     else expert_gemm_torch. `tile`: the kernel's (block_m, block_n, block_k, stages, threads) instead of its
-    defaults with BLOCK_M (benchmarks/prefill_kernels_gpu.py --gemm-tiles compares them). With WARP_SPECIALISED, on
-    Hopper, the warp-specialised kernel over `items` (tile_items'; derived from tile_expert when None, one sync)."""
+    defaults with BLOCK_M (benchmarks/prefill_kernels_gpu.py --gemm-tiles compares them)."""
     w, s = (p.w13, p.s13) if which == "w13" else (p.w2, p.s2)
     if p.fmt != "fp4" or not a.is_cuda:
         return expert_gemm_torch(a, tile_expert, w, s, p.fmt, aw, epilogue, limit)
     n, k = w.shape[1], a.shape[1]
     out = torch.empty(a.shape[0], n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
-    if tile is None and _warp_specialised(a.device):
-        assert BLOCK_M == 64, "the warp-specialised kernel's tiles are 64 rows"
-        if items is None:
-            tiles = torch.bincount(tile_expert.long())
-            items = tile_items(tiles, int(((tiles + 1) // 2).sum()))
-        jit(build_fp4_expert_gemm_ws, n, k, epilogue)(a, *items, tile_expert, w, s, aw, out, limit)
-        return out
     jit(build_fp4_expert_gemm, n, k, epilogue, *(tile or (BLOCK_M,)))(a, tile_expert, w, s, aw, out, limit)
     return out
 
@@ -137,8 +109,7 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     starts = (torch.cumsum(tiles, 0) - tiles) * BLOCK_M
     dest = starts[expert] + torch.arange(T_ * k, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
-    # one device sync per call: prefill steps run eagerly
-    n_tiles, n_items = (int(v) for v in torch.stack([tiles.sum(), ((tiles + 1) // 2).sum()]).tolist())
+    n_tiles = int(tiles.sum())  # one device sync per call: prefill steps run eagerly
     rows = n_tiles * BLOCK_M
     tile_expert = torch.repeat_interleave(torch.arange(E, dtype=torch.int32, device=dev), tiles,
                                           output_size=n_tiles)
@@ -148,9 +119,8 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     xs = torch.cat([x[:, k_perm(D, dev)], x.new_zeros(1, D)])[tok]  # padding rows stay zero
     aw = torch.cat([weights.reshape(-1).float(), weights.new_zeros(1, dtype=torch.float32)])[assignment]
     limit = float(swiglu_limit)
-    items = tile_items(tiles, n_items) if routed.fmt == "fp4" and _warp_specialised(dev) else None
-    act = expert_gemm(xs, tile_expert, routed, "w13", aw, "swiglu", limit, items=items)
-    out = expert_gemm(act, tile_expert, routed, "w2", aw, "plain", limit, items=items)  # each assignment's down
+    act = expert_gemm(xs, tile_expert, routed, "w13", aw, "swiglu", limit)
+    out = expert_gemm(act, tile_expert, routed, "w2", aw, "plain", limit)  # each assignment's down projection
     # a token's experts summed in ascending expert order, then the shared expert: the reference's order
     row_of = torch.empty(T_ * k, dtype=torch.int64, device=dev)
     row_of[order] = dest

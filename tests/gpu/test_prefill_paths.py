@@ -92,55 +92,6 @@ def test_grouped_moe_matches_the_reference_at_flash_width(tokens, skew, monkeypa
     assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2
 
 
-@pytest.mark.parametrize("epilogue", ["swiglu", "plain"])
-def test_the_warp_specialised_expert_gemm_gives_the_kernel_s_bits(epilogue, monkeypatch):
-    """The candidate moe_prefill.WARP_SPECIALISED: items of two tiles of an expert, an expert's odd last tile alone
-    (3, 1 and 2 tiles for experts 0, 2, 5 of 6), zero padding rows, released widths: each output element's K sum in
-    the same k16 order as the grouped GEMM's, so its bits, and the torch contract."""
-    from deepinfer.kernels.tilelang import moe_prefill
-    from deepinfer.kernels.tilelang.moe_prefill import expert_gemm, expert_gemm_torch
-
-    g = torch.Generator(device="cuda").manual_seed(12)
-    E, D, I, BLOCK_M = 6, 5120, 2304, 64
-    routed, _ = _experts(E, D, I, g)
-    tile_expert = torch.tensor([0, 0, 0, 2, 5, 5], dtype=torch.int32, device="cuda")
-    rows = tile_expert.numel() * BLOCK_M
-    k = D if epilogue == "swiglu" else I
-    a = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
-    a[BLOCK_M * 3 - 5:BLOCK_M * 3] = 0
-    aw = torch.rand(rows, device="cuda", generator=g)
-    which = "w13" if epilogue == "swiglu" else "w2"
-    base = expert_gemm(a, tile_expert, routed, which, aw, epilogue, 7.0)
-    monkeypatch.setattr(moe_prefill, "WARP_SPECIALISED", 1)
-    poison_allocator()
-    got = expert_gemm(a, tile_expert, routed, which, aw, epilogue, 7.0)
-    w, s = (routed.w13, routed.s13) if which == "w13" else (routed.w2, routed.s2)
-    ref = expert_gemm_torch(a, tile_expert, w, s, "fp4", aw, epilogue, 7.0)
-    assert rel_err(got, ref) < 1e-2
-    assert torch.equal(got.view(torch.int16), base.view(torch.int16))
-
-
-def test_the_warp_specialised_grouped_moe_gives_the_grouped_moe_s_bits(monkeypatch):
-    """moe_prefill.WARP_SPECIALISED through the whole grouped MoE (skewed routing: experts with many tiles, and
-    experts with one), against the same call without it."""
-    from deepinfer.kernels.tilelang import moe, moe_prefill
-
-    monkeypatch.setattr(moe_prefill, "PREFILL_TOKENS", 1024)
-    g = torch.Generator(device="cuda").manual_seed(2047)
-    E, D, I, k, tokens = 40, 5120, 2304, 6, 2047
-    routed, shared = _experts(E, D, I, g)
-    x = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
-    scores = torch.randn(tokens, E, device="cuda", generator=g)
-    scores[:, :k] += 50 * (torch.rand(tokens, 1, device="cuda", generator=g) < 0.5)
-    idx = scores.topk(k, -1).indices
-    w = torch.rand(tokens, k, device="cuda", generator=g)
-    base = moe.moe_experts(x, w, idx, routed, shared, 7.0)
-    monkeypatch.setattr(moe_prefill, "WARP_SPECIALISED", 1)
-    poison_allocator()
-    got = moe.moe_experts(x, w, idx, routed, shared, 7.0)
-    assert torch.equal(got.view(torch.int16), base.view(torch.int16))
-
-
 def test_the_dense_kernel_dequantises_every_finite_e4m3_code_at_every_realistic_scale_exactly():
     """fp8_dense_kernel.py against Fp8BlockWeight.dense: every finite e4m3 code (subnormals and both zeros
     included) under block scales from 2^-30 to 2^7, bit for bit, at a V4.1-Flash projection shape."""

@@ -187,16 +187,17 @@ def test_decode_no_visible_keys_gives_zeros(splits):
 
 @pytest.mark.parametrize("ring,splits", [(W, 2), (W, 3), (W, 4), (W, 5), (W, 10), (192, 2), (192, 5), (192, 11)])
 def test_clustered_splits_give_the_combine_s_bits(ring, splits):
-    """attention.CLUSTER_COMBINE = 1: a query's splits run as one thread block cluster and merge through distributed
+    """attention.CLUSTER_SPLITS: a query's splits run as one thread block cluster and merge through distributed
     shared memory, with build_sink_combine's arithmetic in its order: the same bits as the split kernel and the
     combine launch, on partly filled and rollback rings, 2-11 splits (splits that start in the window and in the
-    pool; 10 and 11 a non-portable cluster, CLUSTER_COMBINE = 2), with a poisoned allocator (no partial is read)."""
+    pool; 10 and 11 a non-portable cluster), with a poisoned allocator (no partial is read)."""
     from deepinfer.kernels.tilelang import attention
 
     args, _ = _case(6, seed=4242 + ring + splits, ring=ring)
     scale = D ** -0.5
-    base = attention.sink_attention_decode(*args, scale, splits=splits)
-    with mock.patch.object(attention, "CLUSTER_COMBINE", 1 if splits <= 8 else 2):
+    with mock.patch.object(attention, "CLUSTER_SPLITS", 0):
+        base = attention.sink_attention_decode(*args, scale, splits=splits)
+    with mock.patch.object(attention, "CLUSTER_SPLITS", 16):
         poison_allocator()
         cand = attention.sink_attention_decode(*args, scale, splits=splits)
     torch.cuda.synchronize()
