@@ -66,3 +66,27 @@ def test_the_synthetic_checkpoint_directory_loads_with_shared_dummy_weights(tmp_
     assert model.layers[8].ffn.experts is model.layers[2].ffn.experts
     plain = load_model(narrow, load_format="dummy", packed_experts=True, draft_layers=False)
     assert plain.layers[8].ffn.experts is not plain.layers[2].ffn.experts  # dummy draws every layer
+
+
+def test_stored_experts_are_freed_as_they_are_stacked_and_the_stack_holds_their_values():
+    """A model built from weights its caller gives up (synthetic.build_model, load_model) frees each stored expert
+    tensor once it is stacked, so the stored and packed copies never coexist (a Flash layer's experts are ~7 GB:
+    both copies of six kinds do not fit an 80 GB GPU); the stacks are those of a build that keeps its inputs."""
+    from deepinfer.kernels.registry import OpSet
+    from deepinfer.models.deepseek_v41 import DeepseekV41Model
+    from deepinfer.models.random_weights import random_weights
+
+    cfg = synthetic.config(dict(NARROW, engram_layer_ids=[]), full_depth=True)
+    ops = OpSet.build("cpu")
+    kept = random_weights(cfg, "cpu", torch.float32, 0, True, False, share_layers=True)
+    given = random_weights(cfg, "cpu", torch.float32, 0, True, False, share_layers=True)
+    a = DeepseekV41Model(cfg, kept, None, ops, "cpu", torch.float32)
+    b = DeepseekV41Model(cfg, given, None, ops, "cpu", torch.float32, free_stored_experts=True)
+    stored = [w for name, w in given.items() if ".ffn.experts." in name or ".ffn.shared_experts." in name]
+    assert stored and all(w.weight.untyped_storage().nbytes() == 0 == w.scale.untyped_storage().nbytes()
+                          for w in stored)
+    assert all(w.weight.untyped_storage().nbytes() > 0 for name, w in kept.items() if ".ffn.experts." in name)
+    for la, lb in zip(a.layers, b.layers):
+        for f in ("w13", "s13", "w2", "s2"):
+            assert torch.equal(getattr(la.ffn.experts, f), getattr(lb.ffn.experts, f))
+        assert torch.equal(la.ffn.shared_experts.w13, lb.ffn.shared_experts.w13)

@@ -42,6 +42,7 @@ class DeepseekV41Model:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         expert_parallel: ExpertParallel | None = None,
+        free_stored_experts: bool = False,
     ):
         self.config = cfg
         self.tokenizer = tokenizer
@@ -52,7 +53,10 @@ class DeepseekV41Model:
         # call forward in step): the layers hold only this rank's physical expert slots
         self.expert_parallel = expert_parallel
         ep = expert_parallel
-        self.layers, glob = arrange(cfg, weights, dtype, ep.placement.local_logical(ep.rank) if ep else None)
+        # free_stored_experts: `weights`' stored expert tensors are freed as they are stacked (the caller gives
+        # them up; a full-depth synthetic Flash model's two copies would not fit an 80 GB GPU together)
+        self.layers, glob = arrange(cfg, weights, dtype, ep.placement.local_logical(ep.rank) if ep else None,
+                                    free_stored_experts)
         self.embed, self.final_norm, self.head = glob["embed"], glob["norm"], glob["head"]
         rope_dim = cfg.qk_rope_head_dim
         self.main_freqs = default_inv_freq(cfg.rope_theta, rope_dim).to(self.device)

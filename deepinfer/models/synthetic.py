@@ -112,4 +112,5 @@ def build_model(cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, backends=
     if share_layers is None:
         share_layers = cfg.num_hidden_layers > FLASH_REDUCED["num_hidden_layers"]
     weights = random_weights(cfg, device, dtype, seed, packed_experts, fp8_linears, share_layers=share_layers)
-    return DeepseekV41Model(cfg, weights, package_tokenizer() if cfg.engram_layer_ids else None, ops, device, dtype)
+    return DeepseekV41Model(cfg, weights, package_tokenizer() if cfg.engram_layer_ids else None, ops, device, dtype,
+                            free_stored_experts=True)

@@ -118,11 +118,12 @@ class Layer:
     engram: Engram | None = None
 
 
-def experts_of(group: list[tuple], dtype: torch.dtype, packed: dict | None = None):
+def experts_of(group: list[tuple], dtype: torch.dtype, packed: dict | None = None, free_stored: bool = False):
     """One layer's experts as the loader gave them: dense (w1, w2, w3) tuples stay a list; weights kept in their
     stored format (QuantizedWeight) are stacked into PackedExperts, or dequantised when the shape cannot pack.
     `packed`: stacks made so far, by the identity of the group's weights: layers that hold the same expert tensors
-    by reference (synthetic full-depth models) share one stack instead of a copy each."""
+    by reference (synthetic full-depth models) share one stack instead of a copy each. `free_stored`: the stored
+    tensors' memory is released once stacked (their owner gave them up), so the two copies never coexist."""
     if not isinstance(group[0][0], QuantizedWeight):
         return group
     key = tuple(id(w) for e in group for w in e)
@@ -131,6 +132,11 @@ def experts_of(group: list[tuple], dtype: torch.dtype, packed: dict | None = Non
     q = group[0][0]
     if len({w.fmt for e in group for w in e}) == 1 and can_pack(q.fmt, q.shape[0], q.shape[1]):
         out = pack_quantized(group)
+        if free_stored:  # the stacks replace the stored tensors: release those now
+            for t in (t for e in group for w in e for t in (w.weight, w.scale)):
+                st = t.untyped_storage()  # only a storage of this tensor alone (not a view of a file's mapping)
+                if st.resizable() and st.nbytes() == t.nbytes:
+                    st.resize_(0)
     else:
         out = [tuple(w.dense(dtype) for w in e) for e in group]
     if packed is not None:
@@ -190,14 +196,15 @@ def _single(experts):
 
 def arrange(
     cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-    experts: Sequence[int] | None = None,
+    experts: Sequence[int] | None = None, free_stored_experts: bool = False,
 ) -> tuple[list[Layer], dict[str, torch.Tensor]]:
     """`experts` (expert parallelism): the logical routed expert of each of this rank's physical slots, in slot
     order (ExpertPlacement.local_logical); each layer's `experts` then holds those, a replicated expert once per
-    copy (the same loaded tensors). None: all of them, in id order."""
+    copy (the same loaded tensors). None: all of them, in id order. `free_stored_experts`: experts_of's
+    `free_stored` (the caller gives `t`'s expert tensors up)."""
     ids = range(cfg.n_routed_experts) if experts is None else experts
     packed: dict = {}
-    layers = [_layer(cfg, t, f"layers.{i}.", layer_tensors(cfg, i), ids, dtype, packed)
+    layers = [_layer(cfg, t, f"layers.{i}.", layer_tensors(cfg, i), ids, dtype, packed, free_stored_experts)
               for i in range(cfg.num_hidden_layers)]
     held, dense = linear_weight_bytes(layers)
     if held != dense:
@@ -242,7 +249,7 @@ def arrange_drafts(cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dt
 
 
 def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, specs: dict[str, Spec], ids: Sequence[int],
-           dtype: torch.dtype, packed: dict | None = None) -> Layer:
+           dtype: torch.dtype, packed: dict | None = None, free_stored: bool = False) -> Layer:
     """The layer under prefix `p` (its tensor table `specs`, names relative to p), filled by field name."""
 
     def fill(cls, prefix: str, optional: bool = False, **given):
@@ -262,10 +269,10 @@ def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, specs: dict[str
     attn = fill(Attention, "attn.", compressor=fill(Compressor, "attn.compressor.", optional=True),
                 indexer=fill(Indexer, "attn.indexer.", optional=True))
     attn.wo_a = _row_groups(attn.wo_a, cfg.o_groups, cfg.o_lora_rank)
-    routed = experts_of([expert(f"ffn.experts.{e}") for e in ids], dtype, packed)
+    routed = experts_of([expert(f"ffn.experts.{e}") for e in ids], dtype, packed, free_stored)
     shared = None
     if p + "ffn.shared_experts.w1.weight" in t:
-        shared = _single(experts_of([expert("ffn.shared_experts")], dtype, packed))
+        shared = _single(experts_of([expert("ffn.shared_experts")], dtype, packed, free_stored))
     ffn = MoE(fill(Gate, "ffn.gate."), routed, shared)
     engram = None
     if "engram.embed.weight" in specs:

@@ -120,12 +120,14 @@ def load_model(
             "file was read, outputs are meaningless (benchmarking only)", load_format, seed, len(ckpt.weights),
             model_dir, ", with draft layers" if drafts else "")
     if expert_placement is None:
-        model = _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype), vision, model_dir)
+        model = _with_vision(DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype,
+                                              free_stored_experts=True), vision, model_dir)
         if engram_storage == "host":
             model.keep_engram_on_host()
         return model
     ep = ExpertParallel(expert_placement, ep_rank, ep_group)
-    model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep)
+    model = DeepseekV41Model(ckpt.config, ckpt.weights, tok, ops, device, dtype, expert_parallel=ep,
+                             free_stored_experts=True)
     if engram_storage == "host":
         model.keep_engram_on_host()
     if ep_max_tokens:
