@@ -533,15 +533,19 @@ def main(argv=None) -> int:
     model = build(a.model, a.device, prefs, a.batch_invariant)
     fast_ops = model.ops
     ref_ops = OpSet.build(model.device.type, ["torch"], batch_invariant=a.batch_invariant)
-    print(f"model {a.model} built in {time.time() - t0:.0f} s; ops: "
-          + ", ".join(f"{k}={v}" for k, v in fast_ops.summary().items()), flush=True)
+    memory = dict(held_gb=torch.cuda.memory_allocated() / 1e9, build_peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+                  device_gb=torch.cuda.get_device_properties(0).total_memory / 1e9) if on_cuda else {}
+    print(f"model {a.model} built in {time.time() - t0:.0f} s"
+          + (" ({held_gb:.1f} GB held, build peak {build_peak_gb:.1f} GB of {device_gb:.1f})".format(**memory)
+             if memory else "")
+          + "; ops: " + ", ".join(f"{k}={v}" for k, v in fast_ops.summary().items()), flush=True)
     c = roofline_config(roofline, model.config)
     torch_cells = None if a.torch_at is None else {tuple(map(int, x.split(":"))) for x in a.torch_at.split(",")}
     meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu",
                 torch=torch.__version__, copy_bw=bw, bf16_flops=peak, model=a.model, batch_invariant=a.batch_invariant,
                 time=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), cmd=" ".join(sys.argv), host=platform.node(),
                 note=FILLED_NOTE, scheduling="sync" if a.sync else "async", ops=fast_ops.summary(),
-                warmup=a.warmup, steps=a.steps, torch_steps=a.torch_steps, interval=a.interval)
+                warmup=a.warmup, steps=a.steps, torch_steps=a.torch_steps, interval=a.interval, memory=memory)
     rows, failures = [], []
 
     def flush():
