@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels_gpu import attention_inputs as make_inputs  # noqa: E402  (the main table's inputs)
 from kernels_gpu import ceilings, graph_time, timeit  # noqa: E402  (same timing and ceilings as the main table)
+from target_card import on_card  # noqa: E402
 
 HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # candidate settings of the kernel timed beside --probes, {name: {attention module constant: value}} (the twenty-third
@@ -196,7 +197,7 @@ def main():
 
     def flush():
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, targets=targets(rows), rows=rows, missing=missing, jit=jit_stats()), f,
+            json.dump(dict(meta=meta, targets=on_card(targets(rows), meta["gpu"]), rows=rows, missing=missing, jit=jit_stats()), f,
                       indent=1)
 
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -56,6 +56,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from target_card import on_card  # noqa: E402
+
 FILLED_NOTE = "decode context filled with random valid cache codes (FillBackend), not prefilled by the model"
 
 # Per-call fallbacks of these kinds make a TileLang row not what it claims to be (the step's heavy ops, and the
@@ -491,7 +494,8 @@ def retarget(path: str) -> None:
     """Recompute a recorded result file's `targets` from its rows (files written before the list existed)."""
     with open(path) as f:
         data = json.load(f)
-    data = dict(meta=data["meta"], targets=targets(data["rows"]), rows=data["rows"], failures=data["failures"])
+    data = dict(meta=data["meta"], targets=on_card(targets(data["rows"]), data["meta"]["gpu"]), rows=data["rows"],
+                    failures=data["failures"])
     with open(path, "w") as f:
         f.write(portable_json(data))
 
@@ -553,7 +557,8 @@ def main(argv=None) -> int:
         meta["kernels"] = kernel_stats()
         meta["wall_s"] = time.time() - t_start
         with open(a.out, "w") as f:
-            f.write(portable_json(dict(meta=meta, targets=targets(rows), rows=rows, failures=failures)))
+            f.write(portable_json(dict(meta=meta, targets=on_card(targets(rows), meta["gpu"]), rows=rows,
+                                       failures=failures)))
 
     # Prefill: the real model. The first, untimed, compiles every kernel variant the timed chunks use.
     model.use_ops(fast_ops)
@@ -626,6 +631,12 @@ def main(argv=None) -> int:
                           f" ({row.get('pct_roofline', 0):5.1f}%) | graphs {row['graph_steps_timed']}/"
                           f"{row['timed_steps']} | {row['run_s']:.1f} s" + ("  FAILED: " + "; ".join(bad) if bad else ""),
                           flush=True)
+                    if row.get("pct_roofline", 0) > 100:  # a denominator below what the step achieved: say so
+                        warn = (f"{variant} B={b} ctx={ctx}: {row['pct_roofline']:.1f}% of the roofline: the step "
+                                f"moved its bytes faster than the copy bandwidth measured here ({bw / 1e12:.2f} "
+                                f"TB/s), so % of roofline overstates on this card")
+                        print("WARNING:", warn, flush=True)
+                        meta.setdefault("warnings", []).append(warn)
                     flush()
                     if a.plot:  # redrawn as rows arrive: a run cut at its time limit keeps a plot
                         plot(rows, a.plot, a.model)

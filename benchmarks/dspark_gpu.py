@@ -69,6 +69,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from decode_gpu import STRICT_KINDS, _fallback_delta, build, make_engine, portable_json  # noqa: E402
+from target_card import on_card  # noqa: E402
 
 FILLED_NOTE = "decode context filled with random valid cache codes (decode_gpu.py fill), not prefilled"
 MODEL_NAMES = {"flash": "6-layer Flash", "flash40": "40-layer Flash", "tiny": "tiny-random"}
@@ -488,7 +489,8 @@ def main(argv=None) -> int:
         relate(rows)
         meta.update(kernels=kernel_stats(), wall_s=time.time() - t_start)
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        Path(a.out).write_text(portable_json(dict(meta=meta, targets=targets(rows), rows=rows, failures=failures)))
+        Path(a.out).write_text(portable_json(dict(meta=meta, targets=on_card(targets(rows), meta["gpu"]), rows=rows,
+                                                   failures=failures)))
 
     def record(row, profiler):
         if (row["batch"], row["drafts_accepted"]) in a.profile:

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels_gpu import graph_time  # noqa: E402  (one timing method for every GPU benchmark)
 from kernels_gpu import timeit as _timeit  # noqa: E402
+from target_card import on_card  # noqa: E402
 from decode_gpu import portable_json  # noqa: E402
 
 E, TOPK, HID, INTER = 384, 6, 5120, 2304
@@ -185,7 +186,7 @@ def main():
     def flush():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            f.write(portable_json(dict(meta=meta, targets=targets(), rows=rows, kernels=breakdown, jit=jit_stats())))
+            f.write(portable_json(dict(meta=meta, targets=on_card(targets(), meta["device"]), rows=rows, kernels=breakdown, jit=jit_stats())))
 
     # log popularity of each expert (a random rank order); Gumbel noise + top-k samples without replacement
     log_pop = -args.skew * torch.log1p(torch.randperm(E, device=dev, generator=g).float())

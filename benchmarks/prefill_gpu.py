@@ -43,6 +43,7 @@ sys.path.insert(0, str(HERE))
 
 from decode_gpu import (STRICT_KINDS, _fallback_delta, build, ceilings, load_roofline, make_engine,  # noqa: E402
                         portable_json, roofline_config, step_roofline)
+from target_card import on_card  # noqa: E402
 
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("compressor", ("compressor_pool",)),
@@ -388,7 +389,7 @@ def main(argv=None) -> int:
             print(f"yoco={mode:7s} {a.yoco_tokens:6d} x1: {r['device_s'] * 1e3:9.1f} ms device, "
                   f"{r['tok_s'] or 0:8.0f} tok/s, decoder-layer rows skipped {r['rows_saved']}", flush=True)
         print(f"yoco=compact vs off: {yoco['speedup'] or 0:.2f}x", flush=True)
-    tg = targets(rows, prof, model.config, peak, a.model, yoco)
+    tg = on_card(targets(rows, prof, model.config, peak, a.model, yoco), meta["gpu"])
     for t in tg:
         print(f"target: {t['name']}: {t['measured']} (target {t['target']} {t['unit']}) met={t['met']}")
     meta["kernels"] = kernel_stats()

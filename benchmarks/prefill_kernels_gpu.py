@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import portable_json  # noqa: E402
 from kernels_gpu import ceilings, timeit  # noqa: E402
 from moe_gpu import HID, INTER, LIMIT, TOPK, E, make_experts  # noqa: E402
+from target_card import on_card  # noqa: E402
 
 LINEARS = {  # name: (N, K) of V4.1-Flash's FP8 projections
     "wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_a group": (1024, 4096),
@@ -188,7 +189,7 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, bf16_flops=peak,
                 host=platform.node(), cmd=" ".join(sys.argv), wall_s=time.time() - t0)
     with open(a.out, "w") as f:
-        f.write(portable_json(dict(meta=meta, targets=tg, moe=moe, expert_gemm=alone, linear=lin, failures=failures)))
+        f.write(portable_json(dict(meta=meta, targets=on_card(tg, meta["gpu"]), moe=moe, expert_gemm=alone, linear=lin, failures=failures)))
     for msg in failures:
         print("FAILED:", msg)
     return 1 if failures else 0

@@ -17,6 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 TARGET_LEN, MAX_TOKENS = 200, 10
 VOCAB_HI = 500  # prompt ids inside the package tokenizer's vocabulary (Engram's token map)
+# cache pools: 80 sequences of <= 610 tokens take ~0.3 GB at Flash width; 4 GiB leaves room beside the ~52 GB model
+# on an 80 GB H100 (24 GiB did not)
+POOL_BYTES = 4 << 30
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def _run(backend, prompts, params, *, budget=8192, eager=False, drafts=0):
     from deepinfer.frontend import LLMEngine
 
     opts = EngineOptions.for_settings(Settings(), max_num_seqs=80, max_num_batched_tokens=budget,
-                                      memory_budget=24 << 30, process="inproc", enforce_eager=eager,
+                                      memory_budget=POOL_BYTES, process="inproc", enforce_eager=eager,
                                       num_draft_tokens=drafts, seed=0)
     with LLMEngine(lambda: backend, opts) as engine:
         outs = engine.generate(prompts, params, use_tqdm=False)
@@ -157,7 +160,7 @@ def test_a_prefix_cache_hit_is_bitwise_a_cold_run(backend):
     params = _params("greedy")
     cold = _result(_run(backend, [turns[1]], params)[0][0])
     opts = EngineOptions.for_settings(Settings(), max_num_seqs=8, max_num_batched_tokens=8192,
-                                      memory_budget=24 << 30, process="inproc", seed=0, prefix_caching=True)
+                                      memory_budget=POOL_BYTES, process="inproc", seed=0, prefix_caching=True)
     with LLMEngine(lambda: backend, opts) as engine:
         engine.generate([turns[0]], params, use_tqdm=False)
         warm = engine.generate([turns[1]], params, use_tqdm=False)[0]
