@@ -1,4 +1,4 @@
-# Source on the GPU machine (device tool, carry [".devpack", ".devtools"]) from the repo root: TileLang and friends
+# Source on the GPU machine (device tool, carry [".devpack"]) from the repo root: TileLang and friends
 # from .devpack (../shared/tools/devpack), and the package importable without `pip install` (which the device image
 # cannot do offline): deepinfer/ plus kernels/ as deepinfer.kernels, the mapping setup.py makes, in a fresh temp dir.
 source .devpack/activate.sh

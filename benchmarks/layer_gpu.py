@@ -42,8 +42,7 @@ sys.path.insert(0, str(HERE))
 
 from decode_gpu import build, ceilings, fill_step, portable_json, roofline_config  # noqa: E402
 
-ROOFLINE_PATHS = (HERE.parent.parent / "shared" / "tools" / "roofline.py", HERE.parent / ".devtools" / "roofline.py",
-                  HERE / "roofline.py")
+ROOFLINE_PATHS = (HERE.parent.parent / "shared" / "tools" / "roofline.py", HERE / "roofline.py")
 BLOCK_SIZE = 64
 FILLED_NOTE = "decode context filled with random valid cache codes (decode_gpu.fill_step), not prefilled by the model"
 

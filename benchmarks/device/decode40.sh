@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call (an H200 for the issues' targets; the 40-layer model also fits an 80 GB H100, ~50 GB): the 40-layer
+# decode table, A/B arms at B=1 and 8, DSpark's table, then the batch-invariance GPU file with the time left.
+# From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
+# BATCHES / CONTEXTS: the table's cells (default 1 8 64 256 / 4096 32768); ARMS: A/B arms, "name MOD.NAME=INT ..."
+# separated by ';' (none by default); LIMIT: the call's seconds (the tests take what is left); T1..T3: step limits.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh
+cp benchmarks/jit/flash40.jsonl /tmp/jit.jsonl && export DEEPINFER_JIT_MANIFEST=/tmp/jit.jsonl
+nvidia-smi --query-gpu=name --format=csv,noheader
+timeout ${T1:-230} python3 benchmarks/decode_gpu.py --model flash40 --batches ${BATCHES:-1 8 64 256} \
+  --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill --out $OUT/decode.json 2>&1 \
+  | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|WARNING|FAILED|Error|built" | tail -12
+IFS=';' read -ra arms <<< "${ARMS:-}"
+for arm in "${arms[@]}"; do
+  set -- $arm; name=$1; shift
+  echo "== arm $name: $*" | tee -a $OUT/arms.log
+  timeout ${T2:-80} python3 benchmarks/with_attrs.py "$@" -- benchmarks/decode_gpu.py --model flash40 --batches 1 8 \
+    --contexts 4096 --variants graphs --steps 5 --warmup 2 --prefill --out /tmp/arm_$name.json 2>&1 \
+    | grep -v "\[TileLang:" | tee -a $OUT/arms.log | grep -E "^decode|Error" | tail -4
+done
+timeout ${T3:-170} python3 benchmarks/dspark_gpu.py --model flash40 --batches 1 8 64 --accepted 0 2 3 --varlen \
+  --out $OUT/dspark.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/dspark.log | tail -16
+left=$(( ${LIMIT:-540} - SECONDS ))
+if [ $left -gt 90 ]; then
+  cd "$DEEPINFER_SITE" && timeout $left python3 -m pytest $GPU_TESTS/test_engine_batch_invariance.py -v -rf \
+    -p no:cacheprovider -o addopts= 2>&1 | tee $OUT/bi_tests.log | grep -E "FAILED|ERROR|passed|failed" | tail -12
+fi
+echo "decode40.sh done in $SECONDS s"

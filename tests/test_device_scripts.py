@@ -1,0 +1,40 @@
+"""benchmarks/device/*.sh, the device calls: each parses as bash, and every benchmark it runs exists and takes the
+flags it is given (a stale flag would cost a device call)."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks" / "device").glob("*.sh"))
+
+
+def test_there_are_device_scripts():
+    assert {p.name for p in SCRIPTS} >= {"kernels.sh", "decode40.sh", "prefill40.sh"}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_a_device_script_parses(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_benchmark_a_device_script_runs_takes_its_flags(script):
+    text = script.read_text().replace("\\\n", " ")
+    runs = 0
+    for line in text.splitlines():
+        found = re.findall(r"benchmarks/(\w+)\.py", line)
+        if not found or line.lstrip().startswith("#"):
+            continue
+        target = ROOT / "benchmarks" / f"{found[-1]}.py"  # the last one named is the one run (after with_attrs.py)
+        assert target.exists(), f"{script.name}: {target.name} does not exist"
+        src = target.read_text()
+        args = line.split(f"benchmarks/{found[-1]}.py", 1)[1]
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", args.split("|")[0]):
+            assert f'"{flag}"' in src, f"{script.name}: {target.name} has no option {flag}"
+        runs += 1
+    assert runs
