@@ -55,8 +55,15 @@ def test_every_op_of_the_step_takes_the_tilelang_path(census):
 
 
 def test_the_launches_of_a_step_do_not_grow_with_the_batch(census):
-    b8, b16 = census["batches"]["8"]["step"], census["batches"]["16"]["step"]
-    assert (b8["kernels"], b8["tilelang"], b8["glue"]) == (b16["kernels"], b16["tilelang"], b16["glue"])
+    """The same launches at B=8 and 16 but for the decode attention's combine: a query's 2-8 key splits merge in a
+    thread block cluster inside the attention kernel (attention.CLUSTER_SPLITS), more in a combine launch, so a
+    batch whose queries take fewer splits may launch fewer kernels, never more."""
+    r8, r16 = census["batches"]["8"], census["batches"]["16"]
+    combines = [r["tilelang_by_builder"].get("build_sink_combine", 0) for r in (r8, r16)]
+    assert combines[1] <= combines[0]
+    b8, b16 = r8["step"], r16["step"]
+    assert (b8["kernels"] - combines[0], b8["tilelang"] - combines[0], b8["glue"]) == \
+        (b16["kernels"] - combines[1], b16["tilelang"] - combines[1], b16["glue"])
 
 
 def test_no_launcher_casts_the_steps_index_metadata_per_layer(census):

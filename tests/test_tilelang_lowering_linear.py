@@ -259,38 +259,8 @@ def test_the_gemv_machine_code(m_max, tmp_path):
     assert regs <= (200 if m_max == 1 else 255), regs
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["wq_a", "wkv", "wo_a_group", "wo_b"])
-def test_the_gemv_fits_four_blocks_an_sm_without_spilling(name, tmp_path):
-    """linear.GEMV_BLOCKS_PER_SM = 4 (__launch_bounds__(128, 4)): every Flash shape at one row in <= 128 registers,
-    no spill (wo_b takes 186 left to itself, two blocks an SM)."""
-    from lowering_helpers import lower_source, ptxas_report
-    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
-
-    n, k = FLASH[name]
-    src = lower_source(build_fp8_gemv(n, k, 1, 1, 1, False, 4), "sm_90a")
-    assert "__launch_bounds__(128, 4)" in src
-    log, regs = ptxas_report(src, tmp_path)
-    assert "0 bytes spill stores" in log, log[-2000:]
-    assert regs <= 128
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("rows_per_warp, most", [(2, 64), (4, 96)])
-def test_a_gemv_warp_over_several_short_rows_keeps_them_in_registers(rows_per_warp, most, tmp_path):
-    """linear.GEMV_SHORT_ROWS_PER_WARP: wq_b (1,280 codes a row, 48 registers alone) with 2 or 4 rows a warp,
-    every row's loads in flight at once, without a spill."""
-    from lowering_helpers import lower_source, ptxas_report
-    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv
-
-    src = lower_source(build_fp8_gemv(*FLASH["wq_b"], 1, 1, 1, False, 0, rows_per_warp), "sm_90a")
-    assert src.count("*(fp8_e4_8_t*)(wl + ") >= 2  # the loads, then the conversions, from one register array
-    log, regs = ptxas_report(src, tmp_path)
-    assert "0 bytes spill stores" in log, log[-2000:]
-    assert regs <= most
-
-
-def test_the_launcher_passes_the_gemv_knobs_only_when_set_and_rows_only_to_short_rows(monkeypatch):
+def test_the_launcher_asks_for_the_gemv_by_the_manifests_spec(monkeypatch):
+    """The spec benchmarks/jit/flash40.jsonl lists for a one-row GEMV: (N, K, m_max, splits, groups, early)."""
     from deepinfer.kernels.tilelang import linear as launcher
 
     specs = []
@@ -303,13 +273,6 @@ def test_the_launcher_passes_the_gemv_knobs_only_when_set_and_rows_only_to_short
         return specs.pop()
 
     assert spec("wo_b") == (5120, 8192, 1, 1, 1, False) and spec("wq_b") == (32768, 1280, 1, 1, 1, False)
-    monkeypatch.setattr(launcher, "GEMV_BLOCKS_PER_SM", 4)
-    assert spec("wo_b") == (5120, 8192, 1, 1, 1, False, 4)
-    monkeypatch.setattr(launcher, "GEMV_SHORT_ROWS_PER_WARP", 4)
-    assert spec("wo_b") == (5120, 8192, 1, 1, 1, False, 4)  # 8,192 codes a row: not short
-    assert spec("wq_b") == (32768, 1280, 1, 1, 1, False, 4, 4)
-    monkeypatch.setattr(launcher, "GEMV_BLOCKS_PER_SM", 0)
-    assert spec("wq_b") == (32768, 1280, 1, 1, 1, False, 0, 4)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

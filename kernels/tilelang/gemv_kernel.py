@@ -9,9 +9,8 @@ with few 64-row tiles split K over extra blocks plus a reduction launch. On the 
 (16-byte loads, all of a row's loads unrolled so they are in flight together), decodes e4m3 with the hardware's
 conversion, and keeps one fp32 sum per activation row; a butterfly of shuffles adds the 32 lanes in a fixed order.
 
-    grid (N / (WARPS * R), k_splits), WARPS warps a block; warp w of block b owns weight rows (b * WARPS + w) * R
-    + j (R = rows_per_warp, 1 unless a launcher asks), lane l the K columns [c * 32 * VEC + l * VEC, + VEC) of each
-    chunk c of its split.
+    grid (N / WARPS, k_splits), WARPS warps a block; warp w of block b owns weight row b * WARPS + w, lane l the
+    K columns [c * 32 * VEC + l * VEC, + VEC) of each chunk c of its split.
 
 e4m3 to fp32: `cvt` two codes at a time to f16x2 (exact: e4m3's values, subnormals included, are f16 values),
 then f16 to fp32. The first version placed the code's bits into an fp32 by integer ops (~7 a value; the same
@@ -38,23 +37,18 @@ def chunk_width(k_dim: int) -> int:
 
 
 def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, groups: int = 1,
-                   weights_before_wait: bool = False, min_blocks: int = 0, rows_per_warp: int = 1):
+                   weights_before_wait: bool = False):
     """x [m, groups * K] bf16 (m <= m_max), w [N, K] float8_e4m3 (Fp8BlockWeight.weight viewed as
     torch.float8_e4m3fn), ws [N/32, K/32] uint8 (ue8m0) -> out [m, N] bf16 (k_splits == 1) or part
     [k_splits, m, N] fp32 (linear_kernel.build_split_reduce adds them). groups > 1:
     row group g of W (rows [g * N / groups, (g + 1) * N / groups)) multiplies x's columns [g * K, (g + 1) * K).
     weights_before_wait: a programmatic dependent launch (_build.with_pdl) whose wait for the kernel before it
     comes after the weight row's loads are issued, so their HBM latency overlaps that kernel's tail. Only for
-    weights no kernel still running may write (a CUDA graph's: the model's weights are fixed once captured).
-    min_blocks: resident blocks an SM asked of the compiler (__launch_bounds__' second argument; 0: none).
-    rows_per_warp R: warp w of block b owns rows (b * WARPS + w) * R + j, j < R, every row's loads issued before
-    the first row's sums (R times the bytes in flight a warp, 1/R the blocks: for short rows, whose warps finish
-    before a block's launch has paid for itself)."""
-    N, K, G, R = n_rows, k_dim, groups, rows_per_warp
+    weights no kernel still running may write (a CUDA graph's: the model's weights are fixed once captured)."""
+    N, K, G = n_rows, k_dim, groups
     VEC = chunk_width(K)
     CH = 32 * VEC  # K columns a warp covers per chunk
-    assert m_max in M_MAX and N % (WARPS * G * R) == 0 and (N // G) % 32 == 0 and K % (CH * k_splits) == 0
-    assert (N // G) % R == 0  # a warp's rows in one group
+    assert m_max in M_MAX and N % (WARPS * G) == 0 and (N // G) % 32 == 0 and K % (CH * k_splits) == 0
     NC = K // CH // k_splits  # chunks per warp
     rows_per_group = N // G
     partial = k_splits > 1
@@ -69,53 +63,48 @@ def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, group
         ws: T.Tensor((N // 32, K // 32), "uint8"),
         out: T.Tensor(out_shape, out_dtype),
     ):
-        with T.Kernel(N // (WARPS * R), k_splits, threads=32 * WARPS) as (bn, bz):
-            if min_blocks:
-                T.annotate_min_blocks_per_sm(min_blocks)
+        with T.Kernel(N // WARPS, k_splits, threads=32 * WARPS) as (bn, bz):
             tx = T.get_thread_binding()
             lane = tx % 32
-            n0 = (bn * WARPS + tx // 32) * R  # this warp's first row
-            col0 = (n0 // rows_per_group) * K  # its rows' group's first column of x
-            wl = T.alloc_local((R * NC * VEC,), "float8_e4m3")
+            n0 = bn * WARPS + tx // 32  # this warp's row
+            col0 = (n0 // rows_per_group) * K  # its row's group's first column of x
+            wl = T.alloc_local((NC * VEC,), "float8_e4m3")
             wh = T.alloc_local((VEC,), "float16")
             xl = T.alloc_local((VEC,), "bfloat16")
-            acc = T.alloc_local((R * m_max,), "float32")
+            acc = T.alloc_local((m_max,), "float32")
             d = T.alloc_local((1,), "float32")
-            for i in T.unroll(R * m_max):
+            for i in T.unroll(m_max):
                 acc[i] = T.float32(0)
-            # every load of the warp's rows first: R * NC independent loads in flight per lane
-            for j in T.unroll(R):
-                for c in T.unroll(NC):
-                    for v in T.vectorized(VEC):
-                        wl[(j * NC + c) * VEC + v] = w[n0 + j, (bz * NC + c) * CH + lane * VEC + v]
+            # every load of the warp's row first: NC independent loads in flight per lane
+            for c in T.unroll(NC):
+                for v in T.vectorized(VEC):
+                    wl[c * VEC + v] = w[n0, (bz * NC + c) * CH + lane * VEC + v]
             if weights_before_wait:
                 T.pdl_sync()  # the activations (the kernel before's output) only from here
                 T.pdl_trigger()
-            for j in T.unroll(R):
-                for c in T.unroll(NC):
-                    k0 = (bz * NC + c) * CH + lane * VEC
-                    s = T.cast(ws[(n0 + j) // 32, k0 // 32], "int32")
-                    scale = T.reinterpret(T.if_then_else(s > 0, s << 23, T.int32(1 << 22)), "float32")  # 2^(s-127)
-                    for v in T.vectorized(VEC):  # two codes an instruction (cvt e4m3x2 -> f16x2), exact
-                        wh[v] = T.cast(wl[(j * NC + c) * VEC + v], "float16")
-                    for t in T.unroll(m_max):
-                        # unconditional loads (a row past m reads the last row again; its sum is never stored): a
-                        # load under `if t < m` waits for the branch, and at 8 rows the serial x loads made the GEMV
-                        # 4-7x slower than the GEMM (linear_gpu.py, H200)
-                        for v in T.vectorized(VEC):
-                            xl[v] = x[T.min(t, m - 1), col0 + k0 + v]
-                        d[0] = T.float32(0)
-                        for v in T.unroll(VEC):
-                            d[0] = d[0] + T.cast(wh[v], "float32") * T.cast(xl[v], "float32")
-                        acc[j * m_max + t] = acc[j * m_max + t] + d[0] * scale
-            for j in T.unroll(R):
+            for c in T.unroll(NC):
+                k0 = (bz * NC + c) * CH + lane * VEC
+                s = T.cast(ws[n0 // 32, k0 // 32], "int32")
+                scale = T.reinterpret(T.if_then_else(s > 0, s << 23, T.int32(1 << 22)), "float32")  # 2^(s-127)
+                for v in T.vectorized(VEC):  # two codes an instruction (cvt e4m3x2 -> f16x2), exact
+                    wh[v] = T.cast(wl[c * VEC + v], "float16")
                 for t in T.unroll(m_max):
-                    for o in T.unroll(5):
-                        acc[j * m_max + t] = acc[j * m_max + t] + T.shfl_xor(acc[j * m_max + t], 16 >> o)
-                    if lane == 0 and t < m:
-                        if partial:
-                            out[bz, t, n0 + j] = acc[j * m_max + t]
-                        else:
-                            out[t, n0 + j] = T.cast(acc[j * m_max + t], "bfloat16")
+                    # unconditional loads (a row past m reads the last row again; its sum is never stored): a
+                    # load under `if t < m` waits for the branch, and at 8 rows the serial x loads made the GEMV
+                    # 4-7x slower than the GEMM (linear_gpu.py, H200)
+                    for v in T.vectorized(VEC):
+                        xl[v] = x[T.min(t, m - 1), col0 + k0 + v]
+                    d[0] = T.float32(0)
+                    for v in T.unroll(VEC):
+                        d[0] = d[0] + T.cast(wh[v], "float32") * T.cast(xl[v], "float32")
+                    acc[t] = acc[t] + d[0] * scale
+            for t in T.unroll(m_max):
+                for o in T.unroll(5):
+                    acc[t] = acc[t] + T.shfl_xor(acc[t], 16 >> o)
+                if lane == 0 and t < m:
+                    if partial:
+                        out[bz, t, n0] = acc[t]
+                    else:
+                        out[t, n0] = T.cast(acc[t], "bfloat16")
 
     return fp8_gemv

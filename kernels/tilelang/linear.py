@@ -61,17 +61,6 @@ DENSE_ROWS, DENSE_ROWS_LARGE, LARGE_WEIGHT, DENSE_MIN_N = 512, 128, 1 << 25, 102
 GEMV_ROWS = 1
 WIDE_N = 128  # weight rows per block of the GEMM outside the invariant mode (`gemm_tiles`)
 GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
-# the GEMV's resident blocks an SM asked of the compiler (__launch_bounds__; 0: its own choice). Its own choice gives
-# wo_b at one row 186 registers a thread, two blocks (8 warps, 8 KB of weights in flight each) an SM; 4 fits every
-# Flash shape in <= 128 registers without a spill (ptxas, tests/test_tilelang_lowering_linear.py), twice the warps
-# an SM. Whether the loads stay in flight together that way is the H200's to say: an A/B knob until then
-# (`benchmarks/with_attrs.py deepinfer.kernels.tilelang.linear.GEMV_BLOCKS_PER_SM=4 -- benchmarks/linear_gpu.py`)
-GEMV_BLOCKS_PER_SM = 0
-# weight rows a GEMV warp takes when its rows are short (K <= GEMV_SHORT_K codes: wq_b and the indexer's wq_b, 1,280
-# a row, whose 8,192 / 1,024 blocks of 4 warps each finish ~1.3 KB of loads before their launch has paid for itself:
-# wq_b at 61.5% of the bandwidth where the bf16 GEMV reaches 86%). 1 until the H200's A/B (4: 82 registers, six
-# blocks an SM of 5 KB in flight a warp, by ptxas)
-GEMV_SHORT_K, GEMV_SHORT_ROWS_PER_WARP = 2048, 1
 
 
 def split_count(n_rows: int, k_dim: int, block_k: int = BLOCK_K) -> int:
@@ -93,13 +82,6 @@ def gemv_splits(n_rows: int, k_dim: int) -> int:
     blocks, chunks = n_rows // WARPS, k_dim // (32 * chunk_width(k_dim))
     divisors = [d for d in range(1, min(chunks, 8) + 1) if chunks % d == 0]
     return next((d for d in divisors if blocks * d >= GEMV_MIN_BLOCKS), divisors[-1])
-
-
-def gemv_rows_per_warp(n_rows: int, k_dim: int, groups: int = 1) -> int:
-    """Rows a GEMV warp takes for an [N, K] weight: GEMV_SHORT_ROWS_PER_WARP for short rows where whole blocks of
-    them tile each group, else 1."""
-    r = GEMV_SHORT_ROWS_PER_WARP if k_dim <= GEMV_SHORT_K else 1
-    return r if n_rows % (WARPS * groups * r) == 0 and (n_rows // groups) % r == 0 else 1
 
 
 def gemv_fits(w: Fp8BlockWeight, groups: int = 1) -> bool:
@@ -217,14 +199,11 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
     codes = w.weight.view(torch.float8_e4m3fn)  # the kernel converts them with the hardware's e4m3 cvt
     # under graph capture the weights are the model's, fixed: their loads may start before the kernel ahead ends
     early = pdl_enabled() and x.is_cuda and torch.cuda.is_current_stream_capturing()
-    rows = gemv_rows_per_warp(n, k, groups) if splits == 1 else 1
-    # the A/B knobs' arguments only when set: the default's spec as it always was
-    knobs = (GEMV_BLOCKS_PER_SM, rows) if rows > 1 else (GEMV_BLOCKS_PER_SM,) if GEMV_BLOCKS_PER_SM else ()
     if splits == 1:
-        jit(build_fp8_gemv, n, k, m_max, 1, groups, early, *knobs)(x2, codes, w.scale, out)
+        jit(build_fp8_gemv, n, k, m_max, 1, groups, early)(x2, codes, w.scale, out)
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        jit(build_fp8_gemv, n, k, m_max, splits, groups, early, *knobs)(x2, codes, w.scale, part)
+        jit(build_fp8_gemv, n, k, m_max, splits, groups, early)(x2, codes, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
 
