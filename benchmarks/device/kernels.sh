@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call (an H100 or an H200, ~3-5 min warm or cold): the decode attention and prefill-path GPU test files,
-# the decode attention kernel with its probes and candidates, and the prefill kernels (MoE paths, FP8 projections).
+# One device call (an H100 or an H200, ~3-5 min warm or cold): the decode attention, FP8 projection and prefill-path
+# GPU test files, the decode attention kernel with its probes and candidates, and the prefill kernels (MoE paths, FP8
+# projections).
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/kernels.sh
 # ATTRS: benchmarks/with_attrs.py overrides for the prefill kernels run (an A/B arm); T1..T3: each step's seconds.
 set -o pipefail
@@ -10,7 +11,7 @@ RUN=python3 && [ -n "${ATTRS:-}" ] && RUN="python3 benchmarks/with_attrs.py $ATT
 R=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/tests.log
 cd "$DEEPINFER_SITE"
-timeout ${T1:-230} python3 -m pytest $GPU_TESTS/test_tilelang_attention_decode.py $GPU_TESTS/test_prefill_paths.py \
+timeout ${T1:-230} python3 -m pytest $GPU_TESTS/test_tilelang_{attention_decode,linear}.py $GPU_TESTS/test_prefill_paths.py \
   -n 4 -v -rf -p no:cacheprovider -o addopts= 2>&1 | tee -a $OUT/tests.log | grep -E "FAILED|ERROR|passed|failed|error" | tail -30
 cd "$R"
 cp benchmarks/jit/flash40.jsonl /tmp/jit.jsonl && export DEEPINFER_JIT_MANIFEST=/tmp/jit.jsonl
