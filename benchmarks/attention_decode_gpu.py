@@ -19,8 +19,8 @@ exits non-zero. --sweep also times other split counts (one compile each). --prob
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
 key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
 and the candidate settings (CANDIDATES: attention module constants; now CLUSTER_SPLITS = 0, the splits merged by
-the combine launch instead of in a cluster), their outputs held to the default kernel's bits (a candidate that differs is
-a failure: the run exits non-zero). The previous kernel generation's numbers stay in
+the combine launch instead of in a cluster), their outputs held to the default kernel's bits (a candidate that
+differs is a failure: the run exits non-zero). The previous kernel generation's numbers stay in
 benchmarks/results/attn_v2_gpu_h200.json.
 """
 
@@ -197,8 +197,8 @@ def main():
 
     def flush():
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, targets=on_card(targets(rows), meta["gpu"]), rows=rows, missing=missing, jit=jit_stats()), f,
-                      indent=1)
+            json.dump(dict(meta=meta, targets=on_card(targets(rows), meta["gpu"]), rows=rows, missing=missing,
+                           jit=jit_stats()), f, indent=1)
 
     g = torch.Generator(device="cuda").manual_seed(1)
     sink = torch.randn(HEADS, device="cuda", generator=g)

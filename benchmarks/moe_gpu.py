@@ -186,7 +186,8 @@ def main():
     def flush():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            f.write(portable_json(dict(meta=meta, targets=on_card(targets(), meta["device"]), rows=rows, kernels=breakdown, jit=jit_stats())))
+            f.write(portable_json(dict(meta=meta, targets=on_card(targets(), meta["device"]), rows=rows,
+                                       kernels=breakdown, jit=jit_stats())))
 
     # log popularity of each expert (a random rank order); Gumbel noise + top-k samples without replacement
     log_pop = -args.skew * torch.log1p(torch.randperm(E, device=dev, generator=g).float())

@@ -189,7 +189,8 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, bf16_flops=peak,
                 host=platform.node(), cmd=" ".join(sys.argv), wall_s=time.time() - t0)
     with open(a.out, "w") as f:
-        f.write(portable_json(dict(meta=meta, targets=on_card(tg, meta["gpu"]), moe=moe, expert_gemm=alone, linear=lin, failures=failures)))
+        f.write(portable_json(dict(meta=meta, targets=on_card(tg, meta["gpu"]), moe=moe, expert_gemm=alone,
+                                   linear=lin, failures=failures)))
     for msg in failures:
         print("FAILED:", msg)
     return 1 if failures else 0
