@@ -445,8 +445,7 @@ def ceilings(device: str, roofline):
     """(copy bytes/s, bf16 GEMM FLOP/s): measured on CUDA (as the kernel benchmarks do), roofline.py's defaults
     elsewhere (the CPU test only checks the arithmetic)."""
     if device.startswith("cuda"):
-        sys.path.insert(0, str(HERE))
-        from kernels_gpu import ceilings as measure
+        from kernels_gpu import ceilings as measure  # HERE is on sys.path (top of the file)
 
         return measure()
     return 4.27e12, 699e12
@@ -537,8 +536,10 @@ def main(argv=None) -> int:
     model = build(a.model, a.device, prefs, a.batch_invariant)
     fast_ops = model.ops
     ref_ops = OpSet.build(model.device.type, ["torch"], batch_invariant=a.batch_invariant)
-    memory = dict(held_gb=torch.cuda.memory_allocated() / 1e9, build_peak_gb=torch.cuda.max_memory_allocated() / 1e9,
-                  device_gb=torch.cuda.get_device_properties(0).total_memory / 1e9) if on_cuda else {}
+    dev = model.device
+    memory = dict(held_gb=torch.cuda.memory_allocated(dev) / 1e9,
+                  build_peak_gb=torch.cuda.max_memory_allocated(dev) / 1e9,
+                  device_gb=torch.cuda.get_device_properties(dev).total_memory / 1e9) if on_cuda else {}
     print(f"model {a.model} built in {time.time() - t0:.0f} s"
           + (" ({held_gb:.1f} GB held, build peak {build_peak_gb:.1f} GB of {device_gb:.1f})".format(**memory)
              if memory else "")

@@ -99,20 +99,13 @@ def _interleaved(gate: list[torch.Tensor], up: list[torch.Tensor], rows_per_half
     return out
 
 
-def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
-    out = torch.empty(len(ts), *ts[0].shape, dtype=torch.uint8, device=ts[0].device)
-    for e, t in enumerate(ts):
-        out[e] = _u8(t)
-    return out
-
-
 def pack_experts(fmt, w1, s1, w3, s3, w2, s2) -> PackedExperts:
     """Lists (one entry per expert) of checkpoint tensors -> PackedExperts. fp4: w [rows, cols/2] int8 packed
     e2m1 with scale [rows, cols/32] e8m0; fp8: w [rows, cols] e4m3 with scale [rows/32, cols/32] e8m0."""
     half = BLOCK_N // 2
     scale_half = half if fmt == "fp4" else half // 32
-    return PackedExperts(fmt, _interleaved(w1, w3, half), _interleaved(s1, s3, scale_half), _stacked(w2),
-                         _stacked(s2))
+    return PackedExperts(fmt, _interleaved(w1, w3, half), _interleaved(s1, s3, scale_half),
+                         torch.stack([_u8(w) for w in w2]), torch.stack([_u8(s) for s in s2]))
 
 
 def pack_quantized(experts: list[tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight]]) -> PackedExperts:

@@ -7,17 +7,19 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
-cp benchmarks/jit/flash40.jsonl /tmp/jit.jsonl && export DEEPINFER_JIT_MANIFEST=/tmp/jit.jsonl
+# the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
+cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout ${T1:-230} python3 benchmarks/decode_gpu.py --model flash40 --batches ${BATCHES:-1 8 64 256} \
   --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill --out $OUT/decode.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|WARNING|FAILED|Error|built" | tail -12
 IFS=';' read -ra arms <<< "${ARMS:-}"
+ARMS_DIR=$(mktemp -d)  # the arms' JSON stay on the machine (8 files come back): arms.log holds their rows
 for arm in "${arms[@]}"; do
   set -- $arm; name=$1; shift
   echo "== arm $name: $*" | tee -a $OUT/arms.log
   timeout ${T2:-80} python3 benchmarks/with_attrs.py "$@" -- benchmarks/decode_gpu.py --model flash40 --batches 1 8 \
-    --contexts 4096 --variants graphs --steps 5 --warmup 2 --prefill --out /tmp/arm_$name.json 2>&1 \
+    --contexts 4096 --variants graphs --steps 5 --warmup 2 --prefill --out "$ARMS_DIR/$name.json" 2>&1 \
     | grep -v "\[TileLang:" | tee -a $OUT/arms.log | grep -E "^decode|Error" | tail -4
 done
 timeout ${T3:-170} python3 benchmarks/dspark_gpu.py --model flash40 --batches 1 8 64 --accepted 0 2 3 --varlen \

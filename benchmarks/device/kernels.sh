@@ -11,12 +11,14 @@ RUN=python3 && [ -n "${ATTRS:-}" ] && RUN="python3 benchmarks/with_attrs.py $ATT
 R=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/tests.log
 cd "$DEEPINFER_SITE"
-timeout ${T1:-230} python3 -m pytest $GPU_TESTS/test_tilelang_{attention_decode,linear}.py $GPU_TESTS/test_prefill_paths.py \
-  -n 4 -v -rf -p no:cacheprovider -o addopts= 2>&1 | tee -a $OUT/tests.log | grep -E "FAILED|ERROR|passed|failed|error" | tail -30
+timeout ${T1:-230} python3 -m pytest $GPU_TESTS/test_tilelang_{attention_decode,linear}.py \
+  $GPU_TESTS/test_prefill_paths.py -n 4 -v -rf -p no:cacheprovider -o addopts= 2>&1 | tee -a $OUT/tests.log \
+  | grep -E "FAILED|ERROR|passed|failed|error" | tail -30
 cd "$R"
-cp benchmarks/jit/flash40.jsonl /tmp/jit.jsonl && export DEEPINFER_JIT_MANIFEST=/tmp/jit.jsonl
-timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches 1,8,64,256 --no-mtp --probes --sweep --out $OUT/attn.json \
-  2>&1 | grep -v "\[TileLang:" | tee $OUT/attn.log | tail -14
+# the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
+cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
+timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches 1,8,64,256 --no-mtp --probes --sweep \
+  --out $OUT/attn.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/attn.log | tail -14
 timeout ${T3:-120} $RUN \
   benchmarks/prefill_kernels_gpu.py --tokens 2048 8192 --rows 8192 --gemm-tiles --out $OUT/prefill_kernels.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/prefill_kernels.log | grep -v "^linear" | tail -12

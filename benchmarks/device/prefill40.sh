@@ -7,7 +7,8 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
 RUN=python3 && [ -n "${ATTRS:-}" ] && RUN="python3 benchmarks/with_attrs.py $ATTRS --"
-cp benchmarks/jit/flash40.jsonl /tmp/jit.jsonl && export DEEPINFER_JIT_MANIFEST=/tmp/jit.jsonl
+# the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
+cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout ${T1:-280} $RUN \
   benchmarks/prefill_gpu.py --model flash40 --tokens 8192 32768 --at-once 1 --torch-tokens 0 --mixed-tokens 16384 \

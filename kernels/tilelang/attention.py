@@ -123,7 +123,7 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
 def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, scale,
                                  window: int = 128, splits: int | None = None, probe: str = ""):
     """Decode attention for a batch of query tokens (1..6 per sequence, any mix), reading the caches as stored
-    (attention_decode_kernel; 23% / 37% of its roofline at B=64 / 256, 32K, on an H100).
+    (attention_decode_kernel; ~23% / 37% of its roofline at B=64 / 256, 32K, on an H100).
 
     q [Nq, 64, 512] bf16 (RoPE applied); q_seq [Nq] int32 sequence of each query; q_pos [Nq] int32 its position.
     win_kv [B, W, 512] uint8 (e4m3 bits) with win_scale [B, W, 16] uint8 (ue8m0 per 32 channels) and win_pos
