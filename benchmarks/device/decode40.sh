@@ -3,7 +3,9 @@
 # decode table, A/B arms at B=1 and 8, DSpark's table, then the batch-invariance GPU file with the time left.
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
 # BATCHES / CONTEXTS: the table's cells (default 1 8 64 256 / 4096 32768); ARMS: A/B arms, "name MOD.NAME=INT ..."
-# separated by ';' (none by default); LIMIT: the call's seconds (the tests take what is left); T1..T3: step limits.
+# separated by ';' (none by default); PROFILE: the table's cells profiled per kernel (B:CTX,...; default B=1 and 256
+# at 4K, "" for none); DSPARK=0 skips DSpark's table; LIMIT: the call's seconds (the tests take what is left);
+# T1..T3: step limits.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
@@ -11,8 +13,9 @@ source benchmarks/gpu_env.sh
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout ${T1:-230} python3 benchmarks/decode_gpu.py --model flash40 --batches ${BATCHES:-1 8 64 256} \
-  --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill --out $OUT/decode.json 2>&1 \
-  | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|WARNING|FAILED|Error|built" | tail -12
+  --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill \
+  --profile "${PROFILE-1:4096,256:4096}" --out $OUT/decode.json 2>&1 \
+  | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|^profile|WARNING|FAILED|Error|built" | tail -14
 IFS=';' read -ra arms <<< "${ARMS:-}"
 ARMS_DIR=$(mktemp -d)  # the arms' JSON stay on the machine (8 files come back): arms.log holds their rows
 for arm in "${arms[@]}"; do
@@ -22,8 +25,8 @@ for arm in "${arms[@]}"; do
     --contexts 4096 --variants graphs --steps 5 --warmup 2 --prefill --out "$ARMS_DIR/$name.json" 2>&1 \
     | grep -v "\[TileLang:" | tee -a $OUT/arms.log | grep -E "^decode|Error" | tail -4
 done
-timeout ${T3:-170} python3 benchmarks/dspark_gpu.py --model flash40 --batches 1 8 64 --accepted 0 2 3 --varlen \
-  --out $OUT/dspark.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/dspark.log | tail -16
+[ "${DSPARK:-1}" = 0 ] || timeout ${T3:-170} python3 benchmarks/dspark_gpu.py --model flash40 --batches 1 8 64 \
+  --accepted 0 2 3 --varlen --out $OUT/dspark.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/dspark.log | tail -16
 left=$(( ${LIMIT:-540} - SECONDS ))
 if [ $left -gt 90 ]; then
   cd "$DEEPINFER_SITE" && timeout $left python3 -m pytest $GPU_TESTS/test_engine_batch_invariance.py -v -rf \
