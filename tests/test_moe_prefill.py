@@ -30,8 +30,13 @@ def _shared(D, I, g):
     return PackedExperts("fp8", codes(1, 2 * I, D), s(1, 2 * I // 32, D // 32), codes(1, D, I), s(1, D // 32, I // 32))
 
 
+@pytest.mark.parametrize("rs,block_m", [(0, 64), (1, 64), (1, 128)])
 @pytest.mark.parametrize("tokens,skew", [(40, False), (300, False), (300, True)])
-def test_grouped_path_matches_the_reference(tokens, skew):
+def test_grouped_path_matches_the_reference(tokens, skew, rs, block_m, monkeypatch):
+    """Both GEMM kernels' contracts (RS_GEMM 0: K in di_dq_e2m1x8's order; 1: in the wgmma fragments' order) at
+    their tile heights."""
+    monkeypatch.setattr(moe_prefill, "RS_GEMM", rs)
+    monkeypatch.setattr(moe_prefill, "BLOCK_M", block_m)
     g = torch.Generator().manual_seed(tokens)
     E, D, I, k = 16, 256, 128, 4
     routed, shared = _packed(E, D, I, g), _shared(D, I, g)
@@ -53,6 +58,17 @@ def test_the_permuted_k_order_is_a_permutation_within_groups_of_eight():
     assert sorted(perm.tolist()) == list(range(64))
     assert perm[:8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     assert torch.equal(perm.view(8, 8) // 8, torch.arange(8)[:, None].expand(8, 8))
+
+
+def test_the_register_kernels_k_order_is_moe_kernels_fragment_order_in_groups_of_64(monkeypatch):
+    from deepinfer.kernels.tilelang.moe_kernel import k_index
+
+    monkeypatch.setattr(moe_prefill, "RS_GEMM", 1)
+    perm = moe_prefill.k_perm(128, "cpu")
+    assert sorted(perm.tolist()) == list(range(128))
+    assert perm.tolist() == [k_index(j) for j in range(128)]
+    assert torch.equal(perm.view(2, 64) // 64, torch.arange(2)[:, None].expand(2, 64))
+    assert perm[:8].tolist() == [0, 4, 16, 20, 32, 36, 48, 52]  # lane q's pair (2q, 2q+1): codes 16q and 16q + 4
 
 
 def test_the_path_is_for_large_fp4_calls_outside_the_batch_invariant_mode(monkeypatch):

@@ -29,11 +29,15 @@ from deepinfer.kernels.torch import moe as torch_moe
 from ._build import jit
 from .dequant import fp4_perm
 from .expert_gemm_kernel import HALF, build_fp4_expert_gemm
+from .expert_gemm_rs_kernel import build_fp4_expert_gemm_rs, mma_order
 from .linear import expert_dense
 from .moe_combine_kernel import build_moe_combine
 
 PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (1.8x the streaming kernel there, H200)
 BLOCK_M = 64  # rows per tile: each expert's rows start on a multiple of this (64 beat 128 at 2K-16K tokens, H200)
+# 1: the GEMM with the weights dequantised into wgmma registers (expert_gemm_rs_kernel.py, tokens on the MMA's N
+# side, BLOCK_M of them a tile) instead of in shared memory (expert_gemm_kernel.py); an A/B until the device decides
+RS_GEMM = 0
 
 
 def wanted(n_tok: int, routed: PackedExperts) -> bool:
@@ -43,7 +47,12 @@ def wanted(n_tok: int, routed: PackedExperts) -> bool:
 
 
 def k_perm(k: int, device) -> torch.Tensor:
-    """Column j of a permuted operand holds column fp4_perm(j) (di_dq_e2m1x8's order, in groups of 8)."""
+    """Column j of a permuted operand holds column k_perm[j]: di_dq_e2m1x8's order in groups of 8 (fp4_perm) for
+    expert_gemm_kernel, the wgmma fragments' order in groups of 64 (mma_order) for expert_gemm_rs_kernel."""
+    if RS_GEMM:
+        assert k % 64 == 0
+        return (torch.arange(k // 64, device=device)[:, None] * 64
+                + torch.tensor(mma_order(64), device=device)).reshape(-1)
     j = torch.arange(k, device=device)
     return fp4_perm(j)
 
@@ -54,7 +63,7 @@ def expert_gemm_torch(a: torch.Tensor, tile_expert: torch.Tensor, w: torch.Tenso
     rows, k = a.shape
     n = w.shape[1]
     perm = k_perm(k, a.device)
-    expert_of_row = tile_expert.repeat_interleave(BLOCK_M)
+    expert_of_row = tile_expert.repeat_interleave(rows // tile_expert.numel())
     acc = torch.zeros(rows, n, dtype=torch.bfloat16, device=a.device)
     for e in torch.unique(tile_expert).tolist():
         sel = (expert_of_row == e).nonzero().squeeze(1)
@@ -80,7 +89,10 @@ def expert_gemm(a: torch.Tensor, tile_expert: torch.Tensor, p: PackedExperts, wh
         return expert_gemm_torch(a, tile_expert, w, s, p.fmt, aw, epilogue, limit)
     n, k = w.shape[1], a.shape[1]
     out = torch.empty(a.shape[0], n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
-    jit(build_fp4_expert_gemm, n, k, epilogue, *(tile or (BLOCK_M,)))(a, tile_expert, w, s, aw, out, limit)
+    if RS_GEMM:  # its tile height is BLOCK_M (tile[0] if given): the token side of its MMAs
+        jit(build_fp4_expert_gemm_rs, n, k, epilogue, (tile or (BLOCK_M,))[0])(a, tile_expert, w, s, aw, out, limit)
+    else:
+        jit(build_fp4_expert_gemm, n, k, epilogue, *(tile or (BLOCK_M,)))(a, tile_expert, w, s, aw, out, limit)
     return out
 
 

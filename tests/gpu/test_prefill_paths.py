@@ -14,15 +14,18 @@ from ._helpers import FLASH_WIDTH, fp4_rows, fp8_blocks, poison_allocator, rel_e
 pytestmark = [pytest.mark.gpu, FLASH_WIDTH]
 
 
+@pytest.mark.parametrize("rs", [0, 1])
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("epilogue", ["swiglu", "plain"])
-def test_fp4_expert_gemm_kernel_keeps_its_torch_contract(epilogue, block_m, monkeypatch):
+def test_fp4_expert_gemm_kernel_keeps_its_torch_contract(epilogue, block_m, rs, monkeypatch):
     """Tiles of 3, 1 and 2 tiles per expert (experts 0, 2, 5 of 6; the rest without rows), zero padding rows,
-    released widths; the kernel against expert_gemm_torch (same permuted K order, bf16 rounding points)."""
+    released widths; each kernel (rs 0: dequantised in shared memory, 1: into wgmma registers) against
+    expert_gemm_torch (the kernel's permuted K order, bf16 rounding points)."""
     from deepinfer.kernels.tilelang import moe_prefill
     from deepinfer.kernels.tilelang.moe_prefill import expert_gemm, expert_gemm_torch
 
     monkeypatch.setattr(moe_prefill, "BLOCK_M", block_m)
+    monkeypatch.setattr(moe_prefill, "RS_GEMM", rs)
     BLOCK_M = block_m
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -71,10 +74,12 @@ def _experts(E, D, I, g):
     return routed, pack_experts("fp8", [a], [sa], [b], [sb], [c], [sc])
 
 
+@pytest.mark.parametrize("rs", [0, 1])
 @pytest.mark.parametrize("tokens,skew", [(1500, False), (2047, True)])
-def test_grouped_moe_matches_the_reference_at_flash_width(tokens, skew, monkeypatch):
+def test_grouped_moe_matches_the_reference_at_flash_width(tokens, skew, rs, monkeypatch):
     from deepinfer.kernels.tilelang import moe, moe_prefill
 
+    monkeypatch.setattr(moe_prefill, "RS_GEMM", rs)
     monkeypatch.setattr(moe_prefill, "PREFILL_TOKENS", 1024)  # the path from 1024 tokens, 40 experts: a quick test
     g = torch.Generator(device="cuda").manual_seed(tokens)
     E, D, I, k = 40, 5120, 2304, 6

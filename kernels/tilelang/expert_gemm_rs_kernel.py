@@ -1,0 +1,266 @@
+"""Grouped GEMM over FP4 experts for prefill-sized token counts, "swap AB" with the weights dequantised into wgmma
+A registers: each block computes C^T[128 weight rows, block_t tokens] = W_e[rows, K] . A[tile, K]^T for one tile of
+block_t rows of `a` (all of one expert, e = tile_expert[tile]). A candidate beside expert_gemm_kernel.py (the shared-
+memory dequant, moe_prefill.RS_GEMM chooses; the loser goes).
+
+Why: expert_gemm_kernel.py writes every dequantised weight tile to shared memory as bf16 and wgmma reads it back:
+per 64-K step of a 64 x 256 tile that is 32 KB written + 32 KB read + the activations, more shared-memory traffic
+than the MMA time at full rate (it measured 44-48% of the bf16 rate with full 128-row tiles). Here each thread
+dequantises its own A fragment (moe_kernel.py's di3_e2m1x8 bit placement, two rows x 16 codes per 64-K step) and
+the tokens ride on the wgmma N side (block_t = 64 or 128), so shared memory carries the packed weights (4 KB a
+step), the activation tile (read by wgmma) and nothing else; one weight fragment feeds block_t tokens.
+
+K order: the A fragments hold codes in moe_kernel.k_index's order, so `a` holds its K columns in that order too
+(`mma_order`; the caller permutes the activations once, and the SwiGLU epilogue writes its output in that order,
+ready to be the down projection's `a`). The dot products are unchanged.
+
+Layout per stage (S stages, one 64-K step each): packed weights [128][32 bytes], then the activation tile in the
+wgmma K-major, no-swizzle layout (8 tokens x 16 bytes core matrices, core (kc, n/8) at (kc*(BT/8) + n/8)*128: LBO
+BT*16, SBO 128) loaded straight by cp.async (no permute: `a` is already in MMA order). The scale bytes of the
+block's 128 rows over all of K sit after the stages (loaded once, with the first stage).
+
+Pipeline per step k (one barrier a step): wait for step k's stage and fence it to the async proxy (each thread its
+own cp.async writes, which wgmma reads); wgmma wait_group 1 (this warpgroup's MMAs of step k-2 done); barrier
+(everyone's step k-2 MMAs done, so its slot is free); issue step k+S-2 into that slot; dequantise step k into A
+buffer k&1 (step k-1's MMAs may still read the other) and issue its 4 MMAs.
+
+Epilogue: the accumulators, rounded to bf16 (the reference's GEMM output), go through shared memory (over the stage
+slots) as [tokens][rows]; "plain" writes out[row, n] = bf16(acc); "swiglu" pairs each gate row with its up row (the
+[32 gate | 32 up] interleave of PackedExperts) and writes bf16(silu(min(g, L)) * clamp(u, +-L) * aw[row]) at the
+down projection's K position (mma_order). The padding rows of a tile compute garbage that is never read past the
+epilogue of their own rows (zero rows give zeros).
+
+On other targets than sm_90a the same fragments feed mma.sync m16n8k16 (identical A/C register layouts).
+"""
+
+import tilelang.language as T
+
+from .dequant import CUDA_SOURCE as DEQUANT_SOURCE
+from .moe_kernel import _HEAD, _wgmma_fn, k_index
+
+ROWS = 128          # weight rows per block: two warpgroups of 64 (the wgmma M)
+THREADS = 256
+W_BYTES = ROWS * 32  # packed FP4 weights of one 64-K step
+CS_PAD = 8          # bf16 epilogue tile [BT][128 + 8]
+
+
+def mma_order(k: int) -> list[int]:
+    """Source column of each MMA K position: position j of `a` holds natural column mma_order(k)[j]."""
+    return [k_index(j) for j in range(k)]
+
+
+_MAIN = r"""
+#ifndef DEEPINFER_XRS_H
+#define DEEPINFER_XRS_H
+// one 64-K step kk into stage st: weights (128 rows x 32 bytes) and the activation tile (BT tokens x 8 chunks)
+template <int BT>
+__device__ __forceinline__ void xrs_issue(uint8_t* st, const uint8_t* a, int a_ld, const uint8_t* w, int w_ld,
+                                          int kk, int tid) {
+  {
+    const int r = tid >> 1, c = tid & 1;
+    di3_cp16(st + r * 32 + c * 16, w + (size_t)r * w_ld + kk * 32 + c * 16, 1);
+  }
+  uint8_t* xs = st + XRS_W_BYTES;
+  // a warp covers 16 tokens x 2 chunks (one 32-byte sector a token), so its cp.async writes are conflict-free
+#pragma unroll
+  for (int it = 0; it < BT / 32; ++it) {
+    const int c = it * 256 + tid, l = c & 31, wq = c >> 5;
+    const int n = (l >> 1) + 16 * (wq % (BT / 16)), kc = 2 * (wq / (BT / 16)) + (l & 1);
+    di3_cp16(xs + (kc * (BT / 8) + (n >> 3)) * 128 + (n & 7) * 16, a + (size_t)n * a_ld + kk * 128 + kc * 16, 1);
+  }
+}
+
+// the K loop of one block: acc[BT/2] (wgmma D layout) = W[128 rows, K] . A[BT tokens, K]^T over nk 64-K steps
+template <int BT, int S>
+__device__ __forceinline__ void xrs_mainloop(void* smem_, const void* a_, long long a_off, int a_ld, const void* w_,
+                                             int w_ld, const void* s_, int s_ld, int nk, float* acc) {
+  uint8_t* smem = static_cast<uint8_t*>(smem_);
+  // the tile's byte offset is passed apart: TileLang 0.1.15 fails to lower &a[by * BT, 0] at some widths (2304)
+  const uint8_t* a = static_cast<const uint8_t*>(a_) + a_off;
+  const uint8_t* w = static_cast<const uint8_t*>(w_);
+  const uint8_t* s = static_cast<const uint8_t*>(s_);
+  constexpr int STAGE = XRS_W_BYTES + BT * 128;
+  uint8_t* s_all = smem + S * STAGE;
+  const int tid = threadIdx.x, warp = tid >> 5, g = (tid >> 2) & 7, q = tid & 3;
+  const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g, r1 = r0 + 8;
+  uint32_t a_all[32];
+  for (int i = tid; i < XRS_ROWS * (s_ld / 8); i += blockDim.x) {
+    const int r = i / (s_ld / 8), c = i % (s_ld / 8);
+    di3_cp_small<8>(s_all + r * s_ld + c * 8, s + (size_t)r * s_ld + c * 8, 1);
+  }
+#pragma unroll
+  for (int p = 0; p < S - 2; ++p) {
+    if (p < nk) xrs_issue<BT>(smem + p * STAGE, a, a_ld, w, w_ld, p, tid);
+    di3_cp_commit();
+  }
+  for (int k = 0; k < nk; ++k) {
+    di3_cp_wait<S - 3>();
+    di3_fence_async();  // this thread's cp.async writes of step k (generic proxy) -> the wgmma reads (async proxy)
+    di3_wgmma_wait<1>();
+    __syncthreads();
+    if (k + S - 2 < nk) xrs_issue<BT>(smem + ((k + S - 2) % S) * STAGE, a, a_ld, w, w_ld, k + S - 2, tid);
+    di3_cp_commit();
+    const uint8_t* st = smem + (k % S) * STAGE;
+    const uint2 p0 = *reinterpret_cast<const uint2*>(st + r0 * 32 + 8 * q);
+    const uint2 p1 = *reinterpret_cast<const uint2*>(st + r1 * 32 + 8 * q);
+    const uint32_t s0 = di3_scale_e2m1(s_all[r0 * s_ld + 2 * k + (q >> 1)]);
+    const uint32_t s1 = di3_scale_e2m1(s_all[r1 * s_ld + 2 * k + (q >> 1)]);
+    uint32_t d0[8], d1[8];
+    di3_e2m1x8(p0.x, s0, d0);
+    di3_e2m1x8(p0.y, s0, d0 + 4);
+    di3_e2m1x8(p1.x, s1, d1);
+    di3_e2m1x8(p1.y, s1, d1 + 4);
+    uint32_t* af = a_all + 16 * (k & 1);
+    // word j of a row holds codes (j&3) + 8*(j>>2) and +4; it goes to k16 block t = j/2, column half j&1
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      af[4 * t + 0] = d0[2 * t];
+      af[4 * t + 1] = d1[2 * t];
+      af[4 * t + 2] = d0[2 * t + 1];
+      af[4 * t + 3] = d1[2 * t + 1];
+    }
+    const uint8_t* xs = st + XRS_W_BYTES;
+#if DI3_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    const uint64_t desc0 = ((uint64_t)(128 >> 4) << 32) | ((uint64_t)((BT * 16) >> 4) << 16) |
+                           (uint64_t)((di3_smem(xs) >> 4) & 0x3FFF);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) XRS_WGMMA_N(af + 4 * t, desc0 + (uint64_t)(t * BT * 2), acc);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint8_t* xb = xs + t * (BT * 32);
+#pragma unroll
+      for (int j = 0; j < BT / 8; ++j) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(xb + j * 128 + g * 16 + 4 * q);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(xb + (BT / 8) * 128 + j * 128 + g * 16 + 4 * q);
+        float* c4 = acc + 4 * j;
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(c4[0]), "+f"(c4[1]), "+f"(c4[2]), "+f"(c4[3])
+                     : "r"(af[4 * t]), "r"(af[4 * t + 1]), "r"(af[4 * t + 2]), "r"(af[4 * t + 3]), "r"(b0), "r"(b1));
+      }
+    }
+#endif
+  }
+  di3_wgmma_wait<0>();
+  di3_fence_regs(acc, BT / 2);
+  __syncthreads();  // every warp is past its last reads of the stages: the epilogue tile may overwrite them
+}
+
+// acc (wgmma D layout: acc[i] = row 16*(warp&3) + g + 8*((i>>1)&1) of the warpgroup, token 8*(i>>2) + 2q + (i&1))
+// rounded to bf16 into cs[token][row] (row pitch XRS_ROWS + XRS_CS_PAD)
+template <int BT>
+__device__ __forceinline__ void xrs_store_acc(const float* acc, void* cs_) {
+  __nv_bfloat16* cs = reinterpret_cast<__nv_bfloat16*>(cs_);
+  const int tid = threadIdx.x, warp = tid >> 5, g = (tid >> 2) & 7, q = tid & 3;
+  const int r = 64 * (warp >> 2) + 16 * (warp & 3) + g;
+#pragma unroll
+  for (int i = 0; i < BT / 2; ++i)
+    cs[(8 * (i >> 2) + 2 * q + (i & 1)) * (XRS_ROWS + XRS_CS_PAD) + r + 8 * ((i >> 1) & 1)] =
+        __float2bfloat16_rn(acc[i]);
+  __syncthreads();
+}
+
+// moe_kernel.k_index inside one 64-K group: the natural column of MMA K position j
+__device__ __forceinline__ int xrs_k_index(int j) {
+  const int kb = j >> 4, h = (j >> 3) & 1, q = (j >> 1) & 3, e = j & 1, jj = 2 * kb + h;
+  return 16 * q + (jj & 3) + 4 * e + 8 * (jj >> 2);
+}
+
+// out column j (MMA order) of the block's 64 SwiGLU outputs for token t: natural column c = k_index(j), whose gate
+// row is 64*(c/32) + c%32 of the tile and its up row 32 further (PackedExperts' interleave); g and u are the
+// bf16-rounded GEMM outputs, as in the reference
+__device__ __forceinline__ void xrs_swiglu(const void* cs_, int t, int j, float limit, float aw, void* o) {
+  const __nv_bfloat16* cs = static_cast<const __nv_bfloat16*>(cs_) + t * (XRS_ROWS + XRS_CS_PAD);
+  const int c = xrs_k_index(j), gr = (c >> 5) * 64 + (c & 31);
+  float g = __bfloat162float(cs[gr]), u = __bfloat162float(cs[gr + 32]);
+  if (limit > 0.f) {
+    g = fminf(g, limit);
+    u = fmaxf(fminf(u, limit), -limit);
+  }
+  *static_cast<__nv_bfloat16*>(o) = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u * aw);
+}
+
+// two adjacent bf16 of the tile (token t, rows 2c, 2c+1) to o[2c] (o: token t's row of out at the block's rows)
+__device__ __forceinline__ void xrs_put_pair(const void* cs_, int t, int c, void* o) {
+  const __nv_bfloat16* cs = static_cast<const __nv_bfloat16*>(cs_) + t * (XRS_ROWS + XRS_CS_PAD);
+  static_cast<uint32_t*>(o)[c] = *reinterpret_cast<const uint32_t*>(cs + 2 * c);
+}
+#endif
+"""
+
+
+def cuda_source(block_t: int) -> str:
+    return (DEQUANT_SOURCE + _HEAD + f"#define XRS_ROWS {ROWS}\n#define XRS_W_BYTES {W_BYTES}\n"
+            f"#define XRS_CS_PAD {CS_PAD}\n" + "#if DI3_WGMMA\n" + _wgmma_fn(block_t) + "#endif\n"
+            + f"#define XRS_WGMMA_N di3_wgmma_n{block_t}\n" + _MAIN + "#endif\n")
+
+
+def shared_bytes(block_t: int, k: int, stages: int) -> int:
+    """Dynamic shared memory of one block: the stages, then the scales of 128 rows over K (the epilogue tile
+    reuses the stages)."""
+    stage = W_BYTES + block_t * 128
+    assert block_t * (ROWS + CS_PAD) * 2 <= stages * stage, "the epilogue tile fits over the stage slots"
+    return stages * stage + ROWS * (k // 32)
+
+
+def build_fp4_expert_gemm_rs(n: int, k: int, epilogue: str, block_t: int = 128, stages: int = 4,
+                             min_blocks: int = 0):
+    """prim_func(a [rows, k] bf16 (K in mma_order), tile_expert [tiles] int32, w [E, n, k/2] uint8, s [E, n, k/32]
+    uint8, aw [rows] fp32, out [rows, n | n/2] bf16 (swiglu: in mma_order), limit fp32); rows = tiles * block_t
+    (the caller's promise), rows, tiles and E dynamic. Same signature as expert_gemm_kernel.build_fp4_expert_gemm."""
+    assert epilogue in ("plain", "swiglu")
+    assert block_t in (64, 128) and stages >= 3
+    assert n % ROWS == 0 and k % 64 == 0 and (k // 32) % 8 == 0
+    n_out = n // 2 if epilogue == "swiglu" else n
+    BT, S, NK, SL = block_t, stages, k // 64, k // 32
+    smem_bytes = shared_bytes(BT, k, S)
+    assert smem_bytes <= 227 * 1024
+    if min_blocks == 0:  # as many blocks an SM as shared memory holds, up to 3 (128 tokens: 2, ~127 registers)
+        min_blocks = max(1, min(3, (227 * 1024) // (smem_bytes + 1024)))
+    rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")
+    src = cuda_source(BT)
+
+    @T.prim_func
+    def fp4_expert_gemm_rs(
+        a: T.Tensor((rows, k), "bfloat16"),
+        tile_expert: T.Tensor((tiles,), "int32"),
+        w: T.Tensor((experts, n, k // 2), "uint8"),
+        s: T.Tensor((experts, n, k // 32), "uint8"),
+        aw: T.Tensor((rows,), "float32"),
+        out: T.Tensor((rows, n_out), "bfloat16"),
+        limit: T.float32,
+    ):
+        with T.Kernel(n // ROWS, tiles, threads=THREADS) as (bx, by):
+            T.annotate_min_blocks_per_sm(min_blocks)
+            smem = T.alloc_shared((smem_bytes // 4,), "uint32")
+            acc = T.alloc_local((BT // 2,), "float32")
+            tx = T.get_thread_binding()
+            T.import_source(src)
+            e = tile_expert[by]
+            for i in T.unroll(BT // 2):
+                acc[i] = T.float32(0)
+            T.call_extern("handle", f"xrs_mainloop<{BT},{S}>", T.address_of(smem[0]),
+                          T.address_of(a[0, 0]), T.cast(by, "int64") * (BT * k * 2), k * 2,
+                          T.address_of(w[e, bx * ROWS, 0]), k // 2,
+                          T.address_of(s[e, bx * ROWS, 0]), SL, NK,
+                          T.address_of(acc[0]))
+            T.call_extern("handle", f"xrs_store_acc<{BT}>", T.address_of(acc[0]), T.address_of(smem[0]))
+            if epilogue == "plain":
+                for it in T.unroll(BT * ROWS // 2 // THREADS):
+                    u = it * THREADS + tx          # a pair of bf16 (one 32-bit word) of the tile
+                    t = u // (ROWS // 2)
+                    c = u % (ROWS // 2)
+                    T.call_extern("handle", "xrs_put_pair", T.address_of(smem[0]), t, c,
+                                  T.address_of(out[by * BT + t, bx * ROWS]))
+            else:
+                for it in T.unroll(BT * 64 // THREADS):
+                    u = it * THREADS + tx
+                    t = u // 64
+                    j = u % 64
+                    T.call_extern("handle", "xrs_swiglu", T.address_of(smem[0]), t, j, limit, aw[by * BT + t],
+                                  T.address_of(out[by * BT + t, bx * 64 + j]))
+
+    return fp4_expert_gemm_rs
