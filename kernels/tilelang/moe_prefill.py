@@ -38,6 +38,7 @@ BLOCK_M = 64  # rows per tile: each expert's rows start on a multiple of this (6
 # 1: the GEMM with the weights dequantised into wgmma registers (expert_gemm_rs_kernel.py, tokens on the MMA's N
 # side, BLOCK_M of them a tile) instead of in shared memory (expert_gemm_kernel.py); an A/B until the device decides
 RS_GEMM = 0
+RS_STAGES = 4  # its cp.async stages (two steps in flight ahead of the one multiplied at 4)
 
 
 def wanted(n_tok: int, routed: PackedExperts) -> bool:
@@ -90,7 +91,8 @@ def expert_gemm(a: torch.Tensor, tile_expert: torch.Tensor, p: PackedExperts, wh
     n, k = w.shape[1], a.shape[1]
     out = torch.empty(a.shape[0], n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
     if RS_GEMM:  # its tile height is BLOCK_M (tile[0] if given): the token side of its MMAs
-        jit(build_fp4_expert_gemm_rs, n, k, epilogue, (tile or (BLOCK_M,))[0])(a, tile_expert, w, s, aw, out, limit)
+        bt = (tile or (BLOCK_M,))[0]
+        jit(build_fp4_expert_gemm_rs, n, k, epilogue, bt, RS_STAGES)(a, tile_expert, w, s, aw, out, limit)
     else:
         jit(build_fp4_expert_gemm, n, k, epilogue, *(tile or (BLOCK_M,)))(a, tile_expert, w, s, aw, out, limit)
     return out
