@@ -1,6 +1,7 @@
 """Grouped GEMM over FP4 experts for prefill-sized token counts, "swap AB" with the weights dequantised into wgmma
 A registers: each block computes C^T[128 weight rows, block_t tokens] = W_e[rows, K] . A[tile, K]^T for one tile of
-block_t rows of `a` (all of one expert, e = tile_expert[tile]). A candidate beside expert_gemm_kernel.py (the shared-
+block_t rows of `a` from tile_row[tile] (all of one expert, e = tile_expert[tile]; moe_prefill launches it once
+per tile height: an expert's 128-row tiles, then its odd 64-row one). A candidate beside expert_gemm_kernel.py (the shared-
 memory dequant, moe_prefill.RS_GEMM chooses; the loser goes).
 
 Why: expert_gemm_kernel.py writes every dequantised weight tile to shared memory as bf16 and wgmma reads it back:
@@ -208,9 +209,10 @@ def shared_bytes(block_t: int, k: int, stages: int) -> int:
 
 def build_fp4_expert_gemm_rs(n: int, k: int, epilogue: str, block_t: int = 128, stages: int = 4,
                              min_blocks: int = 0):
-    """prim_func(a [rows, k] bf16 (K in mma_order), tile_expert [tiles] int32, w [E, n, k/2] uint8, s [E, n, k/32]
-    uint8, aw [rows] fp32, out [rows, n | n/2] bf16 (swiglu: in mma_order), limit fp32); rows = tiles * block_t
-    (the caller's promise), rows, tiles and E dynamic. Same signature as expert_gemm_kernel.build_fp4_expert_gemm."""
+    """prim_func(a [rows, k] bf16 (K in mma_order), tile_expert [tiles] int32, tile_row [tiles] int32, w [E, n,
+    k/2] uint8, s [E, n, k/32] uint8, aw [rows] fp32, out [rows, n | n/2] bf16 (swiglu: in mma_order), limit fp32):
+    tile t covers rows tile_row[t] .. + block_t of a, aw and out (the caller's promise: inside rows), all of expert
+    tile_expert[t]; rows, tiles and E dynamic."""
     assert epilogue in ("plain", "swiglu")
     assert block_t in (64, 128) and stages >= 3
     assert n % ROWS == 0 and k % 64 == 0 and (k // 32) % 8 == 0
@@ -227,6 +229,7 @@ def build_fp4_expert_gemm_rs(n: int, k: int, epilogue: str, block_t: int = 128, 
     def fp4_expert_gemm_rs(
         a: T.Tensor((rows, k), "bfloat16"),
         tile_expert: T.Tensor((tiles,), "int32"),
+        tile_row: T.Tensor((tiles,), "int32"),
         w: T.Tensor((experts, n, k // 2), "uint8"),
         s: T.Tensor((experts, n, k // 32), "uint8"),
         aw: T.Tensor((rows,), "float32"),
@@ -240,10 +243,11 @@ def build_fp4_expert_gemm_rs(n: int, k: int, epilogue: str, block_t: int = 128, 
             tx = T.get_thread_binding()
             T.import_source(src)
             e = tile_expert[by]
+            r0 = tile_row[by]
             for i in T.unroll(BT // 2):
                 acc[i] = T.float32(0)
             T.call_extern("handle", f"xrs_mainloop<{BT},{S}>", T.address_of(smem[0]),
-                          T.address_of(a[0, 0]), T.cast(by, "int64") * (BT * k * 2), k * 2,
+                          T.address_of(a[0, 0]), T.cast(r0, "int64") * (k * 2), k * 2,
                           T.address_of(w[e, bx * ROWS, 0]), k // 2,
                           T.address_of(s[e, bx * ROWS, 0]), SL, NK,
                           T.address_of(acc[0]))
@@ -254,13 +258,13 @@ def build_fp4_expert_gemm_rs(n: int, k: int, epilogue: str, block_t: int = 128, 
                     t = u // (ROWS // 2)
                     c = u % (ROWS // 2)
                     T.call_extern("handle", "xrs_put_pair", T.address_of(smem[0]), t, c,
-                                  T.address_of(out[by * BT + t, bx * ROWS]))
+                                  T.address_of(out[r0 + t, bx * ROWS]))
             else:
                 for it in T.unroll(BT * 64 // THREADS):
                     u = it * THREADS + tx
                     t = u // 64
                     j = u % 64
-                    T.call_extern("handle", "xrs_swiglu", T.address_of(smem[0]), t, j, limit, aw[by * BT + t],
-                                  T.address_of(out[by * BT + t, bx * 64 + j]))
+                    T.call_extern("handle", "xrs_swiglu", T.address_of(smem[0]), t, j, limit, aw[r0 + t],
+                                  T.address_of(out[r0 + t, bx * 64 + j]))
 
     return fp4_expert_gemm_rs
