@@ -1,8 +1,8 @@
 """Grouped GEMM over FP4 experts for prefill-sized token counts, "swap AB" with the weights dequantised into wgmma
 A registers: each block computes C^T[128 weight rows, block_t tokens] = W_e[rows, K] . A[tile, K]^T for one tile of
 block_t rows of `a` from tile_row[tile] (all of one expert, e = tile_expert[tile]; moe_prefill launches it once
-per tile height: an expert's 128-row tiles, then its odd 64-row one). A candidate beside expert_gemm_kernel.py (the shared-
-memory dequant, moe_prefill.RS_GEMM chooses; the loser goes).
+per tile height: an expert's 128-row tiles, then its odd 64-row one). A candidate beside expert_gemm_kernel.py
+(the shared-memory dequant; moe_prefill.RS_GEMM chooses; the loser goes).
 
 Why: expert_gemm_kernel.py writes every dequantised weight tile to shared memory as bf16 and wgmma reads it back:
 per 64-K step of a 64 x 256 tile that is 32 KB written + 32 KB read + the activations, more shared-memory traffic
@@ -71,6 +71,65 @@ __device__ __forceinline__ void xrs_issue(uint8_t* st, const uint8_t* a, int a_l
   }
 }
 
+// step k of the K loop (BUF = k & 1: the A buffer, a compile-time index so both stay in registers)
+template <int BT, int S, int BUF>
+__device__ __forceinline__ void xrs_step(uint8_t* smem, const uint8_t* s_all, const uint8_t* a, int a_ld,
+                                         const uint8_t* w, int w_ld, int s_ld, int nk, int k, uint32_t* a_all,
+                                         float* acc) {
+  constexpr int STAGE = XRS_W_BYTES + BT * 128;
+  const int tid = threadIdx.x, warp = tid >> 5, g = (tid >> 2) & 7, q = tid & 3;
+  const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g, r1 = r0 + 8;
+  di3_cp_wait<S - 3>();
+  di3_fence_async();  // this thread's cp.async writes of step k (generic proxy) -> the wgmma reads (async proxy)
+  di3_wgmma_wait<1>();
+  __syncthreads();
+  if (k + S - 2 < nk) xrs_issue<BT>(smem + ((k + S - 2) % S) * STAGE, a, a_ld, w, w_ld, k + S - 2, tid);
+  di3_cp_commit();
+  const uint8_t* st = smem + (k % S) * STAGE;
+  const uint2 p0 = *reinterpret_cast<const uint2*>(st + r0 * 32 + 8 * q);
+  const uint2 p1 = *reinterpret_cast<const uint2*>(st + r1 * 32 + 8 * q);
+  const uint32_t s0 = di3_scale_e2m1(s_all[r0 * s_ld + 2 * k + (q >> 1)]);
+  const uint32_t s1 = di3_scale_e2m1(s_all[r1 * s_ld + 2 * k + (q >> 1)]);
+  uint32_t d0[8], d1[8];
+  di3_e2m1x8(p0.x, s0, d0);
+  di3_e2m1x8(p0.y, s0, d0 + 4);
+  di3_e2m1x8(p1.x, s1, d1);
+  di3_e2m1x8(p1.y, s1, d1 + 4);
+  uint32_t* af = a_all + 16 * BUF;
+  // word j of a row holds codes (j&3) + 8*(j>>2) and +4; it goes to k16 block t = j/2, column half j&1
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    af[4 * t + 0] = d0[2 * t];
+    af[4 * t + 1] = d1[2 * t];
+    af[4 * t + 2] = d0[2 * t + 1];
+    af[4 * t + 3] = d1[2 * t + 1];
+  }
+  const uint8_t* xs = st + XRS_W_BYTES;
+#if DI3_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  const uint64_t desc0 = ((uint64_t)(128 >> 4) << 32) | ((uint64_t)((BT * 16) >> 4) << 16) |
+                         (uint64_t)((di3_smem(xs) >> 4) & 0x3FFF);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) XRS_WGMMA_N(af + 4 * t, desc0 + (uint64_t)(t * BT * 2), acc);
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint8_t* xb = xs + t * (BT * 32);
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(xb + j * 128 + g * 16 + 4 * q);
+      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(xb + (BT / 8) * 128 + j * 128 + g * 16 + 4 * q);
+      float* c4 = acc + 4 * j;
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};\n"
+                   : "+f"(c4[0]), "+f"(c4[1]), "+f"(c4[2]), "+f"(c4[3])
+                   : "r"(af[4 * t]), "r"(af[4 * t + 1]), "r"(af[4 * t + 2]), "r"(af[4 * t + 3]), "r"(b0), "r"(b1));
+    }
+  }
+#endif
+}
+
 // the K loop of one block: acc[BT/2] (wgmma D layout) = W[128 rows, K] . A[BT tokens, K]^T over nk 64-K steps
 template <int BT, int S>
 __device__ __forceinline__ void xrs_mainloop(void* smem_, const void* a_, long long a_off, int a_ld, const void* w_,
@@ -82,8 +141,7 @@ __device__ __forceinline__ void xrs_mainloop(void* smem_, const void* a_, long l
   const uint8_t* s = static_cast<const uint8_t*>(s_);
   constexpr int STAGE = XRS_W_BYTES + BT * 128;
   uint8_t* s_all = smem + S * STAGE;
-  const int tid = threadIdx.x, warp = tid >> 5, g = (tid >> 2) & 7, q = tid & 3;
-  const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g, r1 = r0 + 8;
+  const int tid = threadIdx.x;
   uint32_t a_all[32];
   for (int i = tid; i < XRS_ROWS * (s_ld / 8); i += blockDim.x) {
     const int r = i / (s_ld / 8), c = i % (s_ld / 8);
@@ -94,56 +152,9 @@ __device__ __forceinline__ void xrs_mainloop(void* smem_, const void* a_, long l
     if (p < nk) xrs_issue<BT>(smem + p * STAGE, a, a_ld, w, w_ld, p, tid);
     di3_cp_commit();
   }
-  for (int k = 0; k < nk; ++k) {
-    di3_cp_wait<S - 3>();
-    di3_fence_async();  // this thread's cp.async writes of step k (generic proxy) -> the wgmma reads (async proxy)
-    di3_wgmma_wait<1>();
-    __syncthreads();
-    if (k + S - 2 < nk) xrs_issue<BT>(smem + ((k + S - 2) % S) * STAGE, a, a_ld, w, w_ld, k + S - 2, tid);
-    di3_cp_commit();
-    const uint8_t* st = smem + (k % S) * STAGE;
-    const uint2 p0 = *reinterpret_cast<const uint2*>(st + r0 * 32 + 8 * q);
-    const uint2 p1 = *reinterpret_cast<const uint2*>(st + r1 * 32 + 8 * q);
-    const uint32_t s0 = di3_scale_e2m1(s_all[r0 * s_ld + 2 * k + (q >> 1)]);
-    const uint32_t s1 = di3_scale_e2m1(s_all[r1 * s_ld + 2 * k + (q >> 1)]);
-    uint32_t d0[8], d1[8];
-    di3_e2m1x8(p0.x, s0, d0);
-    di3_e2m1x8(p0.y, s0, d0 + 4);
-    di3_e2m1x8(p1.x, s1, d1);
-    di3_e2m1x8(p1.y, s1, d1 + 4);
-    uint32_t* af = a_all + 16 * (k & 1);
-    // word j of a row holds codes (j&3) + 8*(j>>2) and +4; it goes to k16 block t = j/2, column half j&1
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      af[4 * t + 0] = d0[2 * t];
-      af[4 * t + 1] = d1[2 * t];
-      af[4 * t + 2] = d0[2 * t + 1];
-      af[4 * t + 3] = d1[2 * t + 1];
-    }
-    const uint8_t* xs = st + XRS_W_BYTES;
-#if DI3_WGMMA
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    const uint64_t desc0 = ((uint64_t)(128 >> 4) << 32) | ((uint64_t)((BT * 16) >> 4) << 16) |
-                           (uint64_t)((di3_smem(xs) >> 4) & 0x3FFF);
-#pragma unroll
-    for (int t = 0; t < 4; ++t) XRS_WGMMA_N(af + 4 * t, desc0 + (uint64_t)(t * BT * 2), acc);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#else
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const uint8_t* xb = xs + t * (BT * 32);
-#pragma unroll
-      for (int j = 0; j < BT / 8; ++j) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(xb + j * 128 + g * 16 + 4 * q);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(xb + (BT / 8) * 128 + j * 128 + g * 16 + 4 * q);
-        float* c4 = acc + 4 * j;
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};\n"
-                     : "+f"(c4[0]), "+f"(c4[1]), "+f"(c4[2]), "+f"(c4[3])
-                     : "r"(af[4 * t]), "r"(af[4 * t + 1]), "r"(af[4 * t + 2]), "r"(af[4 * t + 3]), "r"(b0), "r"(b1));
-      }
-    }
-#endif
+  for (int k = 0; k < nk; k += 2) {
+    xrs_step<BT, S, 0>(smem, s_all, a, a_ld, w, w_ld, s_ld, nk, k, a_all, acc);
+    if (k + 1 < nk) xrs_step<BT, S, 1>(smem, s_all, a, a_ld, w, w_ld, s_ld, nk, k + 1, a_all, acc);
   }
   di3_wgmma_wait<0>();
   di3_fence_regs(acc, BT / 2);
