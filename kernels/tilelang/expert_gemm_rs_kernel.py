@@ -80,7 +80,9 @@ __device__ __forceinline__ void xrs_step(uint8_t* smem, const uint8_t* s_all, co
   const int tid = threadIdx.x, warp = tid >> 5, g = (tid >> 2) & 7, q = tid & 3;
   const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g, r1 = r0 + 8;
   di3_cp_wait<S - 3>();
+#ifndef XRS_PROBE_NOFENCE
   di3_fence_async();  // this thread's cp.async writes of step k (generic proxy) -> the wgmma reads (async proxy)
+#endif
   di3_wgmma_wait<1>();
   __syncthreads();
   if (k + S - 2 < nk) xrs_issue<BT>(smem + ((k + S - 2) % S) * STAGE, a, a_ld, w, w_ld, k + S - 2, tid);
@@ -204,9 +206,11 @@ __device__ __forceinline__ void xrs_put_pair(const void* cs_, int t, int c, void
 """
 
 
-def cuda_source(block_t: int) -> str:
-    return (DEQUANT_SOURCE + _HEAD + f"#define XRS_ROWS {ROWS}\n#define XRS_W_BYTES {W_BYTES}\n"
-            f"#define XRS_CS_PAD {CS_PAD}\n" + "#if DI3_WGMMA\n" + _wgmma_fn(block_t) + "#endif\n"
+def cuda_source(block_t: int, probe: str = "") -> str:
+    """probe "nofence": a timing probe without the per-step proxy fence (racy by the memory model; benchmarks only)."""
+    assert probe in ("", "nofence")
+    return (("#define XRS_PROBE_NOFENCE 1\n" if probe else "") + DEQUANT_SOURCE + _HEAD
+            + f"#define XRS_ROWS {ROWS}\n#define XRS_W_BYTES {W_BYTES}\n#define XRS_CS_PAD {CS_PAD}\n" + "#if DI3_WGMMA\n" + _wgmma_fn(block_t) + "#endif\n"
             + f"#define XRS_WGMMA_N di3_wgmma_n{block_t}\n" + _MAIN + "#endif\n")
 
 
@@ -219,7 +223,7 @@ def shared_bytes(block_t: int, k: int, stages: int) -> int:
 
 
 def build_fp4_expert_gemm_rs(n: int, k: int, epilogue: str, block_t: int = 128, stages: int = 4,
-                             min_blocks: int = 0):
+                             min_blocks: int = 0, probe: str = ""):
     """prim_func(a [rows, k] bf16 (K in mma_order), tile_expert [tiles] int32, tile_row [tiles] int32, w [E, n,
     k/2] uint8, s [E, n, k/32] uint8, aw [rows] fp32, out [rows, n | n/2] bf16 (swiglu: in mma_order), limit fp32):
     tile t covers rows tile_row[t] .. + block_t of a, aw and out (the caller's promise: inside rows), all of expert
@@ -234,7 +238,7 @@ def build_fp4_expert_gemm_rs(n: int, k: int, epilogue: str, block_t: int = 128, 
     if min_blocks == 0:  # as many blocks an SM as shared memory holds, up to 3 (128 tokens: 2, ~127 registers)
         min_blocks = max(1, min(3, (227 * 1024) // (smem_bytes + 1024)))
     rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")
-    src = cuda_source(BT)
+    src = cuda_source(BT, probe)
 
     @T.prim_func
     def fp4_expert_gemm_rs(

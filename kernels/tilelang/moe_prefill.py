@@ -39,6 +39,7 @@ BLOCK_M = 64  # rows per tile: each expert's rows start on a multiple of this (6
 # side, BLOCK_M of them a tile) instead of in shared memory (expert_gemm_kernel.py); an A/B until the device decides
 RS_GEMM = 0
 RS_STAGES = 4  # its cp.async stages (two steps in flight ahead of the one multiplied at 4)
+RS_PROBE_NOFENCE = 0  # 1: its timing probe without the proxy fence (racy; benchmarks only)
 RS_PAIRS = 1  # with RS_GEMM and BLOCK_M 64: an expert's 64-row tiles paired into 128-row ones (0: 64-row tiles)
 
 
@@ -118,7 +119,8 @@ def expert_gemm(a: torch.Tensor, tiling, p: PackedExperts, which: str, aw: torch
         if RS_GEMM:  # the tile height is the token side of its MMAs
             if tile_row is None:
                 tile_row = torch.arange(tile_expert.numel(), dtype=torch.int32, device=a.device) * height
-            jit(build_fp4_expert_gemm_rs, n, k, epilogue, height, RS_STAGES)(
+            probe = "nofence" if RS_PROBE_NOFENCE else ""
+            jit(build_fp4_expert_gemm_rs, n, k, epilogue, height, RS_STAGES, 0, probe)(
                 a, tile_expert, tile_row, w, s, aw, out, limit)
         else:
             assert tile_row is None and len(groups) == 1, "expert_gemm_kernel takes end-to-end tiles of one height"
