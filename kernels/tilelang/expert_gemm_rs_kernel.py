@@ -210,7 +210,8 @@ def cuda_source(block_t: int, probe: str = "") -> str:
     """probe "nofence": a timing probe without the per-step proxy fence (racy by the memory model; benchmarks only)."""
     assert probe in ("", "nofence")
     return (("#define XRS_PROBE_NOFENCE 1\n" if probe else "") + DEQUANT_SOURCE + _HEAD
-            + f"#define XRS_ROWS {ROWS}\n#define XRS_W_BYTES {W_BYTES}\n#define XRS_CS_PAD {CS_PAD}\n" + "#if DI3_WGMMA\n" + _wgmma_fn(block_t) + "#endif\n"
+            + f"#define XRS_ROWS {ROWS}\n#define XRS_W_BYTES {W_BYTES}\n#define XRS_CS_PAD {CS_PAD}\n"
+            + "#if DI3_WGMMA\n" + _wgmma_fn(block_t) + "#endif\n"
             + f"#define XRS_WGMMA_N di3_wgmma_n{block_t}\n" + _MAIN + "#endif\n")
 
 
