@@ -14,18 +14,15 @@ from ._helpers import FLASH_WIDTH, fp4_rows, fp8_blocks, poison_allocator, rel_e
 pytestmark = [pytest.mark.gpu, FLASH_WIDTH]
 
 
-@pytest.mark.parametrize("rs", [0, 1])
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("epilogue", ["swiglu", "plain"])
-def test_fp4_expert_gemm_kernel_keeps_its_torch_contract(epilogue, block_m, rs, monkeypatch):
+def test_fp4_expert_gemm_kernel_keeps_its_torch_contract(epilogue, block_m, monkeypatch):
     """Tiles of 3, 1 and 2 tiles per expert (experts 0, 2, 5 of 6; the rest without rows), zero padding rows,
-    released widths; each kernel (rs 0: dequantised in shared memory, 1: into wgmma registers) against
-    expert_gemm_torch (the kernel's permuted K order, bf16 rounding points)."""
+    released widths; the kernel against expert_gemm_torch (same permuted K order, bf16 rounding points)."""
     from deepinfer.kernels.tilelang import moe_prefill
     from deepinfer.kernels.tilelang.moe_prefill import expert_gemm, expert_gemm_torch
 
     monkeypatch.setattr(moe_prefill, "BLOCK_M", block_m)
-    monkeypatch.setattr(moe_prefill, "RS_GEMM", rs)
     BLOCK_M = block_m
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -45,30 +42,6 @@ def test_fp4_expert_gemm_kernel_keeps_its_torch_contract(epilogue, block_m, rs, 
     assert got.shape == ref.shape and torch.isfinite(got).all()
     assert rel_err(got, ref) < 1e-2
     assert torch.equal(got[BLOCK_M * 3 - 5:BLOCK_M * 3], torch.zeros_like(got[:5]))
-
-
-@pytest.mark.parametrize("epilogue", ["swiglu", "plain"])
-def test_the_register_kernel_takes_tiles_of_two_heights_at_their_own_rows(epilogue, monkeypatch):
-    """moe_prefill's paired tiling: 128-row tiles of experts 0, 2 and 5 and 64-row tiles of 0 and 5, each at its
-    own rows, two launches into one output; against the torch contract."""
-    from deepinfer.kernels.tilelang import moe_prefill
-    from deepinfer.kernels.tilelang.moe_prefill import expert_gemm, expert_gemm_torch
-
-    monkeypatch.setattr(moe_prefill, "RS_GEMM", 1)
-    g = torch.Generator(device="cuda").manual_seed(12)
-    E, D, I = 6, 5120, 2304
-    routed, _ = _experts(E, D, I, g)
-    t = lambda *v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
-    tiling = [(t(0, 2, 5), t(0, 192, 320), 128), (t(0, 5), t(128, 448), 64)]
-    k = D if epilogue == "swiglu" else I
-    a = torch.randn(512, k, device="cuda", generator=g).bfloat16()
-    aw = torch.rand(512, device="cuda", generator=g)
-    which = "w13" if epilogue == "swiglu" else "w2"
-    poison_allocator()
-    got = expert_gemm(a, tiling, routed, which, aw, epilogue, 7.0)
-    w, s = (routed.w13, routed.s13) if which == "w13" else (routed.w2, routed.s2)
-    ref = expert_gemm_torch(a, tiling, w, s, "fp4", aw, epilogue, 7.0)
-    assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2
 
 
 def test_moe_combine_kernel_is_the_torch_sum_bitwise():
@@ -98,12 +71,10 @@ def _experts(E, D, I, g):
     return routed, pack_experts("fp8", [a], [sa], [b], [sb], [c], [sc])
 
 
-@pytest.mark.parametrize("rs", [0, 1])
 @pytest.mark.parametrize("tokens,skew", [(1500, False), (2047, True)])
-def test_grouped_moe_matches_the_reference_at_flash_width(tokens, skew, rs, monkeypatch):
+def test_grouped_moe_matches_the_reference_at_flash_width(tokens, skew, monkeypatch):
     from deepinfer.kernels.tilelang import moe, moe_prefill
 
-    monkeypatch.setattr(moe_prefill, "RS_GEMM", rs)
     monkeypatch.setattr(moe_prefill, "PREFILL_TOKENS", 1024)  # the path from 1024 tokens, 40 experts: a quick test
     g = torch.Generator(device="cuda").manual_seed(tokens)
     E, D, I, k = 40, 5120, 2304, 6
