@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (the 40-layer model: an H200, or an 80 GB H100): the 40-layer prefill (8K, 32K, YOCO at 32K, mixed
-# prefill + decode steps), then the engine and model GPU files with the time left.
+# prefill + decode steps at 2K-16K budgets), then the engine and model GPU files with the time left.
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/prefill40.sh
 # ATTRS: benchmarks/with_attrs.py overrides (an A/B arm); LIMIT: the call's seconds; T1: the prefill's limit.
 set -o pipefail
@@ -10,9 +10,10 @@ RUN=python3 && [ -n "${ATTRS:-}" ] && RUN="python3 benchmarks/with_attrs.py $ATT
 # the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout ${T1:-280} $RUN \
+timeout ${T1:-330} $RUN \
   benchmarks/prefill_gpu.py --model flash40 --tokens 8192 32768 --at-once 1 --torch-tokens 0 --mixed-tokens 16384 \
-  --mixed-chunks 4096 8192 --out $OUT/prefill.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/prefill.log | tail -30
+  --mixed-chunks 2048 4096 8192 16384 --out $OUT/prefill.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/prefill.log \
+  | tail -30
 left=$(( ${LIMIT:-540} - SECONDS ))
 if [ $left -gt 90 ]; then
   cd "$DEEPINFER_SITE" && timeout $left python3 -m pytest $GPU_TESTS/test_{engine_gpu,model_gpu}.py -n 2 \
