@@ -25,7 +25,6 @@ benchmarks/results/attn_v2_gpu_h200.json.
 """
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -36,6 +35,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_gpu import portable_json  # noqa: E402
 from kernels_gpu import attention_inputs as make_inputs  # noqa: E402  (the main table's inputs)
 from kernels_gpu import ceilings, graph_time, timeit  # noqa: E402  (same timing and ceilings as the main table)
 from target_card import on_card  # noqa: E402
@@ -197,8 +197,8 @@ def main():
 
     def flush():
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, targets=on_card(targets(rows), meta["gpu"]), rows=rows, missing=missing,
-                           jit=jit_stats()), f, indent=1)
+            f.write(portable_json(dict(meta=meta, targets=on_card(targets(rows), meta["gpu"]), rows=rows,
+                                       missing=missing, jit=jit_stats())))
 
     g = torch.Generator(device="cuda").manual_seed(1)
     sink = torch.randn(HEADS, device="cuda", generator=g)

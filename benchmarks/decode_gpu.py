@@ -279,9 +279,9 @@ def run_decode(engine, tap, batch: int, context: int, warmup: int, steps: int, v
 
 
 def portable(text: str) -> str:
-    """`text` with the machine's own paths (the device's $OUT, the JIT cache, the checkout, the working directory)
-    written as the names the README's commands use, so a result reads the same wherever it was made."""
-    for var in ("OUT", "DEEPINFER_JIT_CACHE_DIR", "TILELANG_CACHE_DIR"):
+    """`text` with the machine's own paths (the device's $OUT, the JIT manifest and cache, the checkout, the working
+    directory) written as the names the README's commands use, so a result reads the same wherever it was made."""
+    for var in ("OUT", "DEEPINFER_JIT_MANIFEST", "DEEPINFER_JIT_CACHE_DIR", "TILELANG_CACHE_DIR"):
         value = os.environ.get(var)
         if value and len(value) > 1:
             text = text.replace(value.rstrip("/"), f"${var}")
