@@ -10,7 +10,7 @@ moe_prefill.py (tokens grouped by expert into tiles of BLOCK_M rows, expert_gemm
 gate/up with the SwiGLU epilogue and for down, moe_combine_kernel), at several token counts and `--block-m` tile
 heights; the rate is FLOPs (routed + shared) over time, and % of the bf16 GEMM rate measured in the same run.
 The two must agree (relative error < 2e-2) or the script exits 1. Then the grouped GEMM kernel alone per
-projection, every expert with 128 or 256 rows, at each `--gemm-tiles` shape. FP8 projections: the weight-only
+projection, every expert with 128 or 256 rows, in tiles of each `--gemm-heights` rows. FP8 projections: the weight-only
 kernel vs dequantise + cuBLAS at several row counts for each projection shape. Timing: CUDA events, median of
 `--iters` calls. `--profile T`: the kernel table of one grouped MoE call of T tokens instead.
 """
@@ -39,7 +39,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def moe_rows(tokens_list, iters, peak, block_ms=(128,), tiles=((64, 256, 64, 2, 256),)):
+def moe_rows(tokens_list, iters, peak, block_ms=(128,), heights=(128,)):
     from deepinfer.kernels.tilelang import moe, moe_prefill
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -81,23 +81,21 @@ def moe_rows(tokens_list, iters, peak, block_ms=(128,), tiles=((64, 256, 64, 2, 
         print(f"MoE T={T_:6d}: stream {ms_s:8.2f} ms ({r['stream_tflops']:6.1f} TF/s) | grouped {ms_g:8.2f} ms "
               f"({r['grouped_tflops']:6.1f} TF/s, {r['grouped_pct_peak']:4.1f}% of bf16) | err {r['err']:.2e}",
               flush=True)
-    # the grouped GEMM kernel alone, both projections, every expert with `per` full tiles of rows, per tile shape
+    # the grouped GEMM kernel alone, both projections, every expert with 128 or 256 rows, per tile height
     alone = []
-    for tile in tiles:
-        bm = tile[0]
+    for bm in heights:
         for per in (1, 2):
             tile_expert = torch.arange(E, dtype=torch.int32, device="cuda").repeat_interleave(per * 128 // bm)
             rows_n = tile_expert.numel() * bm
             aw = torch.rand(rows_n, device="cuda", generator=g)
             for which, epi, k in (("w13", "swiglu", HID), ("w2", "plain", INTER)):
                 a_ = torch.randn(rows_n, k, device="cuda", generator=g).bfloat16()
-                ms = timeit(lambda i: moe_prefill.expert_gemm(a_, tile_expert, routed, which, aw, epi, LIMIT, tile),
+                ms = timeit(lambda i: moe_prefill.expert_gemm(a_, tile_expert, routed, which, aw, epi, LIMIT, bm),
                             iters=iters)[0]
                 fl = 2 * rows_n * k * (2 * INTER if which == "w13" else HID)
-                alone.append(dict(tile=list(tile), proj=which, rows=rows_n, ms=ms, tflops=fl / ms / 1e9,
+                alone.append(dict(height=bm, proj=which, rows=rows_n, ms=ms, tflops=fl / ms / 1e9,
                                   pct_peak=fl / ms / 1e-3 / peak * 100))
-                name = "x".join(map(str, tile))
-                print(f"fp4 expert GEMM {name:16s} {which} rows={rows_n:6d}: {ms:7.3f} ms ({fl / ms / 1e9:6.1f} TF/s, "
+                print(f"fp4 expert GEMM, {bm:3d}-row tiles, {which} rows={rows_n:6d}: {ms:7.3f} ms ({fl / ms / 1e9:6.1f} TF/s, "
                       f"{fl / ms / 1e-3 / peak * 100:4.1f}% of bf16)", flush=True)
     return rows, alone
 
@@ -162,8 +160,8 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 8192])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--block-m", type=int, nargs="+", default=[64], help="grouped path tile heights to time")
-    ap.add_argument("--gemm-tiles", nargs="*", default=["64x256x64x2x256"],
-                    help="the grouped GEMM alone at these block_m x block_n x block_k x stages x threads")
+    ap.add_argument("--gemm-heights", type=int, nargs="*", default=[64, 128],
+                    help="the grouped GEMM alone at these tile heights (its MMAs' token side)")
     ap.add_argument("--linear-block-t", type=int, nargs="+", default=[32],
                     help="the FP8 projection kernel's token tiles to time (32: the default)")
     ap.add_argument("--profile", type=int, default=0, help="print the kernel table of one grouped MoE call of "
@@ -174,8 +172,7 @@ def main():
     t0 = time.time()
     bw, peak = ceilings()
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {peak / 1e12:.0f} TFLOP/s", flush=True)
-    moe, alone = moe_rows(a.tokens, a.iters, peak, a.block_m,
-                           [tuple(int(v) for v in t.split("x")) for t in a.gemm_tiles]) if a.tokens else ([], [])
+    moe, alone = moe_rows(a.tokens, a.iters, peak, a.block_m, a.gemm_heights) if a.tokens else ([], [])
     lin = linear_rows(a.rows, a.iters, a.linear_block_t)
     failures = [f"MoE T={r['tokens']}: paths disagree (rel err {r['err']:.2e}) or non-finite"
                 for r in moe if not (r["err"] < 2e-2 and r["finite"])]

@@ -30,8 +30,11 @@ def _shared(D, I, g):
     return PackedExperts("fp8", codes(1, 2 * I, D), s(1, 2 * I // 32, D // 32), codes(1, D, I), s(1, D // 32, I // 32))
 
 
+@pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("tokens,skew", [(40, False), (300, False), (300, True)])
-def test_grouped_path_matches_the_reference(tokens, skew):
+def test_grouped_path_matches_the_reference(tokens, skew, block_m, monkeypatch):
+    """The GEMM kernel's contract (K in the wgmma fragments' order) at both tile heights (64: paired into 128)."""
+    monkeypatch.setattr(moe_prefill, "BLOCK_M", block_m)
     g = torch.Generator().manual_seed(tokens)
     E, D, I, k = 16, 256, 128, 4
     routed, shared = _packed(E, D, I, g), _shared(D, I, g)
@@ -48,11 +51,43 @@ def test_grouped_path_matches_the_reference(tokens, skew):
     assert err < 1e-3, err  # same rounding points and summation order
 
 
-def test_the_permuted_k_order_is_a_permutation_within_groups_of_eight():
-    perm = moe_prefill.k_perm(64, "cpu")
-    assert sorted(perm.tolist()) == list(range(64))
-    assert perm[:8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
-    assert torch.equal(perm.view(8, 8) // 8, torch.arange(8)[:, None].expand(8, 8))
+def test_an_expert_runs_in_128_row_tiles_and_at_most_one_64_row_tile(monkeypatch):
+    """With 64-row tiles an expert's tiles are paired: every row of the grouped layout in exactly one tile, each
+    tile one expert's, an expert's odd tile last."""
+    monkeypatch.setattr(moe_prefill, "BLOCK_M", 64)
+    seen = []
+    real = moe_prefill.expert_gemm
+    monkeypatch.setattr(moe_prefill, "expert_gemm", lambda a, tiling, *rest: seen.append((a.shape[0], tiling))
+                        or real(a, tiling, *rest))
+    g = torch.Generator().manual_seed(3)
+    E, D, I, k, T_ = 8, 128, 64, 2, 300
+    idx = torch.randn(T_, E, generator=g).add(torch.tensor([3.0, 2, 1, 0, 0, 0, 0, -9])).topk(k, -1).indices
+    x = torch.randn(T_, D, generator=g).bfloat16()
+    moe_prefill.moe_experts_grouped(x, torch.rand(T_, k, generator=g), idx, _packed(E, D, I, g), None, 7.0)
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    rows, tiling = seen[0]
+    assert rows == int(((counts + 63) // 64).sum()) * 64
+    owner = torch.full((rows,), -1)
+    for tile_expert, tile_row, height in tiling:
+        assert height in (64, 128)
+        for e, r in zip(tile_expert.tolist(), tile_row.tolist()):
+            assert (owner[r:r + height] == -1).all()
+            owner[r:r + height] = e
+    assert (owner >= 0).all()
+    for e in range(E):
+        assert int((owner == e).sum()) == -(-int(counts[e]) // 64) * 64  # the expert's rows, padded to 64
+    odd = tiling[1][0].tolist()
+    assert odd == [e for e in range(E) if -(-int(counts[e]) // 64) % 2 == 1]
+
+
+def test_the_k_order_is_moe_kernels_fragment_order_in_groups_of_64():
+    from deepinfer.kernels.tilelang.moe_kernel import k_index
+
+    perm = moe_prefill.k_perm(128, "cpu")
+    assert sorted(perm.tolist()) == list(range(128))
+    assert perm.tolist() == [k_index(j) for j in range(128)]
+    assert torch.equal(perm.view(2, 64) // 64, torch.arange(2)[:, None].expand(2, 64))
+    assert perm[:8].tolist() == [0, 4, 16, 20, 32, 36, 48, 52]  # lane q's pair (2q, 2q+1): codes 16q and 16q + 4
 
 
 def test_the_path_is_for_large_fp4_calls_outside_the_batch_invariant_mode(monkeypatch):

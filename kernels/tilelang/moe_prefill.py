@@ -1,11 +1,12 @@
 """MoE at prefill sizes: tokens grouped by expert on the device (each expert's rows padded to whole tiles of
-`BLOCK_M`), then two launches of the FP4 grouped GEMM (expert_gemm_kernel.py) over every expert at once: the gate/up
-projection with the SwiGLU in its epilogue, and the down projection.
+`BLOCK_M`; with 64, an expert's tiles paired into 128-row ones), then the FP4 grouped GEMM (expert_gemm_kernel.py)
+over every expert at once, one launch per tile height: the gate/up projection with the SwiGLU in its epilogue, and
+the down projection.
 
 Why a second path beside the streaming kernel (moe_kernel.py): that kernel dequantises each weight tile into
 registers once per token tile of <= 64 tokens, which is what decode wants (weights read once, few tokens). At a
-prefill step's hundreds of tokens per expert the arithmetic dominates: here each weight tile, dequantised once
-into shared memory, feeds the wgmma of a BLOCK_M-token tile. From `PREFILL_TOKENS` tokens per call this path runs
+prefill step's hundreds of tokens per expert the arithmetic dominates: here each weight fragment, dequantised once
+into registers, feeds the wgmma of a 64- or 128-token tile. From `PREFILL_TOKENS` tokens per call this path runs
 (benchmarks/prefill_kernels_gpu.py measures both).
 
 Same math as the torch reference (kernels/torch/moe.py): gate and up rounded to bf16 as a GEMM output, SwiGLU with
@@ -27,13 +28,14 @@ from deepinfer.kernels.packed_experts import PackedExperts, _dequant
 from deepinfer.kernels.torch import moe as torch_moe
 
 from ._build import jit
-from .dequant import fp4_perm
-from .expert_gemm_kernel import HALF, build_fp4_expert_gemm
+from .expert_gemm_kernel import HALF, build_fp4_expert_gemm, mma_order
 from .linear import expert_dense
 from .moe_combine_kernel import build_moe_combine
 
-PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (1.8x the streaming kernel there, H200)
-BLOCK_M = 64  # rows per tile: each expert's rows start on a multiple of this (64 beat 128 at 2K-16K tokens, H200)
+PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (the streaming kernel wins below, H100)
+# rows per tile: each expert's rows start on a multiple of this; with 64, two of an expert's tiles run as one
+# 128-row tile (12.2 ms at 8K tokens against 12.5 with 128-row tiles, H100: less padding, the same MMAs)
+BLOCK_M = 64
 
 
 def wanted(n_tok: int, routed: PackedExperts) -> bool:
@@ -43,44 +45,70 @@ def wanted(n_tok: int, routed: PackedExperts) -> bool:
 
 
 def k_perm(k: int, device) -> torch.Tensor:
-    """Column j of a permuted operand holds column fp4_perm(j) (di_dq_e2m1x8's order, in groups of 8)."""
-    j = torch.arange(k, device=device)
-    return fp4_perm(j)
+    """Column j of a permuted operand holds column k_perm[j]: the wgmma fragments' order in groups of 64
+    (expert_gemm_kernel.mma_order)."""
+    assert k % 64 == 0
+    return (torch.arange(k // 64, device=device)[:, None] * 64
+            + torch.tensor(mma_order(64), device=device)).reshape(-1)
 
 
-def expert_gemm_torch(a: torch.Tensor, tile_expert: torch.Tensor, w: torch.Tensor, s: torch.Tensor, fmt: str,
+def tilings(tile_expert: torch.Tensor | list, height: int | None = None) -> list:
+    """[(tile_expert [tiles] int32, tile_row [tiles] int32 | None, height)]: groups of tiles of one height; a bare
+    tile_expert is one group of `height`-row tiles (BLOCK_M by default) laid end to end (tile_row None)."""
+    if isinstance(tile_expert, torch.Tensor):
+        return [(tile_expert, None, height or BLOCK_M)]
+    return tile_expert
+
+
+def _rows_of(tile_row, height: int, n: int, device) -> torch.Tensor:
+    start = tile_row.long() if tile_row is not None else torch.arange(n, device=device) * height
+    return (start[:, None] + torch.arange(height, device=device)).reshape(-1)
+
+
+def expert_gemm_torch(a: torch.Tensor, tiling, w: torch.Tensor, s: torch.Tensor, fmt: str,
                       aw: torch.Tensor, epilogue: str, limit: float) -> torch.Tensor:
-    """The kernel's function in torch: a [rows, K] (K permuted), tile_expert [rows / BLOCK_M] -> [rows, N | N/2]."""
+    """The kernel's function in torch: a [rows, K] (K permuted), the tiles of `tilings(tiling)` -> [rows, N | N/2]
+    (rows no tile covers: zeros)."""
     rows, k = a.shape
     n = w.shape[1]
     perm = k_perm(k, a.device)
-    expert_of_row = tile_expert.repeat_interleave(BLOCK_M)
     acc = torch.zeros(rows, n, dtype=torch.bfloat16, device=a.device)
-    for e in torch.unique(tile_expert).tolist():
-        sel = (expert_of_row == e).nonzero().squeeze(1)
-        wd = _dequant(fmt, w[e], s[e]).to(torch.bfloat16)[:, perm]
-        acc[sel] = F.linear(a[sel], wd)
+    covered = torch.zeros(rows, dtype=torch.bool, device=a.device)
+    for tile_expert, tile_row, height in tilings(tiling):
+        row_idx = _rows_of(tile_row, height, tile_expert.numel(), a.device)
+        expert_of_row = tile_expert.long().repeat_interleave(height)
+        covered[row_idx] = True
+        for e in torch.unique(tile_expert).tolist():
+            sel = row_idx[expert_of_row == e]
+            wd = _dequant(fmt, w[e], s[e]).to(torch.bfloat16)[:, perm]
+            acc[sel] = F.linear(a[sel], wd)
     if epilogue == "plain":
         return acc
     h = acc.view(rows, -1, 2, HALF)
     gate, up = h[:, :, 0].reshape(rows, -1).float(), h[:, :, 1].reshape(rows, -1).float()
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    act = (F.silu(gate) * up * aw[:, None]).to(torch.bfloat16)
+    act = (F.silu(gate) * up * torch.where(covered, aw, 0.0)[:, None]).to(torch.bfloat16)
     return act[:, k_perm(act.shape[1], a.device)]
 
 
-def expert_gemm(a: torch.Tensor, tile_expert: torch.Tensor, p: PackedExperts, which: str, aw: torch.Tensor,
-                epilogue: str, limit: float, tile: tuple | None = None) -> torch.Tensor:
-    """One grouped projection of `p` ("w13" or "w2") over the tiles of `a`: the kernel for FP4 experts on CUDA,
-    else expert_gemm_torch. `tile`: the kernel's (block_m, block_n, block_k, stages, threads) instead of its
-    defaults with BLOCK_M (benchmarks/prefill_kernels_gpu.py --gemm-tiles compares them)."""
+def expert_gemm(a: torch.Tensor, tiling, p: PackedExperts, which: str, aw: torch.Tensor, epilogue: str,
+                limit: float, height: int | None = None) -> torch.Tensor:
+    """One grouped projection of `p` ("w13" or "w2") over the tiles of `a` (`tilings(tiling, height)`): the kernel
+    for FP4 experts on CUDA (one launch per tile height, 64 or 128), else expert_gemm_torch."""
     w, s = (p.w13, p.s13) if which == "w13" else (p.w2, p.s2)
+    groups = tilings(tiling, height)
     if p.fmt != "fp4" or not a.is_cuda:
-        return expert_gemm_torch(a, tile_expert, w, s, p.fmt, aw, epilogue, limit)
+        return expert_gemm_torch(a, groups, w, s, p.fmt, aw, epilogue, limit)
     n, k = w.shape[1], a.shape[1]
     out = torch.empty(a.shape[0], n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
-    jit(build_fp4_expert_gemm, n, k, epilogue, *(tile or (BLOCK_M,)))(a, tile_expert, w, s, aw, out, limit)
+    for tile_expert, tile_row, height in groups:
+        if tile_expert.numel() == 0:
+            continue
+        if tile_row is None:
+            tile_row = torch.arange(tile_expert.numel(), dtype=torch.int32, device=a.device) * height
+        # the tile height is the token side of its MMAs
+        jit(build_fp4_expert_gemm, n, k, epilogue, height)(a, tile_expert, tile_row, w, s, aw, out, limit)
     return out
 
 
@@ -109,18 +137,30 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     starts = (torch.cumsum(tiles, 0) - tiles) * BLOCK_M
     dest = starts[expert] + torch.arange(T_ * k, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
-    n_tiles = int(tiles.sum())  # one device sync per call: prefill steps run eagerly
+    experts = torch.arange(E, dtype=torch.int32, device=dev)
+    if BLOCK_M == 64:
+        # two 64-row tiles of one expert as one 128-row tile, an odd one left at 64: padding as 64-row tiles pad,
+        # the 128-token MMAs where an expert has the rows
+        pairs, odd = tiles // 2, tiles % 2
+        n_tiles, n_pairs, n_odd = torch.stack([tiles.sum(), pairs.sum(), odd.sum()]).tolist()  # one device sync
+        pair_row = (starts.repeat_interleave(pairs, output_size=n_pairs)
+                    + 2 * BLOCK_M * (torch.arange(n_pairs, device=dev)
+                                     - (torch.cumsum(pairs, 0) - pairs).repeat_interleave(pairs, output_size=n_pairs)))
+        has_odd = odd.nonzero().squeeze(1)
+        tiling = [(experts.repeat_interleave(pairs, output_size=n_pairs), pair_row.int(), 2 * BLOCK_M),
+                  (has_odd.int(), (starts + 2 * BLOCK_M * pairs)[has_odd].int(), BLOCK_M)]
+    else:
+        n_tiles = int(tiles.sum())  # one device sync per call: prefill steps run eagerly
+        tiling = experts.repeat_interleave(tiles, output_size=n_tiles)
     rows = n_tiles * BLOCK_M
-    tile_expert = torch.repeat_interleave(torch.arange(E, dtype=torch.int32, device=dev), tiles,
-                                          output_size=n_tiles)
     assignment = torch.full((rows,), T_ * k, dtype=torch.int64, device=dev)  # padding rows: past the end
     assignment[dest] = order
     tok = torch.where(assignment < T_ * k, assignment // k, T_)  # T_: the zero row appended below
     xs = torch.cat([x[:, k_perm(D, dev)], x.new_zeros(1, D)])[tok]  # padding rows stay zero
     aw = torch.cat([weights.reshape(-1).float(), weights.new_zeros(1, dtype=torch.float32)])[assignment]
     limit = float(swiglu_limit)
-    act = expert_gemm(xs, tile_expert, routed, "w13", aw, "swiglu", limit)
-    out = expert_gemm(act, tile_expert, routed, "w2", aw, "plain", limit)  # each assignment's down projection
+    act = expert_gemm(xs, tiling, routed, "w13", aw, "swiglu", limit)
+    out = expert_gemm(act, tiling, routed, "w2", aw, "plain", limit)  # each assignment's down projection
     # a token's experts summed in ascending expert order, then the shared expert: the reference's order
     row_of = torch.empty(T_ * k, dtype=torch.int64, device=dev)
     row_of[order] = dest

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu, FLASH_WIDTH]
 @pytest.mark.parametrize("epilogue", ["swiglu", "plain"])
 def test_fp4_expert_gemm_kernel_keeps_its_torch_contract(epilogue, block_m, monkeypatch):
     """Tiles of 3, 1 and 2 tiles per expert (experts 0, 2, 5 of 6; the rest without rows), zero padding rows,
-    released widths; the kernel against expert_gemm_torch (same permuted K order, bf16 rounding points)."""
+    released widths; the kernel at both tile heights against expert_gemm_torch (the kernel's permuted K order,
+    bf16 rounding points)."""
     from deepinfer.kernels.tilelang import moe_prefill
     from deepinfer.kernels.tilelang.moe_prefill import expert_gemm, expert_gemm_torch
 
@@ -42,6 +43,28 @@ def test_fp4_expert_gemm_kernel_keeps_its_torch_contract(epilogue, block_m, monk
     assert got.shape == ref.shape and torch.isfinite(got).all()
     assert rel_err(got, ref) < 1e-2
     assert torch.equal(got[BLOCK_M * 3 - 5:BLOCK_M * 3], torch.zeros_like(got[:5]))
+
+
+@pytest.mark.parametrize("epilogue", ["swiglu", "plain"])
+def test_the_kernel_takes_tiles_of_two_heights_at_their_own_rows(epilogue):
+    """moe_prefill's paired tiling: 128-row tiles of experts 0, 2 and 5 and 64-row tiles of 0 and 5, each at its
+    own rows, two launches into one output; against the torch contract."""
+    from deepinfer.kernels.tilelang.moe_prefill import expert_gemm, expert_gemm_torch
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    E, D, I = 6, 5120, 2304
+    routed, _ = _experts(E, D, I, g)
+    t = lambda *v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    tiling = [(t(0, 2, 5), t(0, 192, 320), 128), (t(0, 5), t(128, 448), 64)]
+    k = D if epilogue == "swiglu" else I
+    a = torch.randn(512, k, device="cuda", generator=g).bfloat16()
+    aw = torch.rand(512, device="cuda", generator=g)
+    which = "w13" if epilogue == "swiglu" else "w2"
+    poison_allocator()
+    got = expert_gemm(a, tiling, routed, which, aw, epilogue, 7.0)
+    w, s = (routed.w13, routed.s13) if which == "w13" else (routed.w2, routed.s2)
+    ref = expert_gemm_torch(a, tiling, w, s, "fp4", aw, epilogue, 7.0)
+    assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2
 
 
 def test_moe_combine_kernel_is_the_torch_sum_bitwise():
