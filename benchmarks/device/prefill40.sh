@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call (the 40-layer model: an H200, or an 80 GB H100): the 40-layer prefill (8K, 32K, YOCO at 32K, mixed
-# prefill + decode steps at 2K-16K budgets), the 6-layer model's 8K and 32K, then the engine and model GPU files
-# with the time left.
+# One device call (the 40-layer model: an H200, or an 80 GB H100): the prefill MoE's kernels alone, the 40-layer
+# prefill (8K, 32K, YOCO at 32K, mixed prefill + decode steps at 2K-16K budgets), the 6-layer model's 8K and 32K,
+# then the engine and model GPU files with the time left.
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/prefill40.sh
-# ATTRS: benchmarks/with_attrs.py overrides (an A/B arm); LIMIT: the call's seconds; T1, T2: the prefills' limits.
+# ATTRS: benchmarks/with_attrs.py overrides (an A/B arm); LIMIT: the call's seconds; T0, T1, T2: the steps' limits
+# (KERNELS=0: no kernel step).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
@@ -11,6 +12,10 @@ RUN=python3 && [ -n "${ATTRS:-}" ] && RUN="python3 benchmarks/with_attrs.py $ATT
 # the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
+# the prefill MoE and its expert GEMM alone (KERNELS=0 skips): both tile heights against the streaming kernel
+[ "${KERNELS:-1}" = 0 ] || timeout ${T0:-120} $RUN benchmarks/prefill_kernels_gpu.py --tokens 2048 8192 --rows 64 \
+  --block-m 64 128 --out $OUT/prefill_kernels.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/prefill_kernels.log \
+  | grep -E "^MoE|^fp4|FAILED|Error" | tail -12
 timeout ${T1:-330} $RUN \
   benchmarks/prefill_gpu.py --model flash40 --tokens 8192 32768 --at-once 1 --torch-tokens 0 --mixed-tokens 16384 \
   --mixed-chunks 2048 4096 8192 16384 --out $OUT/prefill.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/prefill.log \
