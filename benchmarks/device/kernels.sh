@@ -20,6 +20,6 @@ cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=
 timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches 1,8,64,256 --no-mtp --probes --sweep \
   --out $OUT/attn.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/attn.log | tail -14
 timeout ${T3:-120} $RUN \
-  benchmarks/prefill_kernels_gpu.py --tokens 2048 8192 --rows 8192 --gemm-tiles --out $OUT/prefill_kernels.json 2>&1 \
+  benchmarks/prefill_kernels_gpu.py --tokens 2048 8192 --rows 8192 --gemm-heights --out $OUT/prefill_kernels.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/prefill_kernels.log | grep -v "^linear" | tail -12
 echo "kernels.sh done in $SECONDS s"

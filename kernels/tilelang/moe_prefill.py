@@ -146,9 +146,9 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
         pair_row = (starts.repeat_interleave(pairs, output_size=n_pairs)
                     + 2 * BLOCK_M * (torch.arange(n_pairs, device=dev)
                                      - (torch.cumsum(pairs, 0) - pairs).repeat_interleave(pairs, output_size=n_pairs)))
-        has_odd = odd.nonzero().squeeze(1)
         tiling = [(experts.repeat_interleave(pairs, output_size=n_pairs), pair_row.int(), 2 * BLOCK_M),
-                  (has_odd.int(), (starts + 2 * BLOCK_M * pairs)[has_odd].int(), BLOCK_M)]
+                  (experts.repeat_interleave(odd, output_size=n_odd),
+                   (starts + 2 * BLOCK_M * pairs).repeat_interleave(odd, output_size=n_odd).int(), BLOCK_M)]
     else:
         n_tiles = int(tiles.sum())  # one device sync per call: prefill steps run eagerly
         tiling = experts.repeat_interleave(tiles, output_size=n_tiles)
