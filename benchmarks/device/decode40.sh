@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call (an H200 for the issues' targets; the 40-layer model also fits an 80 GB H100, ~50 GB): the 40-layer
-# decode table, A/B arms at B=1 and 8, DSpark's table, then the batch-invariance GPU file with the time left.
-# From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
+# decode table, A/B arms (B=1 and 8 by default), DSpark's table, then the batch-invariance GPU file with the time
+# left. From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
 # BATCHES / CONTEXTS: the table's cells (default 1 8 64 256 / 4096 32768); ARMS: A/B arms, "name MOD.NAME=INT ..."
-# separated by ';' (none by default); PROFILE: the table's cells profiled per kernel (B:CTX,...; default B=1 and 256
-# at 4K, "" for none); DSPARK=0 skips DSpark's table; LIMIT: the call's seconds (the tests take what is left);
-# T1..T3: step limits.
+# separated by ';' (none by default), at ARM_BATCHES (default "1 8"; 4K); PROFILE: the table's cells profiled per
+# kernel (B:CTX,...; default B=1 and 256 at 4K, "" for none); DSPARK=0 skips DSpark's table; LIMIT: the call's
+# seconds (the tests take what is left); T1..T3: step limits.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
@@ -21,7 +21,8 @@ ARMS_DIR=$(mktemp -d)  # the arms' JSON stay on the machine (8 files come back):
 for arm in "${arms[@]}"; do
   set -- $arm; name=$1; shift
   echo "== arm $name: $*" | tee -a $OUT/arms.log
-  timeout ${T2:-80} python3 benchmarks/with_attrs.py "$@" -- benchmarks/decode_gpu.py --model flash40 --batches 1 8 \
+  timeout ${T2:-80} python3 benchmarks/with_attrs.py "$@" -- benchmarks/decode_gpu.py --model flash40 \
+    --batches ${ARM_BATCHES:-1 8} \
     --contexts 4096 --variants graphs --steps 5 --warmup 2 --prefill --out "$ARMS_DIR/$name.json" 2>&1 \
     | grep -v "\[TileLang:" | tee -a $OUT/arms.log | grep -E "^decode|Error" | tail -4
 done
