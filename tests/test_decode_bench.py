@@ -199,14 +199,15 @@ def test_the_pareto_plot_refuses_runs_of_different_models_and_needs_a_path(tmp_p
     assert not (tmp_path / "p.png").exists()
 
 
-def test_results_name_the_machines_paths_by_their_variables(monkeypatch):
+def test_results_name_the_machines_paths_by_their_variables(monkeypatch, tmp_path):
     """A result file written on the device carries $OUT, $DEEPINFER_JIT_MANIFEST and $TILELANG_CACHE_DIR, never the
     machine's own paths."""
-    monkeypatch.setenv("OUT", "/root/out")
-    monkeypatch.setenv("DEEPINFER_JIT_MANIFEST", "/tmp/jit.jsonl")
-    monkeypatch.setenv("TILELANG_CACHE_DIR", "/tmp/tilelang-cache")
+    out, manifest, cache = tmp_path / "out", tmp_path / "jit.jsonl", tmp_path / "tilelang-cache"
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setenv("DEEPINFER_JIT_MANIFEST", str(manifest))
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
     monkeypatch.delenv("DEEPINFER_JIT_CACHE_DIR", raising=False)
-    text = bench.portable_json({"manifest": "/tmp/jit.jsonl", "cache_dir": "/tmp/tilelang-cache",
-                                "out": "/root/out/decode.json", "src": str(ROOT / "benchmarks" / "decode_gpu.py")})
+    text = bench.portable_json({"manifest": str(manifest), "cache_dir": str(cache),
+                                "out": str(out / "decode.json"), "src": str(ROOT / "benchmarks" / "decode_gpu.py")})
     assert json.loads(text) == {"manifest": "$DEEPINFER_JIT_MANIFEST", "cache_dir": "$TILELANG_CACHE_DIR",
                                 "out": "$OUT/decode.json", "src": "benchmarks/decode_gpu.py"}

@@ -97,14 +97,7 @@ __device__ __forceinline__ void xrs_group(const uint8_t* st, const uint8_t* s_al
   di3_e2m1x8(p1.x, s1, d1);
   di3_e2m1x8(p1.y, s1, d1 + 4);
   uint32_t* af = a_all + 16 * BUF;  // its last reader, step k-2's MMAs, was retired by xrs_step's wait
-  // word j of a row holds codes (j&3) + 8*(j>>2) and +4; it goes to k16 block t = j/2, column half j&1
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    af[4 * t + 0] = d0[2 * t];
-    af[4 * t + 1] = d1[2 * t];
-    af[4 * t + 2] = d0[2 * t + 1];
-    af[4 * t + 3] = d1[2 * t + 1];
-  }
+  di3_place_a(af, d0, d1);
   const uint8_t* xs = st + XRS_W_BYTES;
 #if DI3_WGMMA
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

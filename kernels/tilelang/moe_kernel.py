@@ -138,6 +138,17 @@ __device__ __forceinline__ void di3_fence_regs(float* d, int n) {
   for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
+// rows r0 and r0 + 8's dequantised words (d0, d1: 8 each) into one 64-K group's A fragments a[16] (4 k16 blocks):
+// word j of a row holds codes (j&3) + 8*(j>>2) and +4; it goes to k16 block t = j/2, column half j&1
+__device__ __forceinline__ void di3_place_a(uint32_t* a, const uint32_t* d0, const uint32_t* d1) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    a[4 * t + 0] = d0[2 * t];
+    a[4 * t + 1] = d1[2 * t];
+    a[4 * t + 2] = d0[2 * t + 1];
+    a[4 * t + 3] = d1[2 * t + 1];
+  }
+}
 // bf16x2 2^(s-1), the factor that turns dequant.py's e2m1 * 2^-126 placement into e2m1 * 2^(s-127)
 __device__ __forceinline__ uint32_t di3_scale_e2m1(uint32_t s) { return ((s + 126u) << 7) * 0x10001u; }
 // dequant.py's di_dq_e2m1x8 (same output, same order [0,4,1,5,2,6,3,7]) with one multiply instead of two shifts
@@ -228,14 +239,7 @@ __device__ __forceinline__ void di3_group(const void* ws_, const void* ss_, cons
     di_dq_e4m3x8(reinterpret_cast<const uint8_t*>(&p1.x), s, d1);
     di_dq_e4m3x8(reinterpret_cast<const uint8_t*>(&p1.z), s, d1 + 4);
   }
-  // word j of a row holds codes (j&3) + 8*(j>>2) and +4; it goes to k16 block t = j/2, column half j&1
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    a[4 * t + 0] = d0[2 * t];
-    a[4 * t + 1] = d1[2 * t];
-    a[4 * t + 2] = d0[2 * t + 1];
-    a[4 * t + 3] = d1[2 * t + 1];
-  }
+  di3_place_a(a, d0, d1);
 #if DI3_WGMMA
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
   // K-major, no swizzle: start (16-byte units, 14 bits), LBO = BT*16 bytes (next 8 K), SBO = 128 (next 8 tokens);
