@@ -105,6 +105,7 @@ def test_the_builder_refuses_a_split_past_the_last_block():
     build_sink_attention_decode(splits=5, arch="sm_90a")  # 5 x 2 blocks: every split starts inside the keys
 
 
+@pytest.mark.slow  # the benchmark's probes (18 s of lowering): the slow tier
 def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
     """attention_decode_gpu.py --probes times the kernel with one part of a key block's work dropped. Each probe
     lowers; no_load reads no key rows, no_dequant reads them but converts none, no_softmax calls no exp2 in the

@@ -291,7 +291,7 @@ def test_the_dense_dequantisation_lowers_to_one_pass_of_16_byte_loads_and_hardwa
 
 def test_the_launcher_multiplies_the_dense_weight_from_the_row_threshold_only_outside_the_invariant_mode(monkeypatch):
     """linear(): the GEMV at one row, the weight-only kernel below dense_rows(N, K) (128 rows for weights of 2^25
-    codes or more, 512 for smaller ones), the dense bf16 weight (cuBLAS) from there, never in the batch-invariant
+    codes or more, 256 for smaller ones), the dense bf16 weight (cuBLAS) from there, never in the batch-invariant
     mode (cuBLAS picks its kernel by the row count). Recorded on the CPU: the dispatch only."""
     from deepinfer.kernels.tilelang import linear as launcher
 

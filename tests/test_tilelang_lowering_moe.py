@@ -77,6 +77,7 @@ def test_moe_kernel_split_k_lowers():
         _build("up_fp4_bt8", k_splits=2)  # SwiGLU needs the whole K before its nonlinearity
 
 
+@pytest.mark.slow  # the benchmark's probes: the slow tier
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 def test_the_timing_probes_leave_out_the_decode_or_the_mmas_and_the_kernel_as_it_is():
     """moe_gpu.py --probes times the routed passes without their FP4 decode (the packed words feed the MMAs), without

@@ -52,9 +52,11 @@ MAX_SCALE_BYTE = 134  # dequant.py's e4m3 bit placement holds scales up to 2^7
 # rows from which a call dequantises the weight and takes cuBLAS, outside the invariant mode (`dense_rows`): the
 # crossovers at V4.1-Flash's projection shapes on an H200 with the one-pass dequantisation
 # (benchmarks/results/prefill_kernels_dense_s17_h200.log): the large weights (wq_b, wo_b: 42 M codes) from 128 rows
-# (1.5x the kernel at 192 rows), the smaller ones (wq_a, the indexer's wq_b, a group of wo_a) from 512; narrower
-# projections (wkv, 512 rows: DENSE_MIN_N) gain less than the dequantisation costs until ~1,024 rows
-DENSE_ROWS, DENSE_ROWS_LARGE, LARGE_WEIGHT, DENSE_MIN_N = 512, 128, 1 << 25, 1024
+# (1.5x the kernel at 192 rows), the smaller ones (wq_a, the indexer's wq_b, a group of wo_a) from 256: the kernels
+# alone crossed at 512, but in the 40-layer B=256 step 256 won (139.34 -> 136.09 ms, one H100,
+# decode_gpu_flash40_dense256_s28_h100.log); narrower projections (wkv, 512 rows: DENSE_MIN_N) gain less than the
+# dequantisation costs until ~1,024 rows
+DENSE_ROWS, DENSE_ROWS_LARGE, LARGE_WEIGHT, DENSE_MIN_N = 256, 128, 1 << 25, 1024
 # rows up to which a call takes the GEMV (outside the invariant mode): on an H200 it beats the GEMM 1.1-2.2x at one
 # row on every Flash shape; at two it wins on some and loses on others, from four it loses: its per-row activation
 # loads and sums grow with the rows (linear_gpu_gemv_h200.log, linear_gpu_gemv_cvt_h200.log)
