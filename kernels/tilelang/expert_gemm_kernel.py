@@ -53,6 +53,9 @@ W_BYTES = ROWS * 32  # packed FP4 weights of one 64-K step
 CS_PAD = 8          # bf16 epilogue tile [BT][128 + 8]
 STAGES = 4          # cp.async stages: two steps in flight ahead of the one multiplied
 HALF = 32           # gate (or up) rows per 64-row group of the packed w13
+# blocks an SM asked of ptxas for 64-token tiles: at 3 the 85 registers left make it serialise the MMAs (its C7512)
+# but hide more latency where grids are small (an A/B constant; 128-token tiles fit 2 by shared memory)
+BLOCKS_64 = 2
 
 
 def mma_order(k: int) -> list[int]:
@@ -249,7 +252,7 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, sta
     assert smem_bytes <= 227 * 1024
     if min_blocks == 0:  # two blocks an SM where shared memory holds them: at three (64 tokens) the 85 registers
         # left make ptxas serialise the MMAs (its C7512); two leave 128 (127 used at 128 tokens, 96 at 64)
-        min_blocks = max(1, min(2, (227 * 1024) // (smem_bytes + 1024)))
+        min_blocks = max(1, min(BLOCKS_64 if BT == 64 else 2, (227 * 1024) // (smem_bytes + 1024)))
     rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")
     src = cuda_source(BT)
 
