@@ -108,3 +108,119 @@ def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, group
                         out[t, n0] = T.cast(acc[t], "bfloat16")
 
     return fp8_gemv
+
+
+# ------------------------------------------------------------------------------------- candidate: the streamed GEMV
+# The GEMV above holds a whole weight row in registers (wo_b: 256 bytes a lane, ~186 registers), so ~11 warps fit an
+# SM and its rows come in waves: each warp's loads land, it multiplies, stores and exits before a new warp loads.
+# Below, each warp streams RW rows through its own ring of S shared-memory stages with cp.async (a lane copies and
+# later reads back exactly its own 16 bytes of each row and chunk: no barrier, no other lane's data), so S - 1
+# chunks of its rows stay in flight while it multiplies, in ~40 registers. Lane l still owns columns l * VEC.. of
+# each chunk and a row's sums run in the same order: bitwise the GEMV above. Behind `linear.GEMV_STREAM` until a
+# same-machine A/B decides between the two (linear_gpu.py; one generation stays).
+STREAM_SOURCE = r"""
+#ifndef DEEPINFER_GEMV_STREAM
+#define DEEPINFER_GEMV_STREAM
+template <int BYTES>
+__device__ __forceinline__ void dig_cp(void* dst, const void* src) {
+  unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" :: "r"(d), "l"(src), "n"(BYTES) : "memory");
+  }
+}
+__device__ __forceinline__ void dig_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void dig_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+#endif
+"""
+STREAM_ROWS_PER_WARP = 2
+STREAM_STAGES = 8
+
+
+def build_fp8_gemv_stream(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, groups: int = 1,
+                          weights_before_wait: bool = False, rows_per_warp: int = STREAM_ROWS_PER_WARP,
+                          stages: int = STREAM_STAGES):
+    """build_fp8_gemv's signature and results (bitwise), the weight rows streamed through shared memory: warp w of
+    block b owns rows (b * WARPS + w) * RW .. + RW; grid (N / (WARPS * RW), k_splits)."""
+    N, K, G, RW = n_rows, k_dim, groups, rows_per_warp
+    VEC = chunk_width(K)
+    CH = 32 * VEC
+    assert m_max in M_MAX and N % (WARPS * RW * G) == 0 and (N // G) % 32 == 0 and K % (CH * k_splits) == 0
+    NC = K // CH // k_splits
+    S = max(2, min(stages, NC + 1))  # no more slots than chunks (+1: the one being read)
+    STAGE = RW * CH  # bytes of one warp's stage: RW rows x one chunk
+    rows_per_group = N // G
+    partial = k_splits > 1
+    m = T.dynamic("m")
+    out_shape = (k_splits, m, N) if partial else (m, N)
+    out_dtype = "float32" if partial else "bfloat16"
+
+    @T.prim_func
+    def fp8_gemv_stream(
+        x: T.Tensor((m, G * K), "bfloat16"),
+        w: T.Tensor((N, K), "float8_e4m3"),
+        ws: T.Tensor((N // 32, K // 32), "uint8"),
+        out: T.Tensor(out_shape, out_dtype),
+    ):
+        with T.Kernel(N // (WARPS * RW), k_splits, threads=32 * WARPS) as (bn, bz):
+            T.import_source(STREAM_SOURCE)
+            w_s = T.alloc_shared((WARPS * S * STAGE,), "float8_e4m3")
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            ring = (tx // 32) * S * STAGE  # this warp's stages
+            n0 = (bn * WARPS + tx // 32) * RW  # its first row; its RW rows share a group (rows_per_group % RW == 0)
+            col0 = (n0 // rows_per_group) * K
+            wl = T.alloc_local((VEC,), "float8_e4m3")
+            wh = T.alloc_local((VEC,), "float16")
+            xl = T.alloc_local((VEC,), "bfloat16")
+            acc = T.alloc_local((RW * m_max,), "float32")
+            d = T.alloc_local((1,), "float32")
+            for i in T.unroll(RW * m_max):
+                acc[i] = T.float32(0)
+            for c in T.unroll(S - 1):  # the first S - 1 chunks of the warp's rows in flight
+                if c < NC:
+                    for r in T.unroll(RW):
+                        T.call_extern("handle", f"dig_cp<{VEC}>",
+                                      T.address_of(w_s[ring + c * STAGE + r * CH + lane * VEC]),
+                                      T.address_of(w[n0 + r, (bz * NC + c) * CH + lane * VEC]))
+                T.call_extern("handle", "dig_commit")
+            if weights_before_wait:
+                T.pdl_sync()  # the activations (the kernel before's output) only from here
+                T.pdl_trigger()
+            for c in T.serial(NC):
+                T.call_extern("handle", f"dig_wait<{S - 2}>")  # chunk c landed (its group and every older one)
+                k0 = (bz * NC + c) * CH + lane * VEC
+                for r in T.unroll(RW):
+                    for v in T.vectorized(VEC):
+                        wl[v] = w_s[ring + (c % S) * STAGE + r * CH + lane * VEC + v]
+                    s = T.cast(ws[(n0 + r) // 32, k0 // 32], "int32")
+                    scale = T.reinterpret(T.if_then_else(s > 0, s << 23, T.int32(1 << 22)), "float32")
+                    for v in T.vectorized(VEC):
+                        wh[v] = T.cast(wl[v], "float16")
+                    for t in T.unroll(m_max):
+                        for v in T.vectorized(VEC):
+                            xl[v] = x[T.min(t, m - 1), col0 + k0 + v]
+                        d[0] = T.float32(0)
+                        for v in T.unroll(VEC):
+                            d[0] = d[0] + T.cast(wh[v], "float32") * T.cast(xl[v], "float32")
+                        acc[r * m_max + t] = acc[r * m_max + t] + d[0] * scale
+                # the slot read one step ago takes chunk c + S - 1 (its values were used above: no overwrite race)
+                if c + S - 1 < NC:
+                    for r in T.unroll(RW):
+                        T.call_extern("handle", f"dig_cp<{VEC}>",
+                                      T.address_of(w_s[ring + ((c + S - 1) % S) * STAGE + r * CH + lane * VEC]),
+                                      T.address_of(w[n0 + r, (bz * NC + c + S - 1) * CH + lane * VEC]))
+                T.call_extern("handle", "dig_commit")  # an empty group past the end keeps the count
+            for r in T.unroll(RW):
+                for t in T.unroll(m_max):
+                    for o in T.unroll(5):
+                        acc[r * m_max + t] = acc[r * m_max + t] + T.shfl_xor(acc[r * m_max + t], 16 >> o)
+                    if lane == 0 and t < m:
+                        if partial:
+                            out[bz, t, n0 + r] = acc[r * m_max + t]
+                        else:
+                            out[t, n0 + r] = T.cast(acc[r * m_max + t], "bfloat16")
+
+    return fp8_gemv_stream
