@@ -174,7 +174,7 @@ def build_fp8_gemv_stream(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1
             col0 = (n0 // rows_per_group) * K
             wl = T.alloc_local((VEC,), "float8_e4m3")
             wh = T.alloc_local((VEC,), "float16")
-            xl = T.alloc_local((VEC,), "bfloat16")
+            xl = T.alloc_local((m_max, VEC), "bfloat16")
             acc = T.alloc_local((RW * m_max,), "float32")
             d = T.alloc_local((1,), "float32")
             for i in T.unroll(RW * m_max):
@@ -192,6 +192,9 @@ def build_fp8_gemv_stream(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1
             for c in T.serial(NC):
                 T.call_extern("handle", f"dig_wait<{S - 2}>")  # chunk c landed (its group and every older one)
                 k0 = (bz * NC + c) * CH + lane * VEC
+                for t in T.unroll(m_max):  # the chunk's activations once for the warp's RW rows
+                    for v in T.vectorized(VEC):
+                        xl[t, v] = x[T.min(t, m - 1), col0 + k0 + v]
                 for r in T.unroll(RW):
                     for v in T.vectorized(VEC):
                         wl[v] = w_s[ring + (c % S) * STAGE + r * CH + lane * VEC + v]
@@ -200,11 +203,9 @@ def build_fp8_gemv_stream(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1
                     for v in T.vectorized(VEC):
                         wh[v] = T.cast(wl[v], "float16")
                     for t in T.unroll(m_max):
-                        for v in T.vectorized(VEC):
-                            xl[v] = x[T.min(t, m - 1), col0 + k0 + v]
                         d[0] = T.float32(0)
                         for v in T.unroll(VEC):
-                            d[0] = d[0] + T.cast(wh[v], "float32") * T.cast(xl[v], "float32")
+                            d[0] = d[0] + T.cast(wh[v], "float32") * T.cast(xl[t, v], "float32")
                         acc[r * m_max + t] = acc[r * m_max + t] + d[0] * scale
                 # the slot read one step ago takes chunk c + S - 1 (its values were used above: no overwrite race)
                 if c + S - 1 < NC:
