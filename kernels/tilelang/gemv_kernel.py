@@ -135,16 +135,20 @@ template <int N>
 __device__ __forceinline__ void dig_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 #endif
 """
-STREAM_ROWS_PER_WARP = 2
+STREAM_ROWS_PER_WARP = 2  # where that still leaves STREAM_MIN_BLOCKS blocks; else one row a warp
+STREAM_MIN_BLOCKS = 264   # two an SM on an H100 / H200 (132 SMs)
 STREAM_STAGES = 8
 
 
 def build_fp8_gemv_stream(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, groups: int = 1,
-                          weights_before_wait: bool = False, rows_per_warp: int = STREAM_ROWS_PER_WARP,
+                          weights_before_wait: bool = False, rows_per_warp: int = 0,
                           stages: int = STREAM_STAGES):
     """build_fp8_gemv's signature and results (bitwise), the weight rows streamed through shared memory: warp w of
-    block b owns rows (b * WARPS + w) * RW .. + RW; grid (N / (WARPS * RW), k_splits)."""
-    N, K, G, RW = n_rows, k_dim, groups, rows_per_warp
+    block b owns rows (b * WARPS + w) * RW .. + RW; grid (N / (WARPS * RW), k_splits). rows_per_warp 0: the
+    shape's (STREAM_ROWS_PER_WARP where N / (WARPS * it) >= STREAM_MIN_BLOCKS, else 1)."""
+    N, K, G = n_rows, k_dim, groups
+    RW = rows_per_warp or (STREAM_ROWS_PER_WARP if N // (WARPS * STREAM_ROWS_PER_WARP) >= STREAM_MIN_BLOCKS
+                           else 1)
     VEC = chunk_width(K)
     CH = 32 * VEC
     assert m_max in M_MAX and N % (WARPS * RW * G) == 0 and (N // G) % 32 == 0 and K % (CH * k_splits) == 0
