@@ -26,6 +26,7 @@ from . import moe_prefill
 from ._fallback import reason
 from .linear import expert_dense
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
+from . import moe_warp_kernel
 from .moe_prep_kernel import build_moe_prep
 from .moe_table import routing_table_torch
 from .moe_router_kernel import SCORES, build_router_logits, build_router_topk
@@ -46,6 +47,9 @@ FP4_BLOCK_K, FP4_STAGES = 256, 4
 # blocks stream the whole expert at decode, each with one 32 KB step in flight across a barrier; at 2 (256 x 8)
 # five 16 KB steps, at 4 (128 x 16) thirteen 8 KB ones, in the same shared memory (for A/B runs)
 FP8_STAGE_SPLIT = 1
+# 1: at one token a call, the routed FP4 passes stream each warp's rows through its own cp.async ring
+# (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. A candidate until a same-machine A/B
+WARP_STREAM = 0
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -141,8 +145,22 @@ def ffn_specs(p: PackedExperts, block_t: int, down_splits: int = 1, block_n: int
     return up, down
 
 
+def warp_fits(p: PackedExperts) -> bool:
+    """Whether moe_warp_kernel tiles the FP4 experts p (64-row tiles, 256-K steps)."""
+    bk = moe_warp_kernel.BLOCK_K
+    return (p.fmt == "fp4" and (2 * p.inter) % moe_warp_kernel.ROWS == 0 and p.hidden % moe_warp_kernel.ROWS == 0
+            and p.hidden % bk == 0 and p.inter % bk == 0
+            and moe_warp_kernel.shared_bytes(p.hidden) <= 227 * 1024)
+
+
 def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
-    """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy."""
+    """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy (with
+    WARP_STREAM, at one token, moe_warp_kernel's two passes)."""
+    if WARP_STREAM and n_tok == 1 and not registry.batch_invariant() and warp_fits(p):
+        E, I, D = p.n_experts, p.inter, p.hidden
+        build = moe_warp_kernel.build_fp4_warp_gemm
+        return (build, "swiglu", E, 2 * I, D), (build, "add", E, D, I, moe_warp_kernel.BLOCK_K,
+                                                moe_warp_kernel.STAGES, False)
     bt = routed_block_t(n_tok, top_k, p.n_experts)
     splits = 1 if registry.batch_invariant() else routed_down_splits(n_tok, top_k, p.n_experts)
     return ffn_specs(p, bt, splits, routed_block_n(bt))

@@ -124,6 +124,37 @@ def test_experts_match_torch(E, D, I, tokens, fmt, with_shared, skew):
     assert rel_err(out, y64) < 1e-2
 
 
+@pytest.mark.parametrize("E,D,I", SHAPES)
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_the_warp_streamed_one_token_passes_match_torch_and_the_grouped_gemm(E, D, I, with_shared, monkeypatch):
+    """moe.WARP_STREAM (moe_warp_kernel.py) at one token: the same op, within the reference's rounding of the
+    grouped GEMM's result, and against torch; replayed from a CUDA graph (no host reads)."""
+    from deepinfer.kernels.tilelang import moe
+
+    routed, dense, shared, shared_dense = _weights(E, D, I, "fp4", with_shared)
+    k = min(TOP_K, E)
+    for seed in range(3):
+        g = _gen(seed + 100)
+        x = torch.randn(1, D, generator=g).bfloat16().cuda()
+        idx = torch.randperm(E, generator=g)[:k][None].cuda()
+        weights = torch.rand(1, k, generator=g).cuda() + 0.1
+        monkeypatch.setattr(moe, "WARP_STREAM", 0)
+        grouped = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
+        monkeypatch.setattr(moe, "WARP_STREAM", 1)
+        poison_allocator()
+        out = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
+        expect = ref.moe_experts(x, weights, idx, dense, shared_dense, LIMIT)
+        assert torch.isfinite(out).all() and rel_err(out, expect) < 1e-2, rel_err(out, expect)
+        assert rel_err(out, grouped) < 1e-2, rel_err(out, grouped)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
+    graph.replay()
+    torch.cuda.synchronize()
+    # the same call replayed: equal but for the order of the fp32 atomics that sum a token's experts
+    assert torch.isfinite(replayed).all() and rel_err(replayed, out) < 1e-3
+
+
 # ------------------------------------------------------------------------------------------ kernels alone
 KD, KI, KE = 512, 768, 4  # small shapes: K of the down pass = 768 = 3 steps of 256, so it splits in 3
 # (token tile, weight rows per block): 128 rows up to 32 tokens (64 tokens x 128 rows exceed shared memory)
