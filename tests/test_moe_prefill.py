@@ -80,6 +80,43 @@ def test_an_expert_runs_in_128_row_tiles_and_at_most_one_64_row_tile(monkeypatch
     assert odd == [e for e in range(E) if -(-int(counts[e]) // 64) % 2 == 1]
 
 
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("tokens,skew", [(40, False), (300, True), (1000, False)])
+def test_the_sync_free_tiling_gives_the_same_output_and_every_real_tile_once(tokens, skew, block_m, monkeypatch):
+    """moe_prefill.SYNC_FREE: lists sized by a bound with unused entries of expert -1 give bitwise the output of the
+    counted lists, and their used entries are the counted tiles (the same rows, the same experts)."""
+    monkeypatch.setattr(moe_prefill, "BLOCK_M", block_m)
+    g = torch.Generator().manual_seed(tokens + block_m)
+    E, D, I, k = 16, 256, 128, 4
+    routed, shared = _packed(E, D, I, g), _shared(D, I, g)
+    x = torch.randn(tokens, D, generator=g).bfloat16()
+    scores = torch.randn(tokens, E, generator=g)
+    if skew:
+        scores[:, :k] += 100
+    idx = scores.topk(k, -1).indices
+    weights = torch.rand(tokens, k, generator=g)
+    seen = {}
+    real = moe_prefill.expert_gemm
+    outs = []
+    for free in (0, 1):
+        monkeypatch.setattr(moe_prefill, "SYNC_FREE", free)
+        monkeypatch.setattr(moe_prefill, "expert_gemm", lambda a, tiling, *rest, f=free: seen.setdefault(
+            f, moe_prefill.tilings(tiling)) and real(a, tiling, *rest))
+        outs.append(moe_prefill.moe_experts_grouped(x, weights, idx, routed, shared, 7.0))
+    assert torch.equal(outs[0], outs[1])
+
+    def used(tiling):
+        out = set()
+        for tile_expert, tile_row, height in tiling:
+            rows = tile_row.tolist() if tile_row is not None else [t * height for t in range(tile_expert.numel())]
+            out |= {(e, r, height) for e, r in zip(tile_expert.tolist(), rows) if e >= 0}
+        return out
+
+    assert used(seen[1]) == used(seen[0]) and len(used(seen[0])) > 0
+    bound = tokens * k // block_m + E  # the lists' lengths: known before any count is read
+    assert [t.numel() for t, _, _ in seen[1]] == ([bound // 2 + 1, E] if block_m == 64 else [bound])
+
+
 def test_the_k_order_is_moe_kernels_fragment_order_in_groups_of_64():
     from deepinfer.kernels.tilelang.moe_kernel import k_index
 

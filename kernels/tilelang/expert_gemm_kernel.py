@@ -242,7 +242,7 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, sta
     """prim_func(a [rows, k] bf16 (K in mma_order), tile_expert [tiles] int32, tile_row [tiles] int32, w [E, n,
     k/2] uint8, s [E, n, k/32] uint8, aw [rows] fp32, out [rows, n | n/2] bf16 (swiglu: in mma_order), limit fp32):
     tile t covers rows tile_row[t] .. + block_t of a, aw and out (the caller's promise: inside rows), all of expert
-    tile_expert[t]; rows, tiles and E dynamic."""
+    tile_expert[t] (-1: an unused entry, whose blocks exit at once); rows, tiles and E dynamic."""
     assert epilogue in ("plain", "swiglu")
     assert block_t in (64, 128) and stages >= 3
     assert n % ROWS == 0 and k % 128 == 0 and (k // 32) % 8 == 0  # an even number of 64-K steps
@@ -275,27 +275,28 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, sta
             T.import_source(src)
             e = tile_expert[by]
             r0 = tile_row[by]
-            for i in T.unroll(BT // 2):
-                acc[i] = T.float32(0)
-            T.call_extern("handle", f"xrs_mainloop<{BT},{S}>", T.address_of(smem[0]),
-                          T.address_of(a[0, 0]), T.cast(r0, "int64") * (k * 2), k * 2,
-                          T.address_of(w[e, bx * ROWS, 0]), k // 2,
-                          T.address_of(s[e, bx * ROWS, 0]), SL, NK,
-                          T.address_of(acc[0]))
-            T.call_extern("handle", f"xrs_store_acc<{BT}>", T.address_of(acc[0]), T.address_of(smem[0]))
-            if epilogue == "plain":
-                for it in T.unroll(BT * ROWS // 2 // THREADS):
-                    u = it * THREADS + tx          # a pair of bf16 (one 32-bit word) of the tile
-                    t = u // (ROWS // 2)
-                    c = u % (ROWS // 2)
-                    T.call_extern("handle", "xrs_put_pair", T.address_of(smem[0]), t, c,
-                                  T.address_of(out[r0 + t, bx * ROWS]))
-            else:
-                for it in T.unroll(BT * 64 // THREADS):
-                    u = it * THREADS + tx
-                    t = u // 64
-                    j = u % 64
-                    T.call_extern("handle", "xrs_swiglu", T.address_of(smem[0]), t, j, limit, aw[r0 + t],
-                                  T.address_of(out[r0 + t, bx * 64 + j]))
+            if e >= 0:  # expert -1: an unused entry of a list sized by a bound (moe_prefill.SYNC_FREE)
+                for i in T.unroll(BT // 2):
+                    acc[i] = T.float32(0)
+                T.call_extern("handle", f"xrs_mainloop<{BT},{S}>", T.address_of(smem[0]),
+                              T.address_of(a[0, 0]), T.cast(r0, "int64") * (k * 2), k * 2,
+                              T.address_of(w[e, bx * ROWS, 0]), k // 2,
+                              T.address_of(s[e, bx * ROWS, 0]), SL, NK,
+                              T.address_of(acc[0]))
+                T.call_extern("handle", f"xrs_store_acc<{BT}>", T.address_of(acc[0]), T.address_of(smem[0]))
+                if epilogue == "plain":
+                    for it in T.unroll(BT * ROWS // 2 // THREADS):
+                        u = it * THREADS + tx          # a pair of bf16 (one 32-bit word) of the tile
+                        t = u // (ROWS // 2)
+                        c = u % (ROWS // 2)
+                        T.call_extern("handle", "xrs_put_pair", T.address_of(smem[0]), t, c,
+                                      T.address_of(out[r0 + t, bx * ROWS]))
+                else:
+                    for it in T.unroll(BT * 64 // THREADS):
+                        u = it * THREADS + tx
+                        t = u // 64
+                        j = u % 64
+                        T.call_extern("handle", "xrs_swiglu", T.address_of(smem[0]), t, j, limit, aw[r0 + t],
+                                      T.address_of(out[r0 + t, bx * 64 + j]))
 
     return fp4_expert_gemm
