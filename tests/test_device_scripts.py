@@ -1,6 +1,8 @@
 """benchmarks/device/*.sh, the device calls: each parses as bash, and every benchmark it runs exists and takes the
 flags it is given (a stale flag would cost a device call)."""
 
+import importlib
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -38,3 +40,12 @@ def test_every_benchmark_a_device_script_runs_takes_its_flags(script):
             assert f'"{flag}"' in src, f"{script.name}: {target.name} has no option {flag}"
         runs += 1
     assert runs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="the kernel modules need tilelang")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_module_constant_a_device_script_overrides_exists(script):
+    """with_attrs.py arms name module constants (deepinfer.....NAME): a stale one would cost a device call."""
+    names = set(re.findall(r"(deepinfer(?:\.\w+)+)\.([A-Z][A-Z0-9_]*)\b", script.read_text()))
+    for module, name in sorted(names):
+        assert hasattr(importlib.import_module(module), name), f"{script.name}: {module}.{name} does not exist"
