@@ -93,7 +93,7 @@ def test_the_sync_free_tiling_gives_the_same_output_and_every_real_tile_once(tok
     scores = torch.randn(tokens, E, generator=g)
     if skew:
         scores[:, :k] += 100
-    idx = scores.topk(k, -1).indices
+    idx = scores.topk(k, -1).indices.int()  # the router kernel's ids are int32
     weights = torch.rand(tokens, k, generator=g)
     seen = {}
     real = moe_prefill.expert_gemm

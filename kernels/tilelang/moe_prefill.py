@@ -162,7 +162,8 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     order = torch.argsort(flat, stable=True)  # assignments by expert, tokens ascending within one
     expert = flat[order]
     if SYNC_FREE:
-        counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+        ids64 = flat.long()  # (scatter_add_ takes int64 indices; the router's ids may be int32)
+        counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids64, torch.ones_like(ids64))
     else:
         counts = torch.bincount(flat, minlength=E)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
