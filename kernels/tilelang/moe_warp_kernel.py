@@ -105,7 +105,25 @@ __device__ __forceinline__ void dim_group(const uint8_t* st, const __nv_bfloat16
   }
 }
 
-// The warp's whole K loop: NK steps through an S-slot ring; results of rows g and g+8 (column 0) in acc[0], acc[2].
+// The warp's first S - 1 steps into its ring (the weights need nothing of the kernel before this one but the
+// expert id: issued before the token's activations are staged).
+template <int BK, int S, int NK, int N>
+__device__ __forceinline__ void dim_prologue(void* ring_, const void* w_, const void* s_, int e, int row0,
+                                             int k_bytes, int k_sc) {
+  constexpr int STAGE = 16 * (BK / 2) + 16 * (BK / 32);
+  uint8_t* ring = static_cast<uint8_t*>(ring_);
+  const uint8_t* w = static_cast<const uint8_t*>(w_) + ((size_t)e * N + row0) * k_bytes;
+  const uint8_t* s = static_cast<const uint8_t*>(s_) + ((size_t)e * N + row0) * k_sc;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < S - 1; ++kk) {
+    if (kk < NK) dim_issue<BK>(ring + kk * STAGE, w, s, k_bytes, k_sc, kk, lane);
+    di3_cp_commit();
+  }
+}
+
+// The warp's K loop after dim_prologue: NK steps through its S-slot ring; results of rows g and g+8 (column 0)
+// in acc[0], acc[2].
 template <int BK, int S, int NK, int N>
 __device__ __forceinline__ void dim_rows(void* ring_, const void* w_, const void* s_, int e, int row0,
                                          const void* xs_, int k_bytes, int k_sc, float* acc) {
@@ -115,11 +133,6 @@ __device__ __forceinline__ void dim_rows(void* ring_, const void* w_, const void
   const uint8_t* s = static_cast<const uint8_t*>(s_) + ((size_t)e * N + row0) * k_sc;
   const __nv_bfloat16* xs = static_cast<const __nv_bfloat16*>(xs_);
   const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int kk = 0; kk < S - 1; ++kk) {
-    if (kk < NK) dim_issue<BK>(ring + kk * STAGE, w, s, k_bytes, k_sc, kk, lane);
-    di3_cp_commit();
-  }
   for (int kk = 0; kk < NK; ++kk) {
     di3_cp_wait<S - 2>();  // this lane's copies of step kk landed ...
     __syncwarp();          // ... and every lane's, visible to the warp
@@ -182,16 +195,18 @@ def build_fp4_warp_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
             for c in T.serial(slot_count[by]):
                 pos = start + c
                 xrow = rows[pos] if gather else pos
+                warp_rows = (T.address_of(ring[(warp * S * STAGE) // 4]), T.address_of(w[0, 0, 0]),
+                             T.address_of(ws[0, 0, 0]), e, bx * ROWS + warp * 16)
+                # the warp's first steps in flight while the token's activations are staged
+                T.call_extern("handle", f"dim_prologue<{BK}, {S}, {NK}, {N}>", *warp_rows, KP, SC)
                 T.call_extern("handle", f"dim_load_x<{K}, {THREADS}>", T.address_of(xs[0]),
                               T.address_of(x[xrow, 0]))  # the token's activations
                 for i in T.unroll(4):
                     acc[i] = T.float32(0)
                 T.sync_threads()
-                # the warp's first row of expert e (offsets in size_t inside: E x N x K/2 passes 2^31 bytes)
-                T.call_extern("handle", f"dim_rows<{BK}, {S}, {NK}, {N}>",
-                              T.address_of(ring[(warp * S * STAGE) // 4]), T.address_of(w[0, 0, 0]),
-                              T.address_of(ws[0, 0, 0]), e, bx * ROWS + warp * 16,
-                              T.address_of(xs[0]), KP, SC, T.address_of(acc[0]))
+                # (the warp's rows located inside, in size_t: E x N x K/2 passes 2^31 bytes)
+                T.call_extern("handle", f"dim_rows<{BK}, {S}, {NK}, {N}>", *warp_rows, T.address_of(xs[0]), KP, SC,
+                              T.address_of(acc[0]))
                 # column 0 of the MMA tile: lanes with q == 0 hold rows g (acc[0]) and g + 8 (acc[2])
                 if tx % 4 == 0:
                     res[warp * 16 + (tx % 32) // 4] = acc[0]
