@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Four device calls (chain them: a warm machine keeps its kernel cache): the candidates against the defaults on one machine, each through with_attrs.py.
+# Four device calls (chain them: a warm machine keeps its kernel cache): the candidates against the defaults on one
+# machine, each through with_attrs.py.
 #   linear.GEMV_STREAM=1  the FP8 GEMV streaming its weight rows through a cp.async ring per warp (gemv_kernel.py)
 #   moe.WARP_STREAM=1     the one-token routed FP4 passes, a private cp.async ring per warp (moe_warp_kernel.py)
 #   expert_gemm_kernel.BLOCKS_64=3  the prefill MoE's 64-token tiles at three blocks an SM
