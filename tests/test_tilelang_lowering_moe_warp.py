@@ -46,7 +46,7 @@ def test_the_warp_streamed_passes_fit_four_blocks_an_sm(name, tmp_path):
 def _model_warp_step(w, ws, x, kk, BK=256):
     """One warp's K step kk through moe_warp_kernel's data path. w [16, K/2] packed e2m1 rows, ws [16, K/32] ue8m0,
     x [K] bf16 bits (uint16). Returns the step's 16 row sums (column 0 of the MMA tile)."""
-    BKP, SCB, CPR = BK // 2, BK // 32, BK // 32 // 2
+    BKP, SCB = BK // 2, BK // 32
     CPR = BKP // 16
     st = np.full(16 * BKP + 16 * SCB, 0xFF, dtype=np.uint8)
     for lane in range(32):  # dim_issue

@@ -79,3 +79,10 @@ def fp4_perm(j):
     """Source K offset of twiddled position j (e2m1): inside each group of 8, [0,4,1,5,2,6,3,7]."""
     return (j // 8) * 8 + (j % 8) // 2 + 4 * (j % 2)
 
+
+def ue8m0_scale(s):
+    """TileLang expression: the fp32 2^(s - 127) of a ue8m0 scale byte s (cast to int32) by bit placement (exact;
+    s = 0 is the subnormal 2^-127)."""
+    import tilelang.language as T
+
+    return T.reinterpret(T.if_then_else(s > 0, s << 23, T.int32(1 << 22)), "float32")

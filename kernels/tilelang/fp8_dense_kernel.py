@@ -13,6 +13,8 @@ f16 value), to fp32, times 2^(s-127) (a power of two: exact), rounded to bf16 (e
 
 import tilelang.language as T
 
+from .dequant import ue8m0_scale
+
 VEC = 16  # codes per thread: one 16-byte load
 THREADS = 256
 
@@ -43,7 +45,7 @@ def build_fp8_dense(n_rows: int, k_dim: int):
                 for v in T.vectorized(VEC):
                     wl[v] = w[row, col + v]
                 s = T.cast(ws[row // 32, col // 32], "int32")
-                scale = T.reinterpret(T.if_then_else(s > 0, s << 23, T.int32(1 << 22)), "float32")  # 2^(s-127)
+                scale = ue8m0_scale(s)  # 2^(s-127)
                 for v in T.vectorized(VEC):  # two codes an instruction (cvt e4m3x2 -> f16x2), exact
                     wh[v] = T.cast(wl[v], "float16")
                 for v in T.unroll(VEC):

@@ -27,6 +27,8 @@ switches between the two kernels in the batch-invariant mode.
 
 import tilelang.language as T
 
+from .dequant import ue8m0_scale
+
 WARPS = 4  # weight rows per block
 M_MAX = (1, 2, 4, 8)  # activation-row variants (each one compile); the launcher picks the smallest that fits
 
@@ -85,7 +87,7 @@ def build_fp8_gemv(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1, group
             for c in T.unroll(NC):
                 k0 = (bz * NC + c) * CH + lane * VEC
                 s = T.cast(ws[n0 // 32, k0 // 32], "int32")
-                scale = T.reinterpret(T.if_then_else(s > 0, s << 23, T.int32(1 << 22)), "float32")  # 2^(s-127)
+                scale = ue8m0_scale(s)  # 2^(s-127)
                 for v in T.vectorized(VEC):  # two codes an instruction (cvt e4m3x2 -> f16x2), exact
                     wh[v] = T.cast(wl[c * VEC + v], "float16")
                 for t in T.unroll(m_max):
@@ -203,7 +205,7 @@ def build_fp8_gemv_stream(n_rows: int, k_dim: int, m_max: int, k_splits: int = 1
                     for v in T.vectorized(VEC):
                         wl[v] = w_s[ring + (c % S) * STAGE + r * CH + lane * VEC + v]
                     s = T.cast(ws[(n0 + r) // 32, k0 // 32], "int32")
-                    scale = T.reinterpret(T.if_then_else(s > 0, s << 23, T.int32(1 << 22)), "float32")
+                    scale = ue8m0_scale(s)
                     for v in T.vectorized(VEC):
                         wh[v] = T.cast(wl[v], "float16")
                     for t in T.unroll(m_max):

@@ -308,6 +308,16 @@ def _swap(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
+def swiglu_bf16(gate, up, limit, weight):
+    """TileLang expression of the "swiglu" epilogue on fp32 sums: gate and up rounded to bf16 (as the reference's
+    bf16 F.linear), the clamp (limit > 0), silu(gate) * up * the routing weight in fp32, rounded to bf16."""
+    g_ = T.cast(T.cast(gate, "bfloat16"), "float32")
+    u_ = T.cast(T.cast(up, "bfloat16"), "float32")
+    g_ = T.if_then_else(limit > 0, T.min(g_, limit), g_)
+    u_ = T.if_then_else(limit > 0, T.max(T.min(u_, limit), -limit), u_)
+    return T.cast(g_ * T.sigmoid(g_) * u_ * weight, "bfloat16")
+
+
 def k_index(kf: int) -> int:
     """Natural K offset (inside its 64-K group) of MMA K position kf: the order both operands are fed in."""
     G, r = divmod(kf, 64)
@@ -568,12 +578,8 @@ def build_grouped_gemm(fmt: str, epilogue: str, n_experts: int, n_rows: int, k_d
                             j = (it * TH + tx) // (BN // 2)
                             o = (it * TH + tx) % (BN // 2)
                             r = (o // half) * BLOCK_N + o % half
-                            g_ = T.cast(T.cast(c_s[j, r], "bfloat16"), "float32")
-                            u_ = T.cast(T.cast(c_s[j, r + half], "bfloat16"), "float32")
-                            g_ = T.if_then_else(limit > 0, T.min(g_, limit), g_)
-                            u_ = T.if_then_else(limit > 0, T.max(T.min(u_, limit), -limit), u_)
                             pos = start + c * BT + j
-                            out[pos, bx * (BN // 2) + o] = T.cast(g_ * T.sigmoid(g_) * u_ * aw[pos], "bfloat16")
+                            out[pos, bx * (BN // 2) + o] = swiglu_bf16(c_s[j, r], c_s[j, r + half], limit, aw[pos])
                 else:
                     for it in T.unroll(BN * BT // TH):
                         if row_s[(it * TH + tx) // BN] >= 0:

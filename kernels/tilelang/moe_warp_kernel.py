@@ -22,7 +22,7 @@ same epilogues and rounding points.
 
 import tilelang.language as T
 
-from .moe_kernel import _HEAD, DEQUANT_SOURCE
+from .moe_kernel import _HEAD, DEQUANT_SOURCE, swiglu_bf16
 
 ROWS = 64      # weight rows per block (4 warps x 16)
 THREADS = 128
@@ -214,11 +214,7 @@ def build_fp4_warp_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
                 T.sync_threads()
                 if epilogue == "swiglu":
                     if tx < ROWS // 2:
-                        g_ = T.cast(T.cast(res[tx], "bfloat16"), "float32")
-                        u_ = T.cast(T.cast(res[tx + ROWS // 2], "bfloat16"), "float32")
-                        g_ = T.if_then_else(limit > 0, T.min(g_, limit), g_)
-                        u_ = T.if_then_else(limit > 0, T.max(T.min(u_, limit), -limit), u_)
-                        out[pos, bx * (ROWS // 2) + tx] = T.cast(g_ * T.sigmoid(g_) * u_ * aw[pos], "bfloat16")
+                        out[pos, bx * (ROWS // 2) + tx] = swiglu_bf16(res[tx], res[tx + ROWS // 2], limit, aw[pos])
                 else:
                     if tx < ROWS:
                         T.atomic_add(out[rows[pos], bx * ROWS + tx], T.cast(T.cast(res[tx], "bfloat16"), "float32"))
