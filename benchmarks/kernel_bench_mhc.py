@@ -63,7 +63,8 @@ def bench(record, measure, bw, peak, batches=(1, 8, 64, 256), with_torch=True, r
             t_ms = measure(lambda i: ref.mhc_mixes(streams[i % sets], fns[i % 40], scale, base, EPS, ITERS, EPS),
                            calls=calls)[0]
         splits = tl_mhc._splits(B, K // tl_mhc.BLOCK_K)
-        note = f"splits {splits}"
+        note = (f"gemv, {tl_mhc.GEMV_SPLITS} blocks (mhc.GEMV_TOKENS {tl_mhc.GEMV_TOKENS})"
+                if tl_mhc.gemv_fits(B, HC, D) else f"splits {splits}")
         if B in (1, 64):
             # K-split sweep (each a compile): the automatic choice is in SPLITS
             sweep = []

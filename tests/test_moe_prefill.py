@@ -51,70 +51,76 @@ def test_grouped_path_matches_the_reference(tokens, skew, block_m, monkeypatch):
     assert err < 1e-3, err  # same rounding points and summation order
 
 
-def test_an_expert_runs_in_128_row_tiles_and_at_most_one_64_row_tile(monkeypatch):
-    """With 64-row tiles an expert's tiles are paired: every row of the grouped layout in exactly one tile, each
-    tile one expert's, an expert's odd tile last."""
-    monkeypatch.setattr(moe_prefill, "BLOCK_M", 64)
+def _tiling_of(monkeypatch, x, weights, idx, routed, shared=None):
+    """Run the path and return (its output, rows of its grouped layout, the tilings its first GEMM got)."""
     seen = []
     real = moe_prefill.expert_gemm
     monkeypatch.setattr(moe_prefill, "expert_gemm", lambda a, tiling, *rest: seen.append((a.shape[0], tiling))
                         or real(a, tiling, *rest))
+    out = moe_prefill.moe_experts_grouped(x, weights, idx, routed, shared, 7.0)
+    return out, seen[0][0], moe_prefill.tilings(seen[0][1])
+
+
+def _used_tiles(tiling):
+    """{(expert, first row, height)} of the entries a kernel block computes (expert -1: an unused entry)."""
+    out = set()
+    for tile_expert, tile_row, height in tiling:
+        rows = tile_row.tolist() if tile_row is not None else [t * height for t in range(tile_expert.numel())]
+        out |= {(e, r, height) for e, r in zip(tile_expert.tolist(), rows) if e >= 0}
+    return out
+
+
+def test_an_expert_runs_in_128_row_tiles_and_at_most_one_64_row_tile(monkeypatch):
+    """With 64-row tiles an expert's tiles are paired: every row of its padded rows in exactly one used tile, each
+    tile one expert's, an expert's odd tile last; the rows beyond the experts' belong to no used tile."""
+    monkeypatch.setattr(moe_prefill, "BLOCK_M", 64)
     g = torch.Generator().manual_seed(3)
     E, D, I, k, T_ = 8, 128, 64, 2, 300
     idx = torch.randn(T_, E, generator=g).add(torch.tensor([3.0, 2, 1, 0, 0, 0, 0, -9])).topk(k, -1).indices
     x = torch.randn(T_, D, generator=g).bfloat16()
-    moe_prefill.moe_experts_grouped(x, torch.rand(T_, k, generator=g), idx, _packed(E, D, I, g), None, 7.0)
+    _, rows, tiling = _tiling_of(monkeypatch, x, torch.rand(T_, k, generator=g), idx, _packed(E, D, I, g))
     counts = torch.bincount(idx.reshape(-1), minlength=E)
-    rows, tiling = seen[0]
-    assert rows == int(((counts + 63) // 64).sum()) * 64
+    padded = int(((counts + 63) // 64).sum()) * 64
+    assert rows == (T_ * k // 64 + E) * 64 >= padded  # sized by the bound, not by the counts
     owner = torch.full((rows,), -1)
-    for tile_expert, tile_row, height in tiling:
+    for e, r, height in _used_tiles(tiling):
         assert height in (64, 128)
-        for e, r in zip(tile_expert.tolist(), tile_row.tolist()):
-            assert (owner[r:r + height] == -1).all()
-            owner[r:r + height] = e
-    assert (owner >= 0).all()
+        assert (owner[r:r + height] == -1).all()
+        owner[r:r + height] = e
+    assert (owner[:padded] >= 0).all() and (owner[padded:] == -1).all()
     for e in range(E):
         assert int((owner == e).sum()) == -(-int(counts[e]) // 64) * 64  # the expert's rows, padded to 64
-    odd = tiling[1][0].tolist()
+    odd = [e for e in tiling[1][0].tolist() if e >= 0]
     assert odd == [e for e in range(E) if -(-int(counts[e]) // 64) % 2 == 1]
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("tokens,skew", [(40, False), (300, True), (1000, False)])
-def test_the_sync_free_tiling_gives_the_same_output_and_every_real_tile_once(tokens, skew, block_m, monkeypatch):
-    """moe_prefill.SYNC_FREE: lists sized by a bound with unused entries of expert -1 give bitwise the output of the
-    counted lists, and their used entries are the counted tiles (the same rows, the same experts)."""
+def test_the_tile_lists_are_sized_before_any_count_is_read(tokens, skew, block_m, monkeypatch):
+    """No device sync in the call: the lists' lengths follow from the shapes alone (tokens x top-k / BLOCK_M +
+    experts), never from the counts, and their used entries are exactly the tiles of each expert's rows."""
     monkeypatch.setattr(moe_prefill, "BLOCK_M", block_m)
     g = torch.Generator().manual_seed(tokens + block_m)
     E, D, I, k = 16, 256, 128, 4
-    routed, shared = _packed(E, D, I, g), _shared(D, I, g)
     x = torch.randn(tokens, D, generator=g).bfloat16()
     scores = torch.randn(tokens, E, generator=g)
     if skew:
         scores[:, :k] += 100
     idx = scores.topk(k, -1).indices.int()  # the router kernel's ids are int32
-    weights = torch.rand(tokens, k, generator=g)
-    seen = {}
-    real = moe_prefill.expert_gemm
-    outs = []
-    for free in (0, 1):
-        monkeypatch.setattr(moe_prefill, "SYNC_FREE", free)
-        monkeypatch.setattr(moe_prefill, "expert_gemm", lambda a, tiling, *rest, f=free: seen.setdefault(
-            f, moe_prefill.tilings(tiling)) and real(a, tiling, *rest))
-        outs.append(moe_prefill.moe_experts_grouped(x, weights, idx, routed, shared, 7.0))
-    assert torch.equal(outs[0], outs[1])
-
-    def used(tiling):
-        out = set()
-        for tile_expert, tile_row, height in tiling:
-            rows = tile_row.tolist() if tile_row is not None else [t * height for t in range(tile_expert.numel())]
-            out |= {(e, r, height) for e, r in zip(tile_expert.tolist(), rows) if e >= 0}
-        return out
-
-    assert used(seen[1]) == used(seen[0]) and len(used(seen[0])) > 0
-    bound = tokens * k // block_m + E  # the lists' lengths: known before any count is read
-    assert [t.numel() for t, _, _ in seen[1]] == ([bound // 2 + 1, E] if block_m == 64 else [bound])
+    _, _, tiling = _tiling_of(monkeypatch, x, torch.rand(tokens, k, generator=g), idx, _packed(E, D, I, g))
+    bound = tokens * k // block_m + E
+    assert [t.numel() for t, _, _ in tiling] == ([bound // 2 + 1, E] if block_m == 64 else [bound])
+    counts = torch.bincount(idx.reshape(-1).long(), minlength=E).tolist()
+    expected, row = set(), 0  # each expert's rows from the previous one's end, in tiles of 2 x BLOCK_M then BLOCK_M
+    for e, c in enumerate(counts):
+        n = -(-c // block_m)
+        step = 2 * block_m if block_m == 64 else block_m
+        for t in range(n * block_m // step):
+            expected.add((e, row + t * step, step))
+        if block_m == 64 and n % 2:
+            expected.add((e, row + (n - 1) * 64, 64))
+        row += n * block_m
+    assert _used_tiles(tiling) == expected
 
 
 def test_the_k_order_is_moe_kernels_fragment_order_in_groups_of_64():

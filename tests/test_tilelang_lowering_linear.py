@@ -259,43 +259,6 @@ def test_the_gemv_machine_code(m_max, tmp_path):
     assert regs <= (200 if m_max == 1 else 255), regs
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name,m_max", [("wq_b", 1), ("wo_b", 8)])
-def test_the_streamed_gemv_copies_each_lanes_own_bytes_through_shared_memory_without_barriers(name, m_max, arch):
-    """The candidate (linear.GEMV_STREAM): cp.async into a ring per warp, read back by the lane that copied, the
-    same e4m3 conversion and shuffle sum as the register GEMV, no __syncthreads (no lane reads another's bytes)."""
-    from lowering_helpers import lower_source
-    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv_stream
-
-    src = lower_source(build_fp8_gemv_stream(*FLASH[name], m_max), arch)
-    assert "dig_cp<" in src and "dig_wait<" in src and "__shared__" in src
-    assert "__tl_cvt_fp8x2_to_half2" in src and "__shfl_xor_sync" in src
-    assert "__syncthreads" not in src and "wgmma" not in src
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_the_streamed_gemv_machine_code(tmp_path):
-    """ptxas: the widest row (wo_b) at one activation row in few registers (the register GEMV: 186), no spills."""
-    from lowering_helpers import lower_source, ptxas_report
-    from deepinfer.kernels.tilelang.gemv_kernel import build_fp8_gemv_stream
-
-    log, regs = ptxas_report(lower_source(build_fp8_gemv_stream(*FLASH["wo_b"], 1), "sm_90a"), tmp_path)
-    assert "0 bytes spill stores" in log and regs <= 64, (regs, log[-2000:])
-
-
-def test_the_launcher_takes_the_streamed_gemv_with_the_same_spec_when_asked(monkeypatch):
-    from deepinfer.kernels.tilelang import linear as launcher
-
-    specs = []
-    monkeypatch.setattr(launcher, "jit", lambda builder, *a: specs.append((builder.__name__, a)) or (lambda *t: None))
-    n, k = FLASH["wo_b"]
-    w = Fp8BlockWeight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n // 32, k // 32, dtype=torch.uint8))
-    for stream in (0, 1):
-        monkeypatch.setattr(launcher, "GEMV_STREAM", stream)
-        launcher.fp8_gemv(torch.zeros(1, k, dtype=torch.bfloat16), w)
-    assert specs == [("build_fp8_gemv", (n, k, 1, 1, 1, False)), ("build_fp8_gemv_stream", (n, k, 1, 1, 1, False))]
-
-
 def test_the_launcher_asks_for_the_gemv_by_the_manifests_spec(monkeypatch):
     """The spec benchmarks/jit/flash40.jsonl lists for a one-row GEMV: (N, K, m_max, splits, groups, early)."""
     from deepinfer.kernels.tilelang import linear as launcher

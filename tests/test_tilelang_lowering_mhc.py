@@ -25,6 +25,11 @@ def _kernels():
                                                                       wrap._stages(s, steps), 128, ITERS,
                                                                       wrap.TILE_COUNTERS))
                 for s in (1, 64)})
+    from deepinfer.kernels.tilelang.mhc_gemv_kernel import build_mhc_mixes_gemv
+
+    out["mixes_gemv"] = lambda: build_mhc_mixes_gemv(HC, D, wrap.GEMV_SPLITS, 8, ITERS, wrap.TILE_COUNTERS)
+    out["mixes_gemv_early"] = lambda: build_mhc_mixes_gemv(HC, D, wrap.GEMV_SPLITS, 8, ITERS, wrap.TILE_COUNTERS,
+                                                           1, True)
     out["collapse"] = lambda: k.build_mhc_collapse(HC, D)
     out["expand"] = lambda: k.build_mhc_expand(HC, D)
     out["collapse_512"] = lambda: k.build_mhc_collapse(HC, 1536, 512, 64)
@@ -37,7 +42,8 @@ def _kernels():
 
 
 NAMES = ["premix_s1", "premix_s4", "premix_s16", "premix_s64", "finalize_s1", "finalize_s4", "finalize_s16",
-         "finalize_s64", "finalize_iters1", "mixes_fused_s1", "mixes_fused_s64", "collapse", "expand",
+         "finalize_s64", "finalize_iters1", "mixes_fused_s1", "mixes_fused_s64", "mixes_gemv", "mixes_gemv_early",
+         "collapse", "expand",
          "collapse_512", "expand_256", "collapse_norm", "collapse_norm_fp32w"]
 
 
@@ -124,3 +130,48 @@ def test_the_mixes_take_one_launch_up_to_the_counters_and_two_beyond(monkeypatch
     wrap.mixes_with_splits(torch.zeros(65, HC, D), fn, scale, base, 1e-6, ITERS, 1e-6, 64)
     assert [name for name, _ in launched] == ["build_mhc_premix", "build_mhc_mix_finalize"]
     assert launched[0][1] == (HC, D, 64, 64, 64, 5)
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_the_gemv_mixes_hold_fn_in_registers_and_finalize_in_the_last_block():
+    """mhc_gemv_kernel: each thread loads its column of fn's 24 rows once (before the programmatic wait when early),
+    forms a token's dots and sum of squares in fp32 FMAs, the warps reduce by shuffles and add in warp order; the
+    last of the 160 blocks sums the partials in block order past L1, finalizes and zeroes the counter."""
+    from lowering_helpers import lower_source
+
+    ks = _kernels()
+    for name in ("mixes_gemv", "mixes_gemv_early"):
+        body = lower_source(ks[name](), "sm_90a")
+        body = body[body.index("__global__"):]
+        loads = body.index("f[n] = fn[")
+        tok = body.index("for (int t = 0; t < n_tok; ++t)")
+        assert loads < tok and "__shfl_xor_sync" in body and "wgmma" not in body
+        if name.endswith("early"):
+            assert loads < body.index("cudaGridDependencySynchronize()") < tok
+        tail = body[body.index("AtomicAddRet("):]
+        assert "== 159)" in tail and "for (int s = 0; s < 160; ++s)" in tail and "di_ld_cg(" in tail
+        assert "di_rcp_nr(" in tail and "cnt[0] = 0;" in tail
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_the_mixes_take_the_gemv_only_when_asked_up_to_its_tokens_outside_the_invariant_mode(monkeypatch):
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.tilelang import mhc as wrap
+
+    launched = []
+    monkeypatch.setattr(wrap, "jit", lambda builder, *a: launched.append(builder.__name__) or (lambda *t: None))
+    n = (2 + HC) * HC
+    fn, scale, base = torch.zeros(n, HC * D), torch.ones(3), torch.zeros(n)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # the kernel path's device check
+    monkeypatch.setattr(wrap, "pdl_enabled", lambda: False)
+
+    def route(tokens):
+        launched.clear()
+        wrap.mhc_mixes(torch.zeros(tokens, HC, D, dtype=torch.bfloat16), fn, scale, base, 1e-6, ITERS, 1e-6)
+        return launched[0]
+
+    assert wrap.GEMV_TOKENS == 0 and route(1) == "build_mhc_premix"
+    monkeypatch.setattr(wrap, "GEMV_TOKENS", 8)
+    assert [route(t) for t in (1, 8, 9)] == ["build_mhc_mixes_gemv"] * 2 + ["build_mhc_premix"]
+    monkeypatch.setitem(registry._MODE, "batch_invariant", True)
+    assert route(1) == "build_mhc_premix"

@@ -125,7 +125,7 @@ def test_the_model_above_matches_the_kernel_source():
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
-def test_the_launcher_takes_the_warp_streamed_passes_only_when_asked_at_one_token(monkeypatch):
+def test_the_launcher_takes_the_warp_streamed_passes_at_one_token_outside_the_invariant_mode(monkeypatch):
     from deepinfer.kernels import registry
     from deepinfer.kernels.packed_experts import PackedExperts
     from deepinfer.kernels.tilelang import moe, moe_warp_kernel
@@ -135,10 +135,19 @@ def test_the_launcher_takes_the_warp_streamed_passes_only_when_asked_at_one_toke
     p = PackedExperts("fp4", torch.zeros(E, 2 * I, D // 2, dtype=u8), torch.zeros(E, 2 * I, D // 32, dtype=u8),
                       torch.zeros(E, D, I // 2, dtype=u8), torch.zeros(E, D, I // 32, dtype=u8))
     build = moe_warp_kernel.build_fp4_warp_gemm
-    assert moe.WARP_STREAM == 0 and moe.routed_specs(p, 1, 6)[0][0] is not build
-    monkeypatch.setattr(moe, "WARP_STREAM", 1)
+    assert moe.WARP_STREAM == 1 and moe.WARP_DOWN == 1
     up, down = moe.routed_specs(p, 1, 6)
     assert up == (build, "swiglu", E, 2 * I, D) and down == (build, "add", E, D, I, 256, 5, False)
-    assert moe.routed_specs(p, 2, 6)[0][0] is not build
+    monkeypatch.setattr(moe, "WARP_DOWN", 0)  # the warp-streamed up pass, the grouped GEMM's down pass
+    up0, down0 = moe.routed_specs(p, 1, 6)
+    monkeypatch.setattr(moe, "WARP_STREAM", 0)
+    grouped = moe.routed_specs(p, 1, 6)
+    assert up0 == up and down0 == grouped[1] and grouped[0][0] is not build
+    monkeypatch.setattr(moe, "WARP_STREAM", 1)
+    monkeypatch.setattr(moe, "WARP_DOWN", 1)
+    assert moe.WARP_TOKENS == 1 and moe.routed_specs(p, 2, 6)[0][0] is not build
+    monkeypatch.setattr(moe, "WARP_TOKENS", 4)  # the candidate: a few tokens a call, a slot's tokens in turn
+    assert [moe.routed_specs(p, n, 6)[0][0] is build for n in (2, 4, 5)] == [True, True, False]
+    assert moe.routed_specs(p, 4, 6)[1] == down
     monkeypatch.setitem(registry._MODE, "batch_invariant", True)
     assert moe.routed_specs(p, 1, 6)[0][0] is not build

@@ -53,9 +53,6 @@ W_BYTES = ROWS * 32  # packed FP4 weights of one 64-K step
 CS_PAD = 8          # bf16 epilogue tile [BT][128 + 8]
 STAGES = 4          # cp.async stages: two steps in flight ahead of the one multiplied
 HALF = 32           # gate (or up) rows per 64-row group of the packed w13
-# blocks an SM asked of ptxas for 64-token tiles: at 3 the 85 registers left make it serialise the MMAs (its C7512)
-# but hide more latency where grids are small (an A/B constant; 128-token tiles fit 2 by shared memory)
-BLOCKS_64 = 2
 
 
 def mma_order(k: int) -> list[int]:
@@ -251,8 +248,9 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, sta
     smem_bytes = shared_bytes(BT, k, S)
     assert smem_bytes <= 227 * 1024
     if min_blocks == 0:  # two blocks an SM where shared memory holds them: at three (64 tokens) the 85 registers
-        # left make ptxas serialise the MMAs (its C7512); two leave 128 (127 used at 128 tokens, 96 at 64)
-        min_blocks = max(1, min(BLOCKS_64 if BT == 64 else 2, (227 * 1024) // (smem_bytes + 1024)))
+        # left make ptxas serialise the MMAs (its C7512), and the prefill MoE at 2K tokens ran 6.37 -> 7.02 ms
+        # (H100); two leave 128 (127 used at 128 tokens, 96 at 64)
+        min_blocks = max(1, min(2, (227 * 1024) // (smem_bytes + 1024)))
     rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")
     src = cuda_source(BT)
 
@@ -275,7 +273,7 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, sta
             T.import_source(src)
             e = tile_expert[by]
             r0 = tile_row[by]
-            if e >= 0:  # expert -1: an unused entry of a list sized by a bound (moe_prefill.SYNC_FREE)
+            if e >= 0:  # expert -1: an unused entry of a list sized by a bound (moe_prefill._tile_lists)
                 for i in T.unroll(BT // 2):
                     acc[i] = T.float32(0)
                 T.call_extern("handle", f"xrs_mainloop<{BT},{S}>", T.address_of(smem[0]),

@@ -42,7 +42,7 @@ from deepinfer.kernels.torch import linear as torch_linear
 from ._build import jit, pdl_enabled
 from .counters import TILE_COUNTERS, tile_counters
 from .fp8_dense_kernel import build_fp8_dense
-from .gemv_kernel import M_MAX, WARPS, build_fp8_gemv, build_fp8_gemv_stream, chunk_width
+from .gemv_kernel import M_MAX, WARPS, build_fp8_gemv, chunk_width
 from .linear_kernel import BLOCK_K, BLOCK_T, STAGES, build_fp8_linear, build_split_reduce
 
 BLOCK_N = 64
@@ -61,9 +61,6 @@ DENSE_ROWS, DENSE_ROWS_LARGE, LARGE_WEIGHT, DENSE_MIN_N = 256, 128, 1 << 25, 102
 # row on every Flash shape; at two it wins on some and loses on others, from four it loses: its per-row activation
 # loads and sums grow with the rows (linear_gpu_gemv_h200.log, linear_gpu_gemv_cvt_h200.log)
 GEMV_ROWS = 1
-# 1: the GEMV's weight rows streamed through shared memory (gemv_kernel.build_fp8_gemv_stream, ~40 registers instead
-# of up to 186, the same bits); 0: rows held in registers. A candidate until a same-machine A/B (linear_gpu.py)
-GEMV_STREAM = 0
 WIDE_N = 128  # weight rows per block of the GEMM outside the invariant mode (`gemm_tiles`)
 GEMV_MIN_BLOCKS = 128  # the GEMV splits K only when N / WARPS rows give fewer blocks than about one per SM
 
@@ -204,12 +201,11 @@ def fp8_gemv(x: torch.Tensor, w: Fp8BlockWeight, groups: int = 1) -> torch.Tenso
     codes = w.weight.view(torch.float8_e4m3fn)  # the kernel converts them with the hardware's e4m3 cvt
     # under graph capture the weights are the model's, fixed: their loads may start before the kernel ahead ends
     early = pdl_enabled() and x.is_cuda and torch.cuda.is_current_stream_capturing()
-    build = build_fp8_gemv_stream if GEMV_STREAM else build_fp8_gemv
     if splits == 1:
-        jit(build, n, k, m_max, 1, groups, early)(x2, codes, w.scale, out)
+        jit(build_fp8_gemv, n, k, m_max, 1, groups, early)(x2, codes, w.scale, out)
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        jit(build, n, k, m_max, splits, groups, early)(x2, codes, w.scale, part)
+        jit(build_fp8_gemv, n, k, m_max, splits, groups, early)(x2, codes, w.scale, part)
         jit(build_split_reduce, n, splits)(part, out)
     return out.view(*lead, n)
 

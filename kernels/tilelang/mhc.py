@@ -9,7 +9,8 @@ decode, fewer as tiles multiply), and the last of a tile's blocks to finish sums
 tile's tokens in the same launch (mhc_kernel's fused premix); the split count changes the fp32 summation order,
 so a token's mixes can differ in the last bits between batch sizes. In the batch-invariant mode every token count
 uses the decode split (64): the order is then fixed (partials summed in split order), at the price of more
-partials at prefill sizes.
+partials at prefill sizes. A candidate for a few tokens a call (`GEMV_TOKENS`, off by default):
+mhc_gemv_kernel.py's one launch over fn's columns without the 64-token MMA tile.
 """
 
 import numpy as np
@@ -19,11 +20,13 @@ from deepinfer.kernels.registry import batch_invariant, fall_back
 from deepinfer.kernels.torch import mhc as torch_mhc
 
 from ._build import dense as _dense
-from ._build import jit
+from ._build import jit, pdl_enabled
 from .counters import TILE_COUNTERS, tile_counters
 from ._fallback import reason
 from .collapse_norm_kernel import build_mhc_collapse_norm
 from .rowwise import _ones, _rms_plan, rms_norm
+from .mhc_gemv_kernel import THREADS as GEMV_THREADS
+from .mhc_gemv_kernel import build_mhc_mixes_gemv
 from .mhc_kernel import (NOUT, build_mhc_collapse, build_mhc_expand, build_mhc_mix_finalize, build_mhc_premix,
                          mix_width)
 
@@ -31,6 +34,10 @@ BLOCK_T, BLOCK_K = 64, 64
 SPLITS = (1, 4, 16, 64)  # K-split variants (each one compile); 320 K steps of 64 at hc*D = 20480
 FILL_BLOCKS = 256        # premix blocks wanted in flight: ~2 per SM on an H200 (3 fit by shared memory)
 COLLAPSE_NORM_ONE_LAUNCH = 1  # 0: mhc_collapse_norm as the collapse and rms_norm kernels (for A/B runs)
+# up to this many tokens a call (outside the batch-invariant mode) the mixes take mhc_gemv_kernel's one launch over
+# GEMV_SPLITS blocks of fn's columns (0: never). A candidate until a same-machine A/B (decode_gpu.py, B=1 and 8)
+GEMV_TOKENS = 0
+GEMV_SPLITS = 160  # 128 columns a block at hc * D = 20480: ~1.2 blocks an SM, each with 24 loads a thread in flight
 
 
 def _splits(n_tok: int, k_steps: int) -> int:
@@ -77,6 +84,33 @@ def mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
+def gemv_fits(n_tok: int, hc: int, dim: int) -> bool:
+    """The GEMV mixes for this call: at most GEMV_TOKENS tokens, outside the batch-invariant mode (its bits are not
+    the tiled premix's), widths its blocks divide."""
+    return (0 < n_tok <= GEMV_TOKENS and not batch_invariant()
+            and (hc * dim) % (GEMV_SPLITS * GEMV_THREADS) == 0)
+
+
+def mixes_gemv(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps):
+    """The kernel path of mhc_mixes through mhc_gemv_kernel (one launch) for n_tok <= GEMV_TOKENS tokens."""
+    hc, dim = streams.shape[-2:]
+    lead = streams.shape[:-2]
+    x = streams.reshape(-1, hc * dim).contiguous()
+    n_tok, dev = x.shape[0], x.device
+    assert n_tok <= GEMV_TOKENS
+    part = torch.empty(GEMV_SPLITS, n_tok, NOUT, dtype=torch.float32, device=dev)
+    pre = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
+    post = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(n_tok, hc, hc, dtype=torch.float32, device=dev)
+    # under graph capture fn is the model's, fixed: its loads may start before the kernel ahead ends
+    early = pdl_enabled() and x.is_cuda and torch.cuda.is_current_stream_capturing()
+    jit(build_mhc_mixes_gemv, hc, dim, GEMV_SPLITS, GEMV_TOKENS, int(sinkhorn_iters), TILE_COUNTERS,
+        (hc * dim) // (GEMV_SPLITS * GEMV_THREADS), early)(
+        x, fn.float().contiguous(), part, scale.reshape(-1)[:3].float().contiguous(),
+        base.reshape(-1).float().contiguous(), pre, post, comb, tile_counters(dev), float(hc_eps), float(norm_eps))
+    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
 def mhc_mixes(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps):
     """Same contract as deepinfer.kernels.torch.mhc.mhc_mixes. Kernel path: CUDA bf16 streams [..., hc, D] with
     (2+hc)*hc < 32 (hc <= 4), hc*D a multiple of 64, fn [(2+hc)*hc, hc*D] on the same device; else the torch op."""
@@ -91,6 +125,8 @@ def mhc_mixes(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps):
         return fall_back("mhc_mixes", reason(streams, "streams / fn shapes not covered"), torch_mhc.mhc_mixes,
                          streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps)
     n_tok = streams.numel() // (hc * dim)
+    if gemv_fits(n_tok, hc, dim):
+        return mixes_gemv(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps)
     return mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps,
                              _splits(n_tok, hc * dim // BLOCK_K))
 

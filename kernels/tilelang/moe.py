@@ -48,8 +48,16 @@ FP4_BLOCK_K, FP4_STAGES = 256, 4
 # five 16 KB steps, at 4 (128 x 16) thirteen 8 KB ones, in the same shared memory (for A/B runs)
 FP8_STAGE_SPLIT = 1
 # 1: at one token a call, the routed FP4 passes stream each warp's rows through its own cp.async ring
-# (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. A candidate until a same-machine A/B
-WARP_STREAM = 0
+# (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
+# 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
+WARP_STREAM = 1
+# 0: with WARP_STREAM, the down pass still the grouped GEMM's (both read h in the natural K order). A candidate: alone
+# the warp-streamed up pass won 43.4 -> 40.4 us and its down pass lost 20.1 -> 22.0 us (the same H100 run)
+WARP_DOWN = 1
+# the most tokens a call for which WARP_STREAM's passes run: a slot of c tokens streams its expert's rows c times (the
+# repeats from L2, just read). A candidate above 1: DSpark's B=1 verification (3-7 tokens over ~20-40 experts, most
+# slots one token) takes the grouped GEMM today, which at 8 tokens over 45 experts moved 89% of the bandwidth
+WARP_TOKENS = 1
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -155,15 +163,16 @@ def warp_fits(p: PackedExperts) -> bool:
 
 def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
     """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy (with
-    WARP_STREAM, at one token, moe_warp_kernel's two passes)."""
-    if WARP_STREAM and n_tok == 1 and not registry.batch_invariant() and warp_fits(p):
-        E, I, D = p.n_experts, p.inter, p.hidden
-        build = moe_warp_kernel.build_fp4_warp_gemm
-        return (build, "swiglu", E, 2 * I, D), (build, "add", E, D, I, moe_warp_kernel.BLOCK_K,
-                                                moe_warp_kernel.STAGES, False)
+    WARP_STREAM, up to WARP_TOKENS tokens, moe_warp_kernel's up pass and, with WARP_DOWN, its down pass)."""
     bt = routed_block_t(n_tok, top_k, p.n_experts)
     splits = 1 if registry.batch_invariant() else routed_down_splits(n_tok, top_k, p.n_experts)
-    return ffn_specs(p, bt, splits, routed_block_n(bt))
+    grouped = ffn_specs(p, bt, splits, routed_block_n(bt))
+    if WARP_STREAM and n_tok <= WARP_TOKENS and not registry.batch_invariant() and warp_fits(p):
+        E, I, D = p.n_experts, p.inter, p.hidden
+        build = moe_warp_kernel.build_fp4_warp_gemm
+        down = (build, "add", E, D, I, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES, False)
+        return (build, "swiglu", E, 2 * I, D), (down if WARP_DOWN else grouped[1])
+    return grouped
 
 
 def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: int, top_k: int,

@@ -1,7 +1,10 @@
 """MoE at prefill sizes: tokens grouped by expert on the device (each expert's rows padded to whole tiles of
 `BLOCK_M`; with 64, an expert's tiles paired into 128-row ones), then the FP4 grouped GEMM (expert_gemm_kernel.py)
 over every expert at once, one launch per tile height: the gate/up projection with the SwiGLU in its epilogue, and
-the down projection.
+the down projection. The tile lists are sized by a bound the host knows (tokens x top-k / BLOCK_M + experts), their
+unused entries expert -1 (the kernel's blocks for those exit at once): no device sync in the call, where the eager
+prefill step would leave the GPU idle while the host launches what follows (6-layer prefill 8K 144 -> 135 ms, H100,
+docs/hopper-kernels.md).
 
 Why a second path beside the streaming kernel (moe_kernel.py): that kernel dequantises each weight tile into
 registers once per token tile of <= 64 tokens, which is what decode wants (weights read once, few tokens). At a
@@ -36,11 +39,6 @@ PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (the s
 # rows per tile: each expert's rows start on a multiple of this; with 64, two of an expert's tiles run as one
 # 128-row tile (12.2 ms at 8K tokens against 12.5 with 128-row tiles, H100: less padding, the same MMAs)
 BLOCK_M = 64
-# 1: the tile lists sized by a bound known on the host (tokens x top-k / BLOCK_M + experts), their unused entries
-# expert -1 (the kernel's blocks for them exit at once), the expert counts by scatter_add: no device sync in the call
-# (0: two, bincount's and the tile count's). A candidate until an A/B of the eager prefill step, where each sync
-# leaves the GPU idle while the host launches what follows it (device time 6-13% above kernel time, H100)
-SYNC_FREE = 0
 
 
 def wanted(n_tok: int, routed: PackedExperts) -> bool:
@@ -129,10 +127,11 @@ def combine(out: torch.Tensor, tok_rows: torch.Tensor, shared_y: torch.Tensor) -
     return (y + shared_y.float()).to(out.dtype)
 
 
-def _tiles_unsynced(tiles: torch.Tensor, starts: torch.Tensor, assignments: int, E: int):
-    """The tilings of moe_experts_grouped without reading a count on the host: lists as long as a bound (every
-    expert's rows end at most BLOCK_M - 1 short of a whole tile), unused entries of expert -1. Returns (tiling, the
-    bound on the tiles, which sizes the rows)."""
+def _tile_lists(tiles: torch.Tensor, starts: torch.Tensor, assignments: int, E: int):
+    """moe_experts_grouped's tilings without reading a count on the host: lists as long as a bound (every expert's
+    rows end at most BLOCK_M - 1 short of a whole tile), unused entries of expert -1. With 64-row tiles, two of an
+    expert's tiles run as one 128-row tile, an odd one left at 64: padding as 64-row tiles pad, the 128-token MMAs
+    where an expert has the rows. Returns (tiling, the bound on the tiles, which sizes the rows)."""
     dev = tiles.device
     bound = assignments // BLOCK_M + E
     ids = torch.arange(E, dtype=torch.int32, device=dev)
@@ -161,32 +160,13 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments by expert, tokens ascending within one
     expert = flat[order]
-    if SYNC_FREE:
-        ids64 = flat.long()  # (scatter_add_ takes int64 indices; the router's ids may be int32)
-        counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids64, torch.ones_like(ids64))
-    else:
-        counts = torch.bincount(flat, minlength=E)
+    ids64 = flat.long()  # (scatter_add_ takes int64 indices; the router's ids may be int32)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids64, torch.ones_like(ids64))
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     starts = (torch.cumsum(tiles, 0) - tiles) * BLOCK_M
     dest = starts[expert] + torch.arange(T_ * k, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
-    experts = torch.arange(E, dtype=torch.int32, device=dev)
-    if SYNC_FREE:
-        tiling, n_tiles = _tiles_unsynced(tiles, starts, T_ * k, E)
-    elif BLOCK_M == 64:
-        # two 64-row tiles of one expert as one 128-row tile, an odd one left at 64: padding as 64-row tiles pad,
-        # the 128-token MMAs where an expert has the rows
-        pairs, odd = tiles // 2, tiles % 2
-        n_tiles, n_pairs, n_odd = torch.stack([tiles.sum(), pairs.sum(), odd.sum()]).tolist()  # one device sync
-        pair_row = (starts.repeat_interleave(pairs, output_size=n_pairs)
-                    + 2 * BLOCK_M * (torch.arange(n_pairs, device=dev)
-                                     - (torch.cumsum(pairs, 0) - pairs).repeat_interleave(pairs, output_size=n_pairs)))
-        tiling = [(experts.repeat_interleave(pairs, output_size=n_pairs), pair_row.int(), 2 * BLOCK_M),
-                  (experts.repeat_interleave(odd, output_size=n_odd),
-                   (starts + 2 * BLOCK_M * pairs).repeat_interleave(odd, output_size=n_odd).int(), BLOCK_M)]
-    else:
-        n_tiles = int(tiles.sum())  # one device sync per call: prefill steps run eagerly
-        tiling = experts.repeat_interleave(tiles, output_size=n_tiles)
-    rows = n_tiles * BLOCK_M
+    tiling, bound = _tile_lists(tiles, starts, T_ * k, E)
+    rows = bound * BLOCK_M  # the last tiles' rows: padding, read by no used tile
     assignment = torch.full((rows,), T_ * k, dtype=torch.int64, device=dev)  # padding rows: past the end
     assignment[dest] = order
     tok = torch.where(assignment < T_ * k, assignment // k, T_)  # T_: the zero row appended below

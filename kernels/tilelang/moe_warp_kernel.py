@@ -1,5 +1,6 @@
-"""Candidate: the routed FP4 expert passes at one token a slot, each warp streaming its own weight rows (decode at
-batch 1). Not the default: `moe.WARP_STREAM = 1` takes it, until a same-machine A/B decides (`moe_gpu.py`).
+"""The routed FP4 expert passes at one token a slot, each warp streaming its own weight rows (decode at
+batch 1), the default there since the twenty-ninth session's A/B (`moe.WARP_STREAM`; `moe.WARP_DOWN = 0` keeps
+the grouped GEMM's down pass behind it).
 
 Why: at one token the grouped GEMM (moe_kernel.py) moves its weights at ~64% of the bandwidth with its FP4 decode
 and MMAs both left out (moe_gpu_b1_probe_s28_h100: 93% at 8 tokens): its 432 blocks fit one wave, each walks its

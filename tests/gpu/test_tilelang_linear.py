@@ -282,33 +282,6 @@ def test_a_gemv_row_is_bitwise_the_same_at_every_row_count(name):
             assert torch.equal(fp8_gemv(rows, w), out8[at:at + m]), (m, i)
 
 
-@pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize("name", list(GEMV_SHAPES) + ["groups"])
-def test_the_streamed_gemv_is_bitwise_the_register_gemv(name, early):
-    """gemv_kernel.build_fp8_gemv_stream (linear.GEMV_STREAM) against build_fp8_gemv: the same lanes, chunks and
-    sums, so the same bits, at 1-8 rows, with K split (narrow) and row groups (wo_a's eight)."""
-    from deepinfer.kernels.tilelang._build import jit
-    from deepinfer.kernels.tilelang.gemv_kernel import M_MAX, build_fp8_gemv, build_fp8_gemv_stream
-    from deepinfer.kernels.tilelang.linear import gemv_splits
-
-    groups = 8 if name == "groups" else 1
-    n, k = (8 * 1024, 4096) if name == "groups" else GEMV_SHAPES[name]
-    g = torch.Generator(device="cuda").manual_seed(n + k + 1)
-    codes, scale, _ = fp8_blocks(n, k, g)
-    codes = codes.view(torch.float8_e4m3fn)
-    splits = gemv_splits(n, k)
-    for m in (1, 3, 8):
-        m_max = next(v for v in M_MAX if v >= m)
-        x = _x(m, groups * k, seed=m + 3)
-        outs = []
-        for build in (build_fp8_gemv, build_fp8_gemv_stream):
-            shape = (splits, m, n) if splits > 1 else (m, n)
-            out = torch.full(shape, float("nan"), device="cuda", dtype=torch.float32 if splits > 1 else torch.bfloat16)
-            jit(build, n, k, m_max, splits, groups, early)(x, codes, scale, out)
-            outs.append(out)
-        assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1]), (name, m)
-
-
 def test_the_linear_op_takes_the_gemv_at_one_row_and_the_gemm_in_the_invariant_mode(monkeypatch):
     from deepinfer.kernels.registry import OpSet
     from deepinfer.kernels.tilelang import linear as launcher

@@ -113,6 +113,35 @@ def test_the_one_launch_mixes_are_bitwise_the_two_launch_mixes(tokens):
     assert not tile_counters(streams.device).any()
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_the_gemv_mixes_match_float64_and_replay_from_a_graph(tokens, monkeypatch):
+    """The candidate (mhc.GEMV_TOKENS, mhc_gemv_kernel.py) at up to 8 tokens a call: the fp32 band of the float64
+    reference, per token too; the same bits call after call (a fixed summation order) and replayed from a CUDA graph
+    (where fn's loads start before the programmatic wait); the tile counters back at zero."""
+    from deepinfer.kernels.tilelang import mhc as wrap
+    from deepinfer.kernels.tilelang.counters import tile_counters
+
+    monkeypatch.setattr(wrap, "GEMV_TOKENS", 8)
+    g = _gen(5000 + tokens)
+    streams = _streams(tokens, g)
+    fn, scale, base = _mix_params(g)
+    assert wrap.gemv_fits(tokens, HC, D)
+    poison_allocator()
+    got = wrap.mhc_mixes(streams, fn, scale, base, HC_EPS, ITERS, NORM_EPS)
+    again = wrap.mhc_mixes(streams, fn, scale, base, HC_EPS, ITERS, NORM_EPS)
+    torch.cuda.synchronize()
+    _check_mixes(got, streams, fn, scale, base)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = wrap.mhc_mixes(streams, fn, scale, base, HC_EPS, ITERS, NORM_EPS)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, replayed))
+    assert not tile_counters(streams.device).any()
+
+
 def _bf16_checks(out, expect64, torch_op):
     assert out.dtype == torch.bfloat16 and out.shape == torch_op.shape
     assert torch.isfinite(out).all()

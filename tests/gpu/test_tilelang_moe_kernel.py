@@ -126,18 +126,21 @@ def test_experts_match_torch(E, D, I, tokens, fmt, with_shared, skew):
 
 @pytest.mark.parametrize("E,D,I", SHAPES)
 @pytest.mark.parametrize("with_shared", [True, False])
-def test_the_warp_streamed_one_token_passes_match_torch_and_the_grouped_gemm(E, D, I, with_shared, monkeypatch):
-    """moe.WARP_STREAM (moe_warp_kernel.py) at one token: the same op, within the reference's rounding of the
-    grouped GEMM's result, and against torch; replayed from a CUDA graph (no host reads)."""
-    from deepinfer.kernels.tilelang import moe
+def test_the_warp_streamed_passes_match_torch_and_the_grouped_gemm(E, D, I, with_shared, monkeypatch):
+    """moe.WARP_STREAM (moe_warp_kernel.py) at one token and at three (WARP_TOKENS), with its down pass or the
+    grouped GEMM's (WARP_DOWN=0): the same op, within the reference's rounding of the grouped GEMM's result, and
+    against torch; replayed from a CUDA graph (no host reads)."""
+    from deepinfer.kernels.tilelang import moe, moe_warp_kernel
 
     routed, dense, shared, shared_dense = _weights(E, D, I, "fp4", with_shared)
     k = min(TOP_K, E)
-    for seed in range(3):
+    monkeypatch.setattr(moe, "WARP_TOKENS", 3)  # and slots of several tokens (E <= 16 experts, top-6: they share)
+    for seed, n in [(0, 1), (1, 1), (2, 1), (3, 3), (4, 3)]:
         g = _gen(seed + 100)
-        x = torch.randn(1, D, generator=g).bfloat16().cuda()
-        idx = torch.randperm(E, generator=g)[:k][None].cuda()
-        weights = torch.rand(1, k, generator=g).cuda() + 0.1
+        x = torch.randn(n, D, generator=g).bfloat16().cuda()
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]).cuda()
+        weights = torch.rand(n, k, generator=g).cuda() + 0.1
+        assert moe.routed_specs(routed, n, k)[0][0] is moe_warp_kernel.build_fp4_warp_gemm
         monkeypatch.setattr(moe, "WARP_STREAM", 0)
         grouped = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
         monkeypatch.setattr(moe, "WARP_STREAM", 1)
@@ -146,6 +149,11 @@ def test_the_warp_streamed_one_token_passes_match_torch_and_the_grouped_gemm(E, 
         expect = ref.moe_experts(x, weights, idx, dense, shared_dense, LIMIT)
         assert torch.isfinite(out).all() and rel_err(out, expect) < 1e-2, rel_err(out, expect)
         assert rel_err(out, grouped) < 1e-2, rel_err(out, grouped)
+        monkeypatch.setattr(moe, "WARP_DOWN", 0)  # the warp-streamed up pass feeding the grouped GEMM's down pass
+        poison_allocator()
+        mixed = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
+        monkeypatch.setattr(moe, "WARP_DOWN", 1)
+        assert torch.isfinite(mixed).all() and rel_err(mixed, expect) < 1e-2 and rel_err(mixed, grouped) < 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
