@@ -127,9 +127,10 @@ def _ctype(param: str):
     return {"float": ctypes.c_float, "int": ctypes.c_int, "int64_t": ctypes.c_longlong}[kind.strip()]
 
 
-def compile_kernel(src: str, tmp_path, name: str | None = None):
+def compile_kernel(src: str, tmp_path, name: str | None = None, prelude: str = ""):
     """The 1-D-grid kernel of TileLang CUDA source `src` as a Python callable run(blocks, **args): tensors (CPU,
-    contiguous) by parameter name, scalars as ints / floats. Returns (run, parameter names)."""
+    contiguous) by parameter name, scalars as ints / floats. `prelude`: host definitions of the helpers the kernel's
+    imported device source defines (that source is not compiled here). Returns (run, parameter names)."""
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
     # dynamic shared memory: the emulation's block-wide buffer
     body = re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"\1* \2 = (\1*)g_smem;", body)
@@ -137,7 +138,7 @@ def compile_kernel(src: str, tmp_path, name: str | None = None):
     threads, kname, sig = int(m.group(1)), m.group(2), m.group(3)
     params = [p.strip() for p in sig.split(",")]
     names = [p.split()[-1] for p in params]
-    code = EMU_H + body + ('\nextern "C" void launch(int emu_blocks, ' + ", ".join(params) + ") {\n"
+    code = EMU_H + prelude + body + ('\nextern "C" void launch(int emu_blocks, ' + ", ".join(params) + ") {\n"
                            f"  emu_launch(emu_blocks, {threads}, [&] {{ {kname}(" + ", ".join(names) + "); });\n}\n")
     stem = name or kname
     (tmp_path / f"{stem}.cpp").write_text(code)

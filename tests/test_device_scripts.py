@@ -45,7 +45,11 @@ def test_every_benchmark_a_device_script_runs_takes_its_flags(script):
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="the kernel modules need tilelang")
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_every_module_constant_a_device_script_overrides_exists(script):
-    """with_attrs.py arms name module constants (deepinfer.....NAME): a stale one would cost a device call."""
-    names = set(re.findall(r"(deepinfer(?:\.\w+)+)\.([A-Z][A-Z0-9_]*)\b", script.read_text()))
+    """with_attrs.py arms name module constants (deepinfer.....NAME, or $VAR.NAME for VAR=deepinfer....): a stale
+    one would cost a device call."""
+    text = script.read_text()
+    for var, module in re.findall(r"^\s*(\w+)=(deepinfer[\w.]*\w)\s*$", text, flags=re.M):
+        text = re.sub(r"\$\{?" + var + r"\b\}?", module, text)
+    names = set(re.findall(r"(deepinfer(?:\.\w+)+)\.([A-Z][A-Z0-9_]*)\b", text))
     for module, name in sorted(names):
         assert hasattr(importlib.import_module(module), name), f"{script.name}: {module}.{name} does not exist"

@@ -404,3 +404,28 @@ def test_rope_in_place_writes_the_same_values_into_x():
             y = x.clone() if x.is_contiguous() else x.clone()[..., :]
             got = rope.rope(y, pos, inv, inverse, inplace=True)
             assert got is y and torch.equal(y, expect) and torch.equal(y[..., :-64], x[..., :-64])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
+def test_small_rope_launches_take_one_chunk_a_thread_only_when_asked(monkeypatch):
+    """rowwise.ROPE_ONE_CHUNK_BELOW (a candidate, 0 by default): below it a launch's threads take one chunk each;
+    at 0 every spec is the kernel manifest's (four chunks a thread, the out-of-place spec without its defaults)."""
+    from deepinfer.kernels.tilelang import rowwise
+    from deepinfer.kernels.torch.rope import default_inv_freq
+
+    specs = []
+    monkeypatch.setattr(rowwise, "jit", lambda builder, *a: specs.append(a) or (lambda *t: None))
+    monkeypatch.setattr(rowwise, "_rope_ok", lambda *a: True)
+    inv = default_inv_freq(10000.0, 64)
+
+    def launch(tokens, inplace):
+        specs.clear()
+        x = torch.zeros(tokens, 64, 512, dtype=torch.bfloat16)
+        rowwise.rope(x, torch.zeros(tokens, dtype=torch.int64), inv, inplace=inplace)
+        return specs[0]
+
+    assert rowwise.ROPE_ONE_CHUNK_BELOW == 0
+    assert launch(1, True) == (512, 64, False, 128, 4, True) and launch(1, False) == (512, 64, False)
+    monkeypatch.setattr(rowwise, "ROPE_ONE_CHUNK_BELOW", 1 << 16)
+    assert launch(1, True) == (512, 64, False, 128, 1, True) and launch(1, False) == (512, 64, False, 128, 1, False)
+    assert launch(256, True) == (512, 64, False, 128, 4, True)  # 256 x 64 x 8 chunks: four a thread

@@ -110,6 +110,16 @@ def _rope_ok(x, positions, inv_freq) -> bool:
     return rd > 0 and rd % 8 == 0 and dim % 8 == 0 and rd <= dim
 
 
+# a rope launch visiting fewer 16-byte chunks than this gives each thread one chunk instead of four (the same bits):
+# at decode a query's 64 heads x 8 rotated chunks are one block of 128 threads at four, each thread evaluating 32
+# cos / sin in turn (~7 us a call at B=1, 96 calls a step, decode_gpu_flash40_nopdl_s27_h100). A candidate (0: never)
+ROPE_ONE_CHUNK_BELOW = 0
+
+
+def _rope_per(chunks: int) -> int:
+    return 1 if chunks < ROPE_ONE_CHUNK_BELOW else 4
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
          inplace: bool = False) -> torch.Tensor:
     """Same contract as deepinfer.kernels.torch.rope.rope; one launch on the kernel path (module docstring). In
@@ -123,11 +133,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
     inv = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
     if inplace and x.is_contiguous():
         x2 = x.view(-1, dim)
-        jit(build_rope, dim, rd, bool(inverse), 128, 4, True)(x2, pos, inv, x2, heads)
+        jit(build_rope, dim, rd, bool(inverse), 128, _rope_per(x2.shape[0] * rd // 8), True)(x2, pos, inv, x2, heads)
         return x
     x2 = _dense(x.reshape(-1, dim))
     out = torch.empty_like(x2)
-    jit(build_rope, dim, rd, bool(inverse))(x2, pos, inv, out, heads)
+    per = _rope_per(x2.shape[0] * dim // 8)
+    spec = (dim, rd, bool(inverse)) + (() if per == 4 else (128, per, False))  # (the manifest's spec at four)
+    jit(build_rope, *spec)(x2, pos, inv, out, heads)
     if inplace:  # a strided x: rotated out of place, then written back
         return x.copy_(out.view(x.shape))
     return out.view(x.shape)
