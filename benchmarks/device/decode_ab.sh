@@ -2,6 +2,7 @@
 # Three device calls (chain them: a warm machine keeps its kernel cache), each arm through with_attrs.py:
 #   moe.WARP_DOWN=0     the warp-streamed up pass feeding the grouped GEMM's down pass (default 1: both warp passes)
 #   moe.WARP_TOKENS=8   the warp-streamed passes up to 8 tokens a call (default 1), e.g. DSpark's B=1 verification
+#   moe.WARP_EARLY=1    under the graph (PDL on), the warp down pass's first weight stages before its wait (default 0)
 #   mhc.GEMV_TOKENS=8   the mHC mixes up to 8 tokens a call as one GEMV launch (mhc_gemv_kernel.py; default 0)
 #   rowwise.ROPE_ONE_CHUNK_BELOW=65536  rope launches of fewer 16-byte chunks one chunk a thread (default 0: four)
 #   linear.DENSE_ROWS=512  the smaller projections dequantised for cuBLAS from 512 rows again (default 256), at DSpark's
@@ -42,9 +43,10 @@ if [ "${PART:-1}" = 1 ]; then
 elif [ "${PART}" = 2 ]; then
   cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl
   export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
-  limit=${T3:-300}
+  limit=${T3:-250}
   i=0
-  for arm in "$M.WARP_DOWN=1" "$M.WARP_DOWN=0" "$H.GEMV_TOKENS=8" "$R.ROPE_ONE_CHUNK_BELOW=65536"; do
+  for arm in "$M.WARP_DOWN=1" "$M.WARP_DOWN=0" "$M.WARP_EARLY=1" "$H.GEMV_TOKENS=8" \
+    "$R.ROPE_ONE_CHUNK_BELOW=65536"; do
     echo "== $arm" >> $OUT/decode_ab.log
     timeout $limit python3 $W $arm -- benchmarks/decode_gpu.py --model flash40 --batches 1 8 --contexts 4096 \
       --variants graphs --steps 5 --warmup 2 --prefill --out $OUT/decode_$i.json 2>&1 | f >> $OUT/decode_ab.log

@@ -21,7 +21,7 @@ from deepinfer.kernels import registry
 from deepinfer.kernels.packed_experts import BLOCK_N, PackedExperts, pack_experts  # noqa: F401 (re-export)
 from deepinfer.kernels.torch import moe as torch_moe
 
-from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
+from ._build import jit, pdl_enabled, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
 from . import moe_prefill
 from ._fallback import reason
 from .linear import expert_dense
@@ -58,6 +58,9 @@ WARP_DOWN = 1
 # repeats from L2, just read). A candidate above 1: DSpark's B=1 verification (3-7 tokens over ~20-40 experts, most
 # slots one token) takes the grouped GEMM today, which at 8 tokens over 45 experts moved 89% of the bandwidth
 WARP_TOKENS = 1
+# 1: under a CUDA graph with PDL, the warp-streamed down pass issues its first weight stages before its wait for the
+# up pass (moe_warp_kernel's weights_before_wait): ~4 of its 9 stages a warp overlap the up pass's tail. A candidate
+WARP_EARLY = 0
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -171,6 +174,8 @@ def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
         E, I, D = p.n_experts, p.inter, p.hidden
         build = moe_warp_kernel.build_fp4_warp_gemm
         down = (build, "add", E, D, I, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES, False)
+        if WARP_EARLY and pdl_enabled() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            down += (True,)  # (the manifest's spec without it)
         return (build, "swiglu", E, 2 * I, D), (down if WARP_DOWN else grouped[1])
     return grouped
 
@@ -179,7 +184,11 @@ def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: in
                   shared_down_splits: int = 1):
     """Every jit spec moe_experts_packed needs at n_tok tokens (for precompile / warm-up)."""
     specs = [(build_moe_prep, routed.n_experts, top_k, routed.hidden)]
-    specs += routed_specs(routed, n_tok, top_k)
+    routed_pass = routed_specs(routed, n_tok, top_k)
+    specs += routed_pass
+    down = routed_pass[1]
+    if WARP_EARLY and pdl_enabled() and down[0] is moe_warp_kernel.build_fp4_warp_gemm and len(down) == 8:
+        specs.append(down + (True,))  # the graph's build (routed_specs under a capture)
     if shared is not None and n_tok < SHARED_DENSE_TOKENS:
         specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
     return specs

@@ -129,7 +129,7 @@ def test_experts_match_torch(E, D, I, tokens, fmt, with_shared, skew):
 def test_the_warp_streamed_passes_match_torch_and_the_grouped_gemm(E, D, I, with_shared, monkeypatch):
     """moe.WARP_STREAM (moe_warp_kernel.py) at one token and at three (WARP_TOKENS), with its down pass or the
     grouped GEMM's (WARP_DOWN=0): the same op, within the reference's rounding of the grouped GEMM's result, and
-    against torch; replayed from a CUDA graph (no host reads)."""
+    against torch; replayed from a CUDA graph (no host reads), with and without WARP_EARLY."""
     from deepinfer.kernels.tilelang import moe, moe_warp_kernel
 
     routed, dense, shared, shared_dense = _weights(E, D, I, "fp4", with_shared)
@@ -154,13 +154,15 @@ def test_the_warp_streamed_passes_match_torch_and_the_grouped_gemm(E, D, I, with
         mixed = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
         monkeypatch.setattr(moe, "WARP_DOWN", 1)
         assert torch.isfinite(mixed).all() and rel_err(mixed, expect) < 1e-2 and rel_err(mixed, grouped) < 1e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
-    graph.replay()
-    torch.cuda.synchronize()
-    # the same call replayed: equal but for the order of the fp32 atomics that sum a token's experts
-    assert torch.isfinite(replayed).all() and rel_err(replayed, out) < 1e-3
+    for early in (0, 1):  # moe.WARP_EARLY: under the capture (PDL on) the down pass's first stages before its wait
+        monkeypatch.setattr(moe, "WARP_EARLY", early)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = moe.moe_experts_packed(x, weights, idx, routed, shared, LIMIT)
+        graph.replay()
+        torch.cuda.synchronize()
+        # the same call replayed: equal but for the order of the fp32 atomics that sum a token's experts
+        assert torch.isfinite(replayed).all() and rel_err(replayed, out) < 1e-3, early
 
 
 # ------------------------------------------------------------------------------------------ kernels alone
