@@ -55,8 +55,8 @@ WARP_STREAM = 1
 # the warp-streamed up pass won 43.4 -> 40.4 us and its down pass lost 20.1 -> 22.0 us (the same H100 run)
 WARP_DOWN = 1
 # the most tokens a call for which WARP_STREAM's passes run: a slot of c tokens streams its expert's rows c times (the
-# repeats from L2, just read). A candidate above 1: DSpark's B=1 verification (3-7 tokens over ~20-40 experts, most
-# slots one token) takes the grouped GEMM today, which at 8 tokens over 45 experts moved 89% of the bandwidth
+# repeats from L2, just read). A candidate above 1: DSpark at B=1 (drafting at 5 tokens a call, verification at up to
+# 6, most slots one token) takes the grouped GEMM today, which at 8 tokens over 45 experts moved 89% of the bandwidth
 WARP_TOKENS = 1
 # 1: under a CUDA graph with PDL, the warp-streamed down pass issues its first weight stages before its wait for the
 # up pass (moe_warp_kernel's weights_before_wait): ~4 of its 9 stages a warp overlap the up pass's tail. A candidate
