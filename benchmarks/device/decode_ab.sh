@@ -8,7 +8,8 @@
 #   linear.DENSE_ROWS=512  the smaller projections dequantised for cuBLAS from 512 rows again (default 256), at DSpark's
 #                       B=64 verification (64 x 3-4 rows), where the twenty-ninth session saw its step rise
 # PART=1: the candidates' GPU tests, then the MoE op alone at 1, 2, 4 and 8 tokens and the mHC kernels per arm.
-# PART=2: the 40-layer step at B=1 and 8, the defaults then each decode candidate alone. PART=3: DSpark at B=1 per WARP_TOKENS, at B=64 per DENSE_ROWS.
+# PART=2: the 40-layer step at B=1 and 8, the defaults then each decode candidate alone. PART=3: DSpark at B=1 per
+# WARP_TOKENS, at B=64 per DENSE_ROWS.
 # From the repo root on the device (carry [".devpack"]):  PART=1 bash benchmarks/device/decode_ab.sh
 # PART=2 and 3 read the kernel manifest, PART=2's first step with a long limit: a process that reads it first builds
 # all its ~210 kernels (minutes on a fresh machine).
