@@ -16,7 +16,9 @@ registry.no_host_reads() with the stream reported as capturing), twice: once unc
 capture (what launchers cache, e.g. moe.py's _shared_table, is made there), then counted. Every TileLang launch
 goes through kernels/tilelang/_build.jit; `_build._compiled` is replaced by a recorder, so nothing is compiled and
 each call of the returned kernel counts one launch of its builder (the outputs stay the torch.empty tensors the
-launchers allocated). Every aten op that reaches the fake tensors is classified:
+launchers allocated), by the leading dim of its first argument too (`tilelang_rows_by_builder`: x's tokens for the
+mixes and the MoE's up pass, e.g. DSpark's drafting at five tokens a call). Every aten op that reaches the fake
+tensors is classified:
 
     tilelang   a TileLang kernel launch (by builder name)
     glue       an aten op that launches a CUDA kernel: cast, strided copy, index, fill, elementwise, scan...
@@ -156,6 +158,7 @@ class Census:
         self.aten = defaultdict(Counter)              # region -> (kind, op) -> launches
         self.sites = Counter()                        # (region, kind, op, site, caller) -> launches
         self.tl_sites = Counter()                     # (region, builder, site, caller) -> launches
+        self.tl_rows = defaultdict(Counter)           # (region, builder) -> leading dim of its first argument -> n
         self.code = {}                                # site -> source line
         self.details = {}                             # sites key -> Counter of 'dtype[shape] -> dtype[shape]'
         self.origins = {}                             # sites key -> Counter of the model line behind it
@@ -169,10 +172,12 @@ class Census:
             self.code[site] = linecache.getline(str(ROOT / path), int(rest.split()[0])).strip()
         return site, caller
 
-    def launch(self, builder: str) -> None:
+    def launch(self, builder: str, rows: int | None = None) -> None:
         if not self.on:
             return
         self.tilelang[self.region][builder] += 1
+        if rows is not None:
+            self.tl_rows[(self.region, builder)][rows] += 1
         site, caller = self._site()
         self.tl_sites[(self.region, builder, site, caller)] += 1
 
@@ -452,7 +457,8 @@ def fake_cuda(census: Census):
         name = getattr(builder, "__name__", str(builder))
 
         def kernel(*a, **k):
-            census.launch(name)
+            first = a[0] if a else None  # a launch's tokens where its first argument is [tokens, ...] (x)
+            census.launch(name, int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else None)
 
         return kernel
 
@@ -713,12 +719,19 @@ def summarize(census: Census, info: dict, top: int) -> dict:
         if region != "stage":
             tl_sites[(cls(region), b, site, caller)] += n
     tl_sites = [dict(builder=b, site=s, caller=c, region=rc, count=n) for (rc, b, s, c), n in tl_sites.most_common()]
+    # launches by builder and the leading dim of their first argument (the tokens of a call where that is x)
+    rows_by_builder = defaultdict(Counter)
+    for (region, b), counts in census.tl_rows.items():
+        if region != "stage":
+            rows_by_builder[b].update(counts)
+    rows_by_builder = {b: {str(r): n for r, n in sorted(c.items())} for b, c in sorted(rows_by_builder.items())}
     per_region = [dict(region=r, **{k: v for k, v in totals([r]).items()},
                        builders=dict(census.tilelang.get(r, Counter()).most_common()),
                        glue_lines=dict(by_region_line[r].most_common()))
                   for r in step_regions]
     return dict(info, step=totals(step_regions), stage=totals(["stage"]) | dict(ops=dict(stage_ops.most_common())),
-                tilelang_by_builder=dict(by_builder.most_common()), aten_by_op=dict(by_op.most_common()),
+                tilelang_by_builder=dict(by_builder.most_common()), tilelang_rows_by_builder=rows_by_builder,
+                aten_by_op=dict(by_op.most_common()),
                 per_region=per_region, glue_lines=glue_lines[:top], glue_line_count=len(glue_lines),
                 glue_sites=sites[:2 * top], gemm_sites=gemm_sites, tilelang_sites=tl_sites)
 

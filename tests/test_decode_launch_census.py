@@ -108,3 +108,15 @@ def test_dspark_drafting_reads_nothing_on_the_host_in_any_mode(drafting):
     # the attention bias of the block's queries is made once a step (DSpark.step), not by each draft layer
     assert not [x for x in drafting["1 greedy"]["glue_lines"] if "dspark.py" in x["site"] and "__call__" in x["site"]
                 and {"masked_fill [index]", "zeros [fill]", "ones [fill]"} & set(x["ops"])]
+
+
+def test_the_census_counts_each_builders_launches_by_their_tokens(drafting):
+    """tilelang_rows_by_builder: a launch's leading dim of its first argument (x's tokens for the mixes and the MoE's
+    up pass). A plain B=1 step runs them at one token; DSpark's drafting runs the draft layers over the block's five
+    positions at once (what moe.WARP_TOKENS and mhc.GEMV_TOKENS are for)."""
+    plain = drafting["batches"]["1"]["tilelang_rows_by_builder"]
+    draft = drafting["drafting"]["1 greedy"]["tilelang_rows_by_builder"]
+    assert set(plain["build_mhc_premix"]) == {"1"} and set(draft["build_mhc_premix"]) == {"5"}
+    launches = drafting["batches"]["1"]["tilelang_by_builder"]["build_mhc_premix"]
+    assert sum(plain["build_mhc_premix"].values()) == launches
+    assert "1" in plain["build_fp4_warp_gemm"] and "5" in draft["build_grouped_gemm"]
