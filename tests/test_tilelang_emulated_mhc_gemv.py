@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cuda_emulation import compile_kernel, gxx_ok
+from gpu._helpers import mhc_mixes64
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,23 +29,6 @@ inline float di_ld_cg(const float* p) { return *(const volatile float*)p; }
 template <class T, class U> inline T AtomicAddRet(T* p, U v) { return __atomic_fetch_add(p, (T)v, __ATOMIC_SEQ_CST); }
 #define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
 """
-
-
-def mixes64(x, fn, scale, base):
-    """The torch op's formulas (deepinfer.kernels.torch.mhc.mhc_mixes) in float64, x [T, hc * D]."""
-    t = x.shape[0]
-    flat = x.double()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + NORM_EPS)
-    m = flat @ fn.double().T
-    scale, base = scale.double(), base.double()
-    pre = torch.sigmoid(m[:, :HC] * scale[0] + base[:HC]) + HC_EPS
-    post = 2 * torch.sigmoid(m[:, HC:2 * HC] * scale[1] + base[HC:2 * HC])
-    comb = torch.softmax((m[:, 2 * HC:] * scale[2] + base[2 * HC:]).view(t, HC, HC), dim=-1) + HC_EPS
-    comb = comb / (comb.sum(-2, keepdim=True) + HC_EPS)
-    for _ in range(ITERS - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + HC_EPS)
-        comb = comb / (comb.sum(-2, keepdim=True) + HC_EPS)
-    return pre, post, comb
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +61,8 @@ def test_the_gemv_mixes_are_the_mixes_in_fp32(kernel, tokens):
     fs = fn.double().view(N, SPLITS, 128)
     want = torch.cat([torch.einsum("tbk,nbk->btn", xs, fs), xs.square().sum(-1).T[..., None]], -1)
     assert torch.allclose(part[..., :N + 1].double(), want, rtol=1e-5, atol=1e-5)
-    for name, got, ref in zip(("pre", "post", "comb"), (pre, post, comb), mixes64(x, fn, scale, base)):
+    expect = mhc_mixes64(x.view(tokens, HC, D), fn, scale, base, HC_EPS, ITERS, NORM_EPS)
+    for name, got, ref in zip(("pre", "post", "comb"), (pre, post, comb), expect):
         assert torch.isfinite(got).all(), name
         per_tok = ((got.double() - ref).reshape(tokens, -1).norm(dim=1) / ref.reshape(tokens, -1).norm(dim=1))
         assert per_tok.max().item() < 1e-5, (name, per_tok)

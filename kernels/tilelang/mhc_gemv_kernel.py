@@ -18,8 +18,8 @@ batch-invariant mode, where every token count keeps the tiled premix's fixed spl
 
 import tilelang.language as T
 
-from .counters import LD_CG_SOURCE, count_in
-from .mhc_kernel import NOUT, RCP_SOURCE, _token_mixes, mix_width
+from .counters import LD_CG_SOURCE
+from .mhc_kernel import NOUT, RCP_SOURCE, last_block_finalize, mix_width
 
 THREADS = 128
 
@@ -37,8 +37,8 @@ def build_mhc_mixes_gemv(hc: int, dim: int, splits: int, max_tokens: int, sinkho
     warps = THREADS // 32
     assert N < NOUT and K == S * C and max_tokens >= 1 and sinkhorn_iters >= 1 and counters >= 1
     n_tok = T.dynamic("n_tok")
-    token_mixes = _token_mixes(hc, dim, sinkhorn_iters)
-    passes = -(-max_tokens // warps)
+    rows = -(-max_tokens // warps) * warps  # the finalizing block's token rows, whole passes of its warps
+    finalize = last_block_finalize(hc, dim, sinkhorn_iters, S, rows, warps)
 
     @T.prim_func
     def mhc_mixes_gemv(
@@ -61,7 +61,7 @@ def build_mhc_mixes_gemv(hc: int, dim: int, splits: int, max_tokens: int, sinkho
             xv = T.alloc_local((1,), "float32")
             total = T.alloc_local((1,), "float32")
             wsum = T.alloc_shared((warps, NOUT), "float32")
-            out_s = T.alloc_shared((max_tokens, NOUT + 1), "float32")  # the summed rows (odd stride: one a thread)
+            out_s = T.alloc_shared((rows, NOUT + 1), "float32")  # the summed rows (odd stride: one a thread)
             arrived = T.alloc_shared((1,), "int32")
             tx = T.get_thread_binding()
             lane = tx % 32
@@ -94,22 +94,7 @@ def build_mhc_mixes_gemv(hc: int, dim: int, splits: int, max_tokens: int, sinkho
                         total[0] = total[0] + wsum[w + 1, tx]
                     part[bx, t, tx] = total[0]
                 T.sync_threads()  # wsum is rewritten by the next token
-            count_in(cnt, 0, arrived, tx)
-            if arrived[0] == S - 1:
-                T.call_extern("handle", "__threadfence")
-                # warp w sums tokens w, w + warps, ...: lane c column c over the splits in block order
-                for i in T.serial(passes):
-                    total[0] = 0.0
-                    if i * warps + warp < n_tok and lane <= N:
-                        for s in T.unroll(S):
-                            total[0] += T.call_extern("float32", "di_ld_cg",
-                                                      T.address_of(part[s, i * warps + warp, lane]))
-                    if i * warps + warp < max_tokens and lane <= N:
-                        out_s[i * warps + warp, lane] = total[0]
-                T.sync_threads()
-                if tx < n_tok:
-                    token_mixes(out_s, tx, tx, scale, base, pre, post, comb, hc_eps, norm_eps)
-                if tx == 0:
-                    cnt[0] = 0
+            finalize(part, cnt, 0, 0, n_tok, out_s, arrived, total, tx, scale, base, pre, post, comb, hc_eps,
+                     norm_eps)  # one tile: every token of the call
 
     return mhc_mixes_gemv

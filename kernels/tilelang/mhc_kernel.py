@@ -120,7 +120,7 @@ def build_mhc_premix(hc: int, dim: int, splits: int, block_t: int = 64, block_k:
 
         return mhc_premix
 
-    token_mixes = _token_mixes(hc, dim, sinkhorn_iters)
+    finalize = last_block_finalize(hc, dim, sinkhorn_iters, S, BT, warps)
 
     @T.prim_func
     def mhc_mixes_fused(
@@ -142,26 +142,43 @@ def build_mhc_premix(hc: int, dim: int, splits: int, block_t: int = 64, block_k:
             arrived = T.alloc_shared((1,), "int32")
             total = T.alloc_local((1,), "float32")
             tx = T.get_thread_binding()
-            lane = tx % 32
             premix(x, fn, part, out_s, bx, by)
-            count_in(cnt, bx, arrived, tx)
-            if arrived[0] == S - 1:
-                T.call_extern("handle", "__threadfence")
-                # build_mhc_mix_finalize's phase 1 (warp w sums token i * warps + w, lane c column c), then phase 2
-                for i in T.serial(BT // warps):
-                    total[0] = 0.0
-                    if bx * BT + i * warps + tx // 32 < n_tok and lane <= N:
-                        for s in T.unroll(S):
-                            total[0] += T.call_extern("float32", "di_ld_cg",
-                                                      T.address_of(part[s, bx * BT + i * warps + tx // 32, lane]))
-                    out_s[i * warps + tx // 32, lane] = total[0]
-                T.sync_threads()
-                if tx < BT and bx * BT + tx < n_tok:
-                    token_mixes(out_s, tx, bx * BT + tx, scale, base, pre, post, comb, hc_eps, norm_eps)
-                if tx == 0:
-                    cnt[bx] = 0
+            finalize(part, cnt, bx, bx * BT, n_tok, out_s, arrived, total, tx, scale, base, pre, post, comb, hc_eps,
+                     norm_eps)
 
     return mhc_mixes_fused
+
+
+def last_block_finalize(hc: int, dim: int, sinkhorn_iters: int, splits: int, rows: int, warps: int):
+    """T.macro for a kernel whose `splits` blocks each wrote a tile's partials (part [splits, n_tok, NOUT]): the
+    block counts in on counters[tile] (counters.count_in); the last of the tile's blocks sums the partials of its
+    `rows` tokens from t0 in split order past L1 (build_mhc_mix_finalize's phase 1: warp w token i * warps + w, lane
+    c column c), finalizes them (token_mixes, its phase 2) and zeroes the counter. out_s: shared [rows, >= 32]."""
+    N, S = mix_width(hc), splits
+    assert rows % warps == 0
+    token_mixes = _token_mixes(hc, dim, sinkhorn_iters)
+
+    @T.macro
+    def finalize(part, cnt, tile, t0, n_tok, out_s, arrived, total, tx, scale, base, pre, post, comb, hc_eps,
+                 norm_eps):
+        lane = tx % 32
+        count_in(cnt, tile, arrived, tx)
+        if arrived[0] == S - 1:
+            T.call_extern("handle", "__threadfence")
+            for i in T.serial(rows // warps):
+                total[0] = 0.0
+                if t0 + i * warps + tx // 32 < n_tok and lane <= N:
+                    for s in T.unroll(S):
+                        total[0] += T.call_extern("float32", "di_ld_cg",
+                                                  T.address_of(part[s, t0 + i * warps + tx // 32, lane]))
+                out_s[i * warps + tx // 32, lane] = total[0]
+            T.sync_threads()
+            if tx < rows and t0 + tx < n_tok:
+                token_mixes(out_s, tx, t0 + tx, scale, base, pre, post, comb, hc_eps, norm_eps)
+            if tx == 0:
+                cnt[tile] = 0
+
+    return finalize
 
 
 def _token_mixes(hc: int, dim: int, sinkhorn_iters: int):

@@ -167,17 +167,23 @@ def warp_fits(p: PackedExperts) -> bool:
 def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
     """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy (with
     WARP_STREAM, up to WARP_TOKENS tokens, moe_warp_kernel's up pass and, with WARP_DOWN, its down pass)."""
-    bt = routed_block_t(n_tok, top_k, p.n_experts)
-    splits = 1 if registry.batch_invariant() else routed_down_splits(n_tok, top_k, p.n_experts)
-    grouped = ffn_specs(p, bt, splits, routed_block_n(bt))
     if WARP_STREAM and n_tok <= WARP_TOKENS and not registry.batch_invariant() and warp_fits(p):
         E, I, D = p.n_experts, p.inter, p.hidden
         build = moe_warp_kernel.build_fp4_warp_gemm
+        if not WARP_DOWN:
+            return (build, "swiglu", E, 2 * I, D), _grouped_specs(p, n_tok, top_k)[1]
         down = (build, "add", E, D, I, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES, False)
         if WARP_EARLY and pdl_enabled() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             down += (True,)  # (the manifest's spec without it)
-        return (build, "swiglu", E, 2 * I, D), (down if WARP_DOWN else grouped[1])
-    return grouped
+        return (build, "swiglu", E, 2 * I, D), down
+    return _grouped_specs(p, n_tok, top_k)
+
+
+def _grouped_specs(p: PackedExperts, n_tok: int, top_k: int):
+    """The grouped GEMM's passes at n_tok tokens (the tile policy's token tile, block rows and down-pass splits)."""
+    bt = routed_block_t(n_tok, top_k, p.n_experts)
+    splits = 1 if registry.batch_invariant() else routed_down_splits(n_tok, top_k, p.n_experts)
+    return ffn_specs(p, bt, splits, routed_block_n(bt))
 
 
 def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: int, top_k: int,

@@ -63,3 +63,21 @@ def fp4_rows16_e4m3(rows: int, cols: int, gen: torch.Generator):
     codes = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)
     deq = quant.e2m1_values(codes) * sc.float().repeat_interleave(16, dim=1)
     return packed, sc.view(torch.uint8), deq
+
+
+def mhc_mixes64(streams, fn, scale, base, hc_eps, iters, norm_eps):
+    """The torch op's formulas (deepinfer.kernels.torch.mhc.mhc_mixes) in float64: streams [t, hc, D] -> pre
+    [t, hc], post [t, hc], comb [t, hc, hc] (the torch op computes in fp32 internally)."""
+    t, hc, d = streams.shape
+    flat = streams.reshape(t, hc * d).double()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = flat @ fn.double().T
+    scale, base = scale.double(), base.double()
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = torch.softmax((mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(t, hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb

@@ -1,7 +1,7 @@
 """TileLang mHC kernels vs float64 references of the torch ops, on fresh random inputs (marker gpu).
 
-The torch ops compute in fp32 internally (`.float()`), so the float64 references are written out here with the same
-formulas. Bands (METHOD): fp32 outputs (pre/post/comb) within 1e-5 relative of float64; bf16 outputs within 1e-2 of
+The torch ops compute in fp32 internally (`.float()`), so the float64 references are written out with the same
+formulas (the mixes': _helpers.mhc_mixes64). Bands (METHOD): fp32 outputs (pre/post/comb) within 1e-5 relative of float64; bf16 outputs within 1e-2 of
 float64 and, against the torch op run in fp32 on the same GPU and rounded, equal but for rare last-bit flips."""
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 from deepinfer.kernels.torch import mhc as ref
 
-from ._helpers import poison_allocator, rel_err
+from ._helpers import mhc_mixes64 as mixes64, poison_allocator, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -33,22 +33,6 @@ def _mix_params(g):
     scale = torch.rand(3, generator=g, device="cuda") + 0.5
     base = torch.randn(N, generator=g, device="cuda") * 0.5
     return fn, scale, base
-
-
-def mixes64(streams, fn, scale, base, hc_eps, iters, norm_eps):
-    t, hc, d = streams.shape
-    flat = streams.reshape(t, hc * d).double()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = flat @ fn.double().T
-    scale, base = scale.double(), base.double()
-    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = torch.softmax((mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(t, hc, hc), dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
 
 
 def _check_mixes(got, streams, fn, scale, base):
