@@ -155,8 +155,8 @@ def main():
         for var in variants.values():
             with with_variant(var):
                 specs += moe.experts_specs(routed, shared, B, TOPK, var.get("shared_down_splits", 1))
-    if args.probes and moe.WARP_STREAM and min(batches) <= moe.WARP_TOKENS:
-        ap.error(f"--probes: the probes are the grouped GEMM's; up to {moe.WARP_TOKENS} token(s) moe.WARP_STREAM=1 "
+    if args.probes and moe.WARP_STREAM and min(batches) == 1:
+        ap.error("--probes: the probes are the grouped GEMM's; at one token moe.WARP_STREAM=1 "
                  "takes another kernel (run through benchmarks/with_attrs.py "
                  "deepinfer.kernels.tilelang.moe.WARP_STREAM=0 --)")
     for B in batches if args.probes else ():  # the probed routed passes of the per-kernel breakdown

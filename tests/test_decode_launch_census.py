@@ -30,9 +30,11 @@ def census(tmp_path_factory):
 
 
 # a kernel of every hot op kind of the step, each kind by its builders (the projections: the GEMV at one row, the
-# GEMM beyond; RMSNorm: a block or a warp a row, by the width)
+# GEMM beyond; RMSNorm: a block or a warp a row, by the width; the mHC mixes: their GEMV at one token, the premix
+# beyond)
 HOT_KINDS = [{"build_fp8_gemv", "build_fp8_linear"}, {"build_rms_norm_block", "build_rms_norm_warp"}, {"build_rope"},
-             {"build_grouped_gemm"}, {"build_mhc_premix"}, {"build_mhc_collapse_norm"}, {"build_mhc_expand"},
+             {"build_grouped_gemm"}, {"build_mhc_premix", "build_mhc_mixes_gemv"}, {"build_mhc_collapse_norm"},
+             {"build_mhc_expand"},
              {"build_sink_attention_decode"}, {"build_router_logits"}, {"build_router_topk"}, {"build_moe_prep"},
              {"build_indexer_scores"}, {"build_index_topk"}, {"build_engram_hash"}, {"build_engram_gate"},
              {"build_compressor_pool"}, {"build_window_kv"}]
@@ -113,10 +115,11 @@ def test_dspark_drafting_reads_nothing_on_the_host_in_any_mode(drafting):
 def test_the_census_counts_each_builders_launches_by_their_tokens(drafting):
     """tilelang_rows_by_builder: a launch's leading dim of its first argument (x's tokens for the mixes and the MoE's
     up pass). A plain B=1 step runs them at one token; DSpark's drafting runs the draft layers over the block's five
-    positions at once (what moe.WARP_TOKENS and mhc.GEMV_TOKENS are for)."""
+    positions at once, past the one-token kernels (mhc.GEMV_TOKENS, moe.WARP_STREAM)."""
     plain = drafting["batches"]["1"]["tilelang_rows_by_builder"]
     draft = drafting["drafting"]["1 greedy"]["tilelang_rows_by_builder"]
-    assert set(plain["build_mhc_premix"]) == {"1"} and set(draft["build_mhc_premix"]) == {"5"}
-    launches = drafting["batches"]["1"]["tilelang_by_builder"]["build_mhc_premix"]
-    assert sum(plain["build_mhc_premix"].values()) == launches
+    assert set(plain["build_mhc_mixes_gemv"]) == {"1"} and "build_mhc_premix" not in plain
+    assert set(draft["build_mhc_premix"]) == {"5"}
+    launches = drafting["batches"]["1"]["tilelang_by_builder"]["build_mhc_mixes_gemv"]
+    assert sum(plain["build_mhc_mixes_gemv"].values()) == launches
     assert "1" in plain["build_fp4_warp_gemm"] and "5" in draft["build_grouped_gemm"]

@@ -1,4 +1,4 @@
-"""The GEMV mixes candidate (kernels/tilelang/mhc_gemv_kernel.py, `mhc.GEMV_TOKENS`) computes the mHC mixes: its
+"""The GEMV mixes (kernels/tilelang/mhc_gemv_kernel.py, `mhc.GEMV_TOKENS`) computes the mHC mixes: its
 generated CUDA source runs on the CPU under tests/cuda_emulation.py (blocks in turn, so the last block to count in
 finalizes), against a float64 reference of the torch op's formulas, at a small width (hc 4 x D 128, four blocks of
 128 columns). The device's own expf / reciprocal are the host's here; tests/gpu/test_tilelang_mhc.py holds the same

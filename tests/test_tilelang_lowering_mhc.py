@@ -154,7 +154,7 @@ def test_the_gemv_mixes_hold_fn_in_registers_and_finalize_in_the_last_block():
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
-def test_the_mixes_take_the_gemv_only_when_asked_up_to_its_tokens_outside_the_invariant_mode(monkeypatch):
+def test_the_mixes_take_the_gemv_up_to_its_tokens_outside_the_invariant_mode(monkeypatch):
     from deepinfer.kernels import registry
     from deepinfer.kernels.tilelang import mhc as wrap
 
@@ -170,7 +170,9 @@ def test_the_mixes_take_the_gemv_only_when_asked_up_to_its_tokens_outside_the_in
         wrap.mhc_mixes(torch.zeros(tokens, HC, D, dtype=torch.bfloat16), fn, scale, base, 1e-6, ITERS, 1e-6)
         return launched[0]
 
-    assert wrap.GEMV_TOKENS == 0 and route(1) == "build_mhc_premix"
+    assert wrap.GEMV_TOKENS == 1 and [route(t) for t in (1, 2)] == ["build_mhc_mixes_gemv", "build_mhc_premix"]
+    monkeypatch.setattr(wrap, "GEMV_TOKENS", 0)
+    assert route(1) == "build_mhc_premix"
     monkeypatch.setattr(wrap, "GEMV_TOKENS", 8)
     assert [route(t) for t in (1, 8, 9)] == ["build_mhc_mixes_gemv"] * 2 + ["build_mhc_premix"]
     monkeypatch.setitem(registry._MODE, "batch_invariant", True)

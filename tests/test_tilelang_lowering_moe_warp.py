@@ -1,4 +1,4 @@
-"""CPU checks of the one-token routed-expert candidate (kernels/tilelang/moe_warp_kernel.py, `moe.WARP_STREAM`): it
+"""CPU checks of the one-token routed-expert passes (kernels/tilelang/moe_warp_kernel.py, `moe.WARP_STREAM`): it
 lowers for sm_90a and sm_100a, ptxas keeps it in registers at four blocks an SM, a numpy model of one warp's data
 path (the swizzled cp.async ring, the per-lane fragment reads and FP4 decode, the token's columns as the B
 fragment of column 0, mma.sync m16n8k16's fragment layouts) computes exactly W @ x, and the launcher takes it only
@@ -15,8 +15,7 @@ from deepinfer.kernels.torch import quant
 from test_tilelang_lowering_moe import _bf16, _cute_frag, _e2m1x8, _prmt, _u32, _words_to_vals
 
 tilelang_missing = importlib.util.find_spec("tilelang") is None
-PASSES = {"up": ("swiglu", 384, 4608, 5120, 256, 5, True), "down": ("add", 384, 5120, 2304, 256, 5, False),
-          "down_early": ("add", 384, 5120, 2304, 256, 5, False, True)}
+PASSES = {"up": ("swiglu", 384, 4608, 5120, 256, 5, True), "down": ("add", 384, 5120, 2304, 256, 5, False)}
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
@@ -42,26 +41,6 @@ def test_the_warp_streamed_passes_fit_four_blocks_an_sm(name, tmp_path):
     log, regs = ptxas_report(lower_source(build_fp4_warp_gemm(*args), "sm_90a"), tmp_path)
     assert "0 bytes spill stores" in log and regs * THREADS * 4 <= 65536, (regs, log[-2000:])
     assert 4 * (shared_bytes(args[3], args[4], args[5]) + 1024) <= 228 * 1024  # 432 / 480 blocks: one wave
-
-
-@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
-def test_the_early_down_pass_issues_its_first_stages_before_the_wait_and_only_once():
-    """moe.WARP_EARLY's build: the first token's first stages before the programmatic wait (a slot with tokens
-    only), the activations after it; the token loop issues the prologue again only from the second token. The up
-    pass (its routing table from the kernel just ahead) has no such build."""
-    from lowering_helpers import lower_source
-    from deepinfer.kernels.tilelang.moe_warp_kernel import build_fp4_warp_gemm
-
-    body = lower_source(build_fp4_warp_gemm(*PASSES["down_early"]), "sm_90a")
-    body = body[body.index('extern "C"'):]
-    first, wait, x = body.index("dim_prologue<"), body.index("cudaGridDependencySynchronize()"), body.index(
-        "dim_load_x<")
-    assert first < wait < x and body.count("dim_prologue<") == 2
-    assert "0 < slot_count[" in body[:first] and "0 < c" in body[wait:x]
-    plain = lower_source(build_fp4_warp_gemm(*PASSES["down"]), "sm_90a")
-    assert "cudaGridDependencySynchronize()" not in plain
-    with pytest.raises(AssertionError):
-        build_fp4_warp_gemm(*PASSES["up"], True)
 
 
 def _model_warp_step(w, ws, x, kk, BK=256):
@@ -156,29 +135,13 @@ def test_the_launcher_takes_the_warp_streamed_passes_at_one_token_outside_the_in
     p = PackedExperts("fp4", torch.zeros(E, 2 * I, D // 2, dtype=u8), torch.zeros(E, 2 * I, D // 32, dtype=u8),
                       torch.zeros(E, D, I // 2, dtype=u8), torch.zeros(E, D, I // 32, dtype=u8))
     build = moe_warp_kernel.build_fp4_warp_gemm
-    assert moe.WARP_STREAM == 1 and moe.WARP_DOWN == 1
+    assert moe.WARP_STREAM == 1
     up, down = moe.routed_specs(p, 1, 6)
     assert up == (build, "swiglu", E, 2 * I, D) and down == (build, "add", E, D, I, 256, 5, False)
-    monkeypatch.setattr(moe, "WARP_DOWN", 0)  # the warp-streamed up pass, the grouped GEMM's down pass
-    up0, down0 = moe.routed_specs(p, 1, 6)
+    assert up in moe.experts_specs(p, None, 1, 6) and down in moe.experts_specs(p, None, 1, 6)
+    assert moe.routed_specs(p, 2, 6)[0][0] is not build  # from two tokens a call the grouped GEMM
     monkeypatch.setattr(moe, "WARP_STREAM", 0)
-    grouped = moe.routed_specs(p, 1, 6)
-    assert up0 == up and down0 == grouped[1] and grouped[0][0] is not build
+    assert moe.routed_specs(p, 1, 6)[0][0] is not build
     monkeypatch.setattr(moe, "WARP_STREAM", 1)
-    monkeypatch.setattr(moe, "WARP_DOWN", 1)
-    # WARP_EARLY (a candidate): under a graph capture with PDL, the down pass's early build; precompiled beside
-    assert moe.WARP_EARLY == 0
-    monkeypatch.setattr(moe, "WARP_EARLY", 1)
-    monkeypatch.setattr(moe, "pdl_enabled", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert moe.routed_specs(p, 1, 6)[1] == down + (True,)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert moe.routed_specs(p, 1, 6)[1] == down and down + (True,) in moe.experts_specs(p, None, 1, 6)
-    monkeypatch.setattr(moe, "WARP_EARLY", 0)
-    assert moe.WARP_TOKENS == 1 and moe.routed_specs(p, 2, 6)[0][0] is not build
-    monkeypatch.setattr(moe, "WARP_TOKENS", 4)  # the candidate: a few tokens a call, a slot's tokens in turn
-    assert [moe.routed_specs(p, n, 6)[0][0] is build for n in (2, 4, 5)] == [True, True, False]
-    assert moe.routed_specs(p, 4, 6)[1] == down
     monkeypatch.setitem(registry._MODE, "batch_invariant", True)
     assert moe.routed_specs(p, 1, 6)[0][0] is not build

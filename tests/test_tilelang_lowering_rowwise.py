@@ -407,9 +407,9 @@ def test_rope_in_place_writes_the_same_values_into_x():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
-def test_small_rope_launches_take_one_chunk_a_thread_only_when_asked(monkeypatch):
-    """rowwise.ROPE_ONE_CHUNK_BELOW (a candidate, 0 by default): below it a launch's threads take one chunk each;
-    at 0 every spec is the kernel manifest's (four chunks a thread, the out-of-place spec without its defaults)."""
+def test_small_rope_launches_take_one_chunk_a_thread(monkeypatch):
+    """rowwise.ROPE_ONE_CHUNK_BELOW (65536 chunks by default): below it a launch's threads take one chunk each, above
+    four; at 0 every launch four (the out-of-place spec without its defaults)."""
     from deepinfer.kernels.tilelang import rowwise
     from deepinfer.kernels.torch.rope import default_inv_freq
 
@@ -424,8 +424,9 @@ def test_small_rope_launches_take_one_chunk_a_thread_only_when_asked(monkeypatch
         rowwise.rope(x, torch.zeros(tokens, dtype=torch.int64), inv, inplace=inplace)
         return specs[0]
 
-    assert rowwise.ROPE_ONE_CHUNK_BELOW == 0
-    assert launch(1, True) == (512, 64, False, 128, 4, True) and launch(1, False) == (512, 64, False)
-    monkeypatch.setattr(rowwise, "ROPE_ONE_CHUNK_BELOW", 1 << 16)
+    assert rowwise.ROPE_ONE_CHUNK_BELOW == 1 << 16
     assert launch(1, True) == (512, 64, False, 128, 1, True) and launch(1, False) == (512, 64, False, 128, 1, False)
-    assert launch(256, True) == (512, 64, False, 128, 4, True)  # 256 x 64 x 8 chunks: four a thread
+    assert launch(127, True) == (512, 64, False, 128, 1, True)  # 127 x 64 x 8 chunks: one a thread
+    assert launch(128, True) == (512, 64, False, 128, 4, True)  # 128 x 64 x 8 = 65536: four a thread
+    monkeypatch.setattr(rowwise, "ROPE_ONE_CHUNK_BELOW", 0)
+    assert launch(1, True) == (512, 64, False, 128, 4, True) and launch(1, False) == (512, 64, False)

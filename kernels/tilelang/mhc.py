@@ -9,8 +9,8 @@ decode, fewer as tiles multiply), and the last of a tile's blocks to finish sums
 tile's tokens in the same launch (mhc_kernel's fused premix); the split count changes the fp32 summation order,
 so a token's mixes can differ in the last bits between batch sizes. In the batch-invariant mode every token count
 uses the decode split (64): the order is then fixed (partials summed in split order), at the price of more
-partials at prefill sizes. A candidate for a few tokens a call (`GEMV_TOKENS`, off by default):
-mhc_gemv_kernel.py's one launch over fn's columns without the 64-token MMA tile.
+partials at prefill sizes. At one token a call (`GEMV_TOKENS`) mhc_gemv_kernel.py's one launch over fn's columns
+without the 64-token MMA tile.
 """
 
 import numpy as np
@@ -35,8 +35,9 @@ SPLITS = (1, 4, 16, 64)  # K-split variants (each one compile); 320 K steps of 6
 FILL_BLOCKS = 256        # premix blocks wanted in flight: ~2 per SM on an H200 (3 fit by shared memory)
 COLLAPSE_NORM_ONE_LAUNCH = 1  # 0: mhc_collapse_norm as the collapse and rms_norm kernels (for A/B runs)
 # up to this many tokens a call (outside the batch-invariant mode) the mixes take mhc_gemv_kernel's one launch over
-# GEMV_SPLITS blocks of fn's columns (0: never). A candidate until a same-machine A/B (decode_gpu.py, B=1 and 8)
-GEMV_TOKENS = 0
+# GEMV_SPLITS blocks of fn's columns (0: never). At 1 the mixes ran 12.5 -> 8.4 us a call, the 40-layer B=1 step
+# 9.84 -> 9.58 ms (one H100, two runs an arm); at 8 the B=8 step lost 21.09 -> 21.62 ms in one run (decode_ab_s30_h100)
+GEMV_TOKENS = 1
 GEMV_SPLITS = 160  # 128 columns a block at hc * D = 20480: ~1.2 blocks an SM, each with 24 loads a thread in flight
 
 

@@ -21,7 +21,7 @@ from deepinfer.kernels import registry
 from deepinfer.kernels.packed_experts import BLOCK_N, PackedExperts, pack_experts  # noqa: F401 (re-export)
 from deepinfer.kernels.torch import moe as torch_moe
 
-from ._build import jit, pdl_enabled, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
+from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
 from . import moe_prefill
 from ._fallback import reason
 from .linear import expert_dense
@@ -51,16 +51,6 @@ FP8_STAGE_SPLIT = 1
 # (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
-# 0: with WARP_STREAM, the down pass still the grouped GEMM's (both read h in the natural K order). A candidate: alone
-# the warp-streamed up pass won 43.4 -> 40.4 us and its down pass lost 20.1 -> 22.0 us (the same H100 run)
-WARP_DOWN = 1
-# the most tokens a call for which WARP_STREAM's passes run: a slot of c tokens streams its expert's rows c times (the
-# repeats from L2, just read). A candidate above 1: DSpark at B=1 (drafting at 5 tokens a call, verification at up to
-# 6, most slots one token) takes the grouped GEMM today, which at 8 tokens over 45 experts moved 89% of the bandwidth
-WARP_TOKENS = 1
-# 1: under a CUDA graph with PDL, the warp-streamed down pass issues its first weight stages before its wait for the
-# up pass (moe_warp_kernel's weights_before_wait): ~4 of its 9 stages a warp overlap the up pass's tail. A candidate
-WARP_EARLY = 0
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -166,16 +156,12 @@ def warp_fits(p: PackedExperts) -> bool:
 
 def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
     """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy (with
-    WARP_STREAM, up to WARP_TOKENS tokens, moe_warp_kernel's up pass and, with WARP_DOWN, its down pass)."""
-    if WARP_STREAM and n_tok <= WARP_TOKENS and not registry.batch_invariant() and warp_fits(p):
+    WARP_STREAM, at one token, moe_warp_kernel's up and down passes)."""
+    if WARP_STREAM and n_tok == 1 and not registry.batch_invariant() and warp_fits(p):
         E, I, D = p.n_experts, p.inter, p.hidden
         build = moe_warp_kernel.build_fp4_warp_gemm
-        if not WARP_DOWN:
-            return (build, "swiglu", E, 2 * I, D), _grouped_specs(p, n_tok, top_k)[1]
-        down = (build, "add", E, D, I, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES, False)
-        if WARP_EARLY and pdl_enabled() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            down += (True,)  # (the manifest's spec without it)
-        return (build, "swiglu", E, 2 * I, D), down
+        return ((build, "swiglu", E, 2 * I, D),
+                (build, "add", E, D, I, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES, False))
     return _grouped_specs(p, n_tok, top_k)
 
 
@@ -190,11 +176,7 @@ def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: in
                   shared_down_splits: int = 1):
     """Every jit spec moe_experts_packed needs at n_tok tokens (for precompile / warm-up)."""
     specs = [(build_moe_prep, routed.n_experts, top_k, routed.hidden)]
-    routed_pass = routed_specs(routed, n_tok, top_k)
-    specs += routed_pass
-    down = routed_pass[1]
-    if WARP_EARLY and pdl_enabled() and down[0] is moe_warp_kernel.build_fp4_warp_gemm and len(down) == 8:
-        specs.append(down + (True,))  # the graph's build (routed_specs under a capture)
+    specs += routed_specs(routed, n_tok, top_k)
     if shared is not None and n_tok < SHARED_DENSE_TOKENS:
         specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
     return specs

@@ -1,6 +1,5 @@
 """The routed FP4 expert passes at one token a slot, each warp streaming its own weight rows (decode at
-batch 1), the default there since the twenty-ninth session's A/B (`moe.WARP_STREAM`; `moe.WARP_DOWN = 0` keeps
-the grouped GEMM's down pass behind it).
+batch 1), the default there since the twenty-ninth session's A/B (`moe.WARP_STREAM`).
 
 Why: at one token the grouped GEMM (moe_kernel.py) moves its weights at ~64% of the bandwidth with its FP4 decode
 and MMAs both left out (moe_gpu_b1_probe_s28_h100: 93% at 8 tokens): its 432 blocks fit one wave, each walks its
@@ -149,15 +148,11 @@ __device__ __forceinline__ void dim_rows(void* ring_, const void* w_, const void
 
 
 def build_fp4_warp_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_k: int = BLOCK_K,
-                        stages: int = STAGES, gather: bool = True, weights_before_wait: bool = False):
+                        stages: int = STAGES, gather: bool = True):
     """moe_kernel.build_grouped_gemm's arguments and epilogues (FP4 weights, k_splits 1) for one token at a time:
     (x [n_x, K] bf16, rows, aw [n_pos], slot_expert, slot_start, slot_count [n_slots], w [E, N, K/2], ws [E, N,
-    K/32], out, limit). gather: the token's row of x is rows[pos] (the up pass), else pos (the down pass, x = h).
-    weights_before_wait: a programmatic dependent launch whose first token's first S - 1 weight stages are issued
-    before its wait for the kernel ahead, overlapping that kernel's tail. Only where the routing table comes from
-    a kernel two launches back (finished by then: with_pdl's trigger follows its wait), i.e. the down pass behind
-    the up pass, and for weights no running kernel writes (a CUDA graph's)."""
-    assert epilogue in ("swiglu", "add") and not (weights_before_wait and gather)
+    K/32], out, limit). gather: the token's row of x is rows[pos] (the up pass), else pos (the down pass, x = h)."""
+    assert epilogue in ("swiglu", "add")
     E, N, K, BK, S = n_experts, n_rows, k_dim, block_k, stages
     assert N % ROWS == 0 and K % BK == 0 and BK % 64 == 0 and (BK // 2) % 128 == 0 and S >= 3
     NK = K // BK
@@ -200,20 +195,11 @@ def build_fp4_warp_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
             warp_rows = (T.address_of(ring[(warp * S * STAGE) // 4]), T.address_of(w[0, 0, 0]),
                          T.address_of(ws[0, 0, 0]), e, bx * ROWS + warp * 16)
             prologue = f"dim_prologue<{BK}, {S}, {NK}, {N}>"
-            if weights_before_wait:
-                if slot_count[by] > 0:  # (a slot without tokens never waits for its stages: none issued)
-                    T.call_extern("handle", prologue, *warp_rows, KP, SC)
-                T.pdl_sync()  # h (the kernel ahead's output) and out only from here
-                T.pdl_trigger()
             for c in T.serial(slot_count[by]):
                 pos = start + c
                 xrow = rows[pos] if gather else pos
                 # the warp's first steps in flight while the token's activations are staged
-                if weights_before_wait:
-                    if c > 0:
-                        T.call_extern("handle", prologue, *warp_rows, KP, SC)
-                else:
-                    T.call_extern("handle", prologue, *warp_rows, KP, SC)
+                T.call_extern("handle", prologue, *warp_rows, KP, SC)
                 T.call_extern("handle", f"dim_load_x<{K}, {THREADS}>", T.address_of(xs[0]),
                               T.address_of(x[xrow, 0]))  # the token's activations
                 for i in T.unroll(4):

@@ -112,8 +112,9 @@ def _rope_ok(x, positions, inv_freq) -> bool:
 
 # a rope launch visiting fewer 16-byte chunks than this gives each thread one chunk instead of four (the same bits):
 # at decode a query's 64 heads x 8 rotated chunks are one block of 128 threads at four, each thread evaluating 32
-# cos / sin in turn (~7 us a call at B=1, 96 calls a step, decode_gpu_flash40_nopdl_s27_h100). A candidate (0: never)
-ROPE_ONE_CHUNK_BELOW = 0
+# cos / sin in turn (~7 us a call at B=1, 96 calls a step, decode_gpu_flash40_nopdl_s27_h100). The 40-layer step at
+# B=1 ran 10.60 -> 9.91 ms with it, B=8 21.56 -> 20.62 ms (one H100, two runs an arm, decode_ab_s30_h100; 0: never)
+ROPE_ONE_CHUNK_BELOW = 65536
 
 
 def _rope_per(chunks: int) -> int:
