@@ -287,9 +287,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/kernels_gpu.json")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--batches", help="comma-separated tokens / batch sizes (default 1,8,64,256; --quick: 1,64)")
     ap.add_argument("--only", default="moe,attn,indexer,mhc,topk")
     ap.add_argument("--no-torch", action="store_true")
     a = ap.parse_args()
+    try:
+        batches = [int(b) for b in a.batches.split(",")] if a.batches else [1, 64] if a.quick else [1, 8, 64, 256]
+    except ValueError:
+        ap.error(f"--batches: comma-separated positive integers, got {a.batches!r}")
+    if min(batches) < 1:
+        ap.error(f"--batches: comma-separated positive integers, got {a.batches!r}")
     torch.manual_seed(0)
     bw, peak = ceilings()
     print(f"ceilings: copy {bw/1e12:.2f} TB/s, bf16 GEMM {peak/1e12:.0f} TFLOP/s", flush=True)
@@ -303,7 +310,6 @@ def main():
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     rows, sweeps = [], []
     _SINK.update(path=a.out, meta=meta, sweeps=sweeps)
-    batches = [1, 64] if a.quick else [1, 8, 64, 256]
     sections = {
         "moe": lambda: bench_moe(rows, bw, peak, batches, not a.no_torch),
         "attn": lambda: (bench_attention(rows, bw, peak, batches, [4096, 32768], not a.no_torch),

@@ -5,8 +5,9 @@
 # BATCHES / CONTEXTS: the table's cells (default 1 8 64 256 / 4096 32768); ARMS: A/B arms, "name MOD.NAME=INT ..."
 # separated by ';' (none by default), at ARM_BATCHES (default "1 8"; 4K); PROFILE: the table's cells profiled per
 # kernel (B:CTX,...; default B=1 and 256 at 4K, "" for none); DSPARK=0 skips DSpark's table; MOE: batches of the
-# MoE op alone with its per-pass breakdown and probes (e.g. "1,8"; none by default); LIMIT: the call's seconds (the
-# tests take what is left); T1..T4: step limits.
+# MoE op alone with its per-pass breakdown and probes (e.g. "1,8"; none by default); DSPARK_ARMS: A/B arms as ARMS
+# for DSpark's rows at DSPARK_ARM_BATCHES (default 1; zero, two and three drafts accepted, varlen); LIMIT: the call's
+# seconds (the tests take what is left); T1..T5: step limits.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
@@ -29,6 +30,14 @@ for arm in "${arms[@]}"; do
 done
 [ "${DSPARK:-1}" = 0 ] || timeout ${T3:-170} python3 benchmarks/dspark_gpu.py --model flash40 --batches 1 8 64 \
   --accepted 0 2 3 --varlen --out $OUT/dspark.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/dspark.log | tail -16
+IFS=';' read -ra darms <<< "${DSPARK_ARMS:-}"
+for arm in "${darms[@]}"; do
+  set -- $arm; name=$1; shift
+  echo "== dspark arm $name: $*" | tee -a $OUT/arms.log
+  timeout ${T5:-80} python3 benchmarks/with_attrs.py "$@" -- benchmarks/dspark_gpu.py --model flash40 \
+    --batches ${DSPARK_ARM_BATCHES:-1} --accepted 0 2 3 --varlen --out "$ARMS_DIR/dspark_$name.json" 2>&1 \
+    | grep -v "\[TileLang:" | tee -a $OUT/arms.log | grep -E "^flash40|Error" | tail -8
+done
 [ -z "${MOE:-}" ] || timeout ${T4:-90} python3 benchmarks/moe_gpu.py --batches $MOE --probes --out $OUT/moe.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/moe.log | grep -E "B=|kernel|FAILED|Error" | tail -24
 left=$(( ${LIMIT:-540} - SECONDS ))
