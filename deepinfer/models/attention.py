@@ -97,7 +97,7 @@ class Attention:
         cfg, c, ops = self.cfg, self.w.compressor, self.ops
         if self.ratio == 1:
             return ops.rms_norm(ops.linear(h, c.wkv), c.norm, cfg.rms_norm_eps)
-        hf = h.float()  # one cast for both projections
+        hf = h.float()  # one cast for both projections (their weights fp32 since loading: weights.py)
         return torch.stack([ops.linear(hf, c.wkv.float()), ops.linear(hf, c.wgate.float())], 1)
 
     def store_compressed(self, c_in: torch.Tensor, meta: StepMeta, pools: CachePools, dtype: torch.dtype) -> None:

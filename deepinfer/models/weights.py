@@ -248,6 +248,20 @@ def arrange_drafts(cfg: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dt
     )
 
 
+def _fp32(w, made: dict | None):
+    """A dense projection weight as fp32; `made`: copies by the identity of their source, so layers holding one
+    tensor by reference (synthetic full-depth models) share one copy."""
+    if not isinstance(w, torch.Tensor) or w.dtype == torch.float32:
+        return w
+    key = ("fp32", id(w))
+    if made is not None and key in made:
+        return made[key]
+    out = w.float()
+    if made is not None:
+        made[key] = out
+    return out
+
+
 def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, specs: dict[str, Spec], ids: Sequence[int],
            dtype: torch.dtype, packed: dict | None = None, free_stored: bool = False) -> Layer:
     """The layer under prefix `p` (its tensor table `specs`, names relative to p), filled by field name."""
@@ -269,6 +283,11 @@ def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, specs: dict[str
     attn = fill(Attention, "attn.", compressor=fill(Compressor, "attn.compressor.", optional=True),
                 indexer=fill(Indexer, "attn.indexer.", optional=True))
     attn.wo_a = _row_groups(attn.wo_a, cfg.o_groups, cfg.o_lora_rank)
+    c = attn.compressor
+    if c is not None and c.wgate is not None:
+        # the overlapping (ratio > 1) compressor projects in fp32 (Attention.compress_input): cast once here, not
+        # two [head_dim, D] casts a layer every step (the same values)
+        c.wkv, c.wgate = _fp32(c.wkv, packed), _fp32(c.wgate, packed)
     routed = experts_of([expert(f"ffn.experts.{e}") for e in ids], dtype, packed, free_stored)
     shared = None
     if p + "ffn.shared_experts.w1.weight" in t:
