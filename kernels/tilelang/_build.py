@@ -276,6 +276,13 @@ def _manifest_start() -> None:
                         "first use instead)", path, stale, failed, len(specs))
 
 
+def build_manifest() -> dict | None:
+    """Build every kernel DEEPINFER_JIT_MANIFEST lists now, as a process's first jit would (benchmarks/jit_warm.py:
+    a fresh machine's disk cache filled in parallel once); the manifest's counts (jit_stats()["manifest"])."""
+    _manifest_start()
+    return _manifest_stats()
+
+
 def _manifest_stats() -> dict | None:
     if not _MANIFEST["path"]:
         return None

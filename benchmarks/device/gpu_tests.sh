@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: the GPU test files, their kernels first built in parallel on every core from the kernel manifests
+# (benchmarks/jit/*.jsonl; a fresh machine otherwise compiles them one at a time inside each test process, minutes).
+# What the tests compile besides is recorded in $OUT/jit_tests.jsonl (commit it as benchmarks/jit/gpu_tests.jsonl so
+# the next warm-up builds those too; each test process reads only that file's lines, not the whole manifest).
+# From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/gpu_tests.sh
+# FILES: test files under tests/gpu (default: every one); K: a pytest -k expression; N: pytest workers (default 4);
+# LIMIT: the call's seconds (default 540; the tests take what the warm-up leaves); T0: the warm-up's limit.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh
+nvidia-smi --query-gpu=name --format=csv,noheader
+DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl timeout ${T0:-300} python3 benchmarks/jit_warm.py benchmarks/jit/*.jsonl \
+  --out $OUT/jit_warm.json 2>&1 | grep -v "\[TileLang:" | tail -3
+files=$GPU_TESTS
+[ -z "${FILES:-}" ] || files=$(for f in $FILES; do echo "$GPU_TESTS/$f"; done)
+left=$(( ${LIMIT:-540} - SECONDS ))
+export DEEPINFER_JIT_MANIFEST=$OUT/jit_tests.jsonl
+cd "$DEEPINFER_SITE" && timeout $left python3 -m pytest $files -n ${N:-4} --dist loadgroup -v -rf \
+  -p no:cacheprovider -o addopts= ${K:+-k "$K"} 2>&1 | grep -v "\[TileLang:" > $OUT/gpu_tests.log
+grep -E "FAILED|ERROR|passed|failed|error" $OUT/gpu_tests.log | tail -30
+echo "gpu_tests.sh done in $SECONDS s"
