@@ -14,7 +14,7 @@ DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl timeout ${T0:-300} python3 benchmarks/jit_
   --out $OUT/jit_warm.json 2>&1 | grep -v "\[TileLang:" | tail -3
 files=$GPU_TESTS
 [ -z "${FILES:-}" ] || files=$(for f in $FILES; do echo "$GPU_TESTS/$f"; done)
-left=$(( ${LIMIT:-540} - SECONDS ))
+left=$(( ${LIMIT:-540} - SECONDS )); left=$(( left > 60 ? left : 60 ))
 export DEEPINFER_JIT_MANIFEST=$OUT/jit_tests.jsonl
 cd "$DEEPINFER_SITE" && timeout $left python3 -m pytest $files -n ${N:-4} --dist loadgroup -v -rf \
   -p no:cacheprovider -o addopts= ${K:+-k "$K"} 2>&1 | grep -v "\[TileLang:" > $OUT/gpu_tests.log
