@@ -60,22 +60,30 @@ def _block_d(dim: int):
     return next((b for b in (1024, 512, 256) if dim % b == 0), None)
 
 
+def _mix_io(streams, scale, base, splits: int):
+    """The mixes' launch buffers: (x [n_tok, hc*D], part [splits, n_tok, NOUT], the finalize's (scale, base, pre,
+    post, comb), the outputs (pre, post, comb) viewed as streams' lead dims)."""
+    hc, dim = streams.shape[-2:]
+    lead = streams.shape[:-2]
+    x = streams.reshape(-1, hc * dim).contiguous()
+    n_tok, dev = x.shape[0], x.device
+    part = torch.empty(splits, n_tok, NOUT, dtype=torch.float32, device=dev)
+    pre = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
+    post = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(n_tok, hc, hc, dtype=torch.float32, device=dev)
+    mix_args = (scale.reshape(-1)[:3].float().contiguous(), base.reshape(-1).float().contiguous(), pre, post, comb)
+    return x, part, mix_args, (pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc))
+
+
 def mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps, splits: int,
                       fused: bool = True):
     """The kernel path of mhc_mixes with an explicit K-split count (tests / benchmarks); no fallback. One launch
     (the premix's last block of each token tile finalizes it) up to TILE_COUNTERS token tiles; two launches beyond,
     or with fused=False (tests compare the two: the same sums in the same order, the same bits)."""
     hc, dim = streams.shape[-2:]
-    lead = streams.shape[:-2]
-    x = streams.reshape(-1, hc * dim).contiguous()
-    n_tok, k_steps = x.shape[0], hc * dim // BLOCK_K
-    dev = x.device
-    part = torch.empty(splits, n_tok, NOUT, dtype=torch.float32, device=dev)
-    pre = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
-    post = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
-    comb = torch.empty(n_tok, hc, hc, dtype=torch.float32, device=dev)
+    x, part, mix_args, outs = _mix_io(streams, scale, base, splits)
+    n_tok, k_steps, dev = x.shape[0], hc * dim // BLOCK_K, x.device
     premix = (build_mhc_premix, hc, dim, splits, BLOCK_T, BLOCK_K, _stages(splits, k_steps))
-    mix_args = (scale.reshape(-1)[:3].float().contiguous(), base.reshape(-1).float().contiguous(), pre, post, comb)
     eps = (float(hc_eps), float(norm_eps))
     if fused and -(-n_tok // BLOCK_T) <= TILE_COUNTERS:
         jit(*premix, 128, int(sinkhorn_iters), TILE_COUNTERS)(
@@ -83,7 +91,7 @@ def mixes_with_splits(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps
     else:
         jit(*premix)(x, fn.float().contiguous(), part)
         jit(build_mhc_mix_finalize, hc, dim, splits, int(sinkhorn_iters))(part, *mix_args, *eps)
-    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+    return outs
 
 
 def gemv_fits(n_tok: int, hc: int, dim: int) -> bool:
@@ -96,21 +104,14 @@ def gemv_fits(n_tok: int, hc: int, dim: int) -> bool:
 def mixes_gemv(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps):
     """The kernel path of mhc_mixes through mhc_gemv_kernel (one launch) for n_tok <= GEMV_TOKENS tokens."""
     hc, dim = streams.shape[-2:]
-    lead = streams.shape[:-2]
-    x = streams.reshape(-1, hc * dim).contiguous()
-    n_tok, dev = x.shape[0], x.device
-    assert n_tok <= GEMV_TOKENS
-    part = torch.empty(GEMV_SPLITS, n_tok, NOUT, dtype=torch.float32, device=dev)
-    pre = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
-    post = torch.empty(n_tok, hc, dtype=torch.float32, device=dev)
-    comb = torch.empty(n_tok, hc, hc, dtype=torch.float32, device=dev)
+    x, part, mix_args, outs = _mix_io(streams, scale, base, GEMV_SPLITS)
+    assert x.shape[0] <= GEMV_TOKENS
     # under graph capture fn is the model's, fixed: its loads may start before the kernel ahead ends
     early = pdl_enabled() and x.is_cuda and torch.cuda.is_current_stream_capturing()
     jit(build_mhc_mixes_gemv, hc, dim, GEMV_SPLITS, GEMV_TOKENS, int(sinkhorn_iters), TILE_COUNTERS,
         (hc * dim) // (GEMV_SPLITS * GEMV_THREADS), early)(
-        x, fn.float().contiguous(), part, scale.reshape(-1)[:3].float().contiguous(),
-        base.reshape(-1).float().contiguous(), pre, post, comb, tile_counters(dev), float(hc_eps), float(norm_eps))
-    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+        x, fn.float().contiguous(), part, *mix_args, tile_counters(x.device), float(hc_eps), float(norm_eps))
+    return outs
 
 
 def mhc_mixes(streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps):

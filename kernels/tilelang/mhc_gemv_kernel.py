@@ -1,4 +1,5 @@
-"""Candidate: the mHC mixes at a few tokens a call (decode) as a GEMV over fn's columns, in one launch.
+"""The mHC mixes at a few tokens a call (decode; mhc.GEMV_TOKENS, one by default) as a GEMV over fn's columns, in
+one launch.
 
 Why: the fused mixes (mhc_kernel.build_mhc_premix with counters) tile 64 tokens for the wgmma; at one token its 64
 split blocks each run 5 pipelined K steps of a 64 x 80 MMA, 63 rows of it empty, and take ~13 us a call for ~2 MB of
