@@ -3,6 +3,7 @@ or a machine without a GPU with exit code 2 and a one-line error, and every kern
 (benchmarks/jit/*.jsonl) reads back whole: each line a spec whose builder exists (a stale line fails the warm-up)."""
 
 import importlib.util
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,5 @@ def test_every_line_of_a_manifest_names_a_builder_that_exists(manifest):
 
     specs, lines, stale = read_manifest(str(manifest))
     assert stale == 0 and len(specs) == len(lines) == len([s for s in manifest.read_text().splitlines() if s.strip()])
+    for builder, *args in specs:  # and takes its arguments (a removed parameter would fail the warm-up's build)
+        inspect.signature(builder).bind(*args)

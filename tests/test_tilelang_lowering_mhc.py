@@ -170,7 +170,8 @@ def test_the_mixes_take_the_gemv_up_to_its_tokens_outside_the_invariant_mode(mon
         wrap.mhc_mixes(torch.zeros(tokens, HC, D, dtype=torch.bfloat16), fn, scale, base, 1e-6, ITERS, 1e-6)
         return launched[0]
 
-    assert wrap.GEMV_TOKENS == 1 and [route(t) for t in (1, 2)] == ["build_mhc_mixes_gemv", "build_mhc_premix"]
+    assert wrap.GEMV_TOKENS == 4
+    assert [route(t) for t in (1, 4, 5)] == ["build_mhc_mixes_gemv"] * 2 + ["build_mhc_premix"]
     monkeypatch.setattr(wrap, "GEMV_TOKENS", 0)
     assert route(1) == "build_mhc_premix"
     monkeypatch.setattr(wrap, "GEMV_TOKENS", 8)

@@ -5,17 +5,17 @@
 # BATCHES / CONTEXTS: the table's cells (default 1 8 64 256 / 4096 32768); ARMS: A/B arms, "name MOD.NAME=INT ..."
 # separated by ';' (none by default), at ARM_BATCHES (default "1 8"; 4K); PROFILE: the table's cells profiled per
 # kernel (B:CTX,...; default B=1 and 256 at 4K, "" for none); DSPARK=0 skips DSpark's table; MOE: batches of the
-# MoE op alone with its per-pass breakdown and probes (e.g. "1,8"; none by default); DSPARK_ARMS: A/B arms as ARMS
-# for DSpark's rows at DSPARK_ARM_BATCHES (default 1; zero, two and three drafts accepted, varlen); LIMIT: the call's
-# seconds (the tests take what is left); T1..T5: step limits.
+# MoE op alone with its per-pass breakdown and probes (e.g. "1,8"; none by default); DECODE=0 skips the decode table
+# (the arms still run); DSPARK_ARMS: A/B arms as ARMS for DSpark's rows at DSPARK_ARM_BATCHES (default 1; zero, two
+# and three drafts accepted, varlen); LIMIT: the call's seconds (the tests take what is left); T1..T5: step limits.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
 # the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout ${T1:-230} python3 benchmarks/decode_gpu.py --model flash40 --batches ${BATCHES:-1 8 64 256} \
-  --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill \
+[ "${DECODE:-1}" = 0 ] || timeout ${T1:-230} python3 benchmarks/decode_gpu.py --model flash40 \
+  --batches ${BATCHES:-1 8 64 256} --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill \
   --profile "${PROFILE-1:4096,256:4096}" --out $OUT/decode.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|^profile|WARNING|FAILED|Error|built" | tail -14
 IFS=';' read -ra arms <<< "${ARMS:-}"

@@ -35,10 +35,11 @@ SPLITS = (1, 4, 16, 64)  # K-split variants (each one compile); 320 K steps of 6
 FILL_BLOCKS = 256        # premix blocks wanted in flight: ~2 per SM on an H200 (3 fit by shared memory)
 COLLAPSE_NORM_ONE_LAUNCH = 1  # 0: mhc_collapse_norm as the collapse and rms_norm kernels (for A/B runs)
 # up to this many tokens a call (outside the batch-invariant mode) the mixes take mhc_gemv_kernel's one launch over
-# GEMV_SPLITS blocks of fn's columns (0: never). At 1 the mixes ran 12.5 -> 8.4 us a call, the 40-layer B=1 step
-# 9.84 -> 9.58 ms (one H100, two runs an arm, both with the one-chunk rope and the since removed early warp down
-# pass); at 8 the B=8 step lost 21.09 -> 21.62 ms in one run (decode_ab_s30_h100)
-GEMV_TOKENS = 1
+# GEMV_SPLITS blocks of fn's columns (0: never). The op on one H100 (the 8-token build against the tiled premix):
+# 8.5 / 9.4 / 11.0 / 13.8 / 15.5 us at 1 / 2 / 4 / 6 / 8 tokens against 8.4 (GEMV) / 12.1 / 12.5 / 12.6 / 12.7; the
+# 40-layer step with 4 against 1, two runs an arm: B=2 12.15 / 12.41 -> 12.02 / 11.99 ms, B=4 15.17 / 15.28 ->
+# 14.96 / 15.00, B=1 the same (decode_ab_s31_h100)
+GEMV_TOKENS = 4
 GEMV_SPLITS = 160  # 128 columns a block at hc * D = 20480: ~1.2 blocks an SM, each with 24 loads a thread in flight
 
 

@@ -51,10 +51,6 @@ FP8_STAGE_SPLIT = 1
 # (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
-# the warp-streamed up pass's warps a block: 4 (as run), or 2, a candidate until a same-machine A/B (moe_gpu.py at
-# one token, the 40-layer B=1 step): 864 two-warp blocks at 7 an SM fill a 132-SM H100's slots 6.5 / 7 (93%), where
-# 432 four-warp blocks at 4 an SM fill 3.3 / 4 (82%), the up pass's time set by its fullest SMs
-WARP_UP_WARPS = 4
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -164,9 +160,8 @@ def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
     if WARP_STREAM and n_tok == 1 and not registry.batch_invariant() and warp_fits(p):
         E, I, D = p.n_experts, p.inter, p.hidden
         build = moe_warp_kernel.build_fp4_warp_gemm
-        bk, st = moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES
-        up = (build, "swiglu", E, 2 * I, D) + ((bk, st, True, WARP_UP_WARPS) if WARP_UP_WARPS != 4 else ())
-        return up, (build, "add", E, D, I, bk, st, False)
+        return ((build, "swiglu", E, 2 * I, D),
+                (build, "add", E, D, I, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES, False))
     return _grouped_specs(p, n_tok, top_k)
 
 

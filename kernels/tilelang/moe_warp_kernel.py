@@ -11,9 +11,6 @@ block meet twice: once after the token's activations are staged, once in the epi
 
     grid (N / 64, n_slots), 128 threads: block (bx, by) = 64-row tile bx of slot by's expert, warp w its rows
     16w..16w+15. For "swiglu" the tile's rows are [32 gate | 32 up] (PackedExperts): warps 0-1 gate, 2-3 up.
-    With `warps` = 2 (a candidate for the up pass: its 432 blocks of four warps leave a 132-SM H100 at 3.3 of 4
-    blocks an SM; 864 blocks of two fill 6.5 of 7) a block takes half a tile's gate rows and the same half of its
-    up rows (row_start below).
 
 Tokens: a slot's positions one at a time (the weights streamed again per token): the launcher takes this kernel at
 one token a call, where every slot holds one. The activations of that token are staged in shared memory in the
@@ -38,21 +35,9 @@ def stage_bytes(block_k: int = BLOCK_K) -> int:
     return 16 * (block_k // 2) + 16 * (block_k // 32)
 
 
-def shared_bytes(k_dim: int, block_k: int = BLOCK_K, stages: int = STAGES, warps: int = 4) -> int:
-    """The warps' rings, the token's activations (k_dim bf16) and the block's 16-per-warp fp32 results."""
-    return warps * stages * stage_bytes(block_k) + 2 * k_dim + 4 * 16 * warps
-
-
-def row_start(bx, warp, warps: int, epilogue: str):
-    """The first of warp `warp`'s 16 weight rows in block bx (ints or TileLang expressions). "add": 16 * warps
-    contiguous rows a block. "swiglu": each 64-row tile is [32 gate | 32 up]; a block of `warps` warps (2 or 4) takes
-    16 * warps / 2 consecutive gate rows of one tile (its first half of warps) and the up rows 32 below them, so its
-    outputs are columns 16 * warps / 2 * bx + [0, 16 * warps / 2)."""
-    if epilogue == "add":
-        return bx * (16 * warps) + warp * 16
-    half = warps // 2  # the gate warps
-    subs = 2 // half   # blocks a tile
-    return (bx // subs) * 64 + (warp // half) * 32 + (bx % subs) * (16 * half) + (warp % half) * 16
+def shared_bytes(k_dim: int, block_k: int = BLOCK_K, stages: int = STAGES) -> int:
+    """Four warps' rings, the token's activations (k_dim bf16) and the tile's 64 fp32 results."""
+    return 4 * stages * stage_bytes(block_k) + 2 * k_dim + 4 * ROWS
 
 
 _WARP = r"""
@@ -163,20 +148,18 @@ __device__ __forceinline__ void dim_rows(void* ring_, const void* w_, const void
 
 
 def build_fp4_warp_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_k: int = BLOCK_K,
-                        stages: int = STAGES, gather: bool = True, warps: int = 4):
+                        stages: int = STAGES, gather: bool = True):
     """moe_kernel.build_grouped_gemm's arguments and epilogues (FP4 weights, k_splits 1) for one token at a time:
     (x [n_x, K] bf16, rows, aw [n_pos], slot_expert, slot_start, slot_count [n_slots], w [E, N, K/2], ws [E, N,
-    K/32], out, limit). gather: the token's row of x is rows[pos] (the up pass), else pos (the down pass, x = h).
-    warps: a block's warps, 16 rows each (4, or 2: row_start)."""
-    assert epilogue in ("swiglu", "add") and warps in (2, 4)
+    K/32], out, limit). gather: the token's row of x is rows[pos] (the up pass), else pos (the down pass, x = h)."""
+    assert epilogue in ("swiglu", "add")
     E, N, K, BK, S = n_experts, n_rows, k_dim, block_k, stages
-    BR, TH = 16 * warps, 32 * warps  # the block's rows and threads (ROWS, THREADS at four warps)
     assert N % ROWS == 0 and K % BK == 0 and BK % 64 == 0 and (BK // 2) % 128 == 0 and S >= 3
     NK = K // BK
     KP, SC = K // 2, K // 32
     STAGE = stage_bytes(BK)
-    RING = warps * S * STAGE
-    SMEM = shared_bytes(K, BK, S, warps)
+    RING = 4 * S * STAGE
+    SMEM = shared_bytes(K, BK, S)
     assert SMEM <= 227 * 1024 and K % 8 == 0
     n_out = N // 2 if epilogue == "swiglu" else N
     n_x, n_pos, n_slots, n_y = T.dynamic("n_x"), T.dynamic("n_pos"), T.dynamic("n_slots"), T.dynamic("n_y")
@@ -198,28 +181,26 @@ def build_fp4_warp_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
         out: T.Tensor((out_rows, n_out), out_dtype),
         limit: T.float32,
     ):
-        with T.Kernel(N // BR, n_slots, threads=TH) as (bx, by):
+        with T.Kernel(N // ROWS, n_slots, threads=THREADS) as (bx, by):
             T.annotate_min_blocks_per_sm(blocks)
             ring = T.alloc_shared((RING // 4,), "uint32")  # 32-bit words (moe_kernel: a uint8 buffer trips TileLang)
             xs = T.alloc_shared((K,), "bfloat16")
-            res = T.alloc_shared((BR,), "float32")
+            res = T.alloc_shared((ROWS,), "float32")
             acc = T.alloc_local((4,), "float32")
             tx = T.get_thread_binding()
             T.import_source(src)
             e = slot_expert[by]
             start = slot_start[by]
             warp = tx // 32
-            # (four warps: the expression as the H100 has run it)
-            row0 = bx * ROWS + warp * 16 if warps == 4 else row_start(bx, warp, warps, epilogue)
             warp_rows = (T.address_of(ring[(warp * S * STAGE) // 4]), T.address_of(w[0, 0, 0]),
-                         T.address_of(ws[0, 0, 0]), e, row0)
+                         T.address_of(ws[0, 0, 0]), e, bx * ROWS + warp * 16)
             prologue = f"dim_prologue<{BK}, {S}, {NK}, {N}>"
             for c in T.serial(slot_count[by]):
                 pos = start + c
                 xrow = rows[pos] if gather else pos
                 # the warp's first steps in flight while the token's activations are staged
                 T.call_extern("handle", prologue, *warp_rows, KP, SC)
-                T.call_extern("handle", f"dim_load_x<{K}, {TH}>", T.address_of(xs[0]),
+                T.call_extern("handle", f"dim_load_x<{K}, {THREADS}>", T.address_of(xs[0]),
                               T.address_of(x[xrow, 0]))  # the token's activations
                 for i in T.unroll(4):
                     acc[i] = T.float32(0)
@@ -233,11 +214,11 @@ def build_fp4_warp_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
                     res[warp * 16 + (tx % 32) // 4 + 8] = acc[2]
                 T.sync_threads()
                 if epilogue == "swiglu":
-                    if tx < BR // 2:
-                        out[pos, bx * (BR // 2) + tx] = swiglu_bf16(res[tx], res[tx + BR // 2], limit, aw[pos])
+                    if tx < ROWS // 2:
+                        out[pos, bx * (ROWS // 2) + tx] = swiglu_bf16(res[tx], res[tx + ROWS // 2], limit, aw[pos])
                 else:
-                    if tx < BR:
-                        T.atomic_add(out[rows[pos], bx * BR + tx], T.cast(T.cast(res[tx], "bfloat16"), "float32"))
+                    if tx < ROWS:
+                        T.atomic_add(out[rows[pos], bx * ROWS + tx], T.cast(T.cast(res[tx], "bfloat16"), "float32"))
                 T.sync_threads()
 
     return fp4_warp_gemm

@@ -99,7 +99,7 @@ def test_the_one_launch_mixes_are_bitwise_the_two_launch_mixes(tokens):
 
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_the_gemv_mixes_match_float64_and_replay_from_a_graph(tokens, monkeypatch):
-    """The GEMV mixes (mhc.GEMV_TOKENS, mhc_gemv_kernel.py; 1 by default) at up to 8 tokens a call: the fp32 band of
+    """The GEMV mixes (mhc.GEMV_TOKENS, mhc_gemv_kernel.py; 4 by default) at up to 8 tokens a call: the fp32 band of
     the float64 reference, per token too; the same bits call after call (a fixed summation order) and replayed from a
     CUDA graph (where fn's loads start before the programmatic wait); the tile counters back at zero."""
     from deepinfer.kernels.tilelang import mhc as wrap
