@@ -43,6 +43,7 @@ import torch
 
 from deepinfer.models.cache import HostStep, derive
 from deepinfer.models.cache.metadata import block_table, to_device
+from deepinfer.sampling.wide_reduce import first_argmax
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -252,7 +253,7 @@ class DraftGraphs:
         self.replays = 0
 
     def _choose(self, i: int, logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, : self.vocab].argmax(dim=-1)  # greedy: ties to the lowest id, as DraftChooser
+        return first_argmax(logits[:, : self.vocab])  # greedy: ties to the lowest id, as DraftChooser
 
     def _draft(self, size: int, mode: str):
         choose = self._choose if mode == "greedy" else self.static.choose(cut=mode == "cut")

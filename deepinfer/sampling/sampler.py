@@ -42,6 +42,7 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.queued_copy import queued_values
 from deepinfer.sampling.row_columns import processed_weights
 from deepinfer.sampling.seeds import DrawKind, uniform
+from deepinfer.sampling.wide_reduce import first_argmax, row_max
 
 __all__ = ["Sampler", "SampleRow", "SampleOutput", "VerifyRequest"]
 
@@ -210,7 +211,7 @@ class Sampler:
         everything before it is queued on the device (row_columns says why that matters)."""
         vocab = min(self.vocab_size, logits.shape[1])
         logprobs, x = self._logprobs_and_masked(logits, rows, bitmask, vocab)
-        tokens = x.argmax(dim=-1)  # greedy rows: ties go to the lowest token id
+        tokens = first_argmax(x)  # greedy rows: ties go to the lowest token id
         sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
         if sampled:
             at = queued_values(sampled, torch.int64, x.device)
@@ -329,7 +330,7 @@ def blocked_codes(x: torch.Tensor) -> torch.Tensor:
     """Per row of processed logits x, on x's device: 0 when a token can be chosen, 1 when every token is masked,
     2 when the model's logits are NaN or +inf where tokens are allowed (a masked position holds -inf whatever the
     model gave). One whole-step max; a NaN row would otherwise yield an arbitrary argmax as if it were a token."""
-    top = x.max(dim=-1).values
+    top = row_max(x)
     return (top == float("-inf")).to(torch.int8) + 2 * (torch.isnan(top) | (top == float("inf"))).to(torch.int8)
 
 
@@ -344,4 +345,4 @@ def token_reads(logprobs: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, v
 
 def greedy_reads(logprobs: torch.Tensor, x: torch.Tensor, vocab: int) -> tuple[list[int], list[int], list[float]]:
     """token_reads of each row's argmax (ties: the lowest id): all a greedy step needs from the device."""
-    return token_reads(logprobs, x, x.argmax(dim=-1), vocab)
+    return token_reads(logprobs, x, first_argmax(x), vocab)

@@ -32,6 +32,7 @@ from deepinfer.sampling.fixed_point import draw_from_weights, draw_tokens, fixed
 from deepinfer.sampling.queued_copy import queued_values
 from deepinfer.sampling.row_columns import processed_weights
 from deepinfer.sampling.seeds import DrawKind, uniform
+from deepinfer.sampling.wide_reduce import first_argmax
 
 ACCEPT, RESIDUAL = 1, 2  # uniform indices within the DRAFT stream of a position (0 draws the draft itself)
 
@@ -56,7 +57,7 @@ class DraftChooser:
     def __call__(self, i: int, logits: torch.Tensor) -> torch.Tensor:
         x = logits.float().clone()
         x[:, self.vocab:] = float("-inf")
-        tokens = x.argmax(dim=-1)
+        tokens = first_argmax(x)
         if self.sampled:
             reqs = [self.requests[r] for r in self.sampled]
             at = queued_values(self.sampled, torch.int64, x.device)
