@@ -145,3 +145,71 @@ def test_the_launcher_takes_the_warp_streamed_passes_at_one_token_outside_the_in
     monkeypatch.setattr(moe, "WARP_STREAM", 1)
     monkeypatch.setitem(registry._MODE, "batch_invariant", True)
     assert moe.routed_specs(p, 1, 6)[0][0] is not build
+
+
+# ---- both passes in one launch (moe.WARP_FUSED, a candidate)
+FUSED = (384, 2304, 5120)
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_one_launch_passes_draw_tickets_and_wait_for_their_slots_up_tiles(arch):
+    """A block's work is its ticket (an atomic counter, drawn once), up tiles before down tiles; a down tile puts its
+    first weight stages in flight before it waits (acquire loads of its slot's count of up tiles), reads h past L1,
+    and the last block out zeroes the counters; both passes keep their barrier-free K loops."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.moe_warp_kernel import build_fp4_warp_moe
+
+    src = lower_source(build_fp4_warp_moe(*FUSED), arch)
+    body = src[src.index("fp4_warp_moe_kernel(const float"):]
+    body = body[body.index("{"):]
+    assert body.count("AtomicAddRet((&(counters[0])), 1)") == 1  # the ticket
+    up, down = body.index("dim_rows<256, 5, 20, 4608>"), body.index("dim_rows<256, 5, 9, 5120>")
+    assert up < down and "if (((int*)ticket)[0] < (n_slots * 72))" in body
+    assert body.index("dim_prologue<256, 5, 9, 5120>") < body.index("dim_wait_for(") < body.index("dim_load_x_cg<2304")
+    assert body.index("__threadfence();") < body.index("AtomicAdd((&(counters[(((int64_t)slot) + (int64_t)2)])), 1)")
+    assert "counters[0] = 0;" in body and "counters[1] = 0;" in body and "(n_slots * 152) - 1" in body
+    assert "ld.acquire.gpu.global.b32" in src and "__ldcg(" in src and "__nanosleep(" in src
+    rows = src[src.index("void dim_rows"):src.index("dim_ld_acquire")]
+    assert "__syncthreads" not in rows and rows.count("__syncwarp()") == 2
+
+
+@pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")
+def test_the_one_launch_passes_fit_four_blocks_an_sm(tmp_path):
+    from lowering_helpers import lower_source, ptxas_report
+    from deepinfer.kernels.tilelang.moe_warp_kernel import THREADS, build_fp4_warp_moe, shared_bytes
+
+    log, regs = ptxas_report(lower_source(build_fp4_warp_moe(*FUSED), "sm_90a"), tmp_path)
+    assert "0 bytes spill stores" in log and regs * THREADS * 4 <= 65536, (regs, log[-2000:])
+    assert 4 * (shared_bytes(FUSED[2]) + 16 + 1024) <= 228 * 1024
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_the_launcher_takes_the_one_launch_passes_only_when_asked(monkeypatch):
+    """moe.WARP_FUSED: routed_specs gives one spec, and ffn launches it once with the up pass's table, the rows the
+    down pass adds into, both weight sets, h, the output and the tile counters."""
+    from deepinfer.kernels.packed_experts import PackedExperts
+    from deepinfer.kernels.tilelang import moe, moe_warp_kernel
+
+    E, I, D = 8, 2304, 5120
+    u8 = torch.uint8
+    p = PackedExperts("fp4", torch.zeros(E, 2 * I, D // 2, dtype=u8), torch.zeros(E, 2 * I, D // 32, dtype=u8),
+                      torch.zeros(E, D, I // 2, dtype=u8), torch.zeros(E, D, I // 32, dtype=u8))
+    assert moe.WARP_FUSED == 0 and len(moe.routed_specs(p, 1, 6)) == 2
+    monkeypatch.setattr(moe, "WARP_FUSED", 1)
+    specs = moe.routed_specs(p, 1, 6)
+    assert specs == ((moe_warp_kernel.build_fp4_warp_moe, E, I, D),) and specs[0] in moe.experts_specs(p, None, 1, 6)
+    assert len(moe.routed_specs(p, 2, 6)) == 2  # from two tokens a call the grouped GEMM's two passes
+    launched = []
+    monkeypatch.setattr(moe, "jit", lambda *spec: lambda *args: launched.append((spec, args)))
+    monkeypatch.setattr(moe, "tile_counters", lambda dev: "counters")
+    x, y = torch.zeros(1, D, dtype=torch.bfloat16), torch.zeros(1, D)
+    table = tuple(torch.zeros(6, dtype=t) for t in (torch.int32, torch.float32, torch.int32, torch.int32, torch.int32))
+    out_rows = torch.arange(6, dtype=torch.int32)
+    for given, rows in ((None, table[0]), (out_rows, out_rows)):
+        launched.clear()
+        moe.ffn(p, x, table, y, specs, 1.0, out_rows=given)
+        (spec, args), = launched
+        assert spec == specs[0] and args[:6] == (x, *table) and args[6] is rows
+        assert args[7:11] == (p.w13, p.s13, p.w2, p.s2) and args[11].shape == (6, I)
+        assert args[12:] == (y, "counters", 1.0)

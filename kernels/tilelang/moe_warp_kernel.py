@@ -222,3 +222,151 @@ def build_fp4_warp_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
                 T.sync_threads()
 
     return fp4_warp_gemm
+
+
+# ------------------------------------------------------------------------------------- both passes, one launch
+_FUSED = r"""
+__device__ __forceinline__ int dim_ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The block waits until *c reaches `target` (its slot's up tiles all written): thread 0 polls, the rest at the barrier.
+__device__ __forceinline__ void dim_wait_for(const int* c, int target) {
+  if (threadIdx.x == 0) {
+    while (dim_ld_acquire(c) < target) __nanosleep(32);
+  }
+  __syncthreads();
+}
+
+// The token's K activations (bf16) into shared memory past L1 (.cg): other blocks of this launch wrote them.
+template <int K, int TH>
+__device__ __forceinline__ void dim_load_x_cg(void* xs, const void* x) {
+#pragma unroll
+  for (int i = threadIdx.x; i < K / 8; i += TH)
+    reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+}
+"""
+
+FUSED_COUNTERS = 2  # counters[0]: the next ticket, [1]: blocks done; [2 + slot]: the slot's up tiles written
+
+
+def build_fp4_warp_moe(n_experts: int, inter: int, hidden: int, block_k: int = BLOCK_K, stages: int = STAGES):
+    """build_fp4_warp_gemm's up and down passes in one launch (`moe.WARP_FUSED`): (x [n_x, D] bf16, rows, aw,
+    slot_expert, slot_start, slot_count, out_rows [n_pos], w13 [E, 2I, D/2], s13, w2 [E, D, I/2], s2, h [n_pos, I]
+    bf16, y [n_y, D] fp32, counters int32 (counters.tile_counters: zero between launches, zero after), limit).
+
+    Why: the down pass starts only when the up pass's last block ends; here a block draws a ticket (an atomic
+    counter, so tickets follow the order blocks start in): the first 72 x n_slots tickets are up tiles (slot-major),
+    the rest down tiles, whose warps put their first weight stages in flight and then wait for their slot's 72 up
+    tiles to be counted in. Every ticket below a waiting block's is held by a running or finished block and no up
+    tile waits, so the waits end. The same per-tile work, epilogues and rounding points as the two launches."""
+    E, I, D, BK, S = n_experts, inter, hidden, block_k, stages
+    assert (2 * I) % ROWS == 0 and D % ROWS == 0 and D % BK == 0 and I % BK == 0 and S >= 3
+    UPT, DNT = (2 * I) // ROWS, D // ROWS
+    NKU, NKD = D // BK, I // BK
+    STAGE = stage_bytes(BK)
+    RING = 4 * S * STAGE
+    SMEM = shared_bytes(D, BK, S)
+    assert SMEM <= 227 * 1024 and D % 8 == 0 and I % 8 == 0
+    n_x, n_pos, n_slots, n_y = T.dynamic("n_x"), T.dynamic("n_pos"), T.dynamic("n_slots"), T.dynamic("n_y")
+    n_cnt = T.dynamic("n_cnt")
+    blocks = max(1, min(8, (227 * 1024) // (SMEM + 1024)))
+    src = DEQUANT_SOURCE + _HEAD + "#endif\n" + _WARP + _FUSED
+
+    @T.prim_func
+    def fp4_warp_moe(
+        x: T.Tensor((n_x, D), "bfloat16"),
+        rows: T.Tensor((n_pos,), "int32"),
+        aw: T.Tensor((n_pos,), "float32"),
+        slot_expert: T.Tensor((n_slots,), "int32"),
+        slot_start: T.Tensor((n_slots,), "int32"),
+        slot_count: T.Tensor((n_slots,), "int32"),
+        out_rows: T.Tensor((n_pos,), "int32"),
+        w13: T.Tensor((E, 2 * I, D // 2), "uint8"),
+        s13: T.Tensor((E, 2 * I, D // 32), "uint8"),
+        w2: T.Tensor((E, D, I // 2), "uint8"),
+        s2: T.Tensor((E, D, I // 32), "uint8"),
+        h: T.Tensor((n_pos, I), "bfloat16"),
+        y: T.Tensor((n_y, D), "float32"),
+        counters: T.Tensor((n_cnt,), "int32"),
+        limit: T.float32,
+    ):
+        with T.Kernel((UPT + DNT) * n_slots, threads=THREADS) as bx:
+            T.annotate_min_blocks_per_sm(blocks)
+            ring = T.alloc_shared((RING // 4,), "uint32")
+            xs = T.alloc_shared((D,), "bfloat16")
+            res = T.alloc_shared((ROWS,), "float32")
+            ticket = T.alloc_shared((1,), "int32")
+            acc = T.alloc_local((4,), "float32")
+            done = T.alloc_local((1,), "int32")
+            tx = T.get_thread_binding()
+            T.import_source(src)
+            if tx == 0:
+                ticket[0] = T.atomic_add(counters[0], 1, return_prev=True)
+            T.sync_threads()
+            warp = tx // 32
+            lane_ring = T.address_of(ring[(warp * S * STAGE) // 4])
+            if ticket[0] < UPT * n_slots:  # an up tile: gate and up rows, SwiGLU and the routing weight into h
+                slot = ticket[0] // UPT
+                tile = ticket[0] % UPT
+                warp_rows = (lane_ring, T.address_of(w13[0, 0, 0]), T.address_of(s13[0, 0, 0]), slot_expert[slot],
+                             tile * ROWS + warp * 16)
+                for c in T.serial(slot_count[slot]):
+                    pos = slot_start[slot] + c
+                    T.call_extern("handle", f"dim_prologue<{BK}, {S}, {NKU}, {2 * I}>", *warp_rows, D // 2, D // 32)
+                    T.call_extern("handle", f"dim_load_x<{D}, {THREADS}>", T.address_of(xs[0]),
+                                  T.address_of(x[rows[pos], 0]))
+                    for i in T.unroll(4):
+                        acc[i] = T.float32(0)
+                    T.sync_threads()
+                    T.call_extern("handle", f"dim_rows<{BK}, {S}, {NKU}, {2 * I}>", *warp_rows, T.address_of(xs[0]),
+                                  D // 2, D // 32, T.address_of(acc[0]))
+                    if tx % 4 == 0:
+                        res[warp * 16 + (tx % 32) // 4] = acc[0]
+                        res[warp * 16 + (tx % 32) // 4 + 8] = acc[2]
+                    T.sync_threads()
+                    if tx < ROWS // 2:
+                        h[pos, tile * (ROWS // 2) + tx] = swiglu_bf16(res[tx], res[tx + ROWS // 2], limit, aw[pos])
+                    T.sync_threads()
+                # counted in after every thread's stores are fenced (CUDA's threadFenceReduction pattern)
+                T.call_extern("handle", "__threadfence")
+                T.sync_threads()
+                if tx == 0:
+                    T.atomic_add(counters[FUSED_COUNTERS + slot], 1)
+            else:  # a down tile: its weights in flight, then its slot's h once every up tile is in
+                slot = (ticket[0] - UPT * n_slots) // DNT
+                tile = (ticket[0] - UPT * n_slots) % DNT
+                warp_rows = (lane_ring, T.address_of(w2[0, 0, 0]), T.address_of(s2[0, 0, 0]), slot_expert[slot],
+                             tile * ROWS + warp * 16)
+                for c in T.serial(slot_count[slot]):
+                    pos = slot_start[slot] + c
+                    T.call_extern("handle", f"dim_prologue<{BK}, {S}, {NKD}, {D}>", *warp_rows, I // 2, I // 32)
+                    if c == 0:
+                        T.call_extern("handle", "dim_wait_for", T.address_of(counters[FUSED_COUNTERS + slot]), UPT)
+                    T.call_extern("handle", f"dim_load_x_cg<{I}, {THREADS}>", T.address_of(xs[0]),
+                                  T.address_of(h[pos, 0]))
+                    for i in T.unroll(4):
+                        acc[i] = T.float32(0)
+                    T.sync_threads()
+                    T.call_extern("handle", f"dim_rows<{BK}, {S}, {NKD}, {D}>", *warp_rows, T.address_of(xs[0]),
+                                  I // 2, I // 32, T.address_of(acc[0]))
+                    if tx % 4 == 0:
+                        res[warp * 16 + (tx % 32) // 4] = acc[0]
+                        res[warp * 16 + (tx % 32) // 4 + 8] = acc[2]
+                    T.sync_threads()
+                    if tx < ROWS:
+                        T.atomic_add(y[out_rows[pos], tile * ROWS + tx], T.cast(T.cast(res[tx], "bfloat16"), "float32"))
+                    T.sync_threads()
+            # the last block out zeroes the counters for the next launch (every ticket drawn, every wait over)
+            T.sync_threads()
+            if tx == 0:
+                done[0] = T.atomic_add(counters[1], 1, return_prev=True)
+                if done[0] == (UPT + DNT) * n_slots - 1:
+                    counters[0] = 0
+                    counters[1] = 0
+                    for s in T.serial(n_slots):
+                        counters[FUSED_COUNTERS + s] = 0
+
+    return fp4_warp_moe
