@@ -165,11 +165,12 @@ def test_the_one_launch_passes_draw_tickets_and_wait_for_their_slots_up_tiles(ar
     body = body[body.index("{"):]
     assert body.count("AtomicAddRet((&(counters[0])), 1)") == 1  # the ticket
     up, down = body.index("dim_rows<256, 5, 20, 4608>"), body.index("dim_rows<256, 5, 9, 5120>")
-    assert up < down and "if (((int*)ticket)[0] < (n_slots * 72))" in body
+    assert up < down and "mine[0] = ((int*)ticket)[0];" in body and "if (mine[0] < (n_slots * 72))" in body
+    assert "if (mine[0] < (n_slots * 152))" in body  # a ticket past the grid (counters left non-zero): no work
     assert body.index("dim_prologue<256, 5, 9, 5120>") < body.index("dim_wait_for(") < body.index("dim_load_x_cg<2304")
     assert body.index("__threadfence();") < body.index("AtomicAdd((&(counters[(((int64_t)slot) + (int64_t)2)])), 1)")
     assert "counters[0] = 0;" in body and "counters[1] = 0;" in body and "(n_slots * 152) - 1" in body
-    assert "ld.acquire.gpu.global.b32" in src and "__ldcg(" in src and "__nanosleep(" in src
+    assert "ld.acquire.gpu.global.b32" in src and "__ldcg(" in src and "__nanosleep(" in src and "__trap()" in src
     rows = src[src.index("void dim_rows"):src.index("dim_ld_acquire")]
     assert "__syncthreads" not in rows and rows.count("__syncwarp()") == 2
 

@@ -232,10 +232,15 @@ __device__ __forceinline__ int dim_ld_acquire(const int* p) {
   return v;
 }
 
-// The block waits until *c reaches `target` (its slot's up tiles all written): thread 0 polls, the rest at the barrier.
+// The block waits until *c reaches `target` (its slot's up tiles all written): thread 0 polls, the rest at the
+// barrier. A wait that outlasts ~2^28 polls (seconds; a healthy one is microseconds) traps: the launch fails with
+// an error the engine reports instead of hanging the stream.
 __device__ __forceinline__ void dim_wait_for(const int* c, int target) {
   if (threadIdx.x == 0) {
-    while (dim_ld_acquire(c) < target) __nanosleep(32);
+    for (unsigned polls = 0; dim_ld_acquire(c) < target; ++polls) {
+      if (polls == (1u << 28)) __trap();
+      __nanosleep(32);
+    }
   }
   __syncthreads();
 }
@@ -301,16 +306,18 @@ def build_fp4_warp_moe(n_experts: int, inter: int, hidden: int, block_k: int = B
             ticket = T.alloc_shared((1,), "int32")
             acc = T.alloc_local((4,), "float32")
             done = T.alloc_local((1,), "int32")
+            mine = T.alloc_local((1,), "int32")  # the block's ticket, in a register
             tx = T.get_thread_binding()
             T.import_source(src)
             if tx == 0:
                 ticket[0] = T.atomic_add(counters[0], 1, return_prev=True)
             T.sync_threads()
+            mine[0] = ticket[0]
             warp = tx // 32
             lane_ring = T.address_of(ring[(warp * S * STAGE) // 4])
-            if ticket[0] < UPT * n_slots:  # an up tile: gate and up rows, SwiGLU and the routing weight into h
-                slot = ticket[0] // UPT
-                tile = ticket[0] % UPT
+            if mine[0] < UPT * n_slots:  # an up tile: gate and up rows, SwiGLU and the routing weight into h
+                slot = mine[0] // UPT
+                tile = mine[0] % UPT
                 warp_rows = (lane_ring, T.address_of(w13[0, 0, 0]), T.address_of(s13[0, 0, 0]), slot_expert[slot],
                              tile * ROWS + warp * 16)
                 for c in T.serial(slot_count[slot]):
@@ -335,9 +342,9 @@ def build_fp4_warp_moe(n_experts: int, inter: int, hidden: int, block_k: int = B
                 T.sync_threads()
                 if tx == 0:
                     T.atomic_add(counters[FUSED_COUNTERS + slot], 1)
-            else:  # a down tile: its weights in flight, then its slot's h once every up tile is in
-                slot = (ticket[0] - UPT * n_slots) // DNT
-                tile = (ticket[0] - UPT * n_slots) % DNT
+            elif mine[0] < (UPT + DNT) * n_slots:  # a down tile: weights in flight, then h once the up tiles are in
+                slot = (mine[0] - UPT * n_slots) // DNT
+                tile = (mine[0] - UPT * n_slots) % DNT
                 warp_rows = (lane_ring, T.address_of(w2[0, 0, 0]), T.address_of(s2[0, 0, 0]), slot_expert[slot],
                              tile * ROWS + warp * 16)
                 for c in T.serial(slot_count[slot]):
