@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from target_card import on_card  # benchmarks/, this script's folder
+
 FP4_W, FP8_W = 0.5 + 1 / 32, 1 + 1 / 1024  # bytes per weight incl. scales (roofline.py)
 _SINK = {}  # out path + metadata: every record rewrites the JSON, so a run cut at its time limit keeps its rows
 E, TOPK, HID, INTER = 384, 6, 5120, 2304
@@ -102,13 +104,30 @@ def record(rows, name, shape, ms, ms_min, nbytes, flops, bw, peak, torch_ms=None
           + (f"  [eager {eager_ms*1e3:.1f} us]" if eager_ms else ""), flush=True)
 
 
+def targets(rows: list[dict]) -> list[dict]:
+    """Issue 21's kernel targets this table measures: the decode attention kernel >= 50% of its roofline at B=64
+    and 256 (one query a sequence, 32K), the MoE >= 85% of the copy bandwidth at B=1, 8 and 64 (measured None: the
+    row did not run, e.g. under --only or --batches)."""
+    def got(kernel, shape, key):
+        r = next((r for r in rows if r.get("kernel") == kernel and r.get("shape") == shape and r.get(key)), None)
+        return None if r is None else 100 * r[key]
+
+    out = [(f"decode attention kernel at B={B}, 32K, % of its roofline", got("attn_decode",
+            f"B={B} q/seq=1 ctx=32K", "frac_roofline"), 50.0) for B in (64, 256)]
+    out += [(f"MoE decode at B={B}, % of copy bandwidth", got("moe_experts", f"B={B} fp4x384+fp8 shared",
+             "frac_bw"), 85.0) for B in (1, 8, 64)]
+    return [dict(name=n, measured=m, target=t, unit="%", met=m is not None and m >= t) for n, m, t in out]
+
+
 def _flush(rows, sweeps=None):
     if not _SINK:
         return
     if sweeps is not None:
         _SINK["sweeps"] = sweeps
+    meta = _SINK["meta"]
     with open(_SINK["path"], "w") as f:
-        json.dump(dict(meta=_SINK["meta"], rows=rows, moe_stage_sweep=_SINK.get("sweeps", [])), f, indent=1)
+        json.dump(dict(meta=meta, targets=on_card(targets(rows), meta["gpu"]), rows=rows,
+                       moe_stage_sweep=_SINK.get("sweeps", [])), f, indent=1)
 
 
 def measure(fn, calls=8, iters=30):

@@ -280,6 +280,20 @@ def build_fp4_warp_moe(n_experts: int, inter: int, hidden: int, block_k: int = B
     blocks = max(1, min(8, (227 * 1024) // (SMEM + 1024)))
     src = DEQUANT_SOURCE + _HEAD + "#endif\n" + _WARP + _FUSED
 
+    @T.macro
+    def token_rows(warp_rows, xs, acc, res, tx, nk: int, n_rows: int, k_dim: int):
+        """One token through the warp's rows (its first stages already issued, xs staged): the tile's 64 fp32
+        results in res, visible to the block."""
+        for i in T.unroll(4):
+            acc[i] = T.float32(0)
+        T.sync_threads()
+        T.call_extern("handle", f"dim_rows<{BK}, {S}, {nk}, {n_rows}>", *warp_rows, T.address_of(xs[0]), k_dim // 2,
+                      k_dim // 32, T.address_of(acc[0]))
+        if tx % 4 == 0:  # column 0 of the MMA tile: lanes with q == 0 hold rows g (acc[0]) and g + 8 (acc[2])
+            res[(tx // 32) * 16 + (tx % 32) // 4] = acc[0]
+            res[(tx // 32) * 16 + (tx % 32) // 4 + 8] = acc[2]
+        T.sync_threads()
+
     @T.prim_func
     def fp4_warp_moe(
         x: T.Tensor((n_x, D), "bfloat16"),
@@ -325,15 +339,7 @@ def build_fp4_warp_moe(n_experts: int, inter: int, hidden: int, block_k: int = B
                     T.call_extern("handle", f"dim_prologue<{BK}, {S}, {NKU}, {2 * I}>", *warp_rows, D // 2, D // 32)
                     T.call_extern("handle", f"dim_load_x<{D}, {THREADS}>", T.address_of(xs[0]),
                                   T.address_of(x[rows[pos], 0]))
-                    for i in T.unroll(4):
-                        acc[i] = T.float32(0)
-                    T.sync_threads()
-                    T.call_extern("handle", f"dim_rows<{BK}, {S}, {NKU}, {2 * I}>", *warp_rows, T.address_of(xs[0]),
-                                  D // 2, D // 32, T.address_of(acc[0]))
-                    if tx % 4 == 0:
-                        res[warp * 16 + (tx % 32) // 4] = acc[0]
-                        res[warp * 16 + (tx % 32) // 4 + 8] = acc[2]
-                    T.sync_threads()
+                    token_rows(warp_rows, xs, acc, res, tx, NKU, 2 * I, D)
                     if tx < ROWS // 2:
                         h[pos, tile * (ROWS // 2) + tx] = swiglu_bf16(res[tx], res[tx + ROWS // 2], limit, aw[pos])
                     T.sync_threads()
@@ -354,15 +360,7 @@ def build_fp4_warp_moe(n_experts: int, inter: int, hidden: int, block_k: int = B
                         T.call_extern("handle", "dim_wait_for", T.address_of(counters[FUSED_COUNTERS + slot]), UPT)
                     T.call_extern("handle", f"dim_load_x_cg<{I}, {THREADS}>", T.address_of(xs[0]),
                                   T.address_of(h[pos, 0]))
-                    for i in T.unroll(4):
-                        acc[i] = T.float32(0)
-                    T.sync_threads()
-                    T.call_extern("handle", f"dim_rows<{BK}, {S}, {NKD}, {D}>", *warp_rows, T.address_of(xs[0]),
-                                  I // 2, I // 32, T.address_of(acc[0]))
-                    if tx % 4 == 0:
-                        res[warp * 16 + (tx % 32) // 4] = acc[0]
-                        res[warp * 16 + (tx % 32) // 4 + 8] = acc[2]
-                    T.sync_threads()
+                    token_rows(warp_rows, xs, acc, res, tx, NKD, D, I)
                     if tx < ROWS:
                         T.atomic_add(y[out_rows[pos], tile * ROWS + tx], T.cast(T.cast(res[tx], "bfloat16"), "float32"))
                     T.sync_threads()
