@@ -57,6 +57,16 @@ def test_torch_linear_on_the_stored_weight_equals_the_dense_path_bitwise(m):
     assert torch.equal(linear(xb, q), linear(xb, q.dense(torch.bfloat16)))
 
 
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_fp32_output_from_bf16_operands_is_the_fp32_gemm_of_the_upcast_operands(m):
+    gen = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 64, generator=gen).bfloat16(), torch.randn(40, 64, generator=gen).bfloat16()
+    out = linear(x, w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, linear(x.float(), w.float()))  # the CPU reference: what DSpark's Markov head had
+    assert torch.equal(linear(x.float(), w.float(), out_dtype=torch.float32), linear(x.float(), w.float()))
+
+
 def test_the_grouped_projection_is_each_group_on_its_own_slice_of_the_input():
     """grouped_linear (wo_a): group g's rows times x[:, g], concatenated; row groups keep the whole weight."""
     from deepinfer.kernels.torch.linear import grouped_linear

@@ -89,10 +89,6 @@ class DSpark:
         self.attn = [DraftAttention(self.cfg, i, lw.attn, model.ops, model.main_freqs)
                      for i, lw in enumerate(weights.layers)]
         self.confidence_temperature: tuple[float, ...] = (1.0,)
-        # the Markov head in fp32 once (its logits accumulate in fp32, §6.3): casting the [V, rank] table in every
-        # block position of every drafting read and wrote ~200 MB a time at Flash's vocabulary (five casts, ~0.44 ms
-        # of a B=1 step's 2.7 ms of drafting on the H200, dspark_gpu_flash40_s16_h200's profile)
-        self.markov_head32 = weights.markov_head.float() if weights.markov_head is not None else None
 
     @property
     def num_layers(self) -> int:
@@ -162,9 +158,11 @@ class DSpark:
             logits = base[:, i]
             feats = h_pre[:, i]
             if w.markov_embed is not None:
-                e = w.markov_embed[prev].float()
-                logits = logits + ops.linear(e, self.markov_head32)  # row-invariant GEMM
-                feats = torch.cat([feats, e], -1)
+                e = w.markov_embed[prev]
+                # the bias in fp32 (§6.3) from the tables as stored: an fp32 copy of the [V, rank] head read twice
+                # the bytes (132 MB at Flash's vocabulary, read at every block position)
+                logits = logits + ops.linear(e, w.markov_head, out_dtype=torch.float32)
+                feats = torch.cat([feats, e.float()], -1)
             # a per-row product-sum (a GEMV's reduction order may follow the batch size), one position at a time:
             # confidences, and so the varlen plan, do not depend on what else is drafted in the step (all
             # positions' sums in one [N * B, D] reduction took another order on the CPU from 25 rows to 40, the

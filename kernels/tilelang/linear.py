@@ -116,12 +116,13 @@ def why_not(x: torch.Tensor, w) -> str | None:
     return None
 
 
-def linear(x: torch.Tensor, weight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Same contract as deepinfer.kernels.torch.linear.linear (weight: a dense tensor or an Fp8BlockWeight). An
-    Fp8BlockWeight the kernel cannot take is a counted per-call fallback; a dense weight is cuBLAS by design."""
+    Fp8BlockWeight the kernel cannot take is a counted per-call fallback; a dense weight is cuBLAS by design (with
+    out_dtype too: the Markov head's fp32 logits from its bf16 table)."""
     if not isinstance(weight, Fp8BlockWeight):
-        return torch_linear.linear(x, weight)
-    reason = why_not(x, weight)
+        return torch_linear.linear(x, weight, out_dtype)
+    reason = why_not(x, weight) if out_dtype in (None, x.dtype) else f"out_dtype {out_dtype} (the kernel writes bf16)"
     if reason is None:
         m = x.numel() // x.shape[-1]
         if m >= dense_rows(*weight.shape) and weight.shape[0] >= DENSE_MIN_N and not batch_invariant():
@@ -129,7 +130,7 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
         if _gemv_ok(m, weight):
             return fp8_gemv(x, weight)
         return fp8_linear(x, weight)
-    return fall_back("linear", reason, torch_linear.linear, x, weight)
+    return fall_back("linear", reason, torch_linear.linear, x, weight, out_dtype)
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:

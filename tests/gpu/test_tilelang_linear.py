@@ -2,7 +2,8 @@
 path on random data (marker gpu): V4.1-Flash projection shapes and a small one, M from 1 to 1000, outputs poisoned
 beforehand; a row's result is bitwise the same at every batch size and position and at every tile (the GEMM), at
 every row count up to 8 (the GEMV); the registered `linear` op takes the GEMV up to 8 rows outside the invariant
-mode, the GEMM otherwise (spied), and counts a fallback for inputs it does not cover."""
+mode, the GEMM otherwise (spied), and counts a fallback for inputs it does not cover; a dense bf16 weight's
+fp32-output product (DSpark's Markov head) sums in fp32."""
 
 import pytest
 import torch
@@ -303,3 +304,30 @@ def test_the_linear_op_takes_the_gemv_at_one_row_and_the_gemm_in_the_invariant_m
     finally:
         OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]}, batch_invariant=False)
     assert seen == ["fp8_linear"]
+
+
+def test_fp32_output_from_bf16_operands_sums_in_fp32_and_keeps_rows_in_the_invariant_mode():
+    """DSpark's Markov bias: the bf16 [V, rank] table as stored times bf16 rows, fp32 logits (cuBLAS by design,
+    no fallback counted): within fp32 summation error of the float64 product, not rounded to bf16; in the invariant
+    mode a row's bits do not follow the row count."""
+    from deepinfer.kernels.registry import OpSet, fallback_counts
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(64, 256, generator=gen, device="cuda").bfloat16()
+    w = torch.randn(129280, 256, generator=gen, device="cuda").bfloat16()
+    ops = OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]})
+    before = fallback_counts()
+    for m in (1, 6, 64):
+        out = ops.linear(x[:m], w, out_dtype=torch.float32)
+        assert out.dtype == torch.float32 and out.shape == (m, 129280)
+        ref = x[:m].double() @ w.double().t()
+        bound = 256 * 2.0 ** -24 * (x[:m].double().abs() @ w.double().abs().t())  # fp32 sums of exact products
+        assert ((out.double() - ref).abs() <= bound).all(), m
+        assert not torch.equal(out, out.bfloat16().float())  # not rounded to bf16 on the way
+    assert fallback_counts() == before
+    ops = OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]}, batch_invariant=True)
+    try:
+        rows = [ops.linear(x[:m], w, out_dtype=torch.float32) for m in (1, 6, 64)]
+    finally:
+        OpSet.build("cuda", {"default": ["tilelang-sm90", "torch"]}, batch_invariant=False)
+    assert torch.equal(rows[0], rows[1][:1]) and torch.equal(rows[1], rows[2][:6])
