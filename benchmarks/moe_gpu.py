@@ -247,24 +247,18 @@ def main():
 
         # ---- the kernels alone (the default policy), to see which pass falls short
         tables = [moe.routing_table(ids[i], wts[i], E) for i in range(SETS)]
-        r_specs = moe.routed_specs(routed, B, TOPK)
-        r_up, r_down = r_specs if len(r_specs) == 2 else (None, None)  # one spec: both passes in one launch
+        r_up, r_down = moe.routed_specs(routed, B, TOPK)
         s_up, s_down = moe.ffn_specs(shared, moe.shared_block_t(B))
         hs = [torch.empty(B * TOPK, INTER, dtype=torch.bfloat16, device=dev) for _ in range(SETS)]
         hsh = [torch.empty(B, INTER, dtype=torch.bfloat16, device=dev) for _ in range(4)]
         y = torch.zeros(B, HID, dtype=torch.float32, device=dev)
         stab = moe._shared_table(B, str(torch.device(dev)), moe.shared_block_t(B))
         w_up, w_dn = touched * 2 * INTER * HID * FP4_W, touched * HID * INTER * FP4_W
-        routed_kern = [
+        kern = [
             ("routed up (fp4, SwiGLU)", w_up, lambda i: jit(*r_up)(xs[i % SETS], *tables[i % SETS], routed.w13,
                                                                    routed.s13, hs[i % SETS], LIMIT)),
             ("routed down (fp4, add)", w_dn, lambda i: jit(*r_down)(hs[i % SETS], *tables[i % SETS], routed.w2,
                                                                     routed.s2, y, LIMIT)),
-        ] if r_up is not None else [
-            ("routed up+down (fp4, one launch)", w_up + w_dn, lambda i: moe.ffn(
-                routed, xs[i % SETS], tables[i % SETS], y, r_specs, LIMIT)),
-        ]
-        kern = routed_kern + [
             ("shared up (fp8, SwiGLU)", 2 * INTER * HID * FP8_W, lambda i: jit(*s_up)(
                 xs[i % SETS], *stab, shared_copies[i % 4].w13, shared_copies[i % 4].s13, hsh[i % 4], LIMIT)),
             ("shared down (fp8, add)", HID * INTER * FP8_W, lambda i: jit(*s_down)(
@@ -276,7 +270,7 @@ def main():
                     xs[i % SETS], *tables[i % SETS], routed.w13, routed.s13, hs[i % SETS], LIMIT)),
                 (f"routed down {probe}", w_dn, lambda i, p=probe: jit(*r_down, p)(
                     hs[i % SETS], *tables[i % SETS], routed.w2, routed.s2, y, LIMIT))]
-        specs_k = [*r_specs, s_up, s_down] + [sp + (p,) for p in (moe_kernel.PROBES[1:] if args.probes else ())
+        specs_k = [r_up, r_down, s_up, s_down] + [sp + (p,) for p in (moe_kernel.PROBES[1:] if args.probes else ())
                                                   for sp in (r_up, r_down)]
         for (kname, kbytes, fn), spec in zip(kern, specs_k):
             ms = graph_ms(fn)

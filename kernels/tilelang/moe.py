@@ -24,7 +24,6 @@ from deepinfer.kernels.torch import moe as torch_moe
 from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
 from . import moe_prefill
 from ._fallback import reason
-from .counters import TILE_COUNTERS, tile_counters
 from .linear import expert_dense
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
 from . import moe_warp_kernel
@@ -52,10 +51,6 @@ FP8_STAGE_SPLIT = 1
 # (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
-# 1: those two passes as one launch (moe_warp_kernel.build_fp4_warp_moe: the down tiles put their first weight
-# stages in flight, then wait on counters for their slot's up tiles, so the down pass no longer starts only after
-# the up pass's last block); 0: two launches. A candidate, 0 until measured on the device
-WARP_FUSED = 0
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -164,8 +159,6 @@ def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
     WARP_STREAM, at one token, moe_warp_kernel's up and down passes)."""
     if WARP_STREAM and n_tok == 1 and not registry.batch_invariant() and warp_fits(p):
         E, I, D = p.n_experts, p.inter, p.hidden
-        if WARP_FUSED:  # one spec: ffn launches both passes at once
-            return ((moe_warp_kernel.build_fp4_warp_moe, E, I, D),)
         build = moe_warp_kernel.build_fp4_warp_gemm
         return ((build, "swiglu", E, 2 * I, D),
                 (build, "add", E, D, I, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES, False))
@@ -247,13 +240,8 @@ def ffn(p: PackedExperts, x, table, out_y, specs, limit: float, out_rows=None):
     """One SwiGLU expert pass over `table` with `specs` (ffn_specs): up (+gate, SwiGLU, routing weight) into h,
     then down, added into the fp32 out_y at the token of each assignment (at `out_rows[pos]` instead, when
     given)."""
-    h = torch.empty(table[0].shape[0], p.inter, dtype=torch.bfloat16, device=x.device)
-    if len(specs) == 1:  # both passes in one launch (WARP_FUSED): its tickets and waits on the tile counters
-        assert table[3].shape[0] + moe_warp_kernel.FUSED_COUNTERS <= TILE_COUNTERS
-        jit(*specs[0])(x, *table, table[0] if out_rows is None else out_rows, p.w13, p.s13, p.w2, p.s2, h, out_y,
-                       tile_counters(x.device), limit)
-        return
     up, down = specs
+    h = torch.empty(table[0].shape[0], p.inter, dtype=torch.bfloat16, device=x.device)
     jit(*up)(x, *table, p.w13, p.s13, h, limit)
     down_table = table if out_rows is None else (out_rows, *table[1:])
     jit(*down)(h, *down_table, p.w2, p.s2, out_y, limit)

@@ -156,49 +156,6 @@ def test_the_warp_streamed_passes_match_torch_and_the_grouped_gemm(E, D, I, with
     assert torch.isfinite(replayed).all() and rel_err(replayed, out) < 1e-3
 
 
-@pytest.mark.parametrize("E,D,I", SHAPES)
-def test_the_one_launch_passes_are_the_two_launches(E, D, I, monkeypatch):
-    """moe.WARP_FUSED (a candidate; moe_warp_kernel.build_fp4_warp_moe): both warp passes in one launch, down tiles
-    waiting on counters for their slot's up tiles. h is the two launches' bit for bit, y equal but for the order of
-    the fp32 atomics, and torch's within its rounding; call after call (the counters back at zero after each) and
-    through moe_experts_packed replayed from a CUDA graph."""
-    from deepinfer.kernels.tilelang import moe
-    from deepinfer.kernels.tilelang._build import jit
-    from deepinfer.kernels.tilelang.counters import tile_counters
-
-    routed, dense, _, _ = _weights(E, D, I, "fp4", False)
-    k = min(TOP_K, E)
-    counters = tile_counters(torch.device("cuda"))
-    up, down = moe.routed_specs(routed, 1, k)
-    monkeypatch.setattr(moe, "WARP_FUSED", 1)
-    (fused,) = moe.routed_specs(routed, 1, k)
-    p = routed
-    for seed in range(4):
-        g = _gen(seed + 200)
-        x = torch.randn(1, D, generator=g).bfloat16().cuda()
-        idx = torch.randperm(E, generator=g)[:k][None].cuda()
-        weights = torch.rand(1, k, generator=g).cuda() + 0.1
-        table = moe.routing_table(idx, weights, E)
-        h2, h1 = (torch.full((k, I), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        y2, y1 = (torch.zeros(1, D, dtype=torch.float32, device="cuda") for _ in range(2))
-        jit(*up)(x, *table, p.w13, p.s13, h2, LIMIT)
-        jit(*down)(h2, *table, p.w2, p.s2, y2, LIMIT)
-        jit(*fused)(x, *table, table[0], p.w13, p.s13, p.w2, p.s2, h1, y1, counters, LIMIT)
-        torch.cuda.synchronize()
-        assert int(counters[: 2 + k].abs().sum()) == 0
-        assert torch.equal(h1, h2)
-        assert torch.isfinite(y1).all() and rel_err(y1, y2) < 1e-5
-        expect = ref.moe_experts(x, weights, idx, dense, None, LIMIT)
-        assert rel_err(y1.to(x.dtype), expect) < 1e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = moe.moe_experts_packed(x, weights, idx, routed, None, LIMIT)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(replayed, y2.to(x.dtype)) < 1e-2 and int(counters[: 2 + k].abs().sum()) == 0
-
-
 # ------------------------------------------------------------------------------------------ kernels alone
 KD, KI, KE = 512, 768, 4  # small shapes: K of the down pass = 768 = 3 steps of 256, so it splits in 3
 # (token tile, weight rows per block): 128 rows up to 32 tokens (64 tokens x 128 rows exceed shared memory)
