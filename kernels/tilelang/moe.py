@@ -23,8 +23,8 @@ from deepinfer.kernels.torch import moe as torch_moe
 
 from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
 from . import moe_prefill
-from .counters import TILE_COUNTERS, tile_counters
 from ._fallback import reason
+from .counters import TILE_COUNTERS, tile_counters
 from .linear import expert_dense
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
 from . import moe_warp_kernel
