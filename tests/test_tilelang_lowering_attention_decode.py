@@ -229,23 +229,3 @@ def test_the_cluster_is_asked_for_two_to_eight_splits_only(monkeypatch):
     assert clustered() == [False] * 5
     monkeypatch.setattr(attention, "CLUSTER_SPLITS", 16)  # a non-portable cluster size
     assert clustered() == [False, True, True, True, True]
-
-
-def test_the_cluster_cap_gives_a_query_the_most_splits_a_cluster_holds(monkeypatch):
-    """attention.CLUSTER_CAP (a candidate, 0 by default): default splits beyond CLUSTER_SPLITS come down to the most
-    splits with blocks that one cluster holds (10 blocks: 5 of 2), so B=1 and 8 merge in the kernel; counts a
-    cluster already holds, and the batch-invariant mode's one split, stay."""
-    from deepinfer.kernels import registry
-    from deepinfer.kernels.tilelang import attention
-
-    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
-    splits = lambda: [attention.decode_splits(n, 10, "cuda") for n in (1, 8, 16, 64, 256)]  # noqa: E731
-    assert attention.CLUSTER_CAP == 0 and splits() == [10, 10, 5, 2, 1]
-    monkeypatch.setattr(attention, "CLUSTER_CAP", 1)
-    assert splits() == [5, 5, 5, 2, 1]
-    assert all(attention.decode_spec(128, 512, s, 128)[-1] is True for s in (5, 2))
-    monkeypatch.setattr(attention, "CLUSTER_SPLITS", 0)  # no cluster: nothing to cap to
-    assert splits() == [10, 10, 5, 2, 1]
-    monkeypatch.setattr(attention, "CLUSTER_SPLITS", 8)
-    monkeypatch.setattr(registry, "_MODE", {"batch_invariant": True})
-    assert splits() == [1] * 5

@@ -30,10 +30,6 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 # On the H100, B=64 at 32K: 32.0 us clustered vs 36.5; 16 (a non-portable cluster, also B=1 and 8's ten splits) lost
 # there, 23.6 vs 9.7 us at B=1 (benchmarks/results/attention_decode_gpu_s25_h100.log)
 CLUSTER_SPLITS = 8
-# 1: a decode query whose default splits exceed CLUSTER_SPLITS takes the most that one cluster holds instead (10 key
-# blocks: 5 splits of 2; B=1 and 8 at every context), merged in the kernel: the combine launch and the fp32 partials
-# go, for twice the blocks a CTA. A candidate, 0 until measured on the device
-CLUSTER_CAP = 0
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -48,15 +44,6 @@ def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
 
 def _splits(n_q: int, n_blocks: int, device) -> int:
     return 1 if registry.batch_invariant() else default_splits(n_q, n_blocks, sm_count(str(device)))
-
-
-def decode_splits(n_q: int, n_blocks: int, device) -> int:
-    """Key splits of a decode query: default_splits' (1 in the batch-invariant mode), capped at a cluster's with
-    CLUSTER_CAP."""
-    splits = used_splits(_splits(n_q, n_blocks, device), n_blocks)
-    if CLUSTER_CAP and splits > CLUSTER_SPLITS >= 2:
-        splits = used_splits(CLUSTER_SPLITS, n_blocks)
-    return splits
 
 
 def used_splits(splits: int, n_blocks: int) -> int:
@@ -152,7 +139,7 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     R, topk = win_kv.shape[1], sel.shape[1]
     assert R >= window and H == 64 and D == 512 and n_q > 0
     n_blocks = (window + topk) // BLOCK_KEYS
-    splits = used_splits(splits, n_blocks) if splits else decode_splits(n_q, n_blocks, q.device)
+    splits = used_splits(splits or _splits(n_q, n_blocks, q.device), n_blocks)
     kernel = jit(*decode_spec(window, topk, splits, R, probe))
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),

@@ -24,13 +24,12 @@ from deepinfer.kernels.torch import moe as torch_moe
 from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
 from . import moe_prefill
 from ._fallback import reason
-from .counters import TILE_COUNTERS, tile_counters
 from .linear import expert_dense
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
 from . import moe_warp_kernel
 from .moe_prep_kernel import build_moe_prep
 from .moe_table import routing_table_torch
-from .moe_router_kernel import SCORES, build_router_fused, build_router_logits, build_router_topk
+from .moe_router_kernel import SCORES, build_router_logits, build_router_topk
 
 INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-invariant mode
 # routing tables of more (token, expert) pairs are built by torch's sorts. moe_prep took 47 / 52 / 116 us less
@@ -52,10 +51,6 @@ FP8_STAGE_SPLIT = 1
 # (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
-# 1: up to ROUTER_FUSED_TOKENS tokens (one 16-token tile at most), the router's logits and top-k in one launch
-# (moe_router_kernel.build_router_fused: the tile's last block selects, a warp a token; the same bits as the two
-# launches); 0: two launches. A candidate, 0 until measured on the device
-ROUTER_FUSED_TOKENS = 0
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -81,19 +76,13 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
     splits = _router_splits(D)
     block_t = 16 if T_ <= 16 or registry.batch_invariant() else 64
     part = torch.empty(splits, T_, E, dtype=torch.float32, device=x.device)
+    jit(build_router_logits, E, D, block_t, 256, splits)(x, gate_weight.contiguous(), part)
     if bias is None:
         bias = torch.zeros(E, dtype=torch.float32, device=x.device)
     weights = torch.empty(T_, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T_, top_k, dtype=torch.int64, device=x.device)
-    scalars = (1.0 / float(gate_temp), float(routed_scaling_factor))
-    if T_ <= min(ROUTER_FUSED_TOKENS, 16) and E % 32 == 0:
-        jit(build_router_fused, E, D, splits, top_k, scoring_func, bool(norm_topk_prob), TILE_COUNTERS)(
-            x, gate_weight.contiguous(), part, bias.float().contiguous(), weights, ids, tile_counters(x.device),
-            *scalars)
-        return weights, ids
-    jit(build_router_logits, E, D, block_t, 256, splits)(x, gate_weight.contiguous(), part)
     jit(build_router_topk, E, splits, top_k, scoring_func, bool(norm_topk_prob))(
-        part, bias.float().contiguous(), weights, ids, *scalars)
+        part, bias.float().contiguous(), weights, ids, 1.0 / float(gate_temp), float(routed_scaling_factor))
     return weights, ids
 
 
