@@ -8,13 +8,11 @@ error (exit 1 if not).
     python3 benchmarks/markov_head_gpu.py [--rows 1 8 64] [--out benchmarks/results/markov_head_gpu.json]
 """
 
-import argparse
-import json
 import sys
 
 import torch
 
-from wide_reduce_gpu import graph_us
+from wide_reduce_gpu import finish, gpu_args, graph_us
 
 from deepinfer.kernels.torch.linear import linear
 
@@ -22,12 +20,7 @@ VOCAB, RANK, CALLS = 129280, 256, 20
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--out")
-    a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("a GPU is needed")
+    a = gpu_args(__doc__, argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     head = torch.randn(VOCAB, RANK, device="cuda", generator=g).bfloat16()
     head32 = head.float()
@@ -51,14 +44,7 @@ def main(argv=None) -> int:
         out["rows"].append(row)
         print(f"rows={n:3d}: bf16 head {row['bf16 head, fp32 out']:6.1f} us, fp32 copy {row['fp32 head copy']:6.1f} us "
               f"({row['fp32 head copy'] / row['bf16 head, fp32 out']:.2f}x)")
-    out["failures"] = wrong
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-    if wrong:
-        print(f"FAILED: outside fp32 summation error: {', '.join(wrong)}", file=sys.stderr)
-        return 1
-    return 0
+    return finish(out, wrong, a.out, "outside fp32 summation error")
 
 
 if __name__ == "__main__":

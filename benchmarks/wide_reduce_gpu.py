@@ -43,13 +43,31 @@ def graph_us(fn, inputs) -> float:
     return statistics.median(times)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def gpu_args(doc: str, argv=None) -> argparse.Namespace:
+    """--rows and --out of a micro-benchmark of this kind; a machine without a GPU is a usage error (exit 2)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("a GPU is needed")
+    return a
+
+
+def finish(out: dict, wrong: list[str], path: str | None, failure: str) -> int:
+    """Write out (its failures included) to path, and the exit status: 1, with one line, when a check failed."""
+    out["failures"] = wrong
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    if wrong:
+        print(f"FAILED: {failure}: {', '.join(wrong)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    a = gpu_args(__doc__, argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     out = dict(meta=dict(device=torch.cuda.get_device_name(), torch=torch.__version__, vocab=VOCAB, calls=CALLS),
                rows=[], targets=[])
@@ -66,14 +84,7 @@ def main(argv=None) -> int:
                                     gb_s=n * VOCAB * 4 / t_ours / 1e3))
             print(f"{name:6s} rows={n:3d}: two-pass {t_ours:6.1f} us, torch {t_torch:6.1f} us "
                   f"({t_torch / t_ours:.2f}x), {n * VOCAB * 4 / t_ours / 1e3:.0f} GB/s")
-    out["failures"] = wrong
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-    if wrong:
-        print(f"FAILED: not torch's result: {', '.join(wrong)}", file=sys.stderr)
-        return 1
-    return 0
+    return finish(out, wrong, a.out, "not torch's result")
 
 
 if __name__ == "__main__":
