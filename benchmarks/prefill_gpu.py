@@ -4,9 +4,10 @@ shared between layers of one kind, so a step moves the released model's bytes an
 
 Per cell: tokens/s over the device time of the prefill steps, the mean time to first token (host clock, from the
 request metrics), % of the compute roofline (../shared/tools/roofline.py's FLOPs over the bf16 GEMM rate measured
-in this run; the FP8 GEMM rate measured here is reported beside it). One 8K prefill runs under the profiler and
-its kernel time is split into attention, indexer, top-k, projections, MoE, compressor, Engram, mHC and other, so
-the next bottleneck is visible; the attention and MoE rates against their targets come from that table. The
+in this run; the FP8 GEMM rate measured here is reported beside it). One prefill of each `--profile-tokens` (8K by
+default) runs under the profiler and its kernel time is split into attention, indexer, top-k, projections, MoE,
+compressor, Engram, mHC and other, so the next bottleneck is visible; the attention and MoE rates against their
+targets come from the 8K table. The
 torch backend prefills the shortest prompt in the same run. Each TileLang cell runs once untimed first (a step
 size first met compiles kernel variants: 27 s inside one timed 8K cell before this). A TileLang run that fell back
 to a torch op in a timed step, a request that failed, or a missing cell makes the script exit 1.
@@ -282,7 +283,8 @@ def parse(argv=None):
     ap.add_argument("--at-once", type=int, nargs="+", default=[1, 4], help="prompts submitted together")
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--max-cell-tokens", type=int, default=65536, help="skip cells of more tokens in all")
-    ap.add_argument("--profile-tokens", type=int, default=8192)
+    ap.add_argument("--profile-tokens", type=int, nargs="*", default=[8192],
+                    help="prompts profiled per kernel (the targets read the 8K one)")
     ap.add_argument("--torch-tokens", type=int, default=1024, help="the torch backend's prompt (0: none)")
     ap.add_argument("--yoco-tokens", type=int, default=32768, help="the yoco=off vs compact prompt (0: none)")
     ap.add_argument("--yoco-keep", type=int, default=140, help="K, the rows per sequence the decoder layers keep")
@@ -356,13 +358,14 @@ def main(argv=None) -> int:
         print(f"{backend:8s} {tokens:6d} x{n}: {dev * 1e3:9.1f} ms device, {row.get('tok_s', 0):8.0f} tok/s, "
               f"TTFT {row.get('ttft_s') or 0:6.2f} s, {row.get('pct_compute_roofline', 0):5.1f}% of the compute "
               f"roofline", flush=True)
-    prof = profile_prefill(model, a.profile_tokens, a.chunk) if a.profile_tokens else None
-    if prof:
-        print(f"profile of one {a.profile_tokens}-token prefill: {prof['total_ms']:.1f} ms of kernel time")
+    profiles = [profile_prefill(model, n, a.chunk) for n in a.profile_tokens]
+    for prof in profiles:
+        print(f"profile of one {prof['tokens']}-token prefill: {prof['total_ms']:.1f} ms of kernel time")
         for cat, v in prof["categories"].items():
             print(f"  {cat:16s} {v['ms']:9.1f} ms  {v['ms'] / prof['total_ms'] * 100:5.1f}%  {v['calls']:6d} calls")
         for name, ms, calls in [t for t in prof["top"] if category(t[0]) == "other"][:8]:  # what "other" is
             print(f"    other: {ms:8.1f} ms {calls:5d} calls  {name[:110]}")
+    prof = next((p for p in profiles if p["tokens"] == 8192), None)
     mixed = []
     for chunk in (a.mixed_chunks if a.mixed_tokens else []):
         mixed_cell(model, a.mixed_tokens, chunk, a.mixed_decoders)  # untimed: this chunk's kernel variants
@@ -397,7 +400,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, mixed=mixed, yoco=yoco, profile=prof,
-                                   failures=failures)))
+                                   profiles=profiles, failures=failures)))
     if a.plot:
         plot(rows, a.plot, f"{a.model}, {meta['gpu']}")
     for msg in failures:

@@ -30,6 +30,7 @@ def _kernels():
         "indexer_dense": lambda: idx.build_indexer_scores("dense"),
         "indexer_fp4": lambda: idx.build_indexer_scores("fp4"),
         "indexer_fp4_tiles": lambda: idx.build_indexer_scores("fp4", tiles=16),
+        "indexer_fp4_pairs": lambda: idx.build_indexer_scores("fp4", tiles=16, queries=2),
     }
 
 
@@ -39,7 +40,7 @@ def _kernels():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", ["moe_prep", "moe_prep_zero", "router_logits", "router_topk", "attn_dense",
                                   "attn_dense_single", "attn_combine", "indexer_dense", "indexer_fp4",
-                                  "indexer_fp4_tiles"])
+                                  "indexer_fp4_tiles", "indexer_fp4_pairs"])
 def test_kernel_lowers_to_cuda(name, arch):
     from lowering_helpers import lower_source
 
@@ -129,3 +130,79 @@ def test_indexer_key_tiles_fill_the_gpu_and_grow_with_the_context():
         t = key_tiles(n_q, n_g)
         blocks = n_q * -(-(-(-n_g // 128)) // t)
         assert t == 1 or blocks >= FILL_BLOCKS
+    assert key_tiles(8192, 8192, 2) == 16 and key_tiles(64, 8192, 2) == 1  # two queries a block: half the blocks
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_indexer_pairs_queries_only_when_sequences_have_several():
+    from deepinfer.kernels.tilelang.indexer import PAIR_QUERIES, queries_per_block
+
+    assert queries_per_block(64, 64) == 1 and queries_per_block(1, 1) == 1  # decode: a query per sequence
+    assert queries_per_block(8192, 1) == PAIR_QUERIES                       # a prefill chunk
+    assert queries_per_block(256, 64) == PAIR_QUERIES                       # DSpark's verification rows
+
+
+def _indexer_fp4_schedule(q, q_seq, visible, pool_keys, rows, w, scale, queries, tiles, bg=128):
+    """The fp4 indexer kernel's block loop in torch (indexer_kernel.indexer_scores_fp4, one thread's view of the
+    key registers): passes per sequence, each pass's entry limit, the first tile's rows and keys fetched before the
+    loop, the next tile's keys and the one after's rows fetched behind each dequantisation. Unwritten scores stay
+    NaN, so a tile the schedule skipped shows."""
+    n_q, n_g = q.shape[0], rows.shape[1]
+    out = torch.full((n_q, n_g), float("nan"), dtype=torch.float64)
+    fetch_rows = lambda t, b: rows[b, (t * bg + torch.arange(bg)).clamp(max=n_g - 1)]  # noqa: E731
+    for bq in range(-(-n_q // queries)):
+        s0 = bq * queries
+        last = min(s0 + queries, n_q) - 1
+        n_pass = 1 if q_seq[last] == q_seq[s0] else last - s0 + 1
+        reach = max(visible[s0], visible[last])
+        for bx in range(-(-n_g // (bg * tiles))):
+            for p in range(queries):
+                if p >= n_pass:
+                    continue
+                b = int(q_seq[s0 + p])
+                lim = reach if n_pass == 1 else visible[s0 + p]
+                mine = [s for s in range(s0, last + 1) if n_pass == 1 or s == s0 + p]
+                if bx * tiles * bg < lim:
+                    prow = fetch_rows(bx * tiles, b)
+                    packed = pool_keys[prow]
+                    prow = fetch_rows(bx * tiles + 1, b)
+                for t in range(tiles):
+                    g0 = (bx * tiles + t) * bg
+                    cols = torch.arange(g0, max(g0, min(g0 + bg, n_g)))  # entries past n_g: not written
+                    if g0 < lim:
+                        k_s = packed  # the dequantised tile
+                        if t + 1 < tiles and g0 + bg < lim:
+                            packed = pool_keys[prow]
+                            if t + 2 < tiles:
+                                prow = fetch_rows(bx * tiles + t + 2, b)
+                        for s in mine:
+                            dots = torch.relu(q[s].double() @ k_s.double().T)  # [heads, bg]
+                            sc = (w[s].double() @ dots * scale)[: len(cols)]
+                            out[s, cols] = torch.where(cols < visible[s], sc, float("-inf"))
+                    else:
+                        for s in mine:
+                            out[s, cols] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("queries,tiles", [(1, 1), (1, 4), (2, 1), (2, 4)])
+def test_indexer_fp4_schedule_scores_every_entry_from_its_own_tile(queries, tiles):
+    """The kernel's schedule (prefetch across tiles, a pass per sequence in a block, per-query limits) modelled on
+    the CPU against the torch op: every query's visible entries scored from their own keys, the rest -inf."""
+    from deepinfer.kernels.torch import indexer as ref
+
+    g = torch.Generator().manual_seed(queries * 10 + tiles)
+    lengths, G = [3, 1, 6, 2], 700  # pairs straddle sequences; 700 = 5 tiles and a part
+    B, n_q = len(lengths), sum(lengths)
+    q_seq = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))
+    visible = torch.tensor([700, 5, 129, 300, 1, 2, 128, 256, 640, 699, 700, 3])
+    keys = quant.fake_quant_fp4(torch.randn(B * G, 128, generator=g), 32)
+    rows = torch.randperm(B * G, generator=g).view(B, G)
+    q = quant.fake_quant_fp4(torch.randn(n_q, 32, 128, generator=g), 32)
+    w = torch.randn(n_q, 32, generator=g)
+    got = _indexer_fp4_schedule(q, q_seq, visible.tolist(), keys, rows, w, 0.125, queries, tiles)
+    want = ref.indexer_scores(q.double(), keys[rows].double(), q_seq, w.double(), 0.125)
+    for s, n in enumerate(visible.tolist()):
+        err = (got[s, :n] - want[s, :n].double()).norm() / want[s, :n].double().norm()
+        assert err < 1e-6, (s, err)  # the reference's fp32 output
+        assert torch.isneginf(got[s, n:]).all(), s

@@ -16,15 +16,25 @@ from .indexer_kernel import build_indexer_scores
 BLOCK_G = 128  # entries per key tile
 TILE_CHOICES = (16, 4, 1)  # key tiles per block (each one compile)
 FILL_BLOCKS = 528  # blocks wanted: 4 per SM on an H200
+# queries a block scores together when the step has several per sequence (a prefill chunk, DSpark's verification):
+# each dequantised key tile then serves two queries' 64 MMA rows instead of one's 32 (1: one query a block)
+PAIR_QUERIES = 2
 
 
-def key_tiles(n_q: int, n_g: int) -> int:
-    """Key tiles one block scores for its query: the most of TILE_CHOICES that still leaves FILL_BLOCKS blocks,
+def queries_per_block(n_q: int, n_seq: int) -> int:
+    """PAIR_QUERIES when the step's queries outnumber its sequences twice over (consecutive queries then mostly
+    share a sequence; a pair that does not takes two passes, the same scores), else 1 (a decode step: one query
+    per sequence)."""
+    return PAIR_QUERIES if n_q >= 2 * n_seq else 1
+
+
+def key_tiles(n_q: int, n_g: int, queries: int = 1) -> int:
+    """Key tiles one block scores for its queries: the most of TILE_CHOICES that still leaves FILL_BLOCKS blocks,
     so long contexts load each query's q a few times instead of once per 128 entries (B=256 at 32K: 8.8 ms of
     a 161 ms step with one tile per block), and short ones still spread over the GPU. A score does not depend on
     the choice (each entry's dot products are the same), so batch invariance holds."""
-    tiles = -(-n_g // BLOCK_G)
-    return next((t for t in TILE_CHOICES if n_q * -(-tiles // t) >= FILL_BLOCKS), 1)
+    tiles, blocks = -(-n_g // BLOCK_G), -(-n_q // queries)
+    return next((t for t in TILE_CHOICES if blocks * -(-tiles // t) >= FILL_BLOCKS), 1)
 
 
 def indexer_scores(q, k, q_seq, weights, softmax_scale):
@@ -53,7 +63,9 @@ def indexer_scores_fp4(q, q_seq, visible, k, k_scale, rows, weights, softmax_sca
         return fall_back("indexer_scores_fp4", why, torch_indexer.indexer_scores_fp4, q, q_seq, visible, k, k_scale,
                          rows, weights, softmax_scale)
     out = torch.empty(n_q, rows.shape[1], dtype=torch.float32, device=q.device)
-    kernel = jit(build_indexer_scores, "fp4", h, d, BLOCK_G, 128, key_tiles(n_q, rows.shape[1]))
+    pair = queries_per_block(n_q, rows.shape[0]) if h * PAIR_QUERIES <= 64 else 1
+    tiles = key_tiles(n_q, rows.shape[1], pair)
+    kernel = jit(build_indexer_scores, "fp4", h, d, BLOCK_G, 128, tiles, *((pair,) if pair > 1 else ()))
     kernel(q.bfloat16().contiguous(), q_seq.int(), visible.int(), k.contiguous(), k_scale.contiguous(),
            rows.long().contiguous(), weights.float().contiguous(), out, float(softmax_scale))
     return out
