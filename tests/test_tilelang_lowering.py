@@ -31,6 +31,7 @@ def _kernels():
         "indexer_fp4": lambda: idx.build_indexer_scores("fp4"),
         "indexer_fp4_tiles": lambda: idx.build_indexer_scores("fp4", tiles=16),
         "indexer_fp4_pairs": lambda: idx.build_indexer_scores("fp4", tiles=16, queries=2),
+        "indexer_fp4_fours": lambda: idx.build_indexer_scores("fp4", threads=256, tiles=16, queries=4),
     }
 
 
@@ -40,7 +41,8 @@ def _kernels():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", ["moe_prep", "moe_prep_zero", "router_logits", "router_topk", "attn_dense",
                                   "attn_dense_single", "attn_combine", "indexer_dense", "indexer_fp4",
-                                  "indexer_fp4_tiles", "indexer_fp4_pairs"])
+                                  "indexer_fp4_tiles", "indexer_fp4_pairs",
+                                  "indexer_fp4_fours"])
 def test_kernel_lowers_to_cuda(name, arch):
     from lowering_helpers import lower_source
 
@@ -135,11 +137,11 @@ def test_indexer_key_tiles_fill_the_gpu_and_grow_with_the_context():
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 def test_indexer_pairs_queries_only_when_sequences_have_several():
-    from deepinfer.kernels.tilelang.indexer import PAIR_QUERIES, queries_per_block
+    from deepinfer.kernels.tilelang.indexer import SHARED_QUERIES, queries_per_block
 
     assert queries_per_block(64, 64) == 1 and queries_per_block(1, 1) == 1  # decode: a query per sequence
-    assert queries_per_block(8192, 1) == PAIR_QUERIES                       # a prefill chunk
-    assert queries_per_block(256, 64) == PAIR_QUERIES                       # DSpark's verification rows
+    assert queries_per_block(8192, 1) == SHARED_QUERIES                       # a prefill chunk
+    assert queries_per_block(256, 64) == SHARED_QUERIES                       # DSpark's verification rows
 
 
 def _indexer_fp4_schedule(q, q_seq, visible, pool_keys, rows, w, scale, queries, tiles, bg=128):
@@ -185,7 +187,7 @@ def _indexer_fp4_schedule(q, q_seq, visible, pool_keys, rows, w, scale, queries,
     return out
 
 
-@pytest.mark.parametrize("queries,tiles", [(1, 1), (1, 4), (2, 1), (2, 4)])
+@pytest.mark.parametrize("queries,tiles", [(1, 1), (1, 4), (2, 1), (2, 4), (4, 4)])
 def test_indexer_fp4_schedule_scores_every_entry_from_its_own_tile(queries, tiles):
     """The kernel's schedule (prefetch across tiles, a pass per sequence in a block, per-query limits) modelled on
     the CPU against the torch op: every query's visible entries scored from their own keys, the rest -inf."""

@@ -17,15 +17,23 @@ BLOCK_G = 128  # entries per key tile
 TILE_CHOICES = (16, 4, 1)  # key tiles per block (each one compile)
 FILL_BLOCKS = 528  # blocks wanted: 4 per SM on an H200
 # queries a block scores together when the step has several per sequence (a prefill chunk, DSpark's verification):
-# each dequantised key tile then serves two queries' 64 MMA rows instead of one's 32 (1: one query a block)
-PAIR_QUERIES = 2
+# each dequantised key tile then serves their 32 MMA rows each (2: one warpgroup's 64 rows; 4: 128 rows over two
+# warpgroups; 1: one query a block, rows 32..63 zero)
+SHARED_QUERIES = 2
 
 
 def queries_per_block(n_q: int, n_seq: int) -> int:
-    """PAIR_QUERIES when the step's queries outnumber its sequences twice over (consecutive queries then mostly
-    share a sequence; a pair that does not takes two passes, the same scores), else 1 (a decode step: one query
-    per sequence)."""
-    return PAIR_QUERIES if n_q >= 2 * n_seq else 1
+    """SHARED_QUERIES when the step's queries outnumber its sequences twice over (consecutive queries then mostly
+    share a sequence; a block whose queries do not takes a pass per sequence, the same scores), else 1 (a decode
+    step: one query per sequence)."""
+    return SHARED_QUERIES if n_q >= 2 * n_seq else 1
+
+
+def fp4_spec(h: int, d: int, tiles: int, queries: int) -> tuple:
+    """jit's arguments for the fp4 kernel: a warpgroup (128 threads) per 64 MMA rows, and `queries` only when not
+    the builder's default (equal kernels, equal specs: the compile cache, the JIT manifest)."""
+    threads = 128 * max(1, queries * h // 64)
+    return (build_indexer_scores, "fp4", h, d, BLOCK_G, threads, tiles, *((queries,) if queries > 1 else ()))
 
 
 def key_tiles(n_q: int, n_g: int, queries: int = 1) -> int:
@@ -63,9 +71,8 @@ def indexer_scores_fp4(q, q_seq, visible, k, k_scale, rows, weights, softmax_sca
         return fall_back("indexer_scores_fp4", why, torch_indexer.indexer_scores_fp4, q, q_seq, visible, k, k_scale,
                          rows, weights, softmax_scale)
     out = torch.empty(n_q, rows.shape[1], dtype=torch.float32, device=q.device)
-    pair = queries_per_block(n_q, rows.shape[0]) if h * PAIR_QUERIES <= 64 else 1
-    tiles = key_tiles(n_q, rows.shape[1], pair)
-    kernel = jit(build_indexer_scores, "fp4", h, d, BLOCK_G, 128, tiles, *((pair,) if pair > 1 else ()))
+    queries = queries_per_block(n_q, rows.shape[0])
+    kernel = jit(*fp4_spec(h, d, key_tiles(n_q, rows.shape[1], queries), queries))
     kernel(q.bfloat16().contiguous(), q_seq.int(), visible.int(), k.contiguous(), k_scale.contiguous(),
            rows.long().contiguous(), weights.float().contiguous(), out, float(softmax_scale))
     return out

@@ -26,9 +26,11 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
     queries: 2 fill the 64 MMA rows with 32 heads); queries of different sequences take a pass each."""
     assert source in ("dense", "fp4") and heads <= 64 and 64 % heads == 0
     assert tiles == 1 or source == "fp4"
-    assert queries * heads <= 64 and (queries == 1 or source == "fp4")
+    assert queries == 1 or source == "fp4"
     Hh, Dd, BG, TILES = heads, dim, block_g, tiles
     QPB = 64 // heads if source == "dense" else queries  # queries per block
+    R = max(64, QPB * Hh)  # MMA rows: a warpgroup's 64 per 128 threads
+    assert R % 64 == 0 and threads == 128 * (R // 64) or source == "dense"
     n_q, n_g, n_seq, n_rows = T.dynamic("n_q"), T.dynamic("n_g"), T.dynamic("n_seq"), T.dynamic("n_rows")
     chunks = BG * Dd // 8 // threads
     assert threads % (Dd // 8) == 0
@@ -58,7 +60,7 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
 
     @T.macro
     def finish_fp4(visible, s0, bg, acc, c_s, w_s, scores, scale, n_pass, p, last):
-        T.copy(acc, c_s[0:64, 0:BG])
+        T.copy(acc, c_s[0:R, 0:BG])
         for qq, j in T.Parallel(QPB, BG):
             s = s0 + qq
             if s <= last and (n_pass == 1 or qq == p) and bg * BG + j < n_g:
@@ -104,11 +106,11 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
         scale: T.float32,
     ):
         with T.Kernel(T.ceildiv(n_g, BG * TILES), T.ceildiv(n_q, QPB), threads=threads) as (bx, bq):
-            q_s = T.alloc_shared((64, Dd), "bfloat16")
+            q_s = T.alloc_shared((R, Dd), "bfloat16")
             k_s = T.alloc_shared((BG, Dd), "bfloat16")
-            w_s = T.alloc_shared((64,), "float32")
-            acc = T.alloc_fragment((64, BG), "float32")
-            c_s = T.alloc_shared((64, BG + 8), "float32")  # padded: a half-warp's 8-byte stores of acc hit 32 banks
+            w_s = T.alloc_shared((R,), "float32")
+            acc = T.alloc_fragment((R, BG), "float32")
+            c_s = T.alloc_shared((R, BG + 8), "float32")  # padded: a half-warp's 8-byte stores of acc hit 32 banks
             prow = T.alloc_local((chunks,), "int64")
             sc = T.alloc_local((chunks,), "uint8")
             packed = T.alloc_local((chunks * 4,), "uint8")
@@ -122,11 +124,11 @@ def build_indexer_scores(source: str, heads: int = 32, dim: int = 128, block_g: 
             reach = T.max(visible[s0], visible[last])  # the entries any query of the block may see
             gch = tx % (Dd // 8)  # the thread's 8-channel chunk, the same in every pass (threads % (Dd/8) == 0)
             if bx * TILES * BG < reach:  # the queries' q and head weights once for all the block's key tiles
-                for r, d in T.Parallel(64, Dd):
+                for r, d in T.Parallel(R, Dd):
                     q_s[r, d] = T.if_then_else(r < QPB * Hh and s0 + r // Hh <= last,
                                                q[T.min(s0 + r // Hh, last), r % Hh, fp4_perm(d)],
                                                T.cast(0, "bfloat16"))
-                for r in T.Parallel(64):
+                for r in T.Parallel(R):
                     w_s[r] = T.if_then_else(r < QPB * Hh and s0 + r // Hh <= last,
                                             weights[T.min(s0 + r // Hh, last), r % Hh], 0.0)
             for p in T.serial(QPB):

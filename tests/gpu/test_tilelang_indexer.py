@@ -62,11 +62,12 @@ def test_fp4_scores_are_the_same_bits_for_any_key_tiles_or_queries_per_block():
     on where a query's visible count or the entry count ends inside a block's tiles, nor on whether a block's two
     queries share a sequence (one pass) or not (a pass each)."""
     from deepinfer.kernels.tilelang._build import jit
-    from deepinfer.kernels.tilelang.indexer_kernel import build_indexer_scores
+    from deepinfer.kernels.tilelang.indexer import fp4_spec
 
     g = torch.Generator().manual_seed(7)
     B, G = 3, 2300  # not a multiple of 128 x 16
-    q_seq = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2], dtype=torch.int32)  # pairs (0,0) (0,1) (1,1) (1,2) (2)
+    # pairs (0,0) (0,1) (1,1) (1,2) (2); fours (0,0,0,1) (1,1,1,2) (2)
+    q_seq = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2], dtype=torch.int32)
     visible = torch.tensor([2300, 1, 129, 2047, 1600, 5, 2300, 640, 641], dtype=torch.int32)
     n_q = len(q_seq)
     rows = torch.randperm(B * G, generator=g).view(B, G)
@@ -76,10 +77,10 @@ def test_fp4_scores_are_the_same_bits_for_any_key_tiles_or_queries_per_block():
     w = torch.randn(n_q, 32, generator=g) * 32**-0.5
     args = [t.cuda() for t in (q, q_seq, visible, pool, pool_scale, rows, w)]
     outs = {}
-    for queries in (1, 2):
+    for queries in (1, 2, 4):
         for tiles in (1, 4, 16):
             out = torch.full((n_q, G), 7.0, device="cuda")
-            jit(build_indexer_scores, "fp4", 32, 128, 128, 128, tiles, queries)(*args, out, 128**-0.5)
+            jit(*fp4_spec(32, 128, tiles, queries))(*args, out, 128**-0.5)
             outs[queries, tiles] = out.cpu()
     for key, out in outs.items():
         assert torch.equal(out, outs[1, 1]), key
