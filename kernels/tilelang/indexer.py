@@ -17,8 +17,9 @@ BLOCK_G = 128  # entries per key tile
 TILE_CHOICES = (16, 4, 1)  # key tiles per block (each one compile)
 FILL_BLOCKS = 528  # blocks wanted: 4 per SM on an H200
 # queries a block scores together when the step has several per sequence (a prefill chunk, DSpark's verification):
-# each dequantised key tile then serves their 32 MMA rows each (2: one warpgroup's 64 rows; 4: 128 rows over two
-# warpgroups; 1: one query a block, rows 32..63 zero)
+# each dequantised key tile then serves both queries' 32 MMA rows (1: one query a block, rows 32..63 zero). Two
+# were 1.7x one at prefill sizes on an H100 (benchmarks/results/indexer_prefill_gpu_s33_h100.json); four (128 rows
+# over two warpgroups) were 1.2x slower than two (the build: git history, 3e7ef31)
 SHARED_QUERIES = 2
 
 
@@ -30,10 +31,9 @@ def queries_per_block(n_q: int, n_seq: int) -> int:
 
 
 def fp4_spec(h: int, d: int, tiles: int, queries: int) -> tuple:
-    """jit's arguments for the fp4 kernel: a warpgroup (128 threads) per 64 MMA rows, and `queries` only when not
-    the builder's default (equal kernels, equal specs: the compile cache, the JIT manifest)."""
-    threads = 128 * max(1, queries * h // 64)
-    return (build_indexer_scores, "fp4", h, d, BLOCK_G, threads, tiles, *((queries,) if queries > 1 else ()))
+    """jit's arguments for the fp4 kernel, `queries` only when not the builder's default (equal kernels, equal
+    specs: the compile cache, the JIT manifest)."""
+    return (build_indexer_scores, "fp4", h, d, BLOCK_G, 128, tiles, *((queries,) if queries > 1 else ()))
 
 
 def key_tiles(n_q: int, n_g: int, queries: int = 1) -> int:
@@ -71,7 +71,7 @@ def indexer_scores_fp4(q, q_seq, visible, k, k_scale, rows, weights, softmax_sca
         return fall_back("indexer_scores_fp4", why, torch_indexer.indexer_scores_fp4, q, q_seq, visible, k, k_scale,
                          rows, weights, softmax_scale)
     out = torch.empty(n_q, rows.shape[1], dtype=torch.float32, device=q.device)
-    queries = queries_per_block(n_q, rows.shape[0])
+    queries = queries_per_block(n_q, rows.shape[0]) if h * SHARED_QUERIES <= 64 else 1  # the MMA's 64 rows
     kernel = jit(*fp4_spec(h, d, key_tiles(n_q, rows.shape[1], queries), queries))
     kernel(q.bfloat16().contiguous(), q_seq.int(), visible.int(), k.contiguous(), k_scale.contiguous(),
            rows.long().contiguous(), weights.float().contiguous(), out, float(softmax_scale))
