@@ -23,6 +23,7 @@ def _kernels():
         "moe_prep": lambda: moe_prep_kernel.build_moe_prep(384, 6),
         "moe_prep_zero": lambda: moe_prep_kernel.build_moe_prep(384, 6, 5120),
         "router_logits": lambda: moe_router_kernel.build_router_logits(384, 5120),
+        "router_logits_one_split": lambda: moe_router_kernel.build_router_logits(384, 5120, 64, 256, 1),
         "router_topk": lambda: moe_router_kernel.build_router_topk(384, 20, 6, "sqrtsoftplus", True),
         "attn_dense": lambda: att.build_sink_attention_dense(splits=2),
         "attn_dense_single": lambda: att.build_sink_attention_dense(splits=1),
@@ -38,9 +39,9 @@ def _kernels():
 # lowering tests: test_tilelang_lowering_moe.py, test_tilelang_lowering_attention_decode.py.
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name", ["moe_prep", "moe_prep_zero", "router_logits", "router_topk", "attn_dense",
-                                  "attn_dense_single", "attn_combine", "indexer_dense", "indexer_fp4",
-                                  "indexer_fp4_tiles", "indexer_fp4_pairs"])
+@pytest.mark.parametrize("name", ["moe_prep", "moe_prep_zero", "router_logits", "router_logits_one_split",
+                                  "router_topk", "attn_dense", "attn_dense_single", "attn_combine", "indexer_dense",
+                                  "indexer_fp4", "indexer_fp4_tiles", "indexer_fp4_pairs"])
 def test_kernel_lowers_to_cuda(name, arch):
     from lowering_helpers import lower_source
 
@@ -140,6 +141,18 @@ def test_indexer_pairs_queries_only_when_sequences_have_several():
     assert queries_per_block(64, 64) == 1 and queries_per_block(1, 1) == 1  # decode: a query per sequence
     assert queries_per_block(8192, 1) == SHARED_QUERIES                       # a prefill chunk
     assert queries_per_block(256, 64) == SHARED_QUERIES                       # DSpark's verification rows
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_router_logits_take_one_split_only_from_the_knob_and_outside_the_invariant_mode(monkeypatch):
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.tilelang import moe
+
+    assert moe._router_splits(5120, 8192) == 20  # the knob off: the decode split at any size
+    monkeypatch.setattr(moe, "ROUTER_ONE_SPLIT_TOKENS", 1024)
+    assert moe._router_splits(5120, 1023) == 20 and moe._router_splits(5120, 8192) == 1
+    monkeypatch.setattr(registry, "batch_invariant", lambda: True)
+    assert moe._router_splits(5120, 8192) == 20  # a token's sum order must not follow the batch
 
 
 def _indexer_fp4_schedule(q, q_seq, visible, pool_keys, rows, w, scale, queries, tiles, bg=128):

@@ -51,10 +51,18 @@ FP8_STAGE_SPLIT = 1
 # (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
+# tokens from which the router's logits run as one K split (0: never; for A/B runs, not yet measured). The 20 splits
+# spread the gate's 3.9 MB over the GPU at decode; an 8K prefill chunk has 768 token x expert tiles to fill it
+# without them, while 20 splits write and re-read 252 MB of fp32 partials (router_logits_kernel: 46.8 ms of a 40-layer
+# 32K prefill on an H100, prefill_gpu_flash40_s33_h100). The batch-invariant mode keeps the splits (a token's sum
+# order then does not depend on the batch)
+ROUTER_ONE_SPLIT_TOKENS = 0
 
 
 # ---------------------------------------------------------------------------------------------- router
-def _router_splits(dim: int, block_k: int = 256, most: int = 20) -> int:
+def _router_splits(dim: int, tokens: int = 1, block_k: int = 256, most: int = 20) -> int:
+    if ROUTER_ONE_SPLIT_TOKENS and tokens >= ROUTER_ONE_SPLIT_TOKENS and not registry.batch_invariant():
+        return 1
     steps = dim // block_k
     return max(s for s in range(1, most + 1) if steps % s == 0)
 
@@ -73,7 +81,7 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
                                   scoring_func, gate_temp, norm_topk_prob, routed_scaling_factor)
     x = x.contiguous()
     T_ = x.shape[0]
-    splits = _router_splits(D)
+    splits = _router_splits(D, T_)
     block_t = 16 if T_ <= 16 or registry.batch_invariant() else 64
     part = torch.empty(splits, T_, E, dtype=torch.float32, device=x.device)
     jit(build_router_logits, E, D, block_t, 256, splits)(x, gate_weight.contiguous(), part)

@@ -16,8 +16,12 @@ def _gen(seed):
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
-def test_router_matches_torch(tokens, scoring):
+@pytest.mark.parametrize("one_split_from", [0, 64])  # moe.ROUTER_ONE_SPLIT_TOKENS: the logits in one K split
+def test_router_matches_torch(tokens, scoring, one_split_from, monkeypatch):
+    from deepinfer.kernels.tilelang import moe
     from deepinfer.kernels.tilelang.moe import moe_router
+
+    monkeypatch.setattr(moe, "ROUTER_ONE_SPLIT_TOKENS", one_split_from)
 
     g = _gen(tokens)
     E, D, k = 384, 5120, 6
