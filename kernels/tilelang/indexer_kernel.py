@@ -2,13 +2,14 @@
 
 The (query, head) rows are the wgmma M side: "dense" packs two queries x 32 heads into 64 rows against bf16 keys;
 "fp4" reads each query's keys from its own sequence's FP4 indexer cache (e2m1 + ue8m0 per 32 channels,
-dequantised in registers, dequant.py) and stops at its visible count (entries past it score -inf); a block takes
-one query (decode: rows 32..63 zero) or two consecutive ones (a prefill chunk: one dequantised key tile serves
-both, which one query a block dequantised again for every query), and loads the next key tile's bytes while the
-current tile is multiplied and summed (the loads, then the dequantisation, then the MMA, in series before). It reads the keys where the cache pool holds them, through each sequence's
-entry -> pool row table (a pool block's entries are contiguous), so no step copies a sequence's keys out of the
-pool first: that gather (torch indexing of 64- and 4-byte rows) cost more than the scoring it fed, and grew with
-batch x context. The relu, head weights and head sum run on the fp32 accumulator.
+dequantised in registers, dequant.py) and stops at its visible count (entries past it score -inf). A block takes one
+query (decode: rows 32..63 zero) or two consecutive ones (a prefill chunk: one dequantised key tile serves both,
+where one query a block dequantised every tile again for each query), and loads the next key tile's bytes while the
+current tile is multiplied and summed (before: the loads, the dequantisation and the MMA in series). It reads the
+keys where the cache pool holds them, through each sequence's entry -> pool row table (a pool block's entries are
+contiguous), so no step copies a sequence's keys out of the pool first: that gather (torch indexing of 64- and
+4-byte rows) cost more than the scoring it fed, and grew with batch x context. The relu, head weights and head sum
+run on the fp32 accumulator.
 """
 
 import tilelang.language as T
