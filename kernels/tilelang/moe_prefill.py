@@ -23,6 +23,8 @@ off CUDA, and the reference the GPU test holds the kernel to.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,9 +49,11 @@ def wanted(n_tok: int, routed: PackedExperts) -> bool:
     return routed.fmt == "fp4" and n_tok >= PREFILL_TOKENS and not registry.batch_invariant()
 
 
+@functools.lru_cache(maxsize=16)
 def k_perm(k: int, device) -> torch.Tensor:
     """Column j of a permuted operand holds column k_perm[j]: the wgmma fragments' order in groups of 64
-    (expert_gemm_kernel.mma_order)."""
+    (expert_gemm_kernel.mma_order). Built once per width and device (read only): the host list's copy to a GPU
+    waits for the stream, which made every prefill MoE call a device sync."""
     assert k % 64 == 0
     return (torch.arange(k // 64, device=device)[:, None] * 64
             + torch.tensor(mma_order(64), device=device)).reshape(-1)
