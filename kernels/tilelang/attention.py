@@ -129,8 +129,9 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     win_kv [B, W, 512] uint8 (e4m3 bits) with win_scale [B, W, 16] uint8 (ue8m0 per 32 channels) and win_pos
     [B, W] int32 (absolute position held by each ring slot, -1 empty); position pos lives in ring row pos mod W
     (the pools' layout, models/cache), so the window of a query at p is the rows of positions p - window + 1 .. p,
-    read oldest first, each kept when its row still holds that position. cmp_kv [P, 256] uint8 (e2m1 pairs, low nibble = even channel) with cmp_scale [P, 32] uint8
-    (e4m3 per 16 channels): the compressed pool; sel [Nq, topk] int32 rows of it chosen by the indexer (-1 none).
+    read oldest first, each kept when its row still holds that position. cmp_kv [P, 256] uint8 (e2m1 pairs, low
+    nibble = even channel) with cmp_scale [P, 32] uint8 (e4m3 per 16 channels): the compressed pool; sel [Nq, topk]
+    int32 rows of it chosen by the indexer (-1 none).
     sink [64] fp32. Returns [Nq, 64, 512] bf16 = softmax-with-sink over [window ∥ selected] keys times the keys.
     splits: key splits per query (None: default_splits, or 1 in the batch-invariant mode).
     probe: a timing probe of the kernel (attention_decode_kernel.PROBES; wrong output, benchmarks only).

@@ -86,7 +86,8 @@ def build_router_topk(n_experts: int, splits: int, top_k: int, scoring: str, nor
                 # order-preserving int32 image of the float, then (key << 32) | (1023 - e) as one int64
                 bits = T.reinterpret(score[j] + bias[T.min(e, E - 1)], "int32")
                 ordered = T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits)
-                key[j] = T.if_then_else(e < E, T.cast(ordered, "int64") * T.int64(4294967296) + T.cast(1023 - e, "int64"),
+                key[j] = T.if_then_else(e < E,
+                                        T.cast(ordered, "int64") * T.int64(4294967296) + T.cast(1023 - e, "int64"),
                                         T.min_value("int64"))
             for k in T.unroll(K):
                 best = T.alloc_var("int64", init=T.min_value("int64"))

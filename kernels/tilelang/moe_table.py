@@ -1,9 +1,10 @@
 """The grouped expert GEMM's routing table built with torch ops, for batches beyond moe_prep_kernel's one block
 (moe.PREP_KERNEL_ASSIGNMENTS: its chunks of one assignment per thread run one after another, four barriers each;
 it beats these sorts through 1,024 tokens as measured, and is used up to the 2,048 tokens where the FP4 prefill
-path takes over; these sorts serve larger streaming calls: FP8 experts or the batch-invariant mode). Same table, entry for entry: assignments sorted by expert with tokens ascending inside one, the
-distinct experts in id order as slots, unused slots (-1, 0, 0), assignments to no expert (-1) left out. No host
-sync, so a captured decode step may build it too."""
+path takes over; these sorts serve larger streaming calls: FP8 experts or the batch-invariant mode). Same table,
+entry for entry: assignments sorted by expert with tokens ascending inside one, the distinct experts in id order as
+slots, unused slots (-1, 0, 0), assignments to no expert (-1) left out. No host sync, so a captured decode step may
+build it too."""
 
 from __future__ import annotations
 

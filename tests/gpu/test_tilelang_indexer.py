@@ -50,7 +50,8 @@ def test_fp4_cache_scores(visible):
                              pool_scale.cuda(), rows.cuda(), w.cuda(), 128**-0.5).cpu()
     for b in range(B):
         n = visible[b]
-        expect = ref.indexer_scores(q[b : b + 1].double(), keys[b : b + 1, :n].double(), torch.zeros(1, dtype=torch.long),
+        expect = ref.indexer_scores(q[b : b + 1].double(), keys[b : b + 1, :n].double(),
+                                    torch.zeros(1, dtype=torch.long),
                                     w[b : b + 1].double(), 128**-0.5)
         assert rel_err(out[b : b + 1, :n], expect) < 1e-5
         assert torch.isneginf(out[b, n:]).all()
