@@ -399,7 +399,7 @@ def main(argv=None) -> int:
     meta["wall_s"] = time.time() - t_start
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, mixed=mixed, yoco=yoco, profile=prof,
+        f.write(portable_json(dict(meta=meta, targets=tg, rows=rows, mixed=mixed, yoco=yoco,
                                    profiles=profiles, failures=failures)))
     if a.plot:
         plot(rows, a.plot, f"{a.model}, {meta['gpu']}")

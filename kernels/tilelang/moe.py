@@ -60,7 +60,7 @@ ROUTER_ONE_SPLIT_TOKENS = 0
 
 
 # ---------------------------------------------------------------------------------------------- router
-def _router_splits(dim: int, tokens: int = 1, block_k: int = 256, most: int = 20) -> int:
+def _router_splits(dim: int, tokens: int, block_k: int = 256, most: int = 20) -> int:
     if ROUTER_ONE_SPLIT_TOKENS and tokens >= ROUTER_ONE_SPLIT_TOKENS and not registry.batch_invariant():
         return 1
     steps = dim // block_k
