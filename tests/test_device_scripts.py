@@ -53,3 +53,31 @@ def test_every_module_constant_a_device_script_overrides_exists(script):
     names = set(re.findall(r"(deepinfer(?:\.\w+)+)\.([A-Z][A-Z0-9_]*)\b", text))
     for module, name in sorted(names):
         assert hasattr(importlib.import_module(module), name), f"{script.name}: {module}.{name} does not exist"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_step_of_a_device_script_is_checked_and_the_call_ends_with_the_failures(script):
+    """A step cut by its timeout printed nothing and the call still said 'done' (prefill40.sh's kernel step, session
+    34): each `timeout` pipeline is followed by `check NAME`, and the script ends with `finish NAME`."""
+    text = script.read_text()
+    assert "source benchmarks/device_steps.sh" in text
+    lines = [ln.strip() for ln in text.replace("\\\n", " ").splitlines()]
+    steps = [i for i, ln in enumerate(lines) if "timeout " in ln and not ln.startswith("#")]
+    assert steps
+    for i in steps:
+        assert re.match(r"check \S", lines[i + 1]), f"{script.name}: a step without `check`: {lines[i][:80]}"
+    assert text.rstrip().splitlines()[-1] == f"finish {script.name}"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_failed_or_timed_out_step_is_named_and_the_call_exits_nonzero():
+    steps = ROOT / "benchmarks" / "device_steps.sh"
+    run = lambda body: subprocess.run(["bash", "-c", f"source {steps}\n{body}"],  # noqa: E731
+                                      capture_output=True, text=True)
+    ok = run("echo hi | tail -1; check first\n[ 1 = 1 ] || false | tail -1; check skipped\nfinish x.sh")
+    assert ok.returncode == 0 and "STEP FAILED" not in ok.stdout and "x.sh done in" in ok.stdout
+    bad = run("bash -c 'exit 124' | grep . | tail -1; check slow\nfalse | cat; check broken\necho after\nfinish x.sh")
+    assert bad.returncode == 1
+    lines = bad.stdout.splitlines()
+    assert "STEP FAILED: slow (timed out)" in lines and "STEP FAILED: broken (exit 1)" in lines
+    assert "after" in lines and lines[-2:] == ["STEP FAILED: slow (timed out)", "STEP FAILED: broken (exit 1)"]

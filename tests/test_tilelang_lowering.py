@@ -144,13 +144,15 @@ def test_indexer_pairs_queries_only_when_sequences_have_several():
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
-def test_router_logits_take_one_split_only_from_the_knob_and_outside_the_invariant_mode(monkeypatch):
+def test_router_logits_take_one_split_from_a_1k_chunk_only_outside_the_invariant_mode(monkeypatch):
     from deepinfer.kernels import registry
     from deepinfer.kernels.tilelang import moe
 
+    assert moe.ROUTER_ONE_SPLIT_TOKENS == 1024  # the default: one split from a 1K prefill chunk
+    assert moe._router_splits(5120, 1023) == 20 and moe._router_splits(5120, 8192) == 1
+    monkeypatch.setattr(moe, "ROUTER_ONE_SPLIT_TOKENS", 0)
     assert moe._router_splits(5120, 8192) == 20  # the knob off: the decode split at any size
     monkeypatch.setattr(moe, "ROUTER_ONE_SPLIT_TOKENS", 1024)
-    assert moe._router_splits(5120, 1023) == 20 and moe._router_splits(5120, 8192) == 1
     monkeypatch.setattr(registry, "batch_invariant", lambda: True)
     assert moe._router_splits(5120, 8192) == 20  # a token's sum order must not follow the batch
 

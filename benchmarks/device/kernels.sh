@@ -4,9 +4,11 @@
 # projections).
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/kernels.sh
 # ATTRS: benchmarks/with_attrs.py overrides for the prefill kernels run (an A/B arm); T1..T3: each step's seconds.
+# A step that fails or times out is named at the end and the call exits 1 (device_steps.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
+source benchmarks/device_steps.sh
 RUN=python3 && [ -n "${ATTRS:-}" ] && RUN="python3 benchmarks/with_attrs.py $ATTRS --"
 R=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/tests.log
@@ -14,12 +16,15 @@ cd "$DEEPINFER_SITE"
 timeout ${T1:-230} python3 -m pytest $GPU_TESTS/test_tilelang_{attention_decode,linear}.py \
   $GPU_TESTS/test_prefill_paths.py -n 4 -v -rf -p no:cacheprovider -o addopts= 2>&1 | tee -a $OUT/tests.log \
   | grep -E "FAILED|ERROR|passed|failed|error" | tail -30
+check "kernel tests"
 cd "$R"
 # the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches 1,8,64,256 --no-mtp --probes --sweep \
   --out $OUT/attn.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/attn.log | tail -14
+check "decode attention"
 timeout ${T3:-120} $RUN \
   benchmarks/prefill_kernels_gpu.py --tokens 2048 8192 --rows 8192 --gemm-heights --out $OUT/prefill_kernels.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/prefill_kernels.log | grep -v "^linear" | tail -12
-echo "kernels.sh done in $SECONDS s"
+check "prefill kernels"
+finish kernels.sh

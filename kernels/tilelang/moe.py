@@ -51,12 +51,12 @@ FP8_STAGE_SPLIT = 1
 # (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
-# tokens from which the router's logits run as one K split (0: never; for A/B runs, not yet measured). The 20 splits
-# spread the gate's 3.9 MB over the GPU at decode; an 8K prefill chunk has 768 token x expert tiles to fill it
-# without them, while 20 splits write and re-read 252 MB of fp32 partials (router_logits_kernel: 46.8 ms of a 40-layer
-# 32K prefill on an H100, prefill_gpu_flash40_s33_h100). The batch-invariant mode keeps the splits (a token's sum
-# order then does not depend on the batch)
-ROUTER_ONE_SPLIT_TOKENS = 0
+# tokens from which the router's logits run as one K split (0: never). The 20 splits spread the gate's 3.9 MB over
+# the GPU at decode; an 8K prefill chunk has 768 token x expert tiles to fill it without them, while 20 splits write
+# and re-read 252 MB of fp32 partials. router_logits_kernel in a 40-layer 32K prefill: 46.5 -> 18.1 ms, the prefill
+# 3243 -> 3229 ms (one H100, prefill_gpu_flash40_router_s34_h100). The batch-invariant mode keeps the splits (a
+# token's sum order then does not depend on the batch)
+ROUTER_ONE_SPLIT_TOKENS = 1024
 
 
 # ---------------------------------------------------------------------------------------------- router

@@ -46,6 +46,9 @@ def setup():
     ep = ExpertParallel(ExpertPlacement.initial(cfg.n_routed_experts, 1), 0, group)
     # decode steps of MAX_SEQS sequences x (1 + 3 drafts) tokens: the static path
     ep.plan_static(MAX_SEQS * 4, cfg.num_experts_per_tok, cfg.hidden_size, torch.bfloat16, "cuda", agree)
+    # the build's freed blocks back to the driver: NCCL allocates its all-to-all buffers outside torch's cache (on an
+    # 80 GB card the cache otherwise holds what NCCL needs: 'Cuda failure 2 out of memory' in the first variable step)
+    torch.cuda.empty_cache()
     yield model, ep
     registry.OpSet.build("cuda", ["torch"], batch_invariant=False)
     del model
