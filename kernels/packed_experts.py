@@ -69,13 +69,20 @@ class PackedExperts:
     def dense(self, e: int, dtype: torch.dtype, dequant=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert e dequantised: (w1 [I, D], w2 [D, I], w3 [I, D]), exactly the checkpoint's values. `dequant(w, s)`:
         another exact dequantisation of one stored matrix (a kernel's), instead of the torch one."""
+        w13, w2 = self.dense_w13(e, dtype, dequant)
+        w1, w3 = self.split_w13(w13)
+        return w1, w2, w3
+
+    def dense_w13(self, e: int, dtype: torch.dtype, dequant=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e dequantised as stored: (w13 [2I, D], gate and up rows interleaved, w2 [D, I])."""
         dq = dequant or (lambda w, s: _dequant(self.fmt, w, s))
-        w13 = dq(self.w13[e], self.s13[e])
-        half = BLOCK_N // 2
-        t = w13.view(-1, 2, half, w13.shape[-1])
-        w1, w3 = t[:, 0].reshape(self.inter, -1), t[:, 1].reshape(self.inter, -1)
-        w2 = dq(self.w2[e], self.s2[e])
-        return w1.to(dtype), w2.to(dtype), w3.to(dtype)
+        return dq(self.w13[e], self.s13[e]).to(dtype), dq(self.w2[e], self.s2[e]).to(dtype)
+
+    @staticmethod
+    def split_w13(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 [2I, D], gate and up rows interleaved in half tiles -> (w1 [I, D], w3 [I, D])."""
+        t = w13.view(-1, 2, BLOCK_N // 2, w13.shape[-1])
+        return t[:, 0].reshape(-1, w13.shape[-1]), t[:, 1].reshape(-1, w13.shape[-1])
 
 
 def can_pack(fmt: str, inter: int, hidden: int) -> bool:

@@ -186,3 +186,18 @@ def test_reading_the_rows_in_place_is_the_gathered_copys_function_bitwise(monkey
     in_place = moe_prefill.moe_experts_grouped(x, weights, idx, routed, shared, 7.0)
     monkeypatch.setattr(moe_prefill, "GATHER_ROWS", 0)
     assert torch.equal(moe_prefill.moe_experts_grouped(x, weights, idx, routed, shared, 7.0), in_place)
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.0])
+def test_the_shared_expert_in_one_gemm_is_the_reference_expert(limit):
+    """shared_expert.py: w13 multiplied whole (gate and up rows interleaved), the SwiGLU over the output's halves,
+    then w2: torch moe.swiglu_expert's function on separate w1 and w3."""
+    from deepinfer.kernels.tilelang.shared_expert import shared_expert
+
+    g = torch.Generator().manual_seed(8)
+    D, I = 256, 128
+    shared = _shared(D, I, g)
+    x = (torch.randn(50, D, generator=g) * 4).bfloat16()
+    ref = torch_moe.swiglu_expert(x, *shared.dense(0, torch.bfloat16), limit)
+    got = shared_expert(x, shared, limit)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))

@@ -224,13 +224,14 @@ def dense_bf16(w: Fp8BlockWeight) -> torch.Tensor:
     return w.dense(torch.bfloat16)
 
 
-def expert_dense(p: PackedExperts, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert e of packed experts as (w1, w2, w3) for cuBLAS (the shared expert at prefill sizes): FP8 matrices
-    through dense_bf16 (one pass on CUDA; e4m3 with 32x32 block scales is Fp8BlockWeight's format), the same values
-    as PackedExperts.dense."""
+def expert_dense(p: PackedExperts, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e of packed experts as (w13 [2I, D], w2 [D, I]) for cuBLAS (the shared expert at prefill sizes), w13's
+    gate and up rows interleaved as packed (PackedExperts.split_w13 separates them): FP8 matrices through dense_bf16
+    (one pass on CUDA; e4m3 with 32x32 block scales is Fp8BlockWeight's format), the values PackedExperts.dense
+    gives."""
     if p.fmt != "fp8" or dtype != torch.bfloat16:
-        return p.dense(e, dtype)
-    return p.dense(e, dtype, dequant=lambda w, s: dense_bf16(Fp8BlockWeight(w, s)))
+        return p.dense_w13(e, dtype)
+    return p.dense_w13(e, dtype, dequant=lambda w, s: dense_bf16(Fp8BlockWeight(w, s)))
 
 
 def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:

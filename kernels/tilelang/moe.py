@@ -24,11 +24,12 @@ from deepinfer.kernels.torch import moe as torch_moe
 from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with experts_specs)
 from . import moe_prefill
 from ._fallback import reason
-from .linear import expert_dense
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
 from . import moe_warp_kernel
 from .moe_prep_kernel import build_moe_prep
 from .moe_table import routing_table_torch
+from .shared_expert import shared_expert
+from .swiglu_kernel import build_swiglu_halves
 from .moe_router_kernel import SCORES, build_router_logits, build_router_topk
 
 INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-invariant mode
@@ -187,6 +188,8 @@ def experts_specs(routed: PackedExperts, shared: PackedExperts | None, n_tok: in
     specs += routed_specs(routed, n_tok, top_k)
     if shared is not None and n_tok < SHARED_DENSE_TOKENS:
         specs += ffn_specs(shared, shared_block_t(n_tok), shared_down_splits)
+    elif shared is not None:
+        specs.append((build_swiglu_halves, shared.inter))  # cuBLAS, then the SwiGLU pass (shared_expert.py)
     return specs
 
 
@@ -283,7 +286,7 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
         # one expert over every token: dequantised once (a few dozen MB) and multiplied by cuBLAS, which fills the
         # GPU where the streaming kernel's 72-80 blocks per 64-token tile stream the FP8 weights once per tile
         ffn(routed, x, table, y, routed_specs(routed, T_, k), limit)
-        y += torch_moe.swiglu_expert(x, *expert_dense(shared, 0, x.dtype), limit).float()
+        y += shared_expert(x, shared, limit).float()
         return y.to(x.dtype)
     main = torch.cuda.current_stream(dev)
     if shared is not None:

@@ -30,12 +30,11 @@ import torch.nn.functional as F
 
 from deepinfer.kernels import registry
 from deepinfer.kernels.packed_experts import PackedExperts, _dequant
-from deepinfer.kernels.torch import moe as torch_moe
 
 from ._build import jit
 from .expert_gemm_kernel import HALF, build_fp4_expert_gemm, mma_order
-from .linear import expert_dense
 from .moe_combine_kernel import build_moe_combine
+from .shared_expert import shared_expert
 
 PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (the streaming kernel wins below, H100)
 # rows per tile: each expert's rows start on a multiple of this; with 64, two of an expert's tiles run as one
@@ -200,6 +199,5 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     row_of = torch.empty(T_ * k, dtype=torch.int64, device=dev)
     row_of[order] = dest
     tok_rows = row_of.view(T_, k).gather(1, torch.argsort(idx, dim=1))
-    shared_y = (torch_moe.swiglu_expert(x, *expert_dense(shared, 0, x.dtype), limit) if shared is not None
-                else torch.zeros_like(x))
+    shared_y = shared_expert(x, shared, limit) if shared is not None else torch.zeros_like(x)
     return combine(out, tok_rows, shared_y)

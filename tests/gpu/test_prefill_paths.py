@@ -146,8 +146,29 @@ def test_the_shared_expert_dequantised_for_cublas_has_the_packed_values():
 
     g = torch.Generator(device="cuda").manual_seed(9)
     _, shared = _experts(1, 5120, 2304, g)
-    for got, ref in zip(expert_dense(shared, 0, torch.bfloat16), shared.dense(0, torch.bfloat16)):
+    w13, w2 = expert_dense(shared, 0, torch.bfloat16)
+    w1, w3 = shared.split_w13(w13)
+    for got, ref in zip((w1, w2, w3), shared.dense(0, torch.bfloat16)):
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.0])
+def test_the_swiglu_over_interleaved_halves_is_the_torch_passes_bitwise(limit):
+    """swiglu_kernel.py against shared_expert.swiglu_halves_torch (the reference's casts, clamp, silu and product)
+    at the shared expert's width over a prefill chunk, values past the clamp included; then the shared expert whole
+    against torch moe.swiglu_expert (one GEMM over w13 against two: cuBLAS's sums may differ in order)."""
+    from deepinfer.kernels.tilelang.shared_expert import shared_expert, swiglu_halves, swiglu_halves_torch
+    from deepinfer.kernels.torch import moe as torch_moe
+
+    g = torch.Generator(device="cuda").manual_seed(13)
+    h = (torch.randn(2051, 2 * 2304, device="cuda", generator=g) * 6).bfloat16()
+    poison_allocator()
+    got = swiglu_halves(h, limit)
+    assert torch.equal(got.view(torch.int16), swiglu_halves_torch(h, limit).view(torch.int16))
+    _, shared = _experts(1, 5120, 2304, g)
+    x = torch.randn(300, 5120, device="cuda", generator=g).bfloat16()
+    ref = torch_moe.swiglu_expert(x, *shared.dense(0, torch.bfloat16), limit)
+    assert rel_err(shared_expert(x, shared, limit), ref) < 1e-2
 
 
 def test_prefill_rows_take_dequantise_and_cublas_and_match_the_reference():
