@@ -1,10 +1,10 @@
 """MoE at prefill sizes: tokens grouped by expert on the device (each expert's rows padded to whole tiles of
 `BLOCK_M`; with 64, an expert's tiles paired into 128-row ones), then the FP4 grouped GEMM (expert_gemm_kernel.py)
 over every expert at once, one launch per tile height: the gate/up projection with the SwiGLU in its epilogue
-(reading each layout row's token row in place, through its index), and the down projection. The tile lists are sized by a bound the host knows (tokens x top-k / BLOCK_M + experts), their
-unused entries expert -1 (the kernel's blocks for those exit at once): no device sync in the call, where the eager
-prefill step would leave the GPU idle while the host launches what follows (6-layer prefill 8K 144 -> 135 ms, H100,
-docs/hopper-kernels.md).
+(reading each layout row's token row in place, through its index), and the down projection. The tile lists are
+sized by a bound the host knows (tokens x top-k / BLOCK_M + experts), their unused entries expert -1 (the kernel's
+blocks for those exit at once): no device sync in the call, where the eager prefill step would leave the GPU idle
+while the host launches what follows (6-layer prefill 8K 144 -> 135 ms, H100, docs/hopper-kernels.md).
 
 Why a second path beside the streaming kernel (moe_kernel.py): that kernel dequantises each weight tile into
 registers once per token tile of <= 64 tokens, which is what decode wants (weights read once, few tokens). At a
