@@ -296,18 +296,20 @@ def test_the_launcher_multiplies_the_dense_weight_from_the_row_threshold_only_ou
     from deepinfer.kernels.tilelang import linear as launcher
 
     calls = []
-    dense = torch.zeros(1, dtype=torch.bfloat16)
     monkeypatch.setattr(launcher, "why_not", lambda x, w: None)
     monkeypatch.setattr(launcher, "fp8_linear", lambda x, w: calls.append("kernel"))
     monkeypatch.setattr(launcher, "fp8_gemv", lambda x, w: calls.append("gemv"))
-    monkeypatch.setattr(launcher, "dense_bf16", lambda w: calls.append("dense") or dense.expand(w.shape))
+    monkeypatch.setattr(launcher, "dense_bf16", lambda w: calls.append("dense") or "the dense weight")
+    # cuBLAS's GEMM, not run: a 256 x 32768 x 1280 bf16 GEMM took 45 s of a CPU test
+    monkeypatch.setattr(launcher.torch.nn.functional, "linear",
+                        lambda x, w: calls.append("cublas") if w == "the dense weight" else None)
     for (n, k), rows in (((1280, 5120), launcher.DENSE_ROWS), ((32768, 1280), launcher.DENSE_ROWS_LARGE)):
         w = Fp8BlockWeight(torch.zeros(n, k, dtype=torch.uint8), torch.full((n // 32, k // 32), 127, dtype=torch.uint8))
         assert launcher.dense_rows(n, k) == rows
         calls.clear()
         for m in (1, rows - 1, rows):
             launcher.linear(torch.zeros(m, k, dtype=torch.bfloat16), w)
-        assert calls == ["gemv", "kernel", "dense"]
+        assert calls == ["gemv", "kernel", "dense", "cublas"]
         calls.clear()
         monkeypatch.setattr(launcher, "batch_invariant", lambda: True)
         launcher.linear(torch.zeros(rows, k, dtype=torch.bfloat16), w)
