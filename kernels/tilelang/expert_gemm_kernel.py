@@ -284,6 +284,7 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, gat
     rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")
     src_rows = T.dynamic("src_rows")
     src = cuda_source(BT)
+    loop = "xrs_mainloop_rows" if gather else "xrs_mainloop"
 
     @T.macro
     def gemm_tiles(a, a_rows, tile_expert, tile_row, w, s, aw, out, limit):
@@ -298,18 +299,12 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, gat
             if e >= 0:  # expert -1: an unused entry of a list sized by a bound (moe_prefill._tile_lists)
                 for i in T.unroll(BT // 2):
                     acc[i] = T.float32(0)
-                if gather:
-                    T.call_extern("handle", f"xrs_mainloop_rows<{BT},{S}>", T.address_of(smem[0]),
-                                  T.address_of(a[0, 0]), T.address_of(a_rows[r0]), k * 2,
-                                  T.address_of(w[e, bx * ROWS, 0]), k // 2,
-                                  T.address_of(s[e, bx * ROWS, 0]), SL, NK,
-                                  T.address_of(acc[0]))
-                else:
-                    T.call_extern("handle", f"xrs_mainloop<{BT},{S}>", T.address_of(smem[0]),
-                                  T.address_of(a[0, 0]), T.cast(r0, "int64") * (k * 2), k * 2,
-                                  T.address_of(w[e, bx * ROWS, 0]), k // 2,
-                                  T.address_of(s[e, bx * ROWS, 0]), SL, NK,
-                                  T.address_of(acc[0]))
+                # the tile's rows: through a_rows (gather), else from its byte offset in a
+                T.call_extern("handle", f"{loop}<{BT},{S}>", T.address_of(smem[0]), T.address_of(a[0, 0]),
+                              T.address_of(a_rows[r0]) if gather else T.cast(r0, "int64") * (k * 2), k * 2,
+                              T.address_of(w[e, bx * ROWS, 0]), k // 2,
+                              T.address_of(s[e, bx * ROWS, 0]), SL, NK,
+                              T.address_of(acc[0]))
                 T.call_extern("handle", f"xrs_store_acc<{BT}>", T.address_of(acc[0]), T.address_of(smem[0]))
                 if epilogue == "plain":
                     for it in T.unroll(BT * ROWS // 2 // THREADS):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.kernels.packed_experts import BLOCK_N, PackedExperts
+from deepinfer.kernels.registry import fall_back
 from deepinfer.kernels.torch.linear import linear
 
 from ._build import jit
@@ -32,9 +33,12 @@ def swiglu_halves_torch(h: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def swiglu_halves(h: torch.Tensor, limit: float) -> torch.Tensor:
-    """swiglu_halves_torch's function: the kernel for bf16 on CUDA."""
-    if not (h.is_cuda and h.dtype == torch.bfloat16 and h.is_contiguous() and h.shape[0] > 0):
+    """swiglu_halves_torch's function: the kernel for bf16 on CUDA (another dtype there: a counted fallback)."""
+    if not h.is_cuda or h.shape[0] == 0:
         return swiglu_halves_torch(h, limit)
+    if h.dtype != torch.bfloat16 or not h.is_contiguous():
+        return fall_back("swiglu_halves", f"{h.dtype} / contiguous={h.is_contiguous()}, the kernel takes contiguous "
+                         "bfloat16", swiglu_halves_torch, h, limit)
     y = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
     jit(build_swiglu_halves, h.shape[1] // 2)(h, y, float(limit))
     return y
