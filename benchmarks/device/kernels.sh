@@ -3,7 +3,9 @@
 # GPU test files, the decode attention kernel with its probes and candidates, and the prefill kernels (MoE paths, FP8
 # projections).
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/kernels.sh
-# ATTRS: benchmarks/with_attrs.py overrides for the prefill kernels run (an A/B arm); T1..T3: each step's seconds.
+# ATTRS: benchmarks/with_attrs.py overrides for the prefill kernels run (an A/B arm); T1..T3: each step's seconds;
+# ATTN_BATCHES: the attention kernel's batches (default 1,8,64,256; 2048 and 8192 are prefill's one-split shapes);
+# SWEEP=0: no other split counts; PREFILL_KERNELS=0 skips the prefill kernels.
 # A step that fails or times out is named at the end and the call exits 1 (device_steps.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -20,10 +22,11 @@ check "kernel tests"
 cd "$R"
 # the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
-timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches 1,8,64,256 --no-mtp --probes --sweep \
+SW=--sweep && [ "${SWEEP:-1}" = 0 ] && SW=
+timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches ${ATTN_BATCHES:-1,8,64,256} --no-mtp --probes $SW \
   --out $OUT/attn.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/attn.log | tail -14
 check "decode attention"
-timeout ${T3:-120} $RUN \
+[ "${PREFILL_KERNELS:-1}" = 0 ] || timeout ${T3:-120} $RUN \
   benchmarks/prefill_kernels_gpu.py --tokens 2048 8192 --rows 8192 --gemm-heights --out $OUT/prefill_kernels.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/prefill_kernels.log | grep -v "^linear" | tail -12
 check "prefill kernels"
