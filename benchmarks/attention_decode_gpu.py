@@ -19,9 +19,8 @@ exits non-zero. --sweep also times other split counts (one compile each). --prob
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
 key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
 and the candidate settings (CANDIDATES: attention module constants; now CLUSTER_SPLITS = 0, the splits merged by
-the combine launch instead of in a cluster, and PERSISTENT = 1, one-split launches as one CTA an SM walking the
-queries), their outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits
-non-zero). The previous kernel generation's numbers stay in
+the combine launch instead of in a cluster), their outputs held to the default kernel's bits (a candidate that
+differs is a failure: the run exits non-zero). The previous kernel generation's numbers stay in
 benchmarks/results/attn_v2_gpu_h200.json.
 """
 
@@ -45,7 +44,7 @@ HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # candidate settings of the kernel timed beside --probes, {name: {attention module constant: value}} (the twenty-third
 # session's COMPACT, PREFETCH and STAGE_OUT were settled and their losing code removed; git history). "combine": the
 # splits merged by the combine launch, as before the cluster (which differs from the default at 2-8 splits only)
-CANDIDATES = {"combine": {"CLUSTER_SPLITS": 0}, "persistent": {"PERSISTENT": 1}}
+CANDIDATES = {"combine": {"CLUSTER_SPLITS": 0}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 
@@ -70,8 +69,7 @@ def kernel_specs(splits_list, probes=()) -> list[tuple]:
     specs = [attention.decode_spec(WIN, ITOPK, s, WIN, pr) for s in splits_list for pr in ("", *probes)]
     for knobs in CANDIDATES.values() if probes else ():
         with mock.patch.multiple(attention, **knobs):
-            specs += [attention.decode_spec(WIN, ITOPK, s, WIN, "", attention._persistent(s, "cuda"))
-                      for s in splits_list]
+            specs += [attention.decode_spec(WIN, ITOPK, s, WIN) for s in splits_list]
     return specs
 
 

@@ -229,31 +229,3 @@ def test_the_cluster_is_asked_for_two_to_eight_splits_only(monkeypatch):
     assert clustered() == [False] * 5
     monkeypatch.setattr(attention, "CLUSTER_SPLITS", 16)  # a non-portable cluster size
     assert clustered() == [False, True, True, True, True]
-
-
-def test_a_persistent_launch_walks_the_queries_with_the_block_stream_running_on():
-    """attention.PERSISTENT: one CTA an SM (132 here), every role looping over its queries bc, bc + 132, ... below
-    n_q; the key buffer halves and barrier phases follow the CTA's block count across queries (QK of a query's first
-    block waits on the phase of block 10 qi); the row table has two buffers, one a query in turn; both math
-    warpgroups meet on a 256-thread barrier after their output stores, before Q's shared memory is reloaded; WG1
-    waits for the final row scales by the query's parity. ptxas fits it without a spill where nvcc is installed.
-    The builder takes it for one split only, and decode_spec names it only when asked."""
-    from lowering_helpers import lower_source
-    from deepinfer.kernels.tilelang import attention
-    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
-
-    src = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", persistent=132), "sm_90a")
-    loops = re.findall(r"for \(int qi(?:_\d)? = 0; qi(?:_\d)? < \(+n_q \+ 131\) - \(\(int\)blockIdx\.y\)\) / 132\)", src)
-    assert len(loops) == 3  # WG0, WG1, the producer
-    assert "k_ready[0].wait(((qi * 5) & 1))" in src
-    assert "bar_fin[0].wait((qi_1 & 1))" in src
-    assert src.count("__sync_thread_partial(10, 256)") == 2
-    assert "((qi_2 & 1) * 640)" in src  # the producer's row table for the query's parity
-    report = _nvcc_report(src)
-    if report:
-        log, regs = report
-        assert regs <= 168 and "0 bytes spill stores" in log
-    with pytest.raises(AssertionError, match="persistent: one split"):
-        build_sink_attention_decode(splits=2, arch="sm_90a", persistent=132)
-    assert attention.decode_spec(128, 512, 1, 128)[-1] != 132
-    assert attention.decode_spec(128, 512, 1, 128, "", 132)[-1] == 132

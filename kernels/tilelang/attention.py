@@ -30,13 +30,6 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 # On the H100, B=64 at 32K: 32.0 us clustered vs 36.5; 16 (a non-portable cluster, also B=1 and 8's ten splits) lost
 # there, 23.6 vs 9.7 us at B=1 (benchmarks/results/attention_decode_gpu_s25_h100.log)
 CLUSTER_SPLITS = 8
-# 1: a one-split launch (prefill rows; decode from ~SMs queries) runs one CTA an SM, each walking its share of the
-# queries (build_sink_attention_decode's `persistent`: the next query's row table and first key blocks overlap the
-# current one's last blocks; the same bits); 0: one CTA a query. A candidate, not yet run on a GPU: 8K prefill
-# attention is ~62 waves of one-query CTAs whose fixed part (launch, row table, first block's load and
-# dequantisation, Q, the output's stores) the twenty-fifth session's `prologue` probe put near 16 us a wave at
-# B=256 (docs/hopper-kernels.md)
-PERSISTENT = 0
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -115,18 +108,13 @@ def _clustered(splits: int) -> bool:
     return 2 <= splits <= CLUSTER_SPLITS
 
 
-def _persistent(splits: int, device) -> int:
-    """CTAs of a persistent one-split launch on `device` (PERSISTENT), else 0."""
-    return sm_count(str(device)) if PERSISTENT and splits == 1 else 0
-
-
-def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "", persistent: int = 0) -> tuple:
+def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "") -> tuple:
     """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
     from the builder's default (the ring's width when wider than the window: rollback rows for speculative decoding,
-    a compile-time shape; a probe; a cluster of the splits; the CTAs of a persistent launch), so equal kernels get
-    equal specs (the compile cache, the JIT manifest)."""
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits), persistent]
-    defaults = [None, (192, 160, 152), None, "", False, 0]
+    a compile-time shape; a probe; a cluster of the splits), so equal kernels get equal specs (the compile cache,
+    the JIT manifest)."""
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits)]
+    defaults = [None, (192, 160, 152), None, "", False]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)
@@ -153,7 +141,7 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     assert R >= window and H == 64 and D == 512 and n_q > 0
     n_blocks = (window + topk) // BLOCK_KEYS
     splits = used_splits(splits or _splits(n_q, n_blocks, q.device), n_blocks)
-    kernel = jit(*decode_spec(window, topk, splits, R, probe, _persistent(splits, q.device)))
+    kernel = jit(*decode_spec(window, topk, splits, R, probe))
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),
             (float(scale),))

@@ -84,8 +84,7 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = "", cluster: bool = False,
-                                persistent: int = 0):
+                                ring: int | None = None, probe: str = "", cluster: bool = False):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch:
     None = the current target (wgmma on sm_90*, a synchronous gemm elsewhere, which only serves the lowering test).
@@ -104,14 +103,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     block) and its m, l in its own shared memory, and after a cluster barrier each CTA combines a 1/splits share of
     the output's 16-byte pieces from every split's shared memory (build_sink_combine's arithmetic in its order, so
     the same bits) and stores it as bf16; no fp32 partials in HBM and no combine launch. Up to
-    attention.CLUSTER_SPLITS splits (8) in the model.
-    persistent: with one split, a grid of this many CTAs (one an SM) that walk the queries (CTA c takes queries c,
-    c + persistent, ...; 0: one CTA a query). The key buffer halves and the barriers' phases run on across a CTA's
-    queries (block g of the CTA's stream in half g % 2), so the producer builds the next query's row table and
-    dequantises its first blocks while the math warpgroups finish the current one, and the launch, register
-    reconfiguration and pipeline fill are paid once per CTA instead of once per query. The row table is
-    double-buffered by query; Q's shared memory, which stages the output, is reloaded once both warpgroups have
-    stored theirs. Each query's arithmetic is the one-CTA-a-query kernel's, in its order: the same bits."""
+    attention.CLUSTER_SPLITS splits (8) in the model."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
@@ -122,9 +114,6 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     # every split starts inside the keys (attention.used_splits): nmine's clamp at 0 below is folded away by
     # TileLang, so a split past the end would read beyond its query's selection
     assert (splits - 1) * PER < NB, f"{splits} splits of {NB} blocks leave a split past the end: use used_splits"
-    # the producer rewrites a query's row-table buffer two queries later, once the math warpgroups are past block
-    # NB - 3 of the query between (three blocks at least; a window of 128 and any selection give 3+)
-    assert not persistent or (splits == 1 and not cluster and NB >= 3), "persistent: one split, no cluster, 3+ blocks"
     DH = D // 2
     n_prod = 128  # one producer warpgroup (two: ptxas cannot fit WG0's wgmma in 128 launch registers)
     threads = 256 + n_prod
@@ -168,17 +157,16 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             T.wait_wgmma(n)
 
     @T.macro
-    def wg0_block(n, g, ib, nmine, k_s, p_s, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s, k_ready,
-                  k_free, p_ready, p_free, scale2):
-        # the query's block n, the CTA's block g (its key buffer and P halves g % 2; = n unless persistent), its row
-        # table at idx_s[ib:]. QK(g) was issued into s_acc (previous block or prologue); PV_L(g-1) has completed
+    def wg0_block(n, nmine, k_s, p_s, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s, k_ready, k_free,
+                  p_ready, p_free, scale2):
+        # QK(n) was issued into s_acc (previous block or prologue); PV_L(n-1) has completed
         wait_mma(0)
         if probe == "no_softmax":
             for h in T.Parallel(H):
                 alpha[h] = 1.0
         else:
             for h, j in T.Parallel(H, BK):
-                s_acc[h, j] = T.if_then_else(idx_s[ib + n * BK + j] >= 0, s_acc[h, j] * scale2, -T.infinity("float32"))
+                s_acc[h, j] = T.if_then_else(idx_s[n * BK + j] >= 0, s_acc[h, j] * scale2, -T.infinity("float32"))
             T.copy(m_i, m_prev)
             T.reduce_max(s_acc, m_i, dim=1, clear=False)
             for h in T.Parallel(H):
@@ -190,33 +178,32 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 l_i[h] = l_i[h] * alpha[h] + rsum[h]
             for h, d in T.Parallel(H, DH):
                 o_l[h, d] *= alpha[h]
-        # P buffer half g % 2 was last read by WG1's wgmma for block g-2
-        T.barrier_wait(p_free[g % 2], ((g // 2) & 1) ^ 1)
-        T.copy(s_acc, p_s[(g % 2) * H:(g % 2 + 1) * H, 0:BK])
+        # P buffer half n % 2 was last read by WG1's wgmma for block n-2
+        T.barrier_wait(p_free[n % 2], ((n // 2) & 1) ^ 1)
+        T.copy(s_acc, p_s[(n % 2) * H:(n % 2 + 1) * H, 0:BK])
         for h in T.Parallel(H):
-            alpha_s[g % 2, h] = alpha[h]
+            alpha_s[n % 2, h] = alpha[h]
         T.fence_proxy_async()
-        T.barrier_arrive(p_ready[g % 2])
-        mma(p_s[(g % 2) * H:(g % 2 + 1) * H, 0:BK], k_s[(g % 2) * BK:(g % 2 + 1) * BK, 0:DH], o_l)
+        T.barrier_arrive(p_ready[n % 2])
+        mma(p_s[(n % 2) * H:(n % 2 + 1) * H, 0:BK], k_s[(n % 2) * BK:(n % 2 + 1) * BK, 0:DH], o_l)
         if n + 1 < nmine:
-            # QK(g+1) queues behind PV_L(g): the tensor cores stay busy while WG0 waits
-            T.barrier_wait(k_ready[1 - g % 2], ((g + 1) // 2) & 1)
-            qk(q_s, k_s, (1 - g % 2) * BK, s_acc)
-            wait_mma(QCH)  # PV_L(g) is older than the QCH groups of QK(g+1)
+            # QK(n+1) queues behind PV_L(n): the tensor cores stay busy while WG0 waits
+            T.barrier_wait(k_ready[1 - n % 2], ((n + 1) // 2) & 1)
+            qk(q_s, k_s, (1 - n % 2) * BK, s_acc)
+            wait_mma(QCH)  # PV_L(n) is older than the QCH groups of QK(n+1)
         else:
             wait_mma(0)
-        T.barrier_arrive(k_free[g % 2])  # PV_L(g) done: WG0 no longer reads key buffer half g % 2
+        T.barrier_arrive(k_free[n % 2])  # PV_L(n) done: WG0 no longer reads key buffer half n % 2
 
     @T.macro
-    def wg1_block(g, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free):
-        # the CTA's block g (wg0_block's)
-        T.barrier_wait(p_ready[g % 2], (g // 2) & 1)
+    def wg1_block(n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free):
+        T.barrier_wait(p_ready[n % 2], (n // 2) & 1)
         for h, d in T.Parallel(H, DH):
-            o_r[h, d] *= alpha_s[g % 2, h]
-        mma(p_s[(g % 2) * H:(g % 2 + 1) * H, 0:BK], k_s[(g % 2) * BK:(g % 2 + 1) * BK, DH:D], o_r)
+            o_r[h, d] *= alpha_s[n % 2, h]
+        mma(p_s[(n % 2) * H:(n % 2 + 1) * H, 0:BK], k_s[(n % 2) * BK:(n % 2 + 1) * BK, DH:D], o_r)
         wait_mma(0)
-        T.barrier_arrive(k_free[g % 2])
-        T.barrier_arrive(p_free[g % 2])
+        T.barrier_arrive(k_free[n % 2])
+        T.barrier_arrive(p_free[n % 2])
 
     @T.macro
     def out_half(q_s, out, bq, t, c0):
@@ -229,79 +216,80 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                     q_s[(i * 128 + t) // (DH // 8), c0 + (i * 128 + t) % (DH // 8) * 8 + v]
 
     @T.macro
-    def load_block(n, ib, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
-        # the query's block n's packed rows into registers (a window block's FP8 rows 16 bytes a row and lane, a pool
-        # block's FP4 rows 8), window or pool chosen once for the whole block; ok[i] holds row i's source row (-1:
-        # invisible), from the row table at idx_s[ib:]
+    def load_block(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
+        # block n's packed rows into registers (a window block's FP8 rows 16 bytes a row and lane, a pool block's FP4
+        # rows 8), window or pool chosen once for the whole block; ok[i] holds row i's source row (-1: invisible)
         if no_load:  # bytes made from the row index: no HBM read
             for i in T.unroll(ROWS):
-                row = idx_s[ib + n * BK + warp * ROWS + i]
+                row = idx_s[n * BK + warp * ROWS + i]
                 ok[i] = row
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = T.cast((row + v) & 0x77, "uint8")
                 sc[i] = T.cast(120, "uint8")
         elif kb0 + n < NWB:
             for i in T.unroll(ROWS):
-                row = idx_s[ib + n * BK + warp * ROWS + i]
+                row = idx_s[n * BK + warp * ROWS + i]
                 ok[i] = row
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
                 sc[i] = win_scale[b, T.max(row, 0), lane // 2]
         else:
             for i in T.unroll(ROWS):
-                row = idx_s[ib + n * BK + warp * ROWS + i]
+                row = idx_s[n * BK + warp * ROWS + i]
                 ok[i] = row
                 for v in T.vectorized(8):
                     raw[i * 16 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
                 sc[i] = cmp_scale[T.max(row, 0), lane]
 
     @T.macro
-    def store_row(half, k_s, warp, lane, i, visible, vals):
-        # one dequantised row into the key buffer's half `half`, zeros where invisible
+    def store_row(n, k_s, warp, lane, i, visible, vals):
+        # one dequantised row into block n's half of the key buffer, zeros where invisible
         for v in T.vectorized(16):
-            k_s[half * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(visible, vals[v], T.cast(0, "bfloat16"))
+            k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(visible, vals[v], T.cast(0, "bfloat16"))
 
     @T.macro
-    def keep_row(half, k_s, warp, lane, i, raw, sc, ok):
+    def keep_row(n, k_s, warp, lane, i, raw, sc, ok):
         # the no_dequant probes: no row is converted or written, but the loads stay (the compiler would drop them)
         if ok[i] == -7:  # never (rows are >= -1)
             for v in T.vectorized(16):
-                k_s[half * BK + warp * ROWS + i, lane * 16 + v] = T.cast(T.cast(raw[i * 16 + v] + sc[i], "float32"),
+                k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.cast(T.cast(raw[i * 16 + v] + sc[i], "float32"),
                                                                            "bfloat16")
 
     @T.macro
-    def dequant_block(n, half, kb0, k_s, lane, warp, raw, sc, ok, vals):
-        # the query's block n into rows [half BK, (half + 1) BK) of the key buffer, window or pool chosen once
+    def dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals):
+        # block n into rows [(n % 2) BK, (n % 2 + 1) BK) of the key buffer, window or pool chosen once
         if no_dequant:
             for i in T.unroll(ROWS):
-                keep_row(half, k_s, warp, lane, i, raw, sc, ok)
+                keep_row(n, k_s, warp, lane, i, raw, sc, ok)
         elif kb0 + n < NWB:
             for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
-                store_row(half, k_s, warp, lane, i, ok[i] >= 0, vals)
+                store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
         else:
             for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
                               T.address_of(vals[8]))
-                store_row(half, k_s, warp, lane, i, ok[i] >= 0, vals)
+                store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
         T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
 
     @T.macro
-    def producer(nmine, g0, ib, kb0, b, lane, warp, raw, sc, ok, vals, idx_s, k_s, k_ready, k_free, win_kv,
-                 win_scale, cmp_kv, cmp_scale):
-        # one query's blocks, the CTA's blocks g0.. (its row table at idx_s[ib:]). Block n+1's rows are loaded right
-        # after block n is dequantised: their latency overlaps the wait for a free key buffer half (two ahead, in
-        # alternate halves of the row registers, gained nothing on an H100)
+    def producer(nmine, kb0, b, lane, warp, idx_s, k_s, k_ready, k_free, win_kv, win_scale, cmp_kv, cmp_scale):
+        # block n+1's rows are loaded right after block n is dequantised: their latency overlaps the wait for a
+        # free key buffer half (two ahead, in alternate halves of the row registers, gained nothing on an H100)
+        raw = T.alloc_local((ROWS * 16,), "uint8")
+        sc = T.alloc_local((ROWS,), "uint8")
+        ok = T.alloc_local((ROWS,), "int32")
+        vals = T.alloc_local((16,), "bfloat16")
         if nmine > 0:
-            load_block(0, ib, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+            load_block(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
         for n in T.serial(nmine):
-            T.barrier_wait(k_free[(g0 + n) % 2], (((g0 + n) // 2) & 1) ^ 1)
-            dequant_block(n, (g0 + n) % 2, kb0, k_s, lane, warp, raw, sc, ok, vals)
-            T.barrier_arrive(k_ready[(g0 + n) % 2])
+            T.barrier_wait(k_free[n % 2], ((n // 2) & 1) ^ 1)
+            dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals)
+            T.barrier_arrive(k_ready[n % 2])
             if n + 1 < nmine:
-                load_block(n + 1, ib, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+                load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
 
     @T.macro
     def merge(bs, bq, tx, k_s, ml_s, w_s, sink, out):
@@ -365,17 +353,15 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         ml_part: T.Tensor((n_q, PS, 2, H), "float32"),
         scale: T.float32,
     ):
-        with T.Kernel(splits, persistent if persistent else n_q, threads=threads,
-                      cluster_dims=(splits, 1, 1) if clustered else None) as (bs, bc):
+        with T.Kernel(splits, n_q, threads=threads, cluster_dims=(splits, 1, 1) if clustered else None) as (bs, bq):
             q_s = T.alloc_shared((H, D), "bfloat16")
-            k_s = T.alloc_shared((2 * BK, D), "bfloat16")  # block g's keys at rows [(g % 2) BK, (g % 2 + 1) BK)
+            k_s = T.alloc_shared((2 * BK, D), "bfloat16")  # block n's keys at rows [(n % 2) BK, (n % 2 + 1) BK)
             ml_s = T.alloc_shared((2, H), "float32")       # cluster: this split's m (natural log) and l
             w_s = T.alloc_shared((splits + 1, H), "float32")  # cluster: each split's weight and the denominator
-            p_s = T.alloc_shared((2 * H, BK), "bfloat16")  # block g's P at rows [(g % 2) H, (g % 2 + 1) H)
+            p_s = T.alloc_shared((2 * H, BK), "bfloat16")  # block n's P at rows [(n % 2) H, (n % 2 + 1) H)
             alpha_s = T.alloc_shared((2, H), "float32")
             fin_s = T.alloc_shared((H,), "float32")
-            # per key of this split: source row, -1 = invisible (persistent: one table a query, two in turn)
-            idx_s = T.alloc_shared(((2 if persistent else 1) * PER * BK,), "int32")
+            idx_s = T.alloc_shared((PER * BK,), "int32")  # per key of this split: source row, -1 = invisible
 
             k_ready = T.alloc_barrier([n_prod, n_prod])    # key buffer half i dequantised
             k_free = T.alloc_barrier([256, 256])           # key buffer half i no longer read by either math WG
@@ -387,9 +373,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             T.import_source(CUDA_SOURCE + (CLUSTER_SOURCE if clustered else ""))
             kb0 = bs * PER
             nmine = T.max(T.min((0 if probe == "prologue" else NB) - kb0, PER), 0)
-            # this CTA's queries: bc alone, or (persistent) bc, bc + persistent, ... below n_q (none past the last
-            # query: the numerator stays >= 0 since bc < persistent and n_q >= 1)
-            n_mine = (n_q - bc + persistent - 1) // persistent if persistent else 1
+            b = q_seq[bq]
+            p = q_pos[bq]
 
             if tx < 128:
                 # ---- WG0: QK^T, online softmax, O[:, :256]
@@ -401,88 +386,79 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 l_i = T.alloc_fragment((H,), "float32")
                 rsum = T.alloc_fragment((H,), "float32")
                 alpha = T.alloc_fragment((H,), "float32")
+                scale2 = scale * LOG2E
+                # Q -> shared in the twiddled head-dim order (16-byte loads, permuted in registers); WG0 alone
+                # reads Q, so the other roles start without waiting for it. The source interleaves each load with
+                # its store; ptxas issues all 32 loads first (sm_90a SASS, tools/kernel_code_size.py's cubin)
                 qv = T.alloc_local((8,), "bfloat16")
                 qt = T.alloc_local((8,), "bfloat16")
-                scale2 = scale * LOG2E
-                for qi in T.serial(n_mine):
-                    bq = bc + qi * persistent if persistent else bc
-                    g0 = qi * nmine
-                    # Q -> shared in the twiddled head-dim order (16-byte loads, permuted in registers); WG0 alone
-                    # reads Q, so the other roles start without waiting for it. The source interleaves each load
-                    # with its store; ptxas issues all 32 loads first (sm_90a SASS, tools/kernel_code_size.py)
-                    for i0 in T.unroll(32):
-                        for v in T.vectorized(8):
-                            qv[v] = q[bq, (i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v]
-                        for v in T.unroll(8):
-                            qt[v] = qv[(v % 2) * 4 + v // 2]
-                        for v in T.vectorized(8):
-                            q_s[(i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v] = qt[v]
-                    T.fence_proxy_async()
-                    T.fill(m_i, NEG_BIG)
-                    T.fill(l_i, 0.0)
-                    T.fill(o_l, 0.0)
-                    if nmine > 0:
-                        T.barrier_wait(k_ready[g0 % 2], (g0 // 2) & 1)
-                        qk(q_s, k_s, (g0 % 2) * BK, s_acc)
-                    for n in T.serial(nmine):
-                        wg0_block(n, g0 + n, (qi % 2) * PER * BK, nmine, k_s, p_s, q_s, s_acc, o_l, m_i, m_prev, l_i,
-                                  rsum, alpha, idx_s, alpha_s, k_ready, k_free, p_ready, p_free, scale2)
-                    wait_mma(0)
-                    if single:
-                        for h in T.Parallel(H):
-                            # the sink joins the denominator only: out = O e^-M / (l e^-M + e^(sink - M))
-                            alpha[h] = T.max(m_i[h], sink[h] * LOG2E)
-                            rsum[h] = T.exp2(m_i[h] - alpha[h]) / (l_i[h] * T.exp2(m_i[h] - alpha[h])
-                                                                   + T.exp2(sink[h] * LOG2E - alpha[h]))
-                        for h in T.Parallel(H):
-                            fin_s[h] = rsum[h]
-                        T.barrier_arrive(bar_fin[0])
-                        # through Q's shared memory (free: WG0's MMAs are done), then 16-byte stores
-                        for h, d in T.Parallel(H, DH):
-                            q_s[h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
-                        T.sync_threads(6, 128)
-                        out_half(q_s, out, bq, tx, 0)
-                        if persistent:
-                            T.sync_threads(10, 256)  # both halves stored: Q's memory and fin_s free again
-                    elif clustered:
-                        T.sync_threads(8, 256)  # WG1's last PV is done too: the key buffer is free for the partial
-                        for h in T.Parallel(H):
-                            ml_s[0, h] = m_i[h] * LN2
-                            ml_s[1, h] = l_i[h]
-                        for h, d in T.Parallel(H, DH):
-                            T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d, o_l[h, d])
-                    else:
-                        for h in T.Parallel(H):
-                            ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as the combine expects
-                            ml_part[bq, bs, 1, h] = l_i[h]
-                        for h, d in T.Parallel(H, DH):
-                            o_part[bq, bs, h, d] = o_l[h, d]
+                for i0 in T.unroll(32):
+                    for v in T.vectorized(8):
+                        qv[v] = q[bq, (i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v]
+                    for v in T.unroll(8):
+                        qt[v] = qv[(v % 2) * 4 + v // 2]
+                    for v in T.vectorized(8):
+                        q_s[(i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v] = qt[v]
+                T.fence_proxy_async()
+                T.fill(m_i, NEG_BIG)
+                T.fill(l_i, 0.0)
+                T.fill(o_l, 0.0)
+                if nmine > 0:
+                    T.barrier_wait(k_ready[0], 0)
+                    qk(q_s, k_s, 0, s_acc)
+                for n in T.serial(nmine):
+                    wg0_block(n, nmine, k_s, p_s, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
+                              k_ready, k_free, p_ready, p_free, scale2)
+                wait_mma(0)
+                if single:
+                    for h in T.Parallel(H):
+                        # the sink joins the denominator only: out = O e^-M / (l e^-M + e^(sink - M))
+                        alpha[h] = T.max(m_i[h], sink[h] * LOG2E)
+                        rsum[h] = T.exp2(m_i[h] - alpha[h]) / (l_i[h] * T.exp2(m_i[h] - alpha[h])
+                                                               + T.exp2(sink[h] * LOG2E - alpha[h]))
+                    for h in T.Parallel(H):
+                        fin_s[h] = rsum[h]
+                    T.barrier_arrive(bar_fin[0])
+                    # through Q's shared memory (free: WG0's MMAs are done), then 16-byte stores
+                    for h, d in T.Parallel(H, DH):
+                        q_s[h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
+                    T.sync_threads(6, 128)
+                    out_half(q_s, out, bq, tx, 0)
+                elif clustered:
+                    T.sync_threads(8, 256)  # WG1's last PV is done too: the key buffer is free for the partial
+                    for h in T.Parallel(H):
+                        ml_s[0, h] = m_i[h] * LN2
+                        ml_s[1, h] = l_i[h]
+                    for h, d in T.Parallel(H, DH):
+                        T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d, o_l[h, d])
+                else:
+                    for h in T.Parallel(H):
+                        ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as the combine expects
+                        ml_part[bq, bs, 1, h] = l_i[h]
+                    for h, d in T.Parallel(H, DH):
+                        o_part[bq, bs, h, d] = o_l[h, d]
 
             elif tx < 256:
                 # ---- WG1: O[:, 256:]
                 T.set_max_nreg(REG1, int(REG1 > launch_regs))
                 o_r = T.alloc_fragment((H, DH), "float32")
-                for qi in T.serial(n_mine):
-                    bq = bc + qi * persistent if persistent else bc
-                    T.fill(o_r, 0.0)
-                    for n in T.serial(nmine):
-                        wg1_block(qi * nmine + n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free)
-                    if single:
-                        T.barrier_wait(bar_fin[0], qi & 1)
-                        # WG0 has passed its last MMA (bar_fin): Q's shared memory is free
-                        for h, d in T.Parallel(H, DH):
-                            q_s[h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
-                        T.sync_threads(7, 128)
-                        out_half(q_s, out, bq, tx - 128, DH)
-                        if persistent:
-                            T.sync_threads(10, 256)
-                    elif clustered:
-                        T.sync_threads(8, 256)
-                        for h, d in T.Parallel(H, DH):
-                            T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d + DH, o_r[h, d])
-                    else:
-                        for h, d in T.Parallel(H, DH):
-                            o_part[bq, bs, h, d + DH] = o_r[h, d]
+                T.fill(o_r, 0.0)
+                for n in T.serial(nmine):
+                    wg1_block(n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free)
+                if single:
+                    T.barrier_wait(bar_fin[0], 0)
+                    # WG0 has passed its last MMA (bar_fin): Q's shared memory is free
+                    for h, d in T.Parallel(H, DH):
+                        q_s[h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
+                    T.sync_threads(7, 128)
+                    out_half(q_s, out, bq, tx - 128, DH)
+                elif clustered:
+                    T.sync_threads(8, 256)
+                    for h, d in T.Parallel(H, DH):
+                        T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d + DH, o_r[h, d])
+                else:
+                    for h, d in T.Parallel(H, DH):
+                        o_part[bq, bs, h, d + DH] = o_r[h, d]
 
             else:
                 # ---- producer warpgroup: row table, then each block's rows loaded one block ahead and dequantised
@@ -490,31 +466,20 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 pt = tx - 256
                 lane = pt % 32
                 warp = pt // 32
-                raw = T.alloc_local((ROWS * 16,), "uint8")
-                sc = T.alloc_local((ROWS,), "uint8")
-                ok = T.alloc_local((ROWS,), "int32")
-                vals = T.alloc_local((16,), "bfloat16")
-                for qi in T.serial(n_mine):
-                    bq = bc + qi * persistent if persistent else bc
-                    b = q_seq[bq]
-                    p = q_pos[bq]
-                    ib = (qi % 2) * PER * BK
-                    for i in T.serial(T.ceildiv(PER * BK, n_prod)):  # ptxas unrolls it, its loads issued together
-                        if i * n_prod + pt < nmine * BK:
-                            kb = kb0 + (i * n_prod + pt) // BK
-                            r = (i * n_prod + pt) % BK
-                            if kb < NWB:
-                                pp = p - window + 1 + kb * BK + r  # the slot's position; its ring row is pp mod W
-                                row = T.max(pp, 0) % W
-                                idx_s[ib + i * n_prod + pt] = T.if_then_else((pp >= 0) and (win_pos[b, row] == pp),
-                                                                             row, -1)
-                            else:
-                                idx_s[ib + i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
-                    T.sync_threads(5, n_prod)  # producers only: the row table is complete
-                    producer(nmine, qi * nmine, ib, kb0, b, lane, warp, raw, sc, ok, vals, idx_s, k_s, k_ready, k_free,
-                             win_kv, win_scale, cmp_kv, cmp_scale)
+                for i in T.serial(T.ceildiv(PER * BK, n_prod)):  # ptxas unrolls it, its loads issued together
+                    if i * n_prod + pt < nmine * BK:
+                        kb = kb0 + (i * n_prod + pt) // BK
+                        r = (i * n_prod + pt) % BK
+                        if kb < NWB:
+                            pp = p - window + 1 + kb * BK + r  # the slot's position; its ring row is pp mod W
+                            row = T.max(pp, 0) % W
+                            idx_s[i * n_prod + pt] = T.if_then_else((pp >= 0) and (win_pos[b, row] == pp), row, -1)
+                        else:
+                            idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
+                T.sync_threads(5, n_prod)  # producers only: the row table is complete
+                producer(nmine, kb0, b, lane, warp, idx_s, k_s, k_ready, k_free, win_kv, win_scale, cmp_kv, cmp_scale)
 
             if clustered:
-                merge(bs, bc, tx, k_s, ml_s, w_s, sink, out)
+                merge(bs, bq, tx, k_s, ml_s, w_s, sink, out)
 
     return sink_attention_decode

@@ -202,22 +202,3 @@ def test_clustered_splits_give_the_combine_s_bits(ring, splits):
         cand = attention.sink_attention_decode(*args, scale, splits=splits)
     torch.cuda.synchronize()
     assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
-
-
-@pytest.mark.parametrize("B,ring", [(40, W), (300, W), (120, 192)])
-def test_persistent_ctas_give_one_cta_a_query_s_bits(B, ring):
-    """attention.PERSISTENT: a one-split launch as one CTA an SM, each walking its queries (the row table in two
-    buffers by query, the key and P buffer halves and the barriers' phases running on across queries, Q's shared
-    memory reloaded after both output halves are stored), gives the one-CTA-a-query kernel's bits and holds to
-    float64: about as many queries as SMs, several rounds with a partial last one, a rollback ring."""
-    from deepinfer.kernels.tilelang import attention
-
-    args, ref = _case(B, seed=5150 + B + ring, ring=ring)
-    scale = D ** -0.5
-    with mock.patch.object(attention, "PERSISTENT", 0):
-        base = attention.sink_attention_decode(*args, scale, splits=1)
-    with mock.patch.object(attention, "PERSISTENT", 1):
-        cand = attention.sink_attention_decode(*args, scale, splits=1)
-    torch.cuda.synchronize()
-    assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
-    _check(cand, *ref, scale)
