@@ -28,12 +28,6 @@ activation tile in the wgmma K-major 128-byte-swizzled layout (token n's 128 byt
 (c ^ (n & 7)) * 16; SBO 1024), loaded straight by cp.async (no permute: `a` is already in MMA order). The scale
 bytes of the block's 128 rows over all of K sit after the stages (loaded once, with the first stage).
 
-Rows of `a`: the tile's own (row tile_row + n: the down projection, whose input the gate/up epilogue wrote in tile
-order), or, built with `gather`, row a_rows[tile_row + n] (the gate/up projection reads the tokens' rows in place:
-each token sits in top-k tiles, and the copy of them in tile order that this replaces, ~750 MB written and read again
-a layer for an 8K chunk, was the prefill's largest glue kernel). The tile's row indices are read into shared memory
-once, after the scales, before the K loop.
-
 Pipeline per step k (one barrier a step): wait for step k's stage and fence it to the async proxy (each thread its
 own cp.async writes, which wgmma reads); wgmma wait_group 1 (this warpgroup's MMAs of step k-2 done); barrier
 (everyone's step k-2 MMAs done, so its slot is free); issue step k+S-2 into that slot; dequantise step k into A
@@ -69,13 +63,12 @@ def mma_order(k: int) -> list[int]:
 _MAIN = r"""
 #ifndef DEEPINFER_XRS_H
 #define DEEPINFER_XRS_H
-// K step kk (64 K) into stage st: weights (128 rows x 32 bytes), then the activation tile (BT tokens x 128 bytes;
-// GATHER: token n's row of a is rows_s[n], else n); nothing copied when !pred (kk is then any step inside K: the
-// addresses stay valid). Predicated, never skipped by a branch: a conditional block between two steps' MMAs makes
-// ptxas serialise every wgmma (module docstring).
-template <int BT, bool GATHER>
-__device__ __forceinline__ void xrs_issue(uint8_t* st, const uint8_t* a, int a_ld, const int* rows_s,
-                                          const uint8_t* w, int w_ld, int kk, int tid, int pred) {
+// K step kk (64 K) into stage st: weights (128 rows x 32 bytes), then the activation tile (BT tokens x 128 bytes);
+// nothing copied when !pred (kk is then any step inside K: the addresses stay valid). Predicated, never skipped by a
+// branch: a conditional block between two steps' MMAs makes ptxas serialise every wgmma (module docstring).
+template <int BT>
+__device__ __forceinline__ void xrs_issue(uint8_t* st, const uint8_t* a, int a_ld, const uint8_t* w, int w_ld,
+                                          int kk, int tid, int pred) {
   di3_cp16(st + (tid >> 1) * 32 + (tid & 1) * 16, w + (size_t)(tid >> 1) * w_ld + kk * 32 + (tid & 1) * 16, pred);
   // token n's 64 K (128 bytes) in row n of a 128-byte-swizzled K-major tile: chunk c at (c ^ (n & 7)) * 16; a warp
   // covers 4 whole rows (coalesced reads, conflict-free writes)
@@ -83,8 +76,7 @@ __device__ __forceinline__ void xrs_issue(uint8_t* st, const uint8_t* a, int a_l
 #pragma unroll
   for (int it = 0; it < BT / 32; ++it) {
     const int n = (tid >> 3) + 32 * it, c = tid & 7;
-    const size_t row = GATHER ? (size_t)rows_s[n] : (size_t)n;
-    di3_cp16(xs + n * 128 + ((c ^ (n & 7)) << 4), a + row * a_ld + kk * 128 + c * 16, pred);
+    di3_cp16(xs + n * 128 + ((c ^ (n & 7)) << 4), a + (size_t)n * a_ld + kk * 128 + c * 16, pred);
   }
 }
 
@@ -135,27 +127,26 @@ __device__ __forceinline__ void xrs_group(const uint8_t* st, const uint8_t* s_al
 }
 
 // step k of the K loop: its stage landed and fenced, one barrier, the stage S-2 ahead issued, its MMAs
-template <int BT, int S, bool GATHER, int BUF>
+template <int BT, int S, int BUF>
 __device__ __forceinline__ void xrs_step(uint8_t* smem, const uint8_t* s_all, const uint8_t* a, int a_ld,
-                                         const int* rows_s, const uint8_t* w, int w_ld, int s_ld, int nk, int k,
-                                         uint32_t* a_all, float* acc) {
+                                         const uint8_t* w, int w_ld, int s_ld, int nk, int k, uint32_t* a_all,
+                                         float* acc) {
   constexpr int STAGE = XRS_W_BYTES + BT * 128;
   di3_cp_wait<S - 3>();
   di3_fence_async();  // this thread's cp.async writes of step k (generic proxy) -> the wgmma reads (async proxy)
   di3_wgmma_wait<1>();  // this warpgroup's step k-2 MMAs (the last readers of its slot and of A buffer BUF) done
   __syncthreads();
   const int ahead = k + S - 2;
-  xrs_issue<BT, GATHER>(smem + (ahead % S) * STAGE, a, a_ld, rows_s, w, w_ld, min(ahead, nk - 1), threadIdx.x,
-                        ahead < nk);
+  xrs_issue<BT>(smem + (ahead % S) * STAGE, a, a_ld, w, w_ld, min(ahead, nk - 1), threadIdx.x, ahead < nk);
   di3_cp_commit();
   xrs_group<BT, BUF>(smem + (k % S) * STAGE, s_all, s_ld, k, a_all, acc);
 }
 
 // the K loop of one block: acc[BT/2] (wgmma D layout) = W[128 rows, K] . A[BT tokens, K]^T over nk (even) steps of
-// 64 K; A's token n is row n of a + a_off, or (GATHER) row rows[n] of a
-template <int BT, int S, bool GATHER>
-__device__ __forceinline__ void xrs_loop(void* smem_, const void* a_, long long a_off, const int* rows, int a_ld,
-                                         const void* w_, int w_ld, const void* s_, int s_ld, int nk, float* acc) {
+// 64 K
+template <int BT, int S>
+__device__ __forceinline__ void xrs_mainloop(void* smem_, const void* a_, long long a_off, int a_ld, const void* w_,
+                                             int w_ld, const void* s_, int s_ld, int nk, float* acc) {
   // the stages from a 1024-byte boundary: the 128-byte swizzle's pattern repeats every 1024 bytes of address
   uint8_t* smem = static_cast<uint8_t*>(smem_) + ((1024u - (di3_smem(smem_) & 1023u)) & 1023u);
   // the tile's byte offset is passed apart: TileLang 0.1.15 fails to lower &a[by * BT, 0] at some widths (2304)
@@ -164,44 +155,25 @@ __device__ __forceinline__ void xrs_loop(void* smem_, const void* a_, long long 
   const uint8_t* s = static_cast<const uint8_t*>(s_);
   constexpr int STAGE = XRS_W_BYTES + BT * 128;
   uint8_t* s_all = smem + S * STAGE;
-  int* rows_s = reinterpret_cast<int*>(s_all + XRS_ROWS * s_ld);  // the tile's rows of a (GATHER), after the scales
   const int tid = threadIdx.x;
   uint32_t a_all[32];
-  if (GATHER) {  // before the K loop: no branch between its MMAs
-    for (int i = tid; i < BT; i += blockDim.x) rows_s[i] = rows[i];
-    __syncthreads();
-  }
   for (int i = tid; i < XRS_ROWS * (s_ld / 8); i += blockDim.x) {
     const int r = i / (s_ld / 8), c = i % (s_ld / 8);
     di3_cp_small<8>(s_all + r * s_ld + c * 8, s + (size_t)r * s_ld + c * 8, 1);
   }
 #pragma unroll
   for (int p = 0; p < S - 2; ++p) {
-    xrs_issue<BT, GATHER>(smem + p * STAGE, a, a_ld, rows_s, w, w_ld, min(p, nk - 1), tid, p < nk);
+    xrs_issue<BT>(smem + p * STAGE, a, a_ld, w, w_ld, min(p, nk - 1), tid, p < nk);
     di3_cp_commit();
   }
   // the A buffers alternate between steps (nk is even: no branch between two steps' MMAs)
   for (int k = 0; k < nk; k += 2) {
-    xrs_step<BT, S, GATHER, 0>(smem, s_all, a, a_ld, rows_s, w, w_ld, s_ld, nk, k, a_all, acc);
-    xrs_step<BT, S, GATHER, 1>(smem, s_all, a, a_ld, rows_s, w, w_ld, s_ld, nk, k + 1, a_all, acc);
+    xrs_step<BT, S, 0>(smem, s_all, a, a_ld, w, w_ld, s_ld, nk, k, a_all, acc);
+    xrs_step<BT, S, 1>(smem, s_all, a, a_ld, w, w_ld, s_ld, nk, k + 1, a_all, acc);
   }
   di3_wgmma_wait<0>();
   di3_fence_regs(acc, BT / 2);
   __syncthreads();  // every warp is past its last reads of the stages: the epilogue tile may overwrite them
-}
-
-// the tile's rows of a from a_off bytes on (the down projection: its input is in tile order)
-template <int BT, int S>
-__device__ __forceinline__ void xrs_mainloop(void* smem, const void* a, long long a_off, int a_ld, const void* w,
-                                             int w_ld, const void* s, int s_ld, int nk, float* acc) {
-  xrs_loop<BT, S, false>(smem, a, a_off, nullptr, a_ld, w, w_ld, s, s_ld, nk, acc);
-}
-
-// the tile's rows of a through rows[0..BT) (the gate/up projection reads the token rows: no gathered copy)
-template <int BT, int S>
-__device__ __forceinline__ void xrs_mainloop_rows(void* smem, const void* a, const int* rows, int a_ld, const void* w,
-                                                  int w_ld, const void* s, int s_ld, int nk, float* acc) {
-  xrs_loop<BT, S, true>(smem, a, 0, rows, a_ld, w, w_ld, s, s_ld, nk, acc);
 }
 
 // acc (wgmma D layout: acc[i] = row 16*(warp&3) + g + 8*((i>>1)&1) of the warpgroup, token 8*(i>>2) + 2q + (i&1))
@@ -254,40 +226,45 @@ def cuda_source(block_t: int) -> str:
             + f"#define XRS_WGMMA_N di3_wgmma_n{block_t}\n" + _MAIN + "#endif\n")
 
 
-def shared_bytes(block_t: int, k: int, stages: int, gather: bool = False) -> int:
-    """Dynamic shared memory of one block: the stages, then the scales of 128 rows over K, then (gather) the tile's
-    row indices (the epilogue tile reuses the stages)."""
+def shared_bytes(block_t: int, k: int, stages: int) -> int:
+    """Dynamic shared memory of one block: the stages, then the scales of 128 rows over K (the epilogue tile
+    reuses the stages)."""
     stage = W_BYTES + block_t * 128
     assert block_t * (ROWS + CS_PAD) * 2 <= stages * stage, "the epilogue tile fits over the stage slots"
-    return stages * stage + ROWS * (k // 32) + (4 * block_t if gather else 0) + 1024  # + the stages' 1024 alignment
+    return stages * stage + ROWS * (k // 32) + 1024  # + the alignment of the stages to 1024 bytes
 
 
-def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, gather: bool = False,
-                          stages: int = STAGES, min_blocks: int = 0):
+def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, stages: int = STAGES,
+                          min_blocks: int = 0):
     """prim_func(a [rows, k] bf16 (K in mma_order), tile_expert [tiles] int32, tile_row [tiles] int32, w [E, n,
     k/2] uint8, s [E, n, k/32] uint8, aw [rows] fp32, out [rows, n | n/2] bf16 (swiglu: in mma_order), limit fp32):
     tile t covers rows tile_row[t] .. + block_t of a, aw and out (the caller's promise: inside rows), all of expert
-    tile_expert[t] (-1: an unused entry, whose blocks exit at once); rows, tiles and E dynamic.
-    gather: prim_func(a [src_rows, k], a_rows [rows] int32, tile_expert, ...): row r's activations are
-    a[a_rows[r]] (the gate/up projection reads the token rows themselves, not a copy gathered into tile order)."""
+    tile_expert[t] (-1: an unused entry, whose blocks exit at once); rows, tiles and E dynamic."""
     assert epilogue in ("plain", "swiglu")
     assert block_t in (64, 128) and stages >= 3
     assert n % ROWS == 0 and k % 128 == 0 and (k // 32) % 8 == 0  # an even number of 64-K steps
     n_out = n // 2 if epilogue == "swiglu" else n
     BT, S, NK, SL = block_t, stages, k // 64, k // 32
-    smem_bytes = shared_bytes(BT, k, S, gather)
+    smem_bytes = shared_bytes(BT, k, S)
     assert smem_bytes <= 227 * 1024
     if min_blocks == 0:  # two blocks an SM where shared memory holds them: at three (64 tokens) the 85 registers
         # left make ptxas serialise the MMAs (its C7512), and the prefill MoE at 2K tokens ran 6.37 -> 7.02 ms
         # (H100); two leave 128 (127 used at 128 tokens, 96 at 64)
         min_blocks = max(1, min(2, (227 * 1024) // (smem_bytes + 1024)))
     rows, tiles, experts = T.dynamic("rows"), T.dynamic("tiles"), T.dynamic("experts")
-    src_rows = T.dynamic("src_rows")
     src = cuda_source(BT)
-    loop = "xrs_mainloop_rows" if gather else "xrs_mainloop"
 
-    @T.macro
-    def gemm_tiles(a, a_rows, tile_expert, tile_row, w, s, aw, out, limit):
+    @T.prim_func
+    def fp4_expert_gemm(
+        a: T.Tensor((rows, k), "bfloat16"),
+        tile_expert: T.Tensor((tiles,), "int32"),
+        tile_row: T.Tensor((tiles,), "int32"),
+        w: T.Tensor((experts, n, k // 2), "uint8"),
+        s: T.Tensor((experts, n, k // 32), "uint8"),
+        aw: T.Tensor((rows,), "float32"),
+        out: T.Tensor((rows, n_out), "bfloat16"),
+        limit: T.float32,
+    ):
         with T.Kernel(n // ROWS, tiles, threads=THREADS) as (bx, by):
             T.annotate_min_blocks_per_sm(min_blocks)
             smem = T.alloc_shared((smem_bytes // 4,), "uint32")
@@ -299,9 +276,8 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, gat
             if e >= 0:  # expert -1: an unused entry of a list sized by a bound (moe_prefill._tile_lists)
                 for i in T.unroll(BT // 2):
                     acc[i] = T.float32(0)
-                # the tile's rows: through a_rows (gather), else from its byte offset in a
-                T.call_extern("handle", f"{loop}<{BT},{S}>", T.address_of(smem[0]), T.address_of(a[0, 0]),
-                              T.address_of(a_rows[r0]) if gather else T.cast(r0, "int64") * (k * 2), k * 2,
+                T.call_extern("handle", f"xrs_mainloop<{BT},{S}>", T.address_of(smem[0]),
+                              T.address_of(a[0, 0]), T.cast(r0, "int64") * (k * 2), k * 2,
                               T.address_of(w[e, bx * ROWS, 0]), k // 2,
                               T.address_of(s[e, bx * ROWS, 0]), SL, NK,
                               T.address_of(acc[0]))
@@ -320,35 +296,5 @@ def build_fp4_expert_gemm(n: int, k: int, epilogue: str, block_t: int = 128, gat
                         j = u % 64
                         T.call_extern("handle", "xrs_swiglu", T.address_of(smem[0]), t, j, limit, aw[r0 + t],
                                       T.address_of(out[r0 + t, bx * 64 + j]))
-
-    if gather:
-        @T.prim_func
-        def fp4_expert_gemm_rows(
-            a: T.Tensor((src_rows, k), "bfloat16"),
-            a_rows: T.Tensor((rows,), "int32"),
-            tile_expert: T.Tensor((tiles,), "int32"),
-            tile_row: T.Tensor((tiles,), "int32"),
-            w: T.Tensor((experts, n, k // 2), "uint8"),
-            s: T.Tensor((experts, n, k // 32), "uint8"),
-            aw: T.Tensor((rows,), "float32"),
-            out: T.Tensor((rows, n_out), "bfloat16"),
-            limit: T.float32,
-        ):
-            gemm_tiles(a, a_rows, tile_expert, tile_row, w, s, aw, out, limit)
-
-        return fp4_expert_gemm_rows
-
-    @T.prim_func
-    def fp4_expert_gemm(
-        a: T.Tensor((rows, k), "bfloat16"),
-        tile_expert: T.Tensor((tiles,), "int32"),
-        tile_row: T.Tensor((tiles,), "int32"),
-        w: T.Tensor((experts, n, k // 2), "uint8"),
-        s: T.Tensor((experts, n, k // 32), "uint8"),
-        aw: T.Tensor((rows,), "float32"),
-        out: T.Tensor((rows, n_out), "bfloat16"),
-        limit: T.float32,
-    ):
-        gemm_tiles(a, None, tile_expert, tile_row, w, s, aw, out, limit)
 
     return fp4_expert_gemm

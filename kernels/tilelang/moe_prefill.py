@@ -1,10 +1,12 @@
 """MoE at prefill sizes: tokens grouped by expert on the device (each expert's rows padded to whole tiles of
 `BLOCK_M`; with 64, an expert's tiles paired into 128-row ones), then the FP4 grouped GEMM (expert_gemm_kernel.py)
-over every expert at once, one launch per tile height: the gate/up projection with the SwiGLU in its epilogue
-(reading each layout row's token row in place, through its index), and the down projection. The tile lists are
-sized by a bound the host knows (tokens x top-k / BLOCK_M + experts), their unused entries expert -1 (the kernel's
-blocks for those exit at once): no device sync in the call, where the eager prefill step would leave the GPU idle
-while the host launches what follows (6-layer prefill 8K 144 -> 135 ms, H100, docs/hopper-kernels.md).
+over every expert at once, one launch per tile height: the gate/up projection with the SwiGLU in its epilogue, and
+the down projection. The tile lists are sized by a bound the host knows (tokens x top-k / BLOCK_M + experts), their
+unused entries expert -1 (the kernel's blocks for those exit at once): no device sync in the call, where the eager
+prefill step would leave the GPU idle while the host launches what follows (6-layer prefill 8K 144 -> 135 ms, H100,
+docs/hopper-kernels.md). The gate/up GEMM reads the tokens' rows copied into tile order: reading them in place
+through their indices made that GEMM 19% slower than the copy and the GEMM together (40-layer 8K prefill 749.6 vs
+728.6 ms, H200, thirty-fifth session; the variant is in git history).
 
 Why a second path beside the streaming kernel (moe_kernel.py): that kernel dequantises each weight tile into
 registers once per token tile of <= 64 tokens, which is what decode wants (weights read once, few tokens). At a
@@ -40,10 +42,6 @@ PREFILL_TOKENS = 2048  # tokens per call from which the grouped path runs (the s
 # rows per tile: each expert's rows start on a multiple of this; with 64, two of an expert's tiles run as one
 # 128-row tile (12.2 ms at 8K tokens against 12.5 with 128-row tiles, H100: less padding, the same MMAs)
 BLOCK_M = 64
-# 1: the gate/up GEMM reads each layout row's token row in place (a_rows); 0: from a copy gathered into tile order
-# first (~750 MB written and read again a layer for an 8K chunk; vectorized_gather_kernel 67.5 ms of the 40-layer 32K
-# prefill, H100, prefill_gpu_flash40_s34_h100), kept for a same-machine A/B (not yet run on a GPU)
-GATHER_ROWS = 1
 
 
 def wanted(n_tok: int, routed: PackedExperts) -> bool:
@@ -75,12 +73,10 @@ def _rows_of(tile_row, height: int, n: int, device) -> torch.Tensor:
     return (start[:, None] + torch.arange(height, device=device)).reshape(-1)
 
 
-def expert_gemm_torch(a: torch.Tensor, tiling, w: torch.Tensor, s: torch.Tensor, fmt: str, aw: torch.Tensor,
-                      epilogue: str, limit: float, a_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's function in torch: a [rows, K] (K permuted; a_rows: row r is a[a_rows[r]]), the tiles of
-    `tilings(tiling)` -> [rows, N | N/2] (rows no tile covers: zeros)."""
-    if a_rows is not None:
-        a = a[a_rows.long()]
+def expert_gemm_torch(a: torch.Tensor, tiling, w: torch.Tensor, s: torch.Tensor, fmt: str,
+                      aw: torch.Tensor, epilogue: str, limit: float) -> torch.Tensor:
+    """The kernel's function in torch: a [rows, K] (K permuted), the tiles of `tilings(tiling)` -> [rows, N | N/2]
+    (rows no tile covers: zeros)."""
     rows, k = a.shape
     n = w.shape[1]
     perm = k_perm(k, a.device)
@@ -105,28 +101,22 @@ def expert_gemm_torch(a: torch.Tensor, tiling, w: torch.Tensor, s: torch.Tensor,
 
 
 def expert_gemm(a: torch.Tensor, tiling, p: PackedExperts, which: str, aw: torch.Tensor, epilogue: str,
-                limit: float, height: int | None = None, a_rows: torch.Tensor | None = None) -> torch.Tensor:
+                limit: float, height: int | None = None) -> torch.Tensor:
     """One grouped projection of `p` ("w13" or "w2") over the tiles of `a` (`tilings(tiling, height)`): the kernel
-    for FP4 experts on CUDA (one launch per tile height, 64 or 128), else expert_gemm_torch. a_rows [rows] int32:
-    row r's activations are a[a_rows[r]] (the kernel reads them in place: no copy in tile order); None: a[r]."""
+    for FP4 experts on CUDA (one launch per tile height, 64 or 128), else expert_gemm_torch."""
     w, s = (p.w13, p.s13) if which == "w13" else (p.w2, p.s2)
     groups = tilings(tiling, height)
     if p.fmt != "fp4" or not a.is_cuda:
-        return expert_gemm_torch(a, groups, w, s, p.fmt, aw, epilogue, limit, a_rows)
+        return expert_gemm_torch(a, groups, w, s, p.fmt, aw, epilogue, limit)
     n, k = w.shape[1], a.shape[1]
-    rows = a.shape[0] if a_rows is None else a_rows.numel()
-    out = torch.empty(rows, n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
+    out = torch.empty(a.shape[0], n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16, device=a.device)
     for tile_expert, tile_row, height in groups:
         if tile_expert.numel() == 0:
             continue
         if tile_row is None:
             tile_row = torch.arange(tile_expert.numel(), dtype=torch.int32, device=a.device) * height
         # the tile height is the token side of its MMAs
-        kernel = jit(build_fp4_expert_gemm, n, k, epilogue, height, a_rows is not None)
-        if a_rows is None:
-            kernel(a, tile_expert, tile_row, w, s, aw, out, limit)
-        else:
-            kernel(a, a_rows, tile_expert, tile_row, w, s, aw, out, limit)
+        jit(build_fp4_expert_gemm, n, k, epilogue, height)(a, tile_expert, tile_row, w, s, aw, out, limit)
     return out
 
 
@@ -184,16 +174,14 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     rows = bound * BLOCK_M  # the last tiles' rows: padding, read by no used tile
     assignment = torch.full((rows,), T_ * k, dtype=torch.int64, device=dev)  # padding rows: past the end
     assignment[dest] = order
-    tok = torch.where(assignment < T_ * k, assignment // k, T_).int()  # T_: the zero row below
-    # the tokens' rows in the kernel's K order and a zero row for the padding; the gate/up kernel reads its tiles'
-    # rows through `tok` (GATHER_ROWS)
+    tok = torch.where(assignment < T_ * k, assignment // k, T_)  # T_: the zero row below
+    # the tokens' rows in the kernel's K order and a zero row for the padding, then copied into tile order
     xp = x.new_empty(T_ + 1, D)
     torch.index_select(x, 1, k_perm(D, dev), out=xp[:T_])
     xp[T_].zero_()
     aw = torch.cat([weights.reshape(-1).float(), weights.new_zeros(1, dtype=torch.float32)])[assignment]
     limit = float(swiglu_limit)
-    a, a_rows = (xp, tok) if GATHER_ROWS else (xp[tok.long()], None)
-    act = expert_gemm(a, tiling, routed, "w13", aw, "swiglu", limit, a_rows=a_rows)
+    act = expert_gemm(xp[tok], tiling, routed, "w13", aw, "swiglu", limit)
     out = expert_gemm(act, tiling, routed, "w2", aw, "plain", limit)  # each assignment's down projection
     # a token's experts summed in ascending expert order, then the shared expert: the reference's order
     row_of = torch.empty(T_ * k, dtype=torch.int64, device=dev)
