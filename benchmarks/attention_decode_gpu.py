@@ -17,10 +17,12 @@ against it (relative error). The kernel first runs once in a child process with 
 protocol) is reported instead of stalling the run. Any row or split count that did not run is an error: the script
 exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
-key block; their outputs are wrong and not checked), at the default split count: where the time of a key block goes;
-and the candidate settings (CANDIDATES: attention module constants; now CLUSTER_SPLITS = 0, the splits merged by
-the combine launch instead of in a cluster), their outputs held to the default kernel's bits (a candidate that
-differs is a failure: the run exits non-zero). The previous kernel generation's numbers stay in
+key block, and no key block without Q's loads and / or the output's stores; their outputs are wrong and not
+checked), at the default split count: where the time of a key block goes; and the candidate settings (CANDIDATES:
+attention module constants; now CLUSTER_SPLITS = 0, the splits merged by the combine launch instead of in a
+cluster), their outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits
+non-zero). The torch reference dequantises only the selected pool rows (B=2048 at 32K: ~20 GB of inputs and
+reference, the one-split shapes of prefill; the whole pool asked 128 GiB). The previous kernel generation's numbers stay in
 benchmarks/results/attn_v2_gpu_h200.json.
 """
 
@@ -120,10 +122,14 @@ def torch_slates(data, dev="cuda"):
     B = win_kv.shape[0]
     win = (win_kv.view(torch.float8_e4m3fn).float().view(B, WIN, HDIM // 32, 32)
            * quant.e8m0_to_float(win_sc)[..., None]).view(B, WIN, HDIM)
-    codes = torch.stack([cmp_kv & 15, cmp_kv >> 4], dim=-1).flatten(-2)
-    pool = quant.e2m1_values(codes) * cmp_sc.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
+    # only the selected pool rows are dequantised: the whole ratio-2 pool is B x ctx / 2 rows (fp32: 128 GiB at
+    # B=2048, 32K, an out-of-memory failure of the H200 run)
+    rows = sel.clamp_min(0).long()
+    kv, sc = cmp_kv[rows], cmp_sc[rows]
+    codes = torch.stack([kv & 15, kv >> 4], dim=-1).flatten(-2)
+    picked = quant.e2m1_values(codes) * sc.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=-1)
     seq = q_seq.long()
-    keys = torch.cat([win[seq], pool[sel.clamp_min(0).long()]], 1).bfloat16()
+    keys = torch.cat([win[seq], picked.bfloat16()], 1).bfloat16()
     wp, p = win_pos[seq], q_pos[:, None]
     vis = torch.cat([(wp >= 0) & (wp <= p) & (wp > p - WIN), sel >= 0], 1)
     return q, keys, torch.where(vis, 0.0, float("-inf")).to(dev)

@@ -109,8 +109,8 @@ def test_the_builder_refuses_a_split_past_the_last_block():
 def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
     """attention_decode_gpu.py --probes times the kernel with one part of a key block's work dropped. Each probe
     lowers; no_load reads no key rows, no_dequant reads them but converts none, no_softmax calls no exp2 in the
-    block loop, prologue runs no key block; the kernel without a probe is the same source as before probes existed
-    (no probe argument)."""
+    block loop, prologue runs no key block (and with +no_q loads no Q, with +no_out stores no output); the kernel
+    without a probe is the same source as before probes existed (no probe argument)."""
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import PROBES, build_sink_attention_decode
 
@@ -123,8 +123,10 @@ def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
     for probe in PROBES[1:]:
         s = src(probe)
         assert "__global__" in s and s != plain
-        if probe == "prologue":  # no key block: no MMA, no key read
+        if probe.startswith("prologue"):  # no key block: no MMA, no key read; +no_q / +no_out drop Q / the output
             assert "wgmma_ss" not in s and loads not in s
+            assert ("*(uint4*)(q + " in s) == ("no_q" not in probe), probe
+            assert ("*(uint4*)(out + " in s) == ("no_out" not in probe), probe
             continue
         assert (loads in s) == (probe in ("no_dequant", "no_softmax")), probe
         assert ("di_dq_e4m3x8((" in s) == (probe in ("no_load", "no_softmax")), probe

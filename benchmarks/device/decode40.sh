@@ -4,7 +4,7 @@
 # left. From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
 # BATCHES / CONTEXTS: the table's cells (default 1 8 64 256 / 4096 32768); ARMS: A/B arms, "name MOD.NAME=INT ..."
 # separated by ';' (none by default), at ARM_BATCHES (default "1 8"; 4K); PROFILE: the table's cells profiled per
-# kernel (B:CTX,...; default B=1 and 256 at 4K, B=1 at 32K; "" for none); DSPARK=0 skips DSpark's table; MOE:
+# kernel (B:CTX,...; default B=1, 8 and 256 at 4K, B=1 at 32K; "" for none); DSPARK=0 skips DSpark's table; MOE:
 # batches of the MoE op alone with its per-pass breakdown and probes (e.g. "1,8"; none by default); DECODE=0 skips
 # the decode table (the arms still run); DSPARK_ARMS: A/B arms as ARMS for DSpark's rows at DSPARK_ARM_BATCHES
 # (default 1; zero, two and three drafts accepted, varlen); LIMIT: the call's seconds (the tests take what is left);
@@ -18,7 +18,7 @@ cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=
 nvidia-smi --query-gpu=name --format=csv,noheader
 [ "${DECODE:-1}" = 0 ] || timeout ${T1:-230} python3 benchmarks/decode_gpu.py --model flash40 \
   --batches ${BATCHES:-1 8 64 256} --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill \
-  --profile "${PROFILE-1:4096,256:4096,1:32768}" --out $OUT/decode.json 2>&1 \
+  --profile "${PROFILE-1:4096,8:4096,256:4096,1:32768}" --out $OUT/decode.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|^profile|WARNING|FAILED|Error|built" | tail -14
 check "decode table"
 IFS=';' read -ra arms <<< "${ARMS:-}"

@@ -41,7 +41,8 @@ import tilelang.language as T
 
 from .dequant import CUDA_SOURCE, fp4_perm
 
-PROBES = ("", "no_load", "no_dequant", "no_producer", "no_softmax", "prologue")
+PROBES = ("", "no_load", "no_dequant", "no_producer", "no_softmax", "prologue", "prologue+no_q", "prologue+no_out",
+          "prologue+no_q+no_out")
 # cluster: a peer CTA's shared memory (mapa + ld.shared::cluster) and the cluster-wide barrier (release / acquire)
 CLUSTER_SOURCE = r"""
 __device__ __forceinline__ uint32_t di_peer(const void* p, uint32_t rank) {
@@ -97,7 +98,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     attention_decode_gpu.py --probes): "no_load" (the producer dequantises bytes it did not read), "no_dequant"
     (it reads the rows but writes no keys), "no_producer" (neither: the math warpgroups alone), "no_softmax" (WG0
     skips the mask, max, exp and rescale between QK and PV), "prologue" (no key block at all: the launch, Q into
-    shared memory and the output's stores).
+    shared memory and the output's stores), and the prologue without Q's loads ("+no_q"), without the output's
+    global stores ("+no_out", its staging in shared memory kept) or without both (the launch and the barriers).
     cluster: with 2-16 splits, a query's splits run as one thread block cluster and merge their partials through
     distributed shared memory: each CTA leaves its un-normalised O (fp32, in the key buffer, free after the last
     block) and its m, l in its own shared memory, and after a cluster barrier each CTA combines a 1/splits share of
@@ -132,6 +134,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     NG = H * D // 8                # the output's 16-byte pieces (8 channels of one head)
     PIECES = -(-NG // splits)      # cluster: pieces a CTA merges
     PS = 1 if clustered else splits  # partials' splits (clustered: unused, as with one split)
+    parts = set(probe.split("+"))
+    prologue, no_q, no_out = "prologue" in parts, "no_q" in parts, "no_out" in parts
     no_load = probe in ("no_load", "no_producer")
     no_dequant = probe in ("no_dequant", "no_producer")
 
@@ -372,7 +376,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             tx = T.get_thread_binding()
             T.import_source(CUDA_SOURCE + (CLUSTER_SOURCE if clustered else ""))
             kb0 = bs * PER
-            nmine = T.max(T.min((0 if probe == "prologue" else NB) - kb0, PER), 0)
+            nmine = T.max(T.min((0 if prologue else NB) - kb0, PER), 0)
             b = q_seq[bq]
             p = q_pos[bq]
 
@@ -392,13 +396,14 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 # its store; ptxas issues all 32 loads first (sm_90a SASS, tools/kernel_code_size.py's cubin)
                 qv = T.alloc_local((8,), "bfloat16")
                 qt = T.alloc_local((8,), "bfloat16")
-                for i0 in T.unroll(32):
-                    for v in T.vectorized(8):
-                        qv[v] = q[bq, (i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v]
-                    for v in T.unroll(8):
-                        qt[v] = qv[(v % 2) * 4 + v // 2]
-                    for v in T.vectorized(8):
-                        q_s[(i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v] = qt[v]
+                if not no_q:
+                    for i0 in T.unroll(32):
+                        for v in T.vectorized(8):
+                            qv[v] = q[bq, (i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v]
+                        for v in T.unroll(8):
+                            qt[v] = qv[(v % 2) * 4 + v // 2]
+                        for v in T.vectorized(8):
+                            q_s[(i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v] = qt[v]
                 T.fence_proxy_async()
                 T.fill(m_i, NEG_BIG)
                 T.fill(l_i, 0.0)
@@ -423,7 +428,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                     for h, d in T.Parallel(H, DH):
                         q_s[h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
                     T.sync_threads(6, 128)
-                    out_half(q_s, out, bq, tx, 0)
+                    if not no_out:
+                        out_half(q_s, out, bq, tx, 0)
                 elif clustered:
                     T.sync_threads(8, 256)  # WG1's last PV is done too: the key buffer is free for the partial
                     for h in T.Parallel(H):
@@ -451,7 +457,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                     for h, d in T.Parallel(H, DH):
                         q_s[h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
                     T.sync_threads(7, 128)
-                    out_half(q_s, out, bq, tx - 128, DH)
+                    if not no_out:
+                        out_half(q_s, out, bq, tx - 128, DH)
                 elif clustered:
                     T.sync_threads(8, 256)
                     for h, d in T.Parallel(H, DH):
