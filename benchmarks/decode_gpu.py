@@ -322,6 +322,39 @@ def profile_decode(engine, tap, batch: int, context: int, vocab: int, steps: int
                 cuda_ms=sum(ms for _, ms, _ in top), top=top[:40])
 
 
+def profile_cells(a, model, ops, cells: list, flush) -> None:
+    """Profile (profile_decode) each timed (ctx, batch, row) of the first variant, one engine a context as the
+    timed cells had, and attach the profile to its row."""
+    model.use_ops(ops)
+    graphs = a.variants[0] == "graphs" and torch.cuda.is_available()
+    for ctx in sorted({c for c, _, _ in cells}):
+        mine = [(b, row) for c, b, row in cells if c == ctx]
+        # tokens a sequence: profile_decode's longer run, one warm-up step and 1 + 4 decode steps after the first
+        engine, tap, _ = make_engine(model, fill=True, max_seqs=max(b for b, _ in mine), context=ctx,
+                                     max_tokens=1 + 1 + 5, graphs=graphs, interval=a.interval,
+                                     batched_tokens=max(b for b, _ in mine) * (ctx + 1), zero_overhead=not a.sync)
+        try:
+            for b, row in mine:
+                prof = row["profile"] = profile_decode(engine, tap, b, ctx, model.config.vocab_size)
+                prof["layers"] = model.config.num_hidden_layers
+                # the step's time beyond its kernels' (host work on the step's path, idle gaps; negative where the
+                # shared expert's side stream overlaps the main one): of 21 ms at B=256/32K, ~10 were the host
+                # building the block table from Python lists
+                prof["outside_kernels_ms"] = row.get("step_ms", float("nan")) - prof["cuda_ms"]
+                print(f"profile B={b} ctx={ctx}: one decode step, {prof['kernels']} kernels, {prof['cuda_ms']:.3f} "
+                      f"ms of kernel time ({prof['outside_kernels_ms']:+.1f} ms of the step outside them); top:",
+                      flush=True)
+                for name, ms, n in prof["top"][:15]:
+                    print(f"   {ms:8.3f} ms  x{n:<4d} {name[:110]}", flush=True)
+                flush()
+        finally:
+            engine.close()
+            del engine, tap
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
 def decode_row(variant, backend, graphs, batch, context, timed, all_steps, summary, fallbacks, errors, roof, steps):
     dur = [s.device_end - s.device_start for s in timed]
     gaps = [b.device_start - a.device_end for a, b in zip(timed, timed[1:])]
@@ -479,8 +512,9 @@ def parse(argv=None):
     ap.add_argument("--batch-invariant", action="store_true",
                     help="DEEPINFER_BATCH_INVARIANT=1: the batch-invariant op set and sampler (its cost: run twice)")
     ap.add_argument("--profile", default=None,
-                    help="B:CTX,... cells of the first variant to profile once more after timing (torch.profiler): the "
-                         "kernels of one decode step by CUDA time, in the JSON row and the printed output")
+                    help="B:CTX,... cells of the first variant to profile once more after every cell is timed "
+                         "(torch.profiler): the kernels of one decode step by CUDA time, in the JSON row and the "
+                         "printed output")
     ap.add_argument("--quick", action="store_true",
                     help="B 1 and 64, ctx 4K and 32K, graphs on/off, torch only at B=64/4K, prefill 8K")
     a = ap.parse_args(argv)
@@ -580,6 +614,12 @@ def main(argv=None) -> int:
               flush=True)
         flush()
 
+    # cells profiled after every cell is timed: CUPTI stays attached once torch.profiler has run (kineto tears it
+    # down only with TEARDOWN_CUPTI=1, which CUDA graphs do not survive), and the steps timed after a profile ran
+    # slower (H200, 40 layers: B=8 20.51 ms right after B=1's profile, 18.79 in DSpark's plain row of the same
+    # session; 19.20 / 19.24 in a run without profiles)
+    profiled = {tuple(map(int, x.split(":"))) for x in a.profile.split(",")} if a.profile else set()
+    to_profile = []
     for variant in a.variants:
         graphs = variant == "graphs" and on_cuda
         model.use_ops(ref_ops if variant == "torch" else fast_ops)
@@ -609,20 +649,8 @@ def main(argv=None) -> int:
                     graphs_obj = getattr(getattr(getattr(engine.client, "core", None), "runner", None), "graphs", None)
                     if graphs_obj is not None:  # buckets whose capture failed run eagerly: say why in the row
                         row["graph_capture_failures"] = {str(k): v for k, v in graphs_obj.failures().items()}
-                    if variant == a.variants[0] and a.profile and (b, ctx) in {
-                            tuple(map(int, x.split(":"))) for x in a.profile.split(",")}:
-                        row["profile"] = profile_decode(engine, tap, b, ctx, model.config.vocab_size)
-                        row["profile"]["layers"] = model.config.num_hidden_layers
-                        # the step's time beyond its kernels' (host work on the step's path, idle gaps; negative
-                        # where the shared expert's side stream overlaps the main one): of 21 ms at B=256/32K, ~10
-                        # were the host building the block table from Python lists
-                        prof = row["profile"]
-                        prof["outside_kernels_ms"] = row.get("step_ms", float("nan")) - prof["cuda_ms"]
-                        print(f"profile B={b} ctx={ctx}: one decode step, {prof['kernels']} kernels, "
-                              f"{prof['cuda_ms']:.3f} ms of kernel time ({prof['outside_kernels_ms']:+.1f} ms of "
-                              f"the step outside them); top:", flush=True)
-                        for name, ms, n in prof["top"][:15]:
-                            print(f"   {ms:8.3f} ms  x{n:<4d} {name[:110]}", flush=True)
+                    if variant == a.variants[0] and (b, ctx) in profiled:
+                        to_profile.append((ctx, b, row))
                     rows.append(row)
                     bad = check_decode(row, steps)
                     failures += bad
@@ -647,6 +675,7 @@ def main(argv=None) -> int:
                 gc.collect()
                 if on_cuda:
                     torch.cuda.empty_cache()
+    profile_cells(a, model, fast_ops, to_profile, flush)
     model.use_ops(fast_ops)
     flush()
     print("wrote", a.out)

@@ -103,6 +103,37 @@ def test_engine_with_the_fill_backend_times_decode_steps_and_writes_rows(tmp_pat
     assert dec["pct_roofline"] == pytest.approx(dec["floor"]["floor_ms"] / dec["step_ms"] * 100)
 
 
+def test_profiled_cells_are_profiled_after_every_cell_is_timed(tmp_path, monkeypatch):
+    """torch.profiler leaves CUPTI attached, and steps timed after a profile ran slower (B=8 on the H200: 20.51 ms
+    right after B=1's profile, 18.79 without): the profiles run once every cell of every context is timed, each
+    attached to its own row."""
+    order = []
+    real_run = bench.run_decode
+
+    def run_decode(engine, tap, batch, context, *args, **kw):
+        order.append(("timed", batch, context))
+        return real_run(engine, tap, batch, context, *args, **kw)
+
+    def profile_decode(engine, tap, batch, context, vocab, steps=4):
+        order.append(("profile", batch, context))
+        return dict(decode_steps=steps, timed_steps=steps + 1, kernels=7, cuda_ms=1.0, top=[("k", 1.0, 7)])
+
+    monkeypatch.setattr(bench, "run_decode", run_decode)
+    monkeypatch.setattr(bench, "profile_decode", profile_decode)
+    out = tmp_path / "decode.json"
+    rc = bench.main(["--model", "tiny", "--device", "cpu", "--batches", "1", "2", "--contexts", "32", "64", "--steps",
+                     "2", "--warmup", "0", "--variants", "eager", "--prefill", "--profile", "1:32,2:64", "--out",
+                     str(out)])
+    assert rc == 0
+    timed = [i for i, (kind, *_) in enumerate(order) if kind == "timed"]
+    profiles = [i for i, (kind, *_) in enumerate(order) if kind == "profile"]
+    assert len(timed) == 4 and [order[i][1:] for i in profiles] == [(1, 32), (2, 64)]
+    assert max(timed) < min(profiles)
+    rows = {(r["batch"], r["context"]): r for r in json.loads(out.read_text())["rows"] if r["mode"] == "decode"}
+    assert {k for k, r in rows.items() if "profile" in r} == {(1, 32), (2, 64)}
+    assert rows[(1, 32)]["profile"]["kernels"] == 7 and rows[(1, 32)]["profile"]["layers"] > 0
+
+
 def test_check_decode_names_a_graph_run_without_graphs():
     row = dict(variant="graphs", backend="tilelang", graphs=True, batch=8, context=4096, errors=[], timed_steps=4,
                graph_steps_timed=0, graph_steps=0,
