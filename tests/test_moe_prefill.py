@@ -160,13 +160,14 @@ def test_the_gate_up_gemm_gets_each_layout_row_s_token_row_and_zero_padding(monk
     real = moe_prefill.expert_gemm
 
     def spy(a, tiling, p, which, aw, *rest, **kw):
-        calls.append((which, a, aw))
-        return real(a, tiling, p, which, aw, *rest, **kw)
+        out = real(a, tiling, p, which, aw, *rest, **kw)
+        calls.append((which, a, aw, out))
+        return out
 
     monkeypatch.setattr(moe_prefill, "expert_gemm", spy)
     moe_prefill.moe_experts_grouped(x, torch.rand(T_, k, generator=g), idx, _packed(E, D, I, g), None, 7.0)
-    (w13, a, aw), (w2, _, _) = calls
-    assert (w13, w2) == ("w13", "w2") and a.shape == (aw.shape[0], D)
+    (w13, a, aw, act), (w2, down_in, _, _) = calls
+    assert (w13, w2) == ("w13", "w2") and a.shape == (aw.shape[0], D) and down_in is act
     xp = x[:, moe_prefill.k_perm(D, "cpu")]
     used = aw > 0
     assert not a[~used].any()
