@@ -129,7 +129,7 @@ def torch_slates(data, dev="cuda"):
     codes = torch.stack([kv & 15, kv >> 4], dim=-1).flatten(-2)
     picked = quant.e2m1_values(codes) * sc.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=-1)
     seq = q_seq.long()
-    keys = torch.cat([win[seq], picked.bfloat16()], 1).bfloat16()
+    keys = torch.cat([win[seq].bfloat16(), picked.bfloat16()], 1)
     wp, p = win_pos[seq], q_pos[:, None]
     vis = torch.cat([(wp >= 0) & (wp <= p) & (wp > p - WIN), sel >= 0], 1)
     return q, keys, torch.where(vis, 0.0, float("-inf")).to(dev)

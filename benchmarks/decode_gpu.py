@@ -295,7 +295,10 @@ def portable_json(obj) -> str:
     return portable(json.dumps(obj, indent=1, default=str))
 
 
-def profile_decode(engine, tap, batch: int, context: int, vocab: int, steps: int = 4) -> dict:
+PROFILE_STEPS = 4  # decode steps profile_decode's longer run has beyond its shorter one
+
+
+def profile_decode(engine, tap, batch: int, context: int, vocab: int, steps: int = PROFILE_STEPS) -> dict:
     """Kernel time of one decode step (graphs replay their kernels individually under CUPTI): two short runs of
     the same cell under torch.profiler, one with `steps` more decode steps than the other; per kernel, the
     difference of their CUDA time and count over those steps, so that what runs once per run (the context fill,
@@ -329,9 +332,9 @@ def profile_cells(a, model, ops, cells: list, flush) -> None:
     graphs = a.variants[0] == "graphs" and torch.cuda.is_available()
     for ctx in sorted({c for c, _, _ in cells}):
         mine = [(b, row) for c, b, row in cells if c == ctx]
-        # tokens a sequence: profile_decode's longer run, one warm-up step and 1 + 4 decode steps after the first
+        # tokens a sequence for profile_decode's longer run (run_decode: 1 + warm-up + steps)
         engine, tap, _ = make_engine(model, fill=True, max_seqs=max(b for b, _ in mine), context=ctx,
-                                     max_tokens=1 + 1 + 5, graphs=graphs, interval=a.interval,
+                                     max_tokens=1 + 1 + (1 + PROFILE_STEPS), graphs=graphs, interval=a.interval,
                                      batched_tokens=max(b for b, _ in mine) * (ctx + 1), zero_overhead=not a.sync)
         try:
             for b, row in mine:
