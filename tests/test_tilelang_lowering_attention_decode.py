@@ -109,8 +109,9 @@ def test_the_builder_refuses_a_split_past_the_last_block():
 def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
     """attention_decode_gpu.py --probes times the kernel with one part of a key block's work dropped. Each probe
     lowers; no_load reads no key rows, no_dequant reads them but converts none, no_softmax calls no exp2 in the
-    block loop, prologue runs no key block (and with +no_q loads no Q, with +no_out stores no output); the kernel
-    without a probe is the same source as before probes existed (no probe argument)."""
+    block loop, blocksN runs N key blocks with the MMAs and O's fragment layout of the kernel (and with +no_q loads
+    no Q, with +no_out stores no output); the kernel without a probe is the same source as before probes existed
+    (no probe argument)."""
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import PROBES, build_sink_attention_decode
 
@@ -123,8 +124,9 @@ def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
     for probe in PROBES[1:]:
         s = src(probe)
         assert "__global__" in s and s != plain
-        if probe.startswith("prologue"):  # no key block: no MMA, no key read; +no_q / +no_out drop Q / the output
-            assert "wgmma_ss" not in s and loads not in s
+        if probe.startswith("blocks"):  # the first window blocks, as the kernel runs them; +no_q / +no_out drop Q /
+            # the output's global stores
+            assert "wgmma_ss" in s and loads in s and "float o_l[128]" in s, probe
             assert ("*(uint4*)(q + " in s) == ("no_q" not in probe), probe
             assert ("*(uint4*)(out + " in s) == ("no_out" not in probe), probe
             continue
@@ -133,6 +135,8 @@ def test_the_timing_probes_drop_their_part_and_leave_the_kernel_as_it_is():
     assert src("no_softmax").count("exp2f(") < plain.count("exp2f(")
     with pytest.raises(AssertionError, match="probe must be one of"):
         build_sink_attention_decode(splits=1, arch="sm_90a", probe="no_mma")
+    with pytest.raises(AssertionError):
+        build_sink_attention_decode(splits=1, arch="sm_90a", probe="blocks11")  # more blocks than a query has
 
 
 def _nvcc_report(src):

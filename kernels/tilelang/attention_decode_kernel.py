@@ -41,8 +41,8 @@ import tilelang.language as T
 
 from .dequant import CUDA_SOURCE, fp4_perm
 
-PROBES = ("", "no_load", "no_dequant", "no_producer", "no_softmax", "prologue", "prologue+no_q", "prologue+no_out",
-          "prologue+no_q+no_out")
+PROBES = ("", "no_load", "no_dequant", "no_producer", "no_softmax", "blocks1", "blocks2", "blocks1+no_q",
+          "blocks1+no_out", "blocks1+no_q+no_out")
 # cluster: a peer CTA's shared memory (mapa + ld.shared::cluster) and the cluster-wide barrier (release / acquire)
 CLUSTER_SOURCE = r"""
 __device__ __forceinline__ uint32_t di_peer(const void* p, uint32_t rank) {
@@ -97,9 +97,12 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     probe: a timing probe that drops one part of the work (its output is wrong; benchmarks only,
     attention_decode_gpu.py --probes): "no_load" (the producer dequantises bytes it did not read), "no_dequant"
     (it reads the rows but writes no keys), "no_producer" (neither: the math warpgroups alone), "no_softmax" (WG0
-    skips the mask, max, exp and rescale between QK and PV), "prologue" (no key block at all: the launch, Q into
-    shared memory and the output's stores), and the prologue without Q's loads ("+no_q"), without the output's
-    global stores ("+no_out", its staging in shared memory kept) or without both (the launch and the barriers).
+    skips the mask, max, exp and rescale between QK and PV), "blocksN" (each split's first N key blocks only:
+    T(default) - T(blocks1) over the blocks dropped is a block's cost, what is left of T(blocks1) the fixed part),
+    and blocks1 without Q's loads ("+no_q"), without the output's global stores ("+no_out", its staging in shared
+    memory kept) or without both. (A probe with no key block at all, "prologue" until the thirty-sixth session,
+    lowered O without its MMA fragment layout: 64 threads of WG0 staged 256 values each into one bank, 32-way
+    conflicted, so its time was not the kernel's fixed part.)
     cluster: with 2-16 splits, a query's splits run as one thread block cluster and merge their partials through
     distributed shared memory: each CTA leaves its un-normalised O (fp32, in the key buffer, free after the last
     block) and its m, l in its own shared memory, and after a cluster barrier each CTA combines a 1/splits share of
@@ -135,7 +138,10 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     PIECES = -(-NG // splits)      # cluster: pieces a CTA merges
     PS = 1 if clustered else splits  # partials' splits (clustered: unused, as with one split)
     parts = set(probe.split("+"))
-    prologue, no_q, no_out = "prologue" in parts, "no_q" in parts, "no_out" in parts
+    no_q, no_out = "no_q" in parts, "no_out" in parts
+    # blocksN: each split's first N key blocks (a block keeps O's MMA fragment layout, which no block at all lost)
+    few = next((int(x[6:]) for x in parts if x.startswith("blocks")), NB)
+    assert 1 <= few <= NB
     no_load = probe in ("no_load", "no_producer")
     no_dequant = probe in ("no_dequant", "no_producer")
 
@@ -376,7 +382,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             tx = T.get_thread_binding()
             T.import_source(CUDA_SOURCE + (CLUSTER_SOURCE if clustered else ""))
             kb0 = bs * PER
-            nmine = T.max(T.min((0 if prologue else NB) - kb0, PER), 0)
+            nmine = T.max(T.min(NB - kb0, min(PER, few)), 0)
             b = q_seq[bq]
             p = q_pos[bq]
 
