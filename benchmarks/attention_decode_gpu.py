@@ -16,11 +16,13 @@ per-query bf16 slates (what the model passes today; the gather itself is not tim
 against it (relative error). The kernel first runs once in a child process with a time limit: a hang (mbarrier
 protocol) is reported instead of stalling the run. Any row or split count that did not run is an error: the script
 exits non-zero. --sweep also times other split counts (one compile each). --probes also times the kernel with one
-part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, no
-key block, and no key block without Q's loads and / or the output's stores; their outputs are wrong and not
-checked), at the default split count: where the time of a key block goes; and the candidate settings (CANDIDATES:
-attention module constants; now CLUSTER_SPLITS = 0, the splits merged by the combine launch instead of in a
-cluster), their outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits
+part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, the
+first one or two key blocks only, and one block without Q's loads and / or the output's stores; their outputs are
+wrong and not checked), at the default split count: where the time of a key block goes, and the fixed part; and the
+candidate settings (CANDIDATES: attention module constants; now CLUSTER_SPLITS = 0, the splits merged by the
+combine launch instead of in a cluster, POOL_DQ = 8 and HALF_LOADS = 0, the pool rows' two-step dequantisation and
+the next block's loads after the whole block, as the kernel had them before the thirty-sixth session), their outputs
+held to the default kernel's bits (a candidate that differs is a failure: the run exits
 non-zero). The torch reference dequantises only the selected pool rows (B=2048 at 32K: ~20 GB of inputs and
 reference, the one-split shapes of prefill; the whole pool asked 128 GiB). The previous kernel generation's numbers stay in
 benchmarks/results/attn_v2_gpu_h200.json.
@@ -45,8 +47,11 @@ from target_card import on_card  # noqa: E402
 HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # candidate settings of the kernel timed beside --probes, {name: {attention module constant: value}} (the twenty-third
 # session's COMPACT, PREFETCH and STAGE_OUT were settled and their losing code removed; git history). "combine": the
-# splits merged by the combine launch, as before the cluster (which differs from the default at 2-8 splits only)
-CANDIDATES = {"combine": {"CLUSTER_SPLITS": 0}}
+# splits merged by the combine launch, as before the cluster (which differs from the default at 2-8 splits only);
+# "dq8": the pool rows dequantised 8 codes a call, two multiplies a pair; "whole_loads": the next block's rows loaded
+# whole after this block; "previous": both, the kernel before the thirty-sixth session
+CANDIDATES = {"combine": {"CLUSTER_SPLITS": 0}, "dq8": {"POOL_DQ": 8}, "whole_loads": {"HALF_LOADS": 0},
+              "previous": {"POOL_DQ": 8, "HALF_LOADS": 0}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 

@@ -22,7 +22,8 @@ for arm in ${ARMS:-default}; do
   check "ncu $arm"
   "$NCU" --import /tmp/ncu_$name.ncu-rep --page details > $OUT/ncu_${name}_details.txt 2>&1
   check "ncu $arm details"
-  "$NCU" --import /tmp/ncu_$name.ncu-rep --page source --print-source sass --csv 2>&1 | gzip > $OUT/ncu_${name}_sass.csv.gz
+  "$NCU" --import /tmp/ncu_$name.ncu-rep --page source --print-source sass --csv 2>&1 \
+    | gzip > $OUT/ncu_${name}_sass.csv.gz
   check "ncu $arm sass"
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Bank" \
     $OUT/ncu_${name}_details.txt | head -12
