@@ -30,15 +30,11 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 # On the H100, B=64 at 32K: 32.0 us clustered vs 36.5; 16 (a non-portable cluster, also B=1 and 8's ten splits) lost
 # there, 23.6 vs 9.7 us at B=1 (benchmarks/results/attention_decode_gpu_s25_h100.log)
 CLUSTER_SPLITS = 8
-# codes a call of the pool blocks' dequantisation (build_sink_attention_decode's pool_dq): 16, one multiply a pair
-# and one scale conversion a row; 8, two of each (the kernel before the thirty-sixth session; the same bits). The
-# Nsight Compute profile of the one-split kernel (B=2048, H100, benchmarks/results/attention_ncu_s36_h100*) has WG0
-# waiting for the producer's keys ~30% of its time, the producer at ~920 instructions a pool block and warp
+# codes a call of the pool blocks' dequantisation (build_sink_attention_decode's pool_dq): 16, the scale converted
+# once a row and invisible rows zeroed through it; 8, two calls and a select (the kernel before the thirty-sixth
+# session; the same bits). The Nsight Compute profile of the one-split kernel (B=2048, H100,
+# benchmarks/results/attention_ncu_s36_h100*) has WG0 waiting for the producer's keys ~30% of its time
 POOL_DQ = 16
-# 1: the producer loads the next key block's rows a half at a time between the halves of this block's
-# dequantisation (build_sink_attention_decode's half_loads; the same bits); 0: the next block whole after this one.
-# The same profile has the producer stalled on its rows' loads at each block's first conversion ~18% of its time
-HALF_LOADS = 1
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -122,9 +118,8 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
     from the builder's default (the ring's width when wider than the window: rollback rows for speculative decoding,
     a compile-time shape; a probe; a cluster of the splits), so equal kernels get equal specs (the compile cache,
     the JIT manifest)."""
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits), POOL_DQ,
-            bool(HALF_LOADS)]
-    defaults = [None, (192, 160, 152), None, "", False, 16, True]
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits), POOL_DQ]
+    defaults = [None, (192, 160, 152), None, "", False, 16]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)

@@ -85,8 +85,7 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = "", cluster: bool = False, pool_dq: int = 16,
-                                half_loads: bool = True):
+                                ring: int | None = None, probe: str = "", cluster: bool = False, pool_dq: int = 16):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch:
     None = the current target (wgmma on sm_90*, a synchronous gemm elsewhere, which only serves the lowering test).
@@ -110,10 +109,9 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     the output's 16-byte pieces from every split's shared memory (build_sink_combine's arithmetic in its order, so
     the same bits) and stores it as bf16; no fp32 partials in HBM and no combine launch. Up to
     attention.CLUSTER_SPLITS splits (8) in the model.
-    pool_dq: a pool row's 16 codes a lane dequantised by one call, one multiply a pair (16), or by two calls of 8,
-    two multiplies a pair (8, the kernel until the thirty-sixth session); the same bits.
-    half_loads: the producer loads the next block's rows a half at a time between the halves of this block's
-    dequantisation (producer()); False: the next block whole after this one (until the thirty-sixth session)."""
+    pool_dq: a pool row's 16 codes a lane dequantised by one call, the scale converted once and invisible rows
+    zeroed through it (16), or by two calls of 8 and a select (8, the kernel until the thirty-sixth session); the
+    same bits."""
     assert pool_dq in (8, 16), f"pool_dq must be 8 or 16, got {pool_dq}"
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
@@ -232,31 +230,30 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                     q_s[(i * 128 + t) // (DH // 8), c0 + (i * 128 + t) % (DH // 8) * 8 + v]
 
     @T.macro
-    def load_block(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, r0=0, cnt=ROWS):
-        # block n's packed rows r0 .. r0 + cnt - 1 of this warp into registers (a window block's FP8 rows 16 bytes a
-        # row and lane, a pool block's FP4 rows 8), window or pool chosen once for the block; ok[i] holds row i's
-        # source row (-1: invisible)
+    def load_block(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
+        # block n's packed rows into registers (a window block's FP8 rows 16 bytes a row and lane, a pool block's FP4
+        # rows 8), window or pool chosen once for the whole block; ok[i] holds row i's source row (-1: invisible)
         if no_load:  # bytes made from the row index: no HBM read
-            for i in T.unroll(cnt):
-                row = idx_s[n * BK + warp * ROWS + r0 + i]
-                ok[r0 + i] = row
+            for i in T.unroll(ROWS):
+                row = idx_s[n * BK + warp * ROWS + i]
+                ok[i] = row
                 for v in T.vectorized(16):
-                    raw[(r0 + i) * 16 + v] = T.cast((row + v) & 0x77, "uint8")
-                sc[r0 + i] = T.cast(120, "uint8")
+                    raw[i * 16 + v] = T.cast((row + v) & 0x77, "uint8")
+                sc[i] = T.cast(120, "uint8")
         elif kb0 + n < NWB:
-            for i in T.unroll(cnt):
-                row = idx_s[n * BK + warp * ROWS + r0 + i]
-                ok[r0 + i] = row
+            for i in T.unroll(ROWS):
+                row = idx_s[n * BK + warp * ROWS + i]
+                ok[i] = row
                 for v in T.vectorized(16):
-                    raw[(r0 + i) * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
-                sc[r0 + i] = win_scale[b, T.max(row, 0), lane // 2]
+                    raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
+                sc[i] = win_scale[b, T.max(row, 0), lane // 2]
         else:
-            for i in T.unroll(cnt):
-                row = idx_s[n * BK + warp * ROWS + r0 + i]
-                ok[r0 + i] = row
+            for i in T.unroll(ROWS):
+                row = idx_s[n * BK + warp * ROWS + i]
+                ok[i] = row
                 for v in T.vectorized(8):
-                    raw[(r0 + i) * 16 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
-                sc[r0 + i] = cmp_scale[T.max(row, 0), lane]
+                    raw[i * 16 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
+                sc[i] = cmp_scale[T.max(row, 0), lane]
 
     @T.macro
     def store_row(n, k_s, warp, lane, i, visible, vals):
@@ -273,66 +270,49 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                                                                            "bfloat16")
 
     @T.macro
-    def dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals, r0=0, cnt=ROWS):
-        # block n's rows r0 .. r0 + cnt - 1 of this warp into rows [(n % 2) BK, (n % 2 + 1) BK) of the key buffer,
-        # window or pool chosen once
+    def dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals):
+        # block n into rows [(n % 2) BK, (n % 2 + 1) BK) of the key buffer, window or pool chosen once
         if no_dequant:
-            for i0 in T.unroll(cnt):
-                keep_row(n, k_s, warp, lane, r0 + i0, raw, sc, ok)
+            for i in T.unroll(ROWS):
+                keep_row(n, k_s, warp, lane, i, raw, sc, ok)
         elif kb0 + n < NWB:
-            for i0 in T.unroll(cnt):
-                i = r0 + i0
+            for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
                 store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
         elif pool_dq == 16:
-            for i0 in T.unroll(cnt):
-                i = r0 + i0
-                # one scale a row, one multiply a pair, invisible rows zeroed through the scale (dequant.py)
+            for i in T.unroll(ROWS):
+                # one scale conversion a row, invisible rows zeroed through the scale (dequant.py)
                 T.call_extern("handle", "di_dq_e2m1x16_e4m3", T.address_of(raw[i * 16]), sc[i], ok[i] >= 0,
                               T.address_of(vals[0]))
                 for v in T.vectorized(16):
                     k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = vals[v]
         else:
-            for i0 in T.unroll(cnt):
-                i = r0 + i0
+            for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
                               T.address_of(vals[8]))
                 store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
+        T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
 
     @T.macro
     def producer(nmine, kb0, b, lane, warp, idx_s, k_s, k_ready, k_free, win_kv, win_scale, cmp_kv, cmp_scale):
-        # half_loads: block n+1's first half of rows is loaded as soon as block n's first half is dequantised (into
-        # the registers that half freed) and its second half after block n is done, so each load has half a block's
-        # dequantisation to land in. Loading block n+1 whole after block n left its latency before the next
-        # block's first conversion: the producer, the kernel's critical path at one split, stalled there ~18% of
-        # its time (Nsight Compute, B=2048, H100). Two blocks ahead in twice the registers gained nothing (H100).
+        # block n+1's rows are loaded right after block n is dequantised: their latency overlaps the wait for a
+        # free key buffer half. Two blocks ahead in twice the registers gained nothing (H100, twenty-third session);
+        # a half block ahead, loaded between the halves of this block's conversions in the same registers, lost
+        # (B=2048, H100: 564 -> 581 us), though the producer stalls ~18% of its time on these loads (Nsight Compute)
         raw = T.alloc_local((ROWS * 16,), "uint8")
         sc = T.alloc_local((ROWS,), "uint8")
         ok = T.alloc_local((ROWS,), "int32")
         vals = T.alloc_local((16,), "bfloat16")
-        HALF = ROWS // 2
         if nmine > 0:
             load_block(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
         for n in T.serial(nmine):
             T.barrier_wait(k_free[n % 2], ((n // 2) & 1) ^ 1)
-            if half_loads:
-                dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals, 0, HALF)
-                if n + 1 < nmine:
-                    load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale,
-                               0, HALF)
-                dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals, HALF, HALF)
-            else:
-                dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals)
-            T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
+            dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals)
             T.barrier_arrive(k_ready[n % 2])
             if n + 1 < nmine:
-                if half_loads:
-                    load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale,
-                               HALF, HALF)
-                else:
-                    load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+                load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
 
     @T.macro
     def merge(bs, bq, tx, k_s, ml_s, w_s, sink, out):
