@@ -20,8 +20,8 @@ part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantis
 first one or two key blocks only, and one block without Q's loads and / or the output's stores; their outputs are
 wrong and not checked), at the default split count: where the time of a key block goes, and the fixed part; and the
 candidate settings (CANDIDATES: attention module constants; now CLUSTER_SPLITS = 0, the splits merged by the
-combine launch instead of in a cluster, and POOL_DQ = 8, the pool rows dequantised 8 codes a call as before the
-thirty-sixth session), their outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits
+combine launch instead of in a cluster, and POOL_DQ = 16, a pool row's 16 codes dequantised in one call), their
+outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits
 non-zero). The torch reference dequantises only the selected pool rows (B=2048 at 32K: ~20 GB of inputs and
 reference, the one-split shapes of prefill; the whole pool asked 128 GiB). The previous kernel generation's numbers stay in
 benchmarks/results/attn_v2_gpu_h200.json.
@@ -47,8 +47,8 @@ HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # candidate settings of the kernel timed beside --probes, {name: {attention module constant: value}} (the twenty-third
 # session's COMPACT, PREFETCH and STAGE_OUT were settled and their losing code removed; git history). "combine": the
 # splits merged by the combine launch, as before the cluster (which differs from the default at 2-8 splits only);
-# "dq8": the pool rows dequantised 8 codes a call and zeroed by a select (the kernel before the thirty-sixth session)
-CANDIDATES = {"combine": {"CLUSTER_SPLITS": 0}, "dq8": {"POOL_DQ": 8}}
+# "dq16": a pool row's 16 codes dequantised in one call, zeroed through the scale (written in the thirty-sixth session)
+CANDIDATES = {"combine": {"CLUSTER_SPLITS": 0}, "dq16": {"POOL_DQ": 16}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 

@@ -30,11 +30,11 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 # On the H100, B=64 at 32K: 32.0 us clustered vs 36.5; 16 (a non-portable cluster, also B=1 and 8's ten splits) lost
 # there, 23.6 vs 9.7 us at B=1 (benchmarks/results/attention_decode_gpu_s25_h100.log)
 CLUSTER_SPLITS = 8
-# codes a call of the pool blocks' dequantisation (build_sink_attention_decode's pool_dq): 16, the scale converted
-# once a row and invisible rows zeroed through it; 8, two calls and a select (the kernel before the thirty-sixth
-# session; the same bits). The Nsight Compute profile of the one-split kernel (B=2048, H100,
-# benchmarks/results/attention_ncu_s36_h100*) has WG0 waiting for the producer's keys ~30% of its time
-POOL_DQ = 16
+# codes a call of the pool blocks' dequantisation (build_sink_attention_decode's pool_dq): 8, two calls and a select
+# a row; 16, one call, the scale converted once and invisible rows zeroed through it (the same bits, 40 instructions
+# fewer; written in the thirty-sixth session after the Nsight Compute profile, benchmarks/results/attention_ncu_s36_
+# h100*, found WG0 waiting for the producer's keys ~30% of its time; not yet timed: attention_decode_gpu's "dq16")
+POOL_DQ = 8
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -119,7 +119,7 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
     a compile-time shape; a probe; a cluster of the splits), so equal kernels get equal specs (the compile cache,
     the JIT manifest)."""
     tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits), POOL_DQ]
-    defaults = [None, (192, 160, 152), None, "", False, 16]
+    defaults = [None, (192, 160, 152), None, "", False, 8]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)

@@ -85,7 +85,7 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = "", cluster: bool = False, pool_dq: int = 16):
+                                ring: int | None = None, probe: str = "", cluster: bool = False, pool_dq: int = 8):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch:
     None = the current target (wgmma on sm_90*, a synchronous gemm elsewhere, which only serves the lowering test).
@@ -109,9 +109,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     the output's 16-byte pieces from every split's shared memory (build_sink_combine's arithmetic in its order, so
     the same bits) and stores it as bf16; no fp32 partials in HBM and no combine launch. Up to
     attention.CLUSTER_SPLITS splits (8) in the model.
-    pool_dq: a pool row's 16 codes a lane dequantised by one call, the scale converted once and invisible rows
-    zeroed through it (16), or by two calls of 8 and a select (8, the kernel until the thirty-sixth session); the
-    same bits."""
+    pool_dq: a pool row's 16 codes a lane dequantised by two calls of 8 and zeroed by a select (8), or by one call,
+    the scale converted once and invisible rows zeroed through it (16: a candidate, the same bits, not yet timed)."""
     assert pool_dq in (8, 16), f"pool_dq must be 8 or 16, got {pool_dq}"
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
@@ -282,7 +281,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
         elif pool_dq == 16:
             for i in T.unroll(ROWS):
-                # one scale conversion a row, invisible rows zeroed through the scale (dequant.py)
+                # one scale conversion a row, invisible rows zeroed through the scale (dequant.py; a candidate)
                 T.call_extern("handle", "di_dq_e2m1x16_e4m3", T.address_of(raw[i * 16]), sc[i], ok[i] >= 0,
                               T.address_of(vals[0]))
                 for v in T.vectorized(16):

@@ -206,9 +206,9 @@ def test_clustered_splits_give_the_combine_s_bits(ring, splits):
 
 @pytest.mark.parametrize("ring,splits", [(W, 1), (W, 3), (W, 10), (192, 1), (192, 5)])
 def test_the_pool_rows_one_call_dequantisation_leaves_the_bits(ring, splits):
-    """attention.POOL_DQ: a pool row's 16 codes a call, the scale converted once and invisible rows zeroed through
-    it, gives the bits of 8 codes a call and a select (the kernel before it), with a third of the pool's scales 8
-    (beside smaller ones in the same warp), across one, three, five and ten splits and a rollback ring."""
+    """attention.POOL_DQ = 16 (a candidate): a pool row's 16 codes a call, the scale converted once and invisible
+    rows zeroed through it, gives the bits of 8 codes a call and a select (the default), with a third of the pool's
+    scales 8 (beside smaller ones in the same warp), across one, three, five and ten splits and a rollback ring."""
     from deepinfer.kernels.tilelang import attention
 
     args, _ = _case(6, seed=777 + ring + splits, ring=ring)
@@ -216,11 +216,11 @@ def test_the_pool_rows_one_call_dequantisation_leaves_the_bits(ring, splits):
     big = torch.rand(args[7].shape, device=args[7].device) < 0.33
     args[7] = torch.where(big, torch.full_like(args[7], 0x50), args[7])  # e4m3 0x50 = 8
     scale = D ** -0.5
-    assert attention.POOL_DQ == 16  # the default
-    with mock.patch.object(attention, "POOL_DQ", 8):
-        base = attention.sink_attention_decode(*args, scale, splits=splits)
-    poison_allocator()
-    out = attention.sink_attention_decode(*args, scale, splits=splits)
+    assert attention.POOL_DQ == 8  # the default
+    base = attention.sink_attention_decode(*args, scale, splits=splits)
+    with mock.patch.object(attention, "POOL_DQ", 16):
+        poison_allocator()
+        out = attention.sink_attention_decode(*args, scale, splits=splits)
     torch.cuda.synchronize()
     assert torch.isfinite(base.float()).all()
     assert torch.equal(base.view(torch.int16), out.view(torch.int16))
