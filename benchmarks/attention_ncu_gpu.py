@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels_gpu import attention_inputs  # noqa: E402
+from kernels_gpu import ITOPK, WIN, attention_inputs  # noqa: E402
 
 
 def main() -> int:
@@ -38,9 +38,11 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(1)
     data = attention_inputs(a.batch, a.ctx, 1, g)[0]
     sink = torch.randn(64, device="cuda", generator=g)
-    used = attention.used_splits(a.splits, 10)
+    blocks = (WIN + ITOPK) // attention.BLOCK_KEYS
+    used = attention.used_splits(a.splits, blocks)
     if used != a.splits:
-        print(f"attention_ncu_gpu: {a.splits} splits of 10 blocks run as {used}; ask for {used}", file=sys.stderr)
+        print(f"attention_ncu_gpu: {a.splits} splits of {blocks} blocks run as {used}; ask for {used}",
+              file=sys.stderr)
         return 1
     for _ in range(1 + a.calls):
         out = attention.sink_attention_decode_kernel(*data, sink, 512 ** -0.5, splits=a.splits, probe=a.probe)

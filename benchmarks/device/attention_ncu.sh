@@ -12,17 +12,18 @@ source benchmarks/gpu_env.sh
 source benchmarks/device_steps.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
 [ -n "$NCU" ] || { echo "STEP FAILED: no ncu on this machine"; exit 1; }
+REPS=$(mktemp -d)  # the reports stay on the machine; their text pages come back under $OUT
 for arm in ${ARMS:-default}; do
   probe= && [ "$arm" != default ] && probe=$arm
   name=$(echo "$arm" | tr '+' '_')
   timeout ${T1:-240} "$NCU" --target-processes application-only --clock-control none \
     --kernel-name regex:sink_attention_decode --launch-skip 1 --launch-count 1 --set full --import-source no \
-    -f -o /tmp/ncu_$name python3 benchmarks/attention_ncu_gpu.py --batch ${B:-2048} --probe "$probe" 2>&1 \
+    -f -o "$REPS/$name" python3 benchmarks/attention_ncu_gpu.py --batch ${B:-2048} --probe "$probe" 2>&1 \
     | grep -v "\[TileLang:" | tail -6
   check "ncu $arm"
-  "$NCU" --import /tmp/ncu_$name.ncu-rep --page details > $OUT/ncu_${name}_details.txt 2>&1
+  "$NCU" --import "$REPS/$name.ncu-rep" --page details > $OUT/ncu_${name}_details.txt 2>&1
   check "ncu $arm details"
-  "$NCU" --import /tmp/ncu_$name.ncu-rep --page source --print-source sass --csv 2>&1 \
+  "$NCU" --import "$REPS/$name.ncu-rep" --page source --print-source sass --csv 2>&1 \
     | gzip > $OUT/ncu_${name}_sass.csv.gz
   check "ncu $arm sass"
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Bank" \
