@@ -200,6 +200,28 @@ def test_the_one_call_pool_dequantisation_candidate_lowers_without_a_spill():
         assert regs <= 168 and "0 bytes spill stores" in log
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_wg1_row_table_candidate_frees_the_producer_s_start(splits):
+    """attention.ROW_TABLE = "wg1" (the benchmark's "wg1table"): the producer loads its first block's rows straight
+    from the window positions / the selection, with no barrier before them, and waits for WG1's table only before
+    its second block; WG1 builds the table and arrives; ptxas fits it without a spill where nvcc is installed."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", table="wg1"), "sm_90a")
+    default = _source("sm_90a", splits)
+    assert "__sync_thread_partial(5, 128)" in default and "__sync_thread_partial(5, 128)" not in src
+    wg1 = src[src.index("warpgroup_reg_dealloc<160>"):src.index("warpgroup_reg_dealloc<152>")]
+    producer = src[src.index("warpgroup_reg_dealloc<152>"):]
+    assert "table_ready[0].arrive()" in wg1 and "sel[" in wg1 and "win_pos[" in wg1
+    first_wait = producer.index("table_ready[0].wait(0)")
+    assert producer.index("win_kv + ") < producer.index("k_free[") < first_wait
+    report = _nvcc_report(src)
+    if report:
+        log, regs = report
+        assert regs <= 168 and "0 bytes spill stores" in log
+
+
 def test_one_split_s_output_goes_through_shared_memory():
     """With one split each math warpgroup writes its half of the bf16 output into Q's shared memory (free once WG0's
     MMAs are done), waits on its own named barrier and stores it in 16-byte stores (16 a thread), not each fragment

@@ -15,7 +15,7 @@ RUN=python3 && [ -n "${ATTRS:-}" ] && RUN="python3 benchmarks/with_attrs.py $ATT
 R=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/tests.log
 cd "$DEEPINFER_SITE"
-timeout ${T1:-230} python3 -m pytest $GPU_TESTS/test_tilelang_{attention_decode,linear}.py \
+timeout ${T1:-280} python3 -m pytest $GPU_TESTS/test_tilelang_{attention_decode,linear}.py \
   $GPU_TESTS/test_prefill_paths.py -n 4 -v -rf -p no:cacheprovider -o addopts= 2>&1 | tee -a $OUT/tests.log \
   | grep -E "FAILED|ERROR|passed|failed|error" | tail -30
 check "kernel tests"
