@@ -70,7 +70,7 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def kernel_specs(splits_list, probes=()) -> list[tuple]:
+def kernel_specs(splits_list, probes=(), cands=False) -> list[tuple]:
     """jit's arguments for the decode kernel at each split count: as is, with each probe, with each candidate
     setting (attention.decode_spec, what the launcher passes), for the parallel precompile."""
     from deepinfer.kernels.tilelang import attention
@@ -78,20 +78,20 @@ def kernel_specs(splits_list, probes=()) -> list[tuple]:
 
     sms = sm_count("cuda")
     specs = [attention.decode_spec(WIN, ITOPK, s, WIN, pr, sms) for s in splits_list for pr in ("", *probes)]
-    for knobs in CANDIDATES.values() if probes else ():
+    for knobs in CANDIDATES.values() if cands else ():
         with mock.patch.multiple(attention, **knobs):
             specs += [attention.decode_spec(WIN, ITOPK, s, WIN, "", sms) for s in splits_list]
     return specs
 
 
-def smoke(splits_list, probes=()):
+def smoke(splits_list, probes=(), cands=False):
     """One small call per split count, and per probe at the first split count; with probes, each candidate at every
     split count and at one split with 300 queries (a persistent CTA runs two or three) (run in the child process by
     --smoke)."""
     from deepinfer.kernels.tilelang import attention
 
     calls = [(s, "", 4, {}) for s in splits_list] + [(splits_list[0], p, 4, {}) for p in probes]
-    for knobs in CANDIDATES.values() if probes else ():
+    for knobs in CANDIDATES.values() if cands else ():
         calls += [(s, "", 4, knobs) for s in splits_list] + [(1, "", 300, knobs)]
     for splits, probe, n_q, knobs in calls:
         with mock.patch.multiple(attention, **knobs):
@@ -119,12 +119,12 @@ def _smoke_call(kernel, n_q, splits, probe):
     return out
 
 
-def smoke_in_child(splits_list, limit_s, probes=()):
+def smoke_in_child(splits_list, limit_s, probes=(), cands=False):
     """Compile (into the JIT disk cache) and run the kernel once per split count in a child process: this script
     again (so sys.path[0] is benchmarks/, never the repo root whose deepinfer/ lacks kernels/). None if fine,
     else a one-line reason."""
     cmd = [sys.executable, os.path.abspath(__file__), "--smoke", ",".join(map(str, splits_list)) + ";"
-           + ",".join(probes)]
+           + ",".join(probes) + ";" + ("1" if cands else "")]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired:
@@ -168,13 +168,17 @@ def main():
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--no-mtp", action="store_true", help="skip the B=64 x 4 query tokens row")
     ap.add_argument("--sweep", action="store_true", help="also time other split counts")
-    ap.add_argument("--probes", action="store_true", help="also time the kernel's probes (parts of it dropped)")
+    ap.add_argument("--probes", action="store_true", help="also time the kernel's probes (parts of it dropped) and "
+                    "the candidates")
+    ap.add_argument("--probe-names", default=None,
+                    help="with --probes: which probes (comma-separated; default all; '' for the candidates alone)")
     ap.add_argument("--hang-limit", type=int, default=240, help="seconds for the first compile + run (child)")
     ap.add_argument("--smoke", help=argparse.SUPPRESS)  # child mode: comma-separated split counts
     a = ap.parse_args()
     if a.smoke:
-        splits_arg, probes_arg = a.smoke.split(";")
-        return smoke([int(s) for s in splits_arg.split(",")], [p for p in probes_arg.split(",") if p])
+        splits_arg, probes_arg, cands_arg = a.smoke.split(";")
+        return smoke([int(s) for s in splits_arg.split(",")], [p for p in probes_arg.split(",") if p],
+                     cands_arg == "1")
 
     from deepinfer.kernels.tilelang._build import jit_stats, sm_count
     from deepinfer.kernels.tilelang.attention import default_splits, sink_attention_decode, \
@@ -195,14 +199,18 @@ def main():
             cand |= {s for s in (1, 2, 3, 5, 10) if s * B * qps <= 4 * sms}
         sweep[(B, qps)] = sorted(cand)
     all_splits = sorted({s for v in sweep.values() for s in v})
-    probes = [p for p in PROBES if p] if a.probes else []
-    if probes:  # every probe and candidate at every default split count, compiled in parallel first
+    names = ",".join(PROBES) if a.probe_names is None else a.probe_names
+    probes = [p for p in names.split(",") if p] if a.probes else []
+    bad = sorted(set(probes) - set(PROBES))
+    if bad:
+        raise SystemExit(f"attention_decode_gpu: --probe-names: unknown {bad}; allowed: {[p for p in PROBES if p]}")
+    if a.probes:  # every probe and candidate at every default split count, compiled in parallel first
         from deepinfer.kernels.tilelang._build import precompile
 
-        specs = kernel_specs(all_splits, probes)
+        specs = kernel_specs(all_splits, probes, cands=True)
         precompile(specs)
         print(f"compiled {len(specs)} decode kernels  [{time.time() - t0:.0f} s]", flush=True)
-    err = smoke_in_child(all_splits, a.hang_limit, probes)
+    err = smoke_in_child(all_splits, a.hang_limit, probes, cands=a.probes)
     print(f"decode smoke ({all_splits} splits): {err or 'ok'}  [{time.time() - t0:.0f} s]", flush=True)
     if err:
         raise SystemExit(f"attention_decode_gpu: {err}; nothing measured")
@@ -255,8 +263,8 @@ def main():
             for pr in probes:  # the same call with one part of the work dropped (output not checked)
                 probe_us[pr] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale, splits=d,
                                                                               probe=pr))[0] * 1e3
-            base = sink_attention_decode_kernel(*data[0], sink, scale, splits=d) if probes else None
-            for name, knobs in CANDIDATES.items() if probes else ():  # real variants: their outputs checked
+            base = sink_attention_decode_kernel(*data[0], sink, scale, splits=d) if a.probes else None
+            for name, knobs in CANDIDATES.items() if a.probes else ():  # real variants: their outputs checked
                 with mock.patch.multiple(attention, **knobs):
                     probe_us[name] = measure(lambda i: sink_attention_decode_kernel(*data[i % sets], sink, scale,
                                                                                     splits=d))[0] * 1e3

@@ -5,7 +5,8 @@
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/kernels.sh
 # ATTRS: benchmarks/with_attrs.py overrides for the prefill kernels run (an A/B arm); T1..T3: each step's seconds;
 # ATTN_BATCHES: the attention kernel's batches (default 1,8,64,256; 2048 and 8192 are prefill's one-split shapes);
-# SWEEP=0: no other split counts; PREFILL_KERNELS=0 skips the prefill kernels.
+# SWEEP=0: no other split counts; ATTN_PROBES: the probes timed (comma-separated; default all; "" for the candidates
+# alone); PREFILL_KERNELS=0 skips the prefill kernels.
 # A step that fails or times out is named at the end and the call exits 1 (device_steps.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -23,7 +24,9 @@ cd "$R"
 # the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 SW=--sweep && [ "${SWEEP:-1}" = 0 ] && SW=
+PN=() && [ -n "${ATTN_PROBES+set}" ] && PN=(--probe-names "$ATTN_PROBES")
 timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches ${ATTN_BATCHES:-1,8,64,256} --no-mtp --probes $SW \
+  "${PN[@]}" \
   --out $OUT/attn.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/attn.log | tail -14
 check "decode attention"
 [ "${PREFILL_KERNELS:-1}" = 0 ] || timeout ${T3:-120} $RUN \
