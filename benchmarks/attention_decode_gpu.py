@@ -20,8 +20,7 @@ part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantis
 first one or two key blocks only, and one block without Q's loads and / or the output's stores; their outputs are
 wrong and not checked), at the default split count: where the time of a key block goes, and the fixed part; and the
 candidate settings (CANDIDATES: attention module constants; now POOL_DQ = 16, a pool row's 16 codes dequantised in
-one call, ROW_TABLE = "wg1", the row table built by WG1 past the producer's first block, PERSIST = True, one split's
-queries run in turn by persistent CTAs, and pairs), their
+one call, ROW_TABLE = "wg1", the row table built by WG1 past the producer's first block, and both), their
 outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits
 non-zero). The torch reference dequantises only the selected pool rows (B=2048 at 32K: ~20 GB of inputs and
 reference, the one-split shapes of prefill; the whole pool asked 128 GiB). The previous kernel generation's numbers stay in
@@ -29,6 +28,7 @@ benchmarks/results/attn_v2_gpu_h200.json.
 """
 
 import argparse
+import contextlib
 import os
 import platform
 import subprocess
@@ -48,12 +48,10 @@ HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # candidate settings of the kernel timed beside --probes, {name: {attention module constant: value}} (the twenty-third
 # session's COMPACT, PREFETCH and STAGE_OUT were settled and their losing code removed; git history). "dq16": a pool
 # row's 16 codes dequantised in one call, zeroed through the scale (written in the thirty-sixth session); "wg1table":
-# the producer finds its first block's rows itself, WG1 builds the rest of the row table; "persist": one split's
-# queries run in turn by one CTA an SM (both thirty-seventh; "persist" is the default kernel at 2+ splits). ("combine",
+# the producer finds its first block's rows itself, WG1 builds the rest of the row table (thirty-seventh). ("combine",
 # CLUSTER_SPLITS = 0, was timed until the thirty-sixth session: the cluster's gain, attention_decode_gpu_s25_h100.log)
 CANDIDATES = {"dq16": {"POOL_DQ": 16}, "wg1table": {"ROW_TABLE": "wg1"},
-              "dq16+wg1table": {"POOL_DQ": 16, "ROW_TABLE": "wg1"}, "persist": {"PERSIST": True},
-              "dq16+persist": {"POOL_DQ": 16, "PERSIST": True}}
+              "dq16+wg1table": {"POOL_DQ": 16, "ROW_TABLE": "wg1"}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 
@@ -74,27 +72,24 @@ def kernel_specs(splits_list, probes=(), cands=False) -> list[tuple]:
     """jit's arguments for the decode kernel at each split count: as is, with each probe, with each candidate
     setting (attention.decode_spec, what the launcher passes), for the parallel precompile."""
     from deepinfer.kernels.tilelang import attention
-    from deepinfer.kernels.tilelang._build import sm_count
 
-    sms = sm_count("cuda")
-    specs = [attention.decode_spec(WIN, ITOPK, s, WIN, pr, sms) for s in splits_list for pr in ("", *probes)]
+    specs = [attention.decode_spec(WIN, ITOPK, s, WIN, pr) for s in splits_list for pr in ("", *probes)]
     for knobs in CANDIDATES.values() if cands else ():
         with mock.patch.multiple(attention, **knobs):
-            specs += [attention.decode_spec(WIN, ITOPK, s, WIN, "", sms) for s in splits_list]
+            specs += [attention.decode_spec(WIN, ITOPK, s, WIN) for s in splits_list]
     return specs
 
 
 def smoke(splits_list, probes=(), cands=False):
-    """One small call per split count, and per probe at the first split count; with probes, each candidate at every
-    split count and at one split with 300 queries (a persistent CTA runs two or three) (run in the child process by
-    --smoke)."""
+    """One small call per split count, and per probe at the first split count; with the candidates, each at every
+    split count and at one split with 300 queries (run in the child process by --smoke)."""
     from deepinfer.kernels.tilelang import attention
 
     calls = [(s, "", 4, {}) for s in splits_list] + [(splits_list[0], p, 4, {}) for p in probes]
     for knobs in CANDIDATES.values() if cands else ():
         calls += [(s, "", 4, knobs) for s in splits_list] + [(1, "", 300, knobs)]
     for splits, probe, n_q, knobs in calls:
-        with mock.patch.multiple(attention, **knobs):
+        with mock.patch.multiple(attention, **knobs) if knobs else contextlib.nullcontext():
             out = _smoke_call(attention.sink_attention_decode_kernel, n_q, splits, probe)
         assert probe or torch.isfinite(out).all(), (splits, knobs)
     print("ok")

@@ -4,7 +4,6 @@ the warpgroups, QK of the next block issued behind PV of the current one, no CTA
 
 import importlib.util
 import re
-from unittest import mock
 
 import pytest
 
@@ -221,32 +220,6 @@ def test_the_wg1_row_table_candidate_frees_the_producer_s_start(splits):
     if report:
         log, regs = report
         assert regs <= 168 and "0 bytes spill stores" in log
-
-
-def test_the_persistent_candidate_runs_its_queries_in_turn():
-    """attention.PERSIST (the benchmark's "persist"): one split's grid is one CTA an SM, each role looping over the
-    CTA's queries (bx, bx + 132, ...), the barriers' phases carried on by the query's first block (j * 10), the
-    row table double-buffered by the query's parity, and the next Q loaded only after both math warpgroups stored
-    the output it stages; the launcher's spec asks for it only with one split; ptxas fits it without a spill."""
-    from lowering_helpers import lower_source
-    from deepinfer.kernels.tilelang import attention
-    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
-
-    src = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", persist=132), "sm_90a")
-    assert src.count("((max((n_q - ((int)blockIdx.x)), 0) + 131) / 132)") == 3  # WG0, WG1, the producer
-    assert "k_ready[0].wait(((j * 5) & 1))" in src and "bar_fin[0].wait((j_1 & 1))" in src
-    assert src.count("__sync_thread_partial(10, 256)") == 2 and "(j_2 & 1) * 640" in src
-    assert "blockIdx.y" not in src
-    report = _nvcc_report(src)
-    if report:
-        log, regs = report
-        assert regs <= 168 and "0 bytes spill stores" in log
-    with mock.patch.object(attention, "PERSIST", True):
-        assert attention.decode_spec(128, 512, 1, 128, "", 132)[-1] == 132
-        assert attention.decode_spec(128, 512, 2, 128, "", 132) == attention.decode_spec(128, 512, 2, 128)
-        assert attention.decode_spec(128, 512, 1, 128, "blocks1", 132) == attention.decode_spec(128, 512, 1, 128,
-                                                                                                "blocks1")
-    assert attention.decode_spec(128, 512, 1, 128, "", 132) == attention.decode_spec(128, 512, 1, 128)
 
 
 def test_one_split_s_output_goes_through_shared_memory():

@@ -40,11 +40,6 @@ POOL_DQ = 8
 # "wg1" (a candidate, the thirty-seventh session: the producer finds its first block's rows itself, WG1 builds the
 # rest; attention_decode_gpu's "wg1table")
 ROW_TABLE = "producer"
-# one split (prefill's shape, and decode from B ~ the SM count up): a CTA a query (False), or persistent CTAs, one an
-# SM, each running queries in turn with the next query's row table and first blocks dequantised while the math
-# warpgroups finish the last (True: a candidate, the thirty-seventh session, attention_decode_gpu's "persist"; the
-# probes at B=2048 put ~10 us of a query's ~37 in parts that run once a CTA)
-PERSIST = False
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -123,15 +118,13 @@ def _clustered(splits: int) -> bool:
     return 2 <= splits <= CLUSTER_SPLITS
 
 
-def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "", sms: int = 0) -> tuple:
+def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "") -> tuple:
     """jit's arguments for the decode kernel: the builder's arguments past `splits` only up to the last that differs
     from the builder's default (the ring's width when wider than the window: rollback rows for speculative decoding,
-    a compile-time shape; a probe; a cluster of the splits; the candidates' settings; with PERSIST and one split,
-    `sms` persistent CTAs), so equal kernels get equal specs (the compile cache, the JIT manifest)."""
-    persist = sms if PERSIST and splits == 1 and not probe and ROW_TABLE == "producer" else 0
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits), POOL_DQ, ROW_TABLE,
-            persist]
-    defaults = [None, (192, 160, 152), None, "", False, 8, "producer", 0]
+    a compile-time shape; a probe; a cluster of the splits), so equal kernels get equal specs (the compile cache,
+    the JIT manifest)."""
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits), POOL_DQ, ROW_TABLE]
+    defaults = [None, (192, 160, 152), None, "", False, 8, "producer"]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)
@@ -158,7 +151,7 @@ def sink_attention_decode_kernel(q, q_seq, q_pos, win_kv, win_scale, win_pos, cm
     assert R >= window and H == 64 and D == 512 and n_q > 0
     n_blocks = (window + topk) // BLOCK_KEYS
     splits = used_splits(splits or _splits(n_q, n_blocks, q.device), n_blocks)
-    kernel = jit(*decode_spec(window, topk, splits, R, probe, sm_count(str(q.device))))
+    kernel = jit(*decode_spec(window, topk, splits, R, probe))
     out = torch.empty(n_q, H, D, dtype=torch.bfloat16, device=q.device)
     args = ((q.contiguous(), q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel.contiguous()),
             (float(scale),))

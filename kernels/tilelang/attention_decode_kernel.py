@@ -86,7 +86,7 @@ def _is_hopper(arch):
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
                                 ring: int | None = None, probe: str = "", cluster: bool = False, pool_dq: int = 8,
-                                table: str = "producer", persist: int = 0):
+                                table: str = "producer"):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch:
     None = the current target (wgmma on sm_90*, a synchronous gemm elsewhere, which only serves the lowering test).
@@ -116,18 +116,10 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     first block's loads: a global round trip and a barrier ahead of every CTA's first keys) or "wg1" (a candidate:
     the producer finds its first block's rows itself, reading the ring row's key bytes beside its position and the
     selection's row before its bytes, and writes that block's entries; WG1, idle until the first P, builds the
-    rest, which the producer waits for before its second block's loads).
-    persist: one split only: 0, a CTA a query (grid n_q); G > 0, G CTAs (the SMs), CTA c running queries c, c + G,
-    ... in turn (a candidate): the barriers' phases and buffer halves run on over the CTA's blocks, the row table is
-    double-buffered by query, and the producer builds the next query's table and dequantises its first two blocks
-    while the math warpgroups finish the last block, normalise and store the output, and load the next Q (which
-    waits for both halves of the output to be stored: Q's shared memory stages it). The same arithmetic a query:
-    the same bits."""
+    rest, which the producer waits for before its second block's loads)."""
     assert pool_dq in (8, 16), f"pool_dq must be 8 or 16, got {pool_dq}"
     assert table in ("producer", "wg1"), f"table must be 'producer' or 'wg1', got {table!r}"
     lazy = table == "wg1"
-    assert persist >= 0 and not (persist and (splits != 1 or lazy or probe)), \
-        "persist: one split, the producer's row table, no probe"
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
@@ -186,9 +178,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             T.wait_wgmma(n)
 
     @T.macro
-    def wg0_block(n, g0, t0, nmine, k_s, p_s, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s, k_ready,
-                  k_free, p_ready, p_free, scale2):
-        g = g0 + n  # the CTA's block count: buffer halves and barrier phases (g0 = 0 but in a persistent CTA)
+    def wg0_block(n, nmine, k_s, p_s, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s, k_ready, k_free,
+                  p_ready, p_free, scale2):
         # QK(n) was issued into s_acc (previous block or prologue); PV_L(n-1) has completed
         wait_mma(0)
         if probe == "no_softmax":
@@ -196,8 +187,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 alpha[h] = 1.0
         else:
             for h, j in T.Parallel(H, BK):
-                s_acc[h, j] = T.if_then_else(idx_s[t0 + n * BK + j] >= 0, s_acc[h, j] * scale2,
-                                             -T.infinity("float32"))
+                s_acc[h, j] = T.if_then_else(idx_s[n * BK + j] >= 0, s_acc[h, j] * scale2, -T.infinity("float32"))
             T.copy(m_i, m_prev)
             T.reduce_max(s_acc, m_i, dim=1, clear=False)
             for h in T.Parallel(H):
@@ -209,32 +199,32 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 l_i[h] = l_i[h] * alpha[h] + rsum[h]
             for h, d in T.Parallel(H, DH):
                 o_l[h, d] *= alpha[h]
-        # P buffer half g % 2 was last read by WG1's wgmma for block g-2
-        T.barrier_wait(p_free[g % 2], ((g // 2) & 1) ^ 1)
-        T.copy(s_acc, p_s[(g % 2) * H:(g % 2 + 1) * H, 0:BK])
+        # P buffer half n % 2 was last read by WG1's wgmma for block n-2
+        T.barrier_wait(p_free[n % 2], ((n // 2) & 1) ^ 1)
+        T.copy(s_acc, p_s[(n % 2) * H:(n % 2 + 1) * H, 0:BK])
         for h in T.Parallel(H):
-            alpha_s[g % 2, h] = alpha[h]
+            alpha_s[n % 2, h] = alpha[h]
         T.fence_proxy_async()
-        T.barrier_arrive(p_ready[g % 2])
-        mma(p_s[(g % 2) * H:(g % 2 + 1) * H, 0:BK], k_s[(g % 2) * BK:(g % 2 + 1) * BK, 0:DH], o_l)
+        T.barrier_arrive(p_ready[n % 2])
+        mma(p_s[(n % 2) * H:(n % 2 + 1) * H, 0:BK], k_s[(n % 2) * BK:(n % 2 + 1) * BK, 0:DH], o_l)
         if n + 1 < nmine:
             # QK(n+1) queues behind PV_L(n): the tensor cores stay busy while WG0 waits
-            T.barrier_wait(k_ready[1 - g % 2], ((g + 1) // 2) & 1)
-            qk(q_s, k_s, (1 - g % 2) * BK, s_acc)
+            T.barrier_wait(k_ready[1 - n % 2], ((n + 1) // 2) & 1)
+            qk(q_s, k_s, (1 - n % 2) * BK, s_acc)
             wait_mma(QCH)  # PV_L(n) is older than the QCH groups of QK(n+1)
         else:
             wait_mma(0)
-        T.barrier_arrive(k_free[g % 2])  # PV_L(n) done: WG0 no longer reads key buffer half g % 2
+        T.barrier_arrive(k_free[n % 2])  # PV_L(n) done: WG0 no longer reads key buffer half n % 2
 
     @T.macro
-    def wg1_block(g, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free):
-        T.barrier_wait(p_ready[g % 2], (g // 2) & 1)
+    def wg1_block(n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free):
+        T.barrier_wait(p_ready[n % 2], (n // 2) & 1)
         for h, d in T.Parallel(H, DH):
-            o_r[h, d] *= alpha_s[g % 2, h]
-        mma(p_s[(g % 2) * H:(g % 2 + 1) * H, 0:BK], k_s[(g % 2) * BK:(g % 2 + 1) * BK, DH:D], o_r)
+            o_r[h, d] *= alpha_s[n % 2, h]
+        mma(p_s[(n % 2) * H:(n % 2 + 1) * H, 0:BK], k_s[(n % 2) * BK:(n % 2 + 1) * BK, DH:D], o_r)
         wait_mma(0)
-        T.barrier_arrive(k_free[g % 2])
-        T.barrier_arrive(p_free[g % 2])
+        T.barrier_arrive(k_free[n % 2])
+        T.barrier_arrive(p_free[n % 2])
 
     @T.macro
     def out_half(q_s, out, bq, t, c0):
@@ -247,26 +237,26 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                     q_s[(i * 128 + t) // (DH // 8), c0 + (i * 128 + t) % (DH // 8) * 8 + v]
 
     @T.macro
-    def load_block(n, t0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
+    def load_block(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
         # block n's packed rows into registers (a window block's FP8 rows 16 bytes a row and lane, a pool block's FP4
         # rows 8), window or pool chosen once for the whole block; ok[i] holds row i's source row (-1: invisible)
         if no_load:  # bytes made from the row index: no HBM read
             for i in T.unroll(ROWS):
-                row = idx_s[t0 + n * BK + warp * ROWS + i]
+                row = idx_s[n * BK + warp * ROWS + i]
                 ok[i] = row
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = T.cast((row + v) & 0x77, "uint8")
                 sc[i] = T.cast(120, "uint8")
         elif kb0 + n < NWB:
             for i in T.unroll(ROWS):
-                row = idx_s[t0 + n * BK + warp * ROWS + i]
+                row = idx_s[n * BK + warp * ROWS + i]
                 ok[i] = row
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
                 sc[i] = win_scale[b, T.max(row, 0), lane // 2]
         else:
             for i in T.unroll(ROWS):
-                row = idx_s[t0 + n * BK + warp * ROWS + i]
+                row = idx_s[n * BK + warp * ROWS + i]
                 ok[i] = row
                 for v in T.vectorized(8):
                     raw[i * 16 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
@@ -305,7 +295,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 idx_s[r] = ok[i]
 
     @T.macro
-    def row_table(k0, t0, t, nt, nmine, kb0, b, p, bq, idx_s, win_pos, sel):
+    def row_table(k0, t, nt, nmine, kb0, b, p, bq, idx_s, win_pos, sel):
         # the split's row table from key k0 on, nt threads: a window key's ring row if it still holds the key's
         # position, a pool key's selected row (-1: invisible / none)
         for i in T.serial(T.ceildiv(PER * BK - k0, nt)):  # ptxas unrolls it, its loads issued together
@@ -315,73 +305,75 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 if kb < NWB:
                     pp = p - window + 1 + kb * BK + r  # the slot's position; its ring row is pp mod W
                     row = T.max(pp, 0) % W
-                    idx_s[t0 + k0 + i * nt + t] = T.if_then_else((pp >= 0) and (win_pos[b, row] == pp), row, -1)
+                    idx_s[k0 + i * nt + t] = T.if_then_else((pp >= 0) and (win_pos[b, row] == pp), row, -1)
                 else:
-                    idx_s[t0 + k0 + i * nt + t] = sel[bq, (kb - NWB) * BK + r]
+                    idx_s[k0 + i * nt + t] = sel[bq, (kb - NWB) * BK + r]
 
     @T.macro
-    def store_row(g, k_s, warp, lane, i, visible, vals):
-        # one dequantised row into block g's half of the key buffer, zeros where invisible
+    def store_row(n, k_s, warp, lane, i, visible, vals):
+        # one dequantised row into block n's half of the key buffer, zeros where invisible
         for v in T.vectorized(16):
-            k_s[(g % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(visible, vals[v], T.cast(0, "bfloat16"))
+            k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(visible, vals[v], T.cast(0, "bfloat16"))
 
     @T.macro
-    def keep_row(g, k_s, warp, lane, i, raw, sc, ok):
+    def keep_row(n, k_s, warp, lane, i, raw, sc, ok):
         # the no_dequant probes: no row is converted or written, but the loads stay (the compiler would drop them)
         if ok[i] == -7:  # never (rows are >= -1)
             for v in T.vectorized(16):
-                k_s[(g % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.cast(T.cast(raw[i * 16 + v] + sc[i], "float32"),
+                k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.cast(T.cast(raw[i * 16 + v] + sc[i], "float32"),
                                                                            "bfloat16")
 
     @T.macro
-    def dequant_block(n, g, kb0, k_s, lane, warp, raw, sc, ok, vals):
-        # the split's block n (the CTA's g) into rows [(g % 2) BK, (g % 2 + 1) BK) of the key buffer, window or pool
-        # chosen once
+    def dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals):
+        # block n into rows [(n % 2) BK, (n % 2 + 1) BK) of the key buffer, window or pool chosen once
         if no_dequant:
             for i in T.unroll(ROWS):
-                keep_row(g, k_s, warp, lane, i, raw, sc, ok)
+                keep_row(n, k_s, warp, lane, i, raw, sc, ok)
         elif kb0 + n < NWB:
             for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
-                store_row(g, k_s, warp, lane, i, ok[i] >= 0, vals)
+                store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
         elif pool_dq == 16:
             for i in T.unroll(ROWS):
                 # one scale conversion a row, invisible rows zeroed through the scale (dequant.py; a candidate)
                 T.call_extern("handle", "di_dq_e2m1x16_e4m3", T.address_of(raw[i * 16]), sc[i], ok[i] >= 0,
                               T.address_of(vals[0]))
                 for v in T.vectorized(16):
-                    k_s[(g % 2) * BK + warp * ROWS + i, lane * 16 + v] = vals[v]
+                    k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = vals[v]
         else:
             for i in T.unroll(ROWS):
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
                               T.address_of(vals[8]))
-                store_row(g, k_s, warp, lane, i, ok[i] >= 0, vals)
+                store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
         T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
 
     @T.macro
-    def producer(nmine, g0, t0, kb0, b, p, bq, lane, warp, raw, sc, ok, vals, idx_s, k_s, k_ready, k_free,
-                 table_ready, win_pos, sel, win_kv, win_scale, cmp_kv, cmp_scale):
+    def producer(nmine, kb0, b, p, bq, lane, warp, idx_s, k_s, k_ready, k_free, table_ready, win_pos, sel, win_kv,
+                 win_scale, cmp_kv, cmp_scale):
         # block n+1's rows are loaded right after block n is dequantised: their latency overlaps the wait for a
         # free key buffer half. Two blocks ahead in twice the registers gained nothing (H100, twenty-third session);
         # a half block ahead, loaded between the halves of this block's conversions in the same registers, lost
         # (B=2048, H100: 564 -> 581 us), though the producer stalls ~18% of its time on these loads (Nsight Compute)
-        # (a persistent CTA: g0 = the blocks of its earlier queries, t0 = this query's row table in idx_s)
+        raw = T.alloc_local((ROWS * 16,), "uint8")
+        sc = T.alloc_local((ROWS,), "uint8")
+        ok = T.alloc_local((ROWS,), "int32")
+        vals = T.alloc_local((16,), "bfloat16")
         if nmine > 0:
             if lazy:
                 load_first(kb0, b, p, bq, lane, warp, raw, sc, ok, idx_s, win_pos, sel, win_kv, win_scale, cmp_kv,
                            cmp_scale)
             else:
-                load_block(0, t0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+                load_block(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
         for n in T.serial(nmine):
-            T.barrier_wait(k_free[(g0 + n) % 2], (((g0 + n) // 2) & 1) ^ 1)
-            dequant_block(n, g0 + n, kb0, k_s, lane, warp, raw, sc, ok, vals)
-            T.barrier_arrive(k_ready[(g0 + n) % 2])
+            T.barrier_wait(k_free[n % 2], ((n // 2) & 1) ^ 1)
+            dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals)
+            T.barrier_arrive(k_ready[n % 2])
             if n + 1 < nmine:
                 if lazy:  # WG1's entries for blocks 1.. (a completed phase: returns at once after block 1)
                     T.barrier_wait(table_ready[0], 0)
-                load_block(n + 1, t0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+                load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
 
     @T.macro
     def merge(bs, bq, tx, k_s, ml_s, w_s, sink, out):
@@ -428,86 +420,6 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                     out[bq, c // (D // 8), c % (D // 8) * 8 + v] = ov[v]
         T.call_extern("handle", "di_cluster_sync")  # no CTA leaves while a peer reads its shared memory
 
-    @T.macro
-    def wg0_query(j, bq, g0, t0, nmine, tx, bs, q, sink, out, o_part, ml_part, qv, qt, q_s, k_s, p_s, ml_s, alpha_s,
-                  fin_s, idx_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, k_ready, k_free, p_ready, p_free, bar_fin,
-                  scale2):
-        # WG0's work on the CTA's j-th query bq (its blocks from the CTA's g0-th, its row table at idx_s[t0:])
-        if not no_q:
-            for i0 in T.unroll(32):
-                for v in T.vectorized(8):
-                    qv[v] = q[bq, (i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v]
-                for v in T.unroll(8):
-                    qt[v] = qv[(v % 2) * 4 + v // 2]
-                for v in T.vectorized(8):
-                    q_s[(i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v] = qt[v]
-        T.fence_proxy_async()
-        T.fill(m_i, NEG_BIG)
-        T.fill(l_i, 0.0)
-        T.fill(o_l, 0.0)
-        if nmine > 0:
-            T.barrier_wait(k_ready[g0 % 2], (g0 // 2) & 1)
-            qk(q_s, k_s, (g0 % 2) * BK, s_acc)
-        for n in T.serial(nmine):
-            wg0_block(n, g0, t0, nmine, k_s, p_s, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
-                      k_ready, k_free, p_ready, p_free, scale2)
-        wait_mma(0)
-        if single:
-            for h in T.Parallel(H):
-                # the sink joins the denominator only: out = O e^-M / (l e^-M + e^(sink - M))
-                alpha[h] = T.max(m_i[h], sink[h] * LOG2E)
-                rsum[h] = T.exp2(m_i[h] - alpha[h]) / (l_i[h] * T.exp2(m_i[h] - alpha[h])
-                                                       + T.exp2(sink[h] * LOG2E - alpha[h]))
-            for h in T.Parallel(H):
-                fin_s[h] = rsum[h]
-            T.barrier_arrive(bar_fin[0])
-            # through Q's shared memory (free: WG0's MMAs are done), then 16-byte stores
-            for h, d in T.Parallel(H, DH):
-                q_s[h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
-            T.sync_threads(6, 128)
-            if not no_out:
-                out_half(q_s, out, bq, tx, 0)
-            if persist:  # both halves stored: Q's shared memory is free for the next query's Q
-                T.sync_threads(10, 256)
-        elif clustered:
-            T.sync_threads(8, 256)  # WG1's last PV is done too: the key buffer is free for the partial
-            for h in T.Parallel(H):
-                ml_s[0, h] = m_i[h] * LN2
-                ml_s[1, h] = l_i[h]
-            for h, d in T.Parallel(H, DH):
-                T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d, o_l[h, d])
-        else:
-            for h in T.Parallel(H):
-                ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as the combine expects
-                ml_part[bq, bs, 1, h] = l_i[h]
-            for h, d in T.Parallel(H, DH):
-                o_part[bq, bs, h, d] = o_l[h, d]
-
-    @T.macro
-    def wg1_query(j, bq, g0, nmine, tx, bs, out, o_part, q_s, k_s, p_s, alpha_s, fin_s, o_r, k_free, p_ready, p_free,
-                  bar_fin):
-        # WG1's work on the CTA's j-th query bq
-        T.fill(o_r, 0.0)
-        for n in T.serial(nmine):
-            wg1_block(g0 + n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free)
-        if single:
-            T.barrier_wait(bar_fin[0], j & 1)
-            # WG0 has passed its last MMA (bar_fin): Q's shared memory is free
-            for h, d in T.Parallel(H, DH):
-                q_s[h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
-            T.sync_threads(7, 128)
-            if not no_out:
-                out_half(q_s, out, bq, tx - 128, DH)
-            if persist:
-                T.sync_threads(10, 256)
-        elif clustered:
-            T.sync_threads(8, 256)
-            for h, d in T.Parallel(H, DH):
-                T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d + DH, o_r[h, d])
-        else:
-            for h, d in T.Parallel(H, DH):
-                o_part[bq, bs, h, d + DH] = o_r[h, d]
-
     @T.prim_func
     def sink_attention_decode(
         q: T.Tensor((n_q, H, D), "bfloat16"),
@@ -525,8 +437,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         ml_part: T.Tensor((n_q, PS, 2, H), "float32"),
         scale: T.float32,
     ):
-        grid = (persist, 1) if persist else (splits, n_q)
-        with T.Kernel(*grid, threads=threads, cluster_dims=(splits, 1, 1) if clustered else None) as (bx, by):
+        with T.Kernel(splits, n_q, threads=threads, cluster_dims=(splits, 1, 1) if clustered else None) as (bs, bq):
             q_s = T.alloc_shared((H, D), "bfloat16")
             k_s = T.alloc_shared((2 * BK, D), "bfloat16")  # block n's keys at rows [(n % 2) BK, (n % 2 + 1) BK)
             ml_s = T.alloc_shared((2, H), "float32")       # cluster: this split's m (natural log) and l
@@ -534,8 +445,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             p_s = T.alloc_shared((2 * H, BK), "bfloat16")  # block n's P at rows [(n % 2) H, (n % 2 + 1) H)
             alpha_s = T.alloc_shared((2, H), "float32")
             fin_s = T.alloc_shared((H,), "float32")
-            # per key of this split: source row, -1 = invisible (persist: a table a query, by the query's parity)
-            idx_s = T.alloc_shared(((2 if persist else 1) * PER * BK,), "int32")
+            idx_s = T.alloc_shared((PER * BK,), "int32")  # per key of this split: source row, -1 = invisible
 
             k_ready = T.alloc_barrier([n_prod, n_prod])    # key buffer half i dequantised
             k_free = T.alloc_barrier([256, 256])           # key buffer half i no longer read by either math WG
@@ -546,11 +456,10 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
 
             tx = T.get_thread_binding()
             T.import_source(CUDA_SOURCE + (CLUSTER_SOURCE if clustered else ""))
-            bs = 0 if persist else bx
             kb0 = bs * PER
             nmine = T.max(T.min(NB - kb0, min(PER, few)), 0)
-            # the CTA's queries: persist, bx, bx + G, ...; else its one query by (j = 0: g0 = 0, t0 = 0)
-            n_items = T.ceildiv(T.max(n_q - bx, 0), persist) if persist else 1
+            b = q_seq[bq]
+            p = q_pos[bq]
 
             if tx < 128:
                 # ---- WG0: QK^T, online softmax, O[:, :256]
@@ -568,26 +477,79 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 # its store; ptxas issues all 32 loads first (sm_90a SASS, tools/kernel_code_size.py's cubin)
                 qv = T.alloc_local((8,), "bfloat16")
                 qt = T.alloc_local((8,), "bfloat16")
-                for j in T.serial(n_items):
-                    bq = bx + j * persist if persist else by
-                    t0 = (j % 2) * PER * BK if persist else 0
-                    wg0_query(j, bq, j * nmine, t0, nmine, tx, bs, q, sink, out, o_part, ml_part, qv, qt, q_s, k_s, p_s,
-                              ml_s, alpha_s, fin_s, idx_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, k_ready, k_free,
-                              p_ready, p_free, bar_fin, scale2)
+                if not no_q:
+                    for i0 in T.unroll(32):
+                        for v in T.vectorized(8):
+                            qv[v] = q[bq, (i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v]
+                        for v in T.unroll(8):
+                            qt[v] = qv[(v % 2) * 4 + v // 2]
+                        for v in T.vectorized(8):
+                            q_s[(i0 * 128 + tx) // 64, (i0 * 128 + tx) % 64 * 8 + v] = qt[v]
+                T.fence_proxy_async()
+                T.fill(m_i, NEG_BIG)
+                T.fill(l_i, 0.0)
+                T.fill(o_l, 0.0)
+                if nmine > 0:
+                    T.barrier_wait(k_ready[0], 0)
+                    qk(q_s, k_s, 0, s_acc)
+                for n in T.serial(nmine):
+                    wg0_block(n, nmine, k_s, p_s, q_s, s_acc, o_l, m_i, m_prev, l_i, rsum, alpha, idx_s, alpha_s,
+                              k_ready, k_free, p_ready, p_free, scale2)
+                wait_mma(0)
+                if single:
+                    for h in T.Parallel(H):
+                        # the sink joins the denominator only: out = O e^-M / (l e^-M + e^(sink - M))
+                        alpha[h] = T.max(m_i[h], sink[h] * LOG2E)
+                        rsum[h] = T.exp2(m_i[h] - alpha[h]) / (l_i[h] * T.exp2(m_i[h] - alpha[h])
+                                                               + T.exp2(sink[h] * LOG2E - alpha[h]))
+                    for h in T.Parallel(H):
+                        fin_s[h] = rsum[h]
+                    T.barrier_arrive(bar_fin[0])
+                    # through Q's shared memory (free: WG0's MMAs are done), then 16-byte stores
+                    for h, d in T.Parallel(H, DH):
+                        q_s[h, fp4_perm(d)] = T.cast(o_l[h, d] * rsum[h], "bfloat16")
+                    T.sync_threads(6, 128)
+                    if not no_out:
+                        out_half(q_s, out, bq, tx, 0)
+                elif clustered:
+                    T.sync_threads(8, 256)  # WG1's last PV is done too: the key buffer is free for the partial
+                    for h in T.Parallel(H):
+                        ml_s[0, h] = m_i[h] * LN2
+                        ml_s[1, h] = l_i[h]
+                    for h, d in T.Parallel(H, DH):
+                        T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d, o_l[h, d])
+                else:
+                    for h in T.Parallel(H):
+                        ml_part[bq, bs, 0, h] = m_i[h] * LN2  # natural-log max, as the combine expects
+                        ml_part[bq, bs, 1, h] = l_i[h]
+                    for h, d in T.Parallel(H, DH):
+                        o_part[bq, bs, h, d] = o_l[h, d]
 
             elif tx < 256:
                 # ---- WG1: O[:, 256:]
                 T.set_max_nreg(REG1, int(REG1 > launch_regs))
                 if lazy:  # the row table past the producer's first block, while WG1 has no P to multiply
-                    b1 = q_seq[by]
-                    p1 = q_pos[by]
-                    row_table(BK, 0, tx - 128, 128, nmine, kb0, b1, p1, by, idx_s, win_pos, sel)
+                    row_table(BK, tx - 128, 128, nmine, kb0, b, p, bq, idx_s, win_pos, sel)
                     T.barrier_arrive(table_ready[0])
                 o_r = T.alloc_fragment((H, DH), "float32")
-                for j in T.serial(n_items):
-                    bq = bx + j * persist if persist else by
-                    wg1_query(j, bq, j * nmine, nmine, tx, bs, out, o_part, q_s, k_s, p_s,
-                              alpha_s, fin_s, o_r, k_free, p_ready, p_free, bar_fin)
+                T.fill(o_r, 0.0)
+                for n in T.serial(nmine):
+                    wg1_block(n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free)
+                if single:
+                    T.barrier_wait(bar_fin[0], 0)
+                    # WG0 has passed its last MMA (bar_fin): Q's shared memory is free
+                    for h, d in T.Parallel(H, DH):
+                        q_s[h, fp4_perm(d) + DH] = T.cast(o_r[h, d] * fin_s[h], "bfloat16")
+                    T.sync_threads(7, 128)
+                    if not no_out:
+                        out_half(q_s, out, bq, tx - 128, DH)
+                elif clustered:
+                    T.sync_threads(8, 256)
+                    for h, d in T.Parallel(H, DH):
+                        T.call_extern("handle", "di_st_f32", T.address_of(k_s[0, 0]), h * D + d + DH, o_r[h, d])
+                else:
+                    for h, d in T.Parallel(H, DH):
+                        o_part[bq, bs, h, d + DH] = o_r[h, d]
 
             else:
                 # ---- producer warpgroup: row table, then each block's rows loaded one block ahead and dequantised
@@ -595,22 +557,13 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 pt = tx - 256
                 lane = pt % 32
                 warp = pt // 32
-                raw = T.alloc_local((ROWS * 16,), "uint8")
-                sc = T.alloc_local((ROWS,), "uint8")
-                ok = T.alloc_local((ROWS,), "int32")
-                vals = T.alloc_local((16,), "bfloat16")
-                for j in T.serial(n_items):
-                    bq = bx + j * persist if persist else by
-                    b = q_seq[bq]
-                    p = q_pos[bq]
-                    t0 = (j % 2) * PER * BK if persist else 0
-                    if not lazy:
-                        row_table(0, t0, pt, n_prod, nmine, kb0, b, p, bq, idx_s, win_pos, sel)
-                        T.sync_threads(5, n_prod)  # producers only: the row table is complete
-                    producer(nmine, j * nmine, t0, kb0, b, p, bq, lane, warp, raw, sc, ok, vals, idx_s, k_s, k_ready,
-                             k_free, table_ready, win_pos, sel, win_kv, win_scale, cmp_kv, cmp_scale)
+                if not lazy:
+                    row_table(0, pt, n_prod, nmine, kb0, b, p, bq, idx_s, win_pos, sel)
+                    T.sync_threads(5, n_prod)  # producers only: the row table is complete
+                producer(nmine, kb0, b, p, bq, lane, warp, idx_s, k_s, k_ready, k_free, table_ready, win_pos, sel,
+                         win_kv, win_scale, cmp_kv, cmp_scale)
 
             if clustered:
-                merge(bs, by, tx, k_s, ml_s, w_s, sink, out)
+                merge(bs, bq, tx, k_s, ml_s, w_s, sink, out)
 
     return sink_attention_decode

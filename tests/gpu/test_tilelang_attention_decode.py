@@ -204,26 +204,6 @@ def test_clustered_splits_give_the_combine_s_bits(ring, splits):
     assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
 
 
-@pytest.mark.parametrize("B,q_per_seq,ring", [(64, None, W), (100, 4, W), (40, 6, 192)])
-def test_persistent_ctas_give_the_one_split_bits(B, q_per_seq, ring):
-    """attention.PERSIST (a candidate): with one split, one CTA an SM runs queries in turn (two to four each here,
-    some CTAs one fewer), the barriers' phases running on across queries and the row table double-buffered: the
-    bits of a CTA a query, on rings with empty, stale and rollback rows."""
-    from deepinfer.kernels.tilelang import attention
-
-    args, _ = _case(B, seed=31 + B, ring=ring, q_per_seq=None if q_per_seq is None else [q_per_seq] * B)
-    assert args[0].shape[0] > 132
-    scale = D ** -0.5
-    assert attention.PERSIST is False  # the default
-    base = attention.sink_attention_decode(*args, scale, splits=1)
-    with mock.patch.object(attention, "PERSIST", True):
-        poison_allocator()
-        out = attention.sink_attention_decode(*args, scale, splits=1)
-    torch.cuda.synchronize()
-    assert torch.isfinite(base.float()).all()
-    assert torch.equal(base.view(torch.int16), out.view(torch.int16))
-
-
 CANDIDATES = {"dq16": {"POOL_DQ": 16}, "wg1table": {"ROW_TABLE": "wg1"}}  # each alone (the benchmark also pairs them)
 
 
