@@ -19,8 +19,7 @@ exits non-zero. --sweep also times other split counts (one compile each). --prob
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, the
 first one or two key blocks only, and one block without Q's loads and / or the output's stores; their outputs are
 wrong and not checked), at the default split count: where the time of a key block goes, and the fixed part; and the
-candidate settings (CANDIDATES: attention module constants; now POOL_DQ = 16, a pool row's 16 codes dequantised in
-one call, ROW_TABLE = "wg1", the row table built by WG1 past the producer's first block, and both), their
+candidate settings (CANDIDATES: attention module constants; none now), their
 outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits
 non-zero). The torch reference dequantises only the selected pool rows (B=2048 at 32K: ~20 GB of inputs and
 reference, the one-split shapes of prefill; the whole pool asked 128 GiB). The previous kernel generation's numbers stay in
@@ -45,13 +44,11 @@ from kernels_gpu import ceilings, graph_time, timeit  # noqa: E402  (same timing
 from target_card import on_card  # noqa: E402
 
 HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
-# candidate settings of the kernel timed beside --probes, {name: {attention module constant: value}} (the twenty-third
-# session's COMPACT, PREFETCH and STAGE_OUT were settled and their losing code removed; git history). "dq16": a pool
-# row's 16 codes dequantised in one call, zeroed through the scale (written in the thirty-sixth session); "wg1table":
-# the producer finds its first block's rows itself, WG1 builds the rest of the row table (thirty-seventh). ("combine",
-# CLUSTER_SPLITS = 0, was timed until the thirty-sixth session: the cluster's gain, attention_decode_gpu_s25_h100.log)
-CANDIDATES = {"dq16": {"POOL_DQ": 16}, "wg1table": {"ROW_TABLE": "wg1"},
-              "dq16+wg1table": {"POOL_DQ": 16, "ROW_TABLE": "wg1"}}
+# candidate settings of the kernel timed beside --probes, {name: {attention module constant: value}}; settled ones are
+# removed with their losing code (git history): the twenty-third session's COMPACT, PREFETCH and STAGE_OUT; the
+# thirty-seventh's POOL_DQ (16 codes a call won, the default) and ROW_TABLE ("wg1", WG1 building the row table: within
+# noise). ("combine", CLUSTER_SPLITS = 0, was timed until the thirty-sixth session: attention_decode_gpu_s25_h100.log)
+CANDIDATES: dict[str, dict] = {}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 

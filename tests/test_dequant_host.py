@@ -1,7 +1,7 @@
 """dequant.py's CUDA functions compiled for the host by nvcc (cuda_bf16's host arithmetic) where nvcc is installed:
-the pool rows' one-call dequantisation (di_dq_e2m1x16_e4m3, the attention kernel's pool_dq=16 candidate) gives the
-bits of the default's two calls of di_dq_e2m1x8_e4m3, for every code in every nibble and every scale byte, and
-zeros for a row it does not keep."""
+the pool rows' one-call dequantisation (di_dq_e2m1x16_e4m3, the attention kernel's pool path since the thirty-seventh
+session) gives the bits of the two-step form it replaced (two calls of 8 codes, each converting the scale), for every
+code in every nibble and every scale byte, and zeros for a row it does not keep."""
 
 import shutil
 import subprocess
@@ -13,7 +13,7 @@ from deepinfer.kernels.tilelang.dequant import CUDA_SOURCE
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
 # the reference: di_dq_e2m1x8 with a 2^0 scale (codes as exact bf16 values), then times the e4m3 scale, for each
-# half of the 8 bytes (di_dq_e2m1x8_e4m3, the attention kernel's default pool path)
+# half of the 8 bytes (the attention kernel's pool path until the thirty-seventh session)
 MAIN = r"""
 #include <cstdio>
 #include <cstring>

@@ -173,8 +173,9 @@ def test_every_role_s_block_loop_is_one_body(splits, ring):
         assert len(re.findall(r"k_free\[\(n(_\d+)? & 1\)\]\.wait\(", producer)) == 1
         assert len(re.findall(r"k_ready\[\(n(_\d+)? & 1\)\]\.arrive\(\)", producer)) == 1
         assert "k_free[0].wait(" not in producer and "k_free[1].wait(" not in producer
-        # one copy of each row path: the FP4 dequantisation twice a row (two halves of 16 channels), in one loop
-        assert producer.count("di_dq_e2m1x8_e4m3((") == 2 and producer.count("di_dq_e4m3x8((") == 2
+        # one copy of each row path, in one loop: a pool row's 16 codes in one call that zeroes it when invisible (no
+        # select after it), a window row's in two
+        assert producer.count("di_dq_e2m1x16_e4m3((") == 1 and producer.count("di_dq_e4m3x8((") == 2
         # the math warpgroups: WG0 waits for a free P buffer half once, by the block's index
         assert len(re.findall(r"p_free\[\(n(_\d+)? & 1\)\]\.wait\(", math)) == 1
         assert "p_free[1].wait(" not in math
@@ -183,43 +184,6 @@ def test_every_role_s_block_loop_is_one_body(splits, ring):
         if report:
             log, regs = report
             assert regs <= 168 and "0 bytes spill stores" in log
-
-
-def test_the_one_call_pool_dequantisation_candidate_lowers_without_a_spill():
-    """attention.POOL_DQ = 16 (the benchmark's "dq16"): each pool row dequantised by one call with its validity, no
-    select after it; ptxas fits it in the default's registers without a spill where nvcc is installed."""
-    from lowering_helpers import lower_source
-    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
-
-    src = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", pool_dq=16), "sm_90a")
-    producer = src[src.index("warpgroup_reg_dealloc<152>"):]
-    assert producer.count("di_dq_e2m1x16_e4m3((") == 1 and "di_dq_e2m1x8_e4m3((" not in producer
-    report = _nvcc_report(src)
-    if report:
-        log, regs = report
-        assert regs <= 168 and "0 bytes spill stores" in log
-
-
-@pytest.mark.parametrize("splits", [1, 2])
-def test_the_wg1_row_table_candidate_frees_the_producer_s_start(splits):
-    """attention.ROW_TABLE = "wg1" (the benchmark's "wg1table"): the producer loads its first block's rows straight
-    from the window positions / the selection, with no barrier before them, and waits for WG1's table only before
-    its second block; WG1 builds the table and arrives; ptxas fits it without a spill where nvcc is installed."""
-    from lowering_helpers import lower_source
-    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
-
-    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", table="wg1"), "sm_90a")
-    default = _source("sm_90a", splits)
-    assert "__sync_thread_partial(5, 128)" in default and "__sync_thread_partial(5, 128)" not in src
-    wg1 = src[src.index("warpgroup_reg_dealloc<160>"):src.index("warpgroup_reg_dealloc<152>")]
-    producer = src[src.index("warpgroup_reg_dealloc<152>"):]
-    assert "table_ready[0].arrive()" in wg1 and "sel[" in wg1 and "win_pos[" in wg1
-    first_wait = producer.index("table_ready[0].wait(0)")
-    assert producer.index("win_kv + ") < producer.index("k_free[") < first_wait
-    report = _nvcc_report(src)
-    if report:
-        log, regs = report
-        assert regs <= 168 and "0 bytes spill stores" in log
 
 
 def test_one_split_s_output_goes_through_shared_memory():

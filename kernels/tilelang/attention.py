@@ -30,16 +30,6 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 # On the H100, B=64 at 32K: 32.0 us clustered vs 36.5; 16 (a non-portable cluster, also B=1 and 8's ten splits) lost
 # there, 23.6 vs 9.7 us at B=1 (benchmarks/results/attention_decode_gpu_s25_h100.log)
 CLUSTER_SPLITS = 8
-# codes a call of the pool blocks' dequantisation (build_sink_attention_decode's pool_dq): 8, two calls and a select
-# a row; 16, one call, the scale converted once and invisible rows zeroed through it (the same bits, 40 instructions
-# fewer; written in the thirty-sixth session after the Nsight Compute profile, benchmarks/results/attention_ncu_s36_
-# h100*, found WG0 waiting for the producer's keys ~30% of its time; not yet timed: attention_decode_gpu's "dq16")
-POOL_DQ = 8
-# who builds a split's row table (build_sink_attention_decode's table): "producer", before its first loads (Nsight
-# Compute: ~25% of the producer's samples, a global round trip and a barrier ahead of every CTA's first keys), or
-# "wg1" (a candidate, the thirty-seventh session: the producer finds its first block's rows itself, WG1 builds the
-# rest; attention_decode_gpu's "wg1table")
-ROW_TABLE = "producer"
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -123,8 +113,8 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
     from the builder's default (the ring's width when wider than the window: rollback rows for speculative decoding,
     a compile-time shape; a probe; a cluster of the splits), so equal kernels get equal specs (the compile cache,
     the JIT manifest)."""
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits), POOL_DQ, ROW_TABLE]
-    defaults = [None, (192, 160, 152), None, "", False, 8, "producer"]
+    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits)]
+    defaults = [None, (192, 160, 152), None, "", False]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)

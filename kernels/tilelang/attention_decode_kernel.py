@@ -85,8 +85,7 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = "", cluster: bool = False, pool_dq: int = 8,
-                                table: str = "producer"):
+                                ring: int | None = None, probe: str = "", cluster: bool = False):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch:
     None = the current target (wgmma on sm_90*, a synchronous gemm elsewhere, which only serves the lowering test).
@@ -109,17 +108,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     block) and its m, l in its own shared memory, and after a cluster barrier each CTA combines a 1/splits share of
     the output's 16-byte pieces from every split's shared memory (build_sink_combine's arithmetic in its order, so
     the same bits) and stores it as bf16; no fp32 partials in HBM and no combine launch. Up to
-    attention.CLUSTER_SPLITS splits (8) in the model.
-    pool_dq: a pool row's 16 codes a lane dequantised by two calls of 8 and zeroed by a select (8), or by one call,
-    the scale converted once and invisible rows zeroed through it (16: a candidate, the same bits, not yet timed).
-    table: who builds the split's row table (a source row a key, -1 invisible): "producer" (all of it, before its
-    first block's loads: a global round trip and a barrier ahead of every CTA's first keys) or "wg1" (a candidate:
-    the producer finds its first block's rows itself, reading the ring row's key bytes beside its position and the
-    selection's row before its bytes, and writes that block's entries; WG1, idle until the first P, builds the
-    rest, which the producer waits for before its second block's loads)."""
-    assert pool_dq in (8, 16), f"pool_dq must be 8 or 16, got {pool_dq}"
-    assert table in ("producer", "wg1"), f"table must be 'producer' or 'wg1', got {table!r}"
-    lazy = table == "wg1"
+    attention.CLUSTER_SPLITS splits (8) in the model."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
@@ -263,53 +252,6 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 sc[i] = cmp_scale[T.max(row, 0), lane]
 
     @T.macro
-    def load_first(kb0, b, p, bq, lane, warp, raw, sc, ok, idx_s, win_pos, sel, win_kv, win_scale, cmp_kv, cmp_scale):
-        # table == "wg1": block 0's rows found here, not in the row table (load_block's bytes, same rows): a window
-        # key's ring row follows from its position, so its bytes load beside the position check; a pool key's
-        # selected row comes first. Lane 0 writes the block's entries for WG0's mask (released by k_ready[0])
-        for i in T.unroll(ROWS):
-            r = warp * ROWS + i
-            if kb0 < NWB:
-                pp = p - window + 1 + kb0 * BK + r
-                row = T.max(pp, 0) % W
-                ok[i] = T.if_then_else((pp >= 0) and (win_pos[b, row] == pp), row, -1)
-                if no_load:
-                    for v in T.vectorized(16):
-                        raw[i * 16 + v] = T.cast((row + v) & 0x77, "uint8")
-                    sc[i] = T.cast(120, "uint8")
-                else:
-                    for v in T.vectorized(16):
-                        raw[i * 16 + v] = win_kv[b, row, lane * 16 + v]
-                    sc[i] = win_scale[b, row, lane // 2]
-            else:
-                ok[i] = sel[bq, (kb0 - NWB) * BK + r]
-                if no_load:
-                    for v in T.vectorized(16):
-                        raw[i * 16 + v] = T.cast((ok[i] + v) & 0x77, "uint8")
-                    sc[i] = T.cast(120, "uint8")
-                else:
-                    for v in T.vectorized(8):
-                        raw[i * 16 + v] = cmp_kv[T.max(ok[i], 0), lane * 8 + v]
-                    sc[i] = cmp_scale[T.max(ok[i], 0), lane]
-            if lane == 0:
-                idx_s[r] = ok[i]
-
-    @T.macro
-    def row_table(k0, t, nt, nmine, kb0, b, p, bq, idx_s, win_pos, sel):
-        # the split's row table from key k0 on, nt threads: a window key's ring row if it still holds the key's
-        # position, a pool key's selected row (-1: invisible / none)
-        for i in T.serial(T.ceildiv(PER * BK - k0, nt)):  # ptxas unrolls it, its loads issued together
-            if k0 + i * nt + t < nmine * BK:
-                kb = kb0 + (k0 + i * nt + t) // BK
-                r = (k0 + i * nt + t) % BK
-                if kb < NWB:
-                    pp = p - window + 1 + kb * BK + r  # the slot's position; its ring row is pp mod W
-                    row = T.max(pp, 0) % W
-                    idx_s[k0 + i * nt + t] = T.if_then_else((pp >= 0) and (win_pos[b, row] == pp), row, -1)
-                else:
-                    idx_s[k0 + i * nt + t] = sel[bq, (kb - NWB) * BK + r]
-
-    @T.macro
     def store_row(n, k_s, warp, lane, i, visible, vals):
         # one dequantised row into block n's half of the key buffer, zeros where invisible
         for v in T.vectorized(16):
@@ -334,24 +276,19 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
                 store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
-        elif pool_dq == 16:
+        else:
             for i in T.unroll(ROWS):
-                # one scale conversion a row, invisible rows zeroed through the scale (dequant.py; a candidate)
+                # a pool row's 16 codes a lane in one call, the scale converted once and invisible rows zeroed through
+                # it (dequant.py); two calls of 8 and a select after them, the same bits, ran 1% slower (B=256 and
+                # 2048 at one split, H100, the thirty-seventh session)
                 T.call_extern("handle", "di_dq_e2m1x16_e4m3", T.address_of(raw[i * 16]), sc[i], ok[i] >= 0,
                               T.address_of(vals[0]))
                 for v in T.vectorized(16):
                     k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = vals[v]
-        else:
-            for i in T.unroll(ROWS):
-                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
-                T.call_extern("handle", "di_dq_e2m1x8_e4m3", T.address_of(raw[i * 16 + 4]), sc[i],
-                              T.address_of(vals[8]))
-                store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
         T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
 
     @T.macro
-    def producer(nmine, kb0, b, p, bq, lane, warp, idx_s, k_s, k_ready, k_free, table_ready, win_pos, sel, win_kv,
-                 win_scale, cmp_kv, cmp_scale):
+    def producer(nmine, kb0, b, lane, warp, idx_s, k_s, k_ready, k_free, win_kv, win_scale, cmp_kv, cmp_scale):
         # block n+1's rows are loaded right after block n is dequantised: their latency overlaps the wait for a
         # free key buffer half. Two blocks ahead in twice the registers gained nothing (H100, twenty-third session);
         # a half block ahead, loaded between the halves of this block's conversions in the same registers, lost
@@ -361,18 +298,12 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         ok = T.alloc_local((ROWS,), "int32")
         vals = T.alloc_local((16,), "bfloat16")
         if nmine > 0:
-            if lazy:
-                load_first(kb0, b, p, bq, lane, warp, raw, sc, ok, idx_s, win_pos, sel, win_kv, win_scale, cmp_kv,
-                           cmp_scale)
-            else:
-                load_block(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+            load_block(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
         for n in T.serial(nmine):
             T.barrier_wait(k_free[n % 2], ((n // 2) & 1) ^ 1)
             dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals)
             T.barrier_arrive(k_ready[n % 2])
             if n + 1 < nmine:
-                if lazy:  # WG1's entries for blocks 1.. (a completed phase: returns at once after block 1)
-                    T.barrier_wait(table_ready[0], 0)
                 load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
 
     @T.macro
@@ -452,7 +383,6 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             p_ready = T.alloc_barrier([128, 128])          # P / alpha half i written by WG0
             p_free = T.alloc_barrier([128, 128])           # P half i no longer read by WG1
             bar_fin = T.alloc_barrier(128)                 # WG0's final row scales in fin_s
-            table_ready = T.alloc_barrier(128)             # table == "wg1": WG1's entries of the row table written
 
             tx = T.get_thread_binding()
             T.import_source(CUDA_SOURCE + (CLUSTER_SOURCE if clustered else ""))
@@ -528,9 +458,6 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             elif tx < 256:
                 # ---- WG1: O[:, 256:]
                 T.set_max_nreg(REG1, int(REG1 > launch_regs))
-                if lazy:  # the row table past the producer's first block, while WG1 has no P to multiply
-                    row_table(BK, tx - 128, 128, nmine, kb0, b, p, bq, idx_s, win_pos, sel)
-                    T.barrier_arrive(table_ready[0])
                 o_r = T.alloc_fragment((H, DH), "float32")
                 T.fill(o_r, 0.0)
                 for n in T.serial(nmine):
@@ -557,11 +484,18 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 pt = tx - 256
                 lane = pt % 32
                 warp = pt // 32
-                if not lazy:
-                    row_table(0, pt, n_prod, nmine, kb0, b, p, bq, idx_s, win_pos, sel)
-                    T.sync_threads(5, n_prod)  # producers only: the row table is complete
-                producer(nmine, kb0, b, p, bq, lane, warp, idx_s, k_s, k_ready, k_free, table_ready, win_pos, sel,
-                         win_kv, win_scale, cmp_kv, cmp_scale)
+                for i in T.serial(T.ceildiv(PER * BK, n_prod)):  # ptxas unrolls it, its loads issued together
+                    if i * n_prod + pt < nmine * BK:
+                        kb = kb0 + (i * n_prod + pt) // BK
+                        r = (i * n_prod + pt) % BK
+                        if kb < NWB:
+                            pp = p - window + 1 + kb * BK + r  # the slot's position; its ring row is pp mod W
+                            row = T.max(pp, 0) % W
+                            idx_s[i * n_prod + pt] = T.if_then_else((pp >= 0) and (win_pos[b, row] == pp), row, -1)
+                        else:
+                            idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
+                T.sync_threads(5, n_prod)  # producers only: the row table is complete
+                producer(nmine, kb0, b, lane, warp, idx_s, k_s, k_ready, k_free, win_kv, win_scale, cmp_kv, cmp_scale)
 
             if clustered:
                 merge(bs, bq, tx, k_s, ml_s, w_s, sink, out)

@@ -61,22 +61,12 @@ __device__ __forceinline__ void di_dq_e4m3x8(const uint8_t* src, uint8_t s, void
   }
 }
 
-// 8 e2m1 codes with a real-valued (e4m3) block scale: codes * 2^126 (exact) then * scale (exact: 2 x 4
-// significant bits fit bf16's 8). Used by the compressed KV cache (e4m3 scale per 16 channels).
-__device__ __forceinline__ void di_dq_e2m1x8_e4m3(const uint8_t* src, uint8_t s, void* dst) {
-  di_dq_e2m1x8(src, (uint8_t)127, dst);  // 2^(127-127): codes as exact bf16 values
-  __nv_fp8_e4m3 se = *reinterpret_cast<__nv_fp8_e4m3*>(&s);
-  __nv_bfloat162 scale = __float2bfloat162_rn(float(se));
-  __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(dst);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) d[i] = __hmul2(d[i], scale);
-}
-
-// 16 e2m1 codes (8 bytes) with one e4m3 block scale -> bf16 (di_dq_e2m1x8's order in each half): di_dq_e2m1x8_e4m3's
-// two multiplies a pair and bits, the scale converted once for the 16, and zeros when !keep (the codes times a
-// zero scale: exact zeros of either sign; no code is inf or NaN). Branch-free: a form with one multiply a pair where
-// s * 2^126 is a bf16 and a branch to the two steps elsewhere ran the attention kernel 10% slower on an H100
-// (B=2048, one split): the branch split the producer's unrolled rows into blocks ptxas could not interleave.
+// 16 e2m1 codes (8 bytes) with a real-valued (e4m3) block scale -> bf16 (di_dq_e2m1x8's order in each half), the
+// compressed KV cache's rows (e4m3 scale per 16 channels): the codes times 2^126 (exact bf16 values), then times the
+// scale (exact: 2 x 4 significant bits fit bf16's 8), the scale converted once for the 16; zeros when !keep (the codes
+// times a zero scale: exact zeros of either sign; no code is inf or NaN). Branch-free: a form with one multiply a
+// pair where s * 2^126 is a bf16 and a branch to the two steps elsewhere ran the attention kernel 10% slower on an
+// H100 (B=2048, one split): the branch split the producer's unrolled rows into blocks ptxas could not interleave.
 __device__ __forceinline__ void di_dq_e2m1x16_e4m3(const uint8_t* src, uint8_t s, bool keep, void* dst) {
   const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
   __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(dst);

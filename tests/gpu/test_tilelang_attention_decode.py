@@ -202,32 +202,3 @@ def test_clustered_splits_give_the_combine_s_bits(ring, splits):
         cand = attention.sink_attention_decode(*args, scale, splits=splits)
     torch.cuda.synchronize()
     assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
-
-
-CANDIDATES = {"dq16": {"POOL_DQ": 16}, "wg1table": {"ROW_TABLE": "wg1"}}  # each alone (the benchmark also pairs them)
-
-
-@pytest.mark.parametrize("name", list(CANDIDATES))
-@pytest.mark.parametrize("ring,splits", [(W, 1), (W, 3), (W, 10), (192, 1), (192, 5)])
-def test_the_candidate_settings_leave_the_bits(ring, splits, name):
-    """The benchmark's candidates (attention_decode_gpu.CANDIDATES) give the default kernel's bits: POOL_DQ = 16 (a
-    pool row's 16 codes a call, the scale converted once and invisible rows zeroed through it, vs 8 codes a call and
-    a select) with a third of the pool's scales 8 beside smaller ones in the same warp; ROW_TABLE = "wg1" (the
-    producer finds its first block's rows itself, WG1 builds the rest of the row table) with empty ring slots of
-    NaN bytes, stale slots and short sequences; across one, three, five and ten splits (splits starting in the
-    window and in the pool) and a rollback ring."""
-    from deepinfer.kernels.tilelang import attention
-
-    args, _ = _case(6, seed=777 + ring + splits, ring=ring)
-    args = list(args)
-    big = torch.rand(args[7].shape, device=args[7].device) < 0.33
-    args[7] = torch.where(big, torch.full_like(args[7], 0x50), args[7])  # e4m3 0x50 = 8
-    scale = D ** -0.5
-    assert (attention.POOL_DQ, attention.ROW_TABLE) == (8, "producer")  # the defaults
-    base = attention.sink_attention_decode(*args, scale, splits=splits)
-    with mock.patch.multiple(attention, **CANDIDATES[name]):
-        poison_allocator()
-        out = attention.sink_attention_decode(*args, scale, splits=splits)
-    torch.cuda.synchronize()
-    assert torch.isfinite(base.float()).all()
-    assert torch.equal(base.view(torch.int16), out.view(torch.int16))
