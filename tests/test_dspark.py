@@ -105,8 +105,7 @@ def test_drafts_do_not_depend_on_how_the_prompt_was_chunked(model_dir):
 
 
 # ---- greedy: lossless -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("drafts,zos,varlen", [(1, False, False), pytest.param(2, True, True, marks=pytest.mark.slow),
-                                               (5, True, False)])
+@pytest.mark.parametrize("drafts,zos,varlen", [(1, False, False), (2, True, True), (5, True, False)])
 def test_greedy_output_equals_plain_decoding(model_dir, workload, plain, drafts, zos, varlen):
     outs, metrics = run(model_dir, *workload, drafts=drafts, zos=zos, varlen=varlen)
     assert [o.token_ids for o in outs] == plain
@@ -239,7 +238,6 @@ def test_a_batched_verification_gives_each_sampled_request_its_own_verdict():
     assert {(0, 0), (3, 0), (3, 1), (3, 3), (5, 5)} <= seen  # rejections at every place, and whole acceptances
 
 
-@pytest.mark.slow  # ~6 s (greedy batching and the sampled acceptance rule stay fast)
 def test_seeded_sampling_with_drafts_is_the_same_alone_and_in_any_batch(model_dir):
     rng = random.Random(9)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 40))] for _ in range(8)]

@@ -101,7 +101,7 @@ def uncached(model, sampled):
     return serve(model, False, False, sampled)
 
 
-@pytest.mark.parametrize("zero_overhead", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async"])
+@pytest.mark.parametrize("zero_overhead", [False, True], ids=["sync", "async"])
 def test_a_chat_served_with_prefix_hits_gives_bitwise_the_tokens_and_logprobs_of_no_cache(model, sampled, uncached,
                                                                                       zero_overhead):
     want, no_cached, (n1, n2) = uncached

@@ -61,8 +61,7 @@ def test_structured_outputs_with_prefix_hits_give_the_tokens_and_logprobs_of_no_
                                      finish=("length", "stop")))
 
 
-@pytest.mark.parametrize("mode, sampled, extra", [("mask", False, ()),
-                                                   pytest.param("compact", False, (), marks=pytest.mark.slow),
+@pytest.mark.parametrize("mode, sampled, extra", [("mask", False, ()), ("compact", False, ()),
                                                    ("compact", True, ("decoding=dspark", "decoding.num_draft_tokens=3"))],
                          ids=["mask", "compact", "compact-dspark-seeded"])
 def test_yoco_with_prefix_hits_gives_the_tokens_and_logprobs_of_no_cache(mode, sampled, extra):

@@ -106,7 +106,7 @@ SCHEMA = {
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_response_format_returns_valid_json(client, stream):
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
     for seed in range(3):

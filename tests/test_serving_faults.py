@@ -106,7 +106,6 @@ def test_one_accept_failure_for_lack_of_descriptors_ends_the_accept_burst():
         loop.close()
 
 
-@pytest.mark.slow  # ~18 s: two engine deaths under a server (the engine-level heartbeat tests stay fast)
 @pytest.mark.timeout(240)
 def test_health_reports_a_stopped_core_and_a_dead_core_ends_the_server_with_one_line(tmp_path):
     proc, url = _start(tmp_path, "serve.keep_alive_timeout=10")  # the refusals before the exit: 10 s of them

@@ -41,7 +41,6 @@ def smoke(tmp_path_factory):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_smoke_loss_falls_and_the_engine_completes_prompts(smoke):
     _, report = smoke
     assert sum(report["last_losses"]) / 5 < sum(report["first_losses"]) / 5 - 0.5
@@ -50,7 +49,6 @@ def test_smoke_loss_falls_and_the_engine_completes_prompts(smoke):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_export_loads_and_the_engine_computes_the_trained_logits(smoke):
     out, report = smoke
     agreement = report["logits_vs_engine"]
@@ -62,7 +60,6 @@ def test_export_loads_and_the_engine_computes_the_trained_logits(smoke):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_export_is_in_the_released_storage_format(smoke):
     out, _ = smoke
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -77,7 +74,6 @@ def test_export_is_in_the_released_storage_format(smoke):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_the_engine_drafts_exactly_what_the_draft_layers_were_trained_as(smoke):
     """DSpark in the engine (models/dspark.py, reading its context rings) vs the training drafter (draft.py, dense)
     on the exported checkpoint, with every draft forced to the text's token: the same logits and confidences."""
@@ -89,7 +85,6 @@ def test_the_engine_drafts_exactly_what_the_draft_layers_were_trained_as(smoke):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_every_draft_tensor_gets_a_gradient(smoke):
     out, _ = smoke
     cfg = json.loads((out / "config.json").read_text())
@@ -111,7 +106,6 @@ def test_every_draft_tensor_gets_a_gradient(smoke):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_tokenizer_has_the_chat_markers_where_the_package_tokenizer_has_them(smoke):
     import deepseek_recipe as dr
 
@@ -129,7 +123,6 @@ def test_tokenizer_has_the_chat_markers_where_the_package_tokenizer_has_them(smo
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_training_is_deterministic_given_the_seed(smoke):
     out, _ = smoke
     cfg = json.loads((out / "config.json").read_text())
@@ -151,7 +144,6 @@ def test_training_is_deterministic_given_the_seed(smoke):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_every_trainable_tensor_gets_a_gradient_and_features_come_back(smoke):
     out, _ = smoke
     cfg = json.loads((out / "config.json").read_text())
@@ -270,7 +262,6 @@ def release_tensors_single(name, spec, w):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.slow  # the ~20 s smoke training run they share (the fast tier's 12-minute budget)
 def test_release_tensors_rejects_missing_and_unexpected_names(smoke):
     out, _ = smoke
     cfg = json.loads((out / "config.json").read_text())

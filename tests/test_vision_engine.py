@@ -198,7 +198,6 @@ def _inproc_tokens(prompt, mm):
         return generate(one, [prompt], [mm])[0].token_ids
 
 
-@pytest.mark.slow  # ~8 s: YOCO and DSpark each over image requests
 def test_yoco_compact_and_dspark_keep_image_requests_exact(llm):
     """Past yoco.keep_tokens (140) the decoder layers replay only the last rows: compact gives mask's tokens; DSpark
     drafts after an image and greedy verification keeps the plain tokens."""

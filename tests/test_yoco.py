@@ -167,7 +167,7 @@ def small_budget(model):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_engine_compact_gives_mask_tokens_chunked_and_preempted(prompts, small_budget, temperature):
     params = [SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seq_seed=100 + i)
               for i in range(len(prompts))]
