@@ -101,9 +101,10 @@ SLOW_CELLS = [
     ("test_yoco.py", "test_engine_compact_with_dspark_drafting"),
     ("test_dspark.py", "test_sampled_tokens_with_drafts_follow_plain_sampling"),
     ("test_engine_process.py", "does_not_outlive_its_frontend[killed]"),
-    # a fresh-clone fast tier at 763 s / 797 s on the 2-core machine (2026-12-07, session 37): the training smoke
-    # run's ~20 s fixture with the last of its tests (the training-form ops tests stay fast), the server-level
-    # dead-core check (the engine-level heartbeat and step-deadline tests stay fast), and cells with fast siblings
+    # the fast tier at 763 s (fresh clone) / 797 s (a --durations run) on the 2-core machine (2026-12-07): the
+    # training smoke run's ~20 s fixture with the last of its tests (the training-form ops tests stay fast), the
+    # server-level dead-core check (the engine-level heartbeat and step-deadline tests stay fast), and cells with
+    # fast siblings
     ("test_train_default_model.py", "test_the_engine_drafts_exactly_what_the_draft_layers_were_trained_as"),
     ("test_train_default_model.py", "test_every_draft_tensor_gets_a_gradient"),
     ("test_train_default_model.py", "test_tokenizer_has_the_chat_markers"),
