@@ -13,13 +13,17 @@ Rows: every cell both runs measured (decode: graphs, B x context; prefill: token
 
 import argparse
 import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import read_json  # noqa: E402
 
 DECODE_B, DECODE_MAX, PREFILL_MAX = 64, 15.0, 20.0
 
 
 def cells(path: str) -> tuple[dict, dict]:
-    with open(path) as f:
-        data = json.load(f)
+    data = read_json(path)
     out = {}
     for r in data["rows"]:
         if r.get("mode") == "decode" and r.get("variant") == "graphs" and "step_ms" in r:

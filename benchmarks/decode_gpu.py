@@ -57,6 +57,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from results_io import open_result, read_json  # noqa: E402
 from target_card import on_card  # noqa: E402
 
 FILLED_NOTE = "decode context filled with random valid cache codes (FillBackend), not prefilled by the model"
@@ -528,11 +529,10 @@ def parse(argv=None):
 
 def retarget(path: str) -> None:
     """Recompute a recorded result file's `targets` from its rows (files written before the list existed)."""
-    with open(path) as f:
-        data = json.load(f)
+    data = read_json(path)
     data = dict(meta=data["meta"], targets=on_card(targets(data["rows"]), data["meta"]["gpu"]), rows=data["rows"],
                     failures=data["failures"])
-    with open(path, "w") as f:
+    with open_result(path, "w") as f:  # an .xz stays compressed
         f.write(portable_json(data))
 
 
@@ -549,8 +549,7 @@ def main(argv=None) -> int:
             return 2
         cells, models = {}, set()
         for path in a.plot_from:
-            with open(path) as f:
-                data = json.load(f)
+            data = read_json(path)
             models.add(data["meta"]["model"])
             for r in data["rows"]:
                 if r["mode"] == "decode" and "tok_s" in r:

@@ -40,7 +40,7 @@ top-p 0.9; deepinfer.sampling.static_drafts). The model then carries V4.1-Flash'
 registry.no_host_reads, as the decode step's does: a host read in it raises, so a run that completes says the mode
 can be captured as far as reads go (torch's own kernels' capturability is the GPU test's to show).
 
-Checked against the H200 profile of the 40-layer B=1 step (benchmarks/results/decode_flash40_s13_rcp_h200.json):
+Checked against the H200 profile of the 40-layer B=1 step (benchmarks/results/decode_flash40_s13_rcp_h200.json.xz):
 `--model flash40` gives the profile's TileLang counts builder by builder, its 219 direct_copy / bfloat16_copy
 casts, 96 one-byte index_copy and 42 + 16 fill kernels; the ~40 kernels the census does not list are cuBLAS's
 second kernels (split-K reduce), the sampler's and the staging's copies.

@@ -6,8 +6,8 @@ decode_gpu.py (`flash`: 6 layers, `flash40`: the released 40-layer pattern) with
     source benchmarks/gpu_env.sh
     for m in flash flash40; do python3 benchmarks/dspark_gpu.py --model $m --out $OUT/dspark_gpu_${m}_h200.json; done
     # the JSON copied into benchmarks/results/: the docs table and the Pareto PNG from it (no GPU)
-    python3 benchmarks/dspark_gpu.py --render benchmarks/results/dspark_gpu_flash_h200.json \\
-        benchmarks/results/dspark_gpu_flash40_h200.json --plot benchmarks/results/dspark_gpu_h200.png \\
+    python3 benchmarks/dspark_gpu.py --render benchmarks/results/dspark_gpu_flash_h200.json.xz \\
+        benchmarks/results/dspark_gpu_flash40_h200.json.xz --plot benchmarks/results/dspark_gpu_h200.png \\
         --docs docs/dspark.md
 
 Per batch, two engines over the same model (context filled with decode_gpu.py's random valid cache codes, not
@@ -54,7 +54,6 @@ which ~60 are j=0's (the reference must cover j=5's 6 tokens a step); flash40 at
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -69,6 +68,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from decode_gpu import STRICT_KINDS, _fallback_delta, build, make_engine, portable_json  # noqa: E402
+from results_io import read_json  # noqa: E402
 from target_card import on_card  # noqa: E402
 
 FILLED_NOTE = "decode context filled with random valid cache codes (decode_gpu.py fill), not prefilled"
@@ -305,8 +305,8 @@ def targets(rows: list[dict]) -> list[dict]:
 
 # ---- reading results back: the docs table and the Pareto plot -------------------------------------------------
 def load(path: str) -> dict:
-    """A result file this script wrote."""
-    return json.loads(Path(path).read_text())
+    """A result file this script wrote (plain or .xz)."""
+    return read_json(path)
 
 
 def markdown(datas: list[dict]) -> str:

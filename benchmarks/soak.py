@@ -46,6 +46,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import read_json  # noqa: E402
+
 MODEL = "deepinfer-embedded-tiny"
 PROMPTS = ("def fibonacci(n):", "import os\nimport sys\n", "class Config:", "The quick brown fox", "Hello there")
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
@@ -584,14 +587,16 @@ def main(argv=None) -> int:
     ap.add_argument("--overrides", nargs="*", default=[
         "engine.max_num_seqs=32", "cache.memory_budget=134217728", "engine.heartbeat_timeout=10",
         "serve.header_timeout=5"], help="server config overrides")
-    ap.add_argument("--plot-from", default=None, help="only draw this recorded JSON's PNG beside it (no run)")
+    ap.add_argument("--plot-from", default=None,
+                    help="only draw this recorded JSON's (or .json.xz's) PNG beside it (no run)")
     args = ap.parse_args(argv)
     if args.plot_from:
         path = Path(args.plot_from)
-        if not plot(None, json.loads(path.read_text()), path.with_suffix(".png")):
+        png = (path.with_suffix("") if path.suffix == ".xz" else path).with_suffix(".png")  # x.json.xz: x.png
+        if not plot(None, read_json(path), png):
             print("soak: matplotlib is not installed (not a project dependency): no plot", file=sys.stderr)
             return 1
-        print(f"soak: wrote {path.with_suffix('.png')}")
+        print(f"soak: wrote {png}")
         return 0
     args.port = free_port()
     run_dir = Path(args.run_dir).resolve()

@@ -96,7 +96,7 @@ def test_the_recorded_h200_runs_measured_every_row_they_name():
     """Both models' H200 results: every batch has its plain row and j = 0, 1, 2, 3, 5, each at its intended length,
     and one target entry per target of issue 21 with what was measured."""
     for model in ("flash", "flash40"):
-        data = bench.load(str(ROOT / "benchmarks" / "results" / f"dspark_gpu_{model}_h200.json"))
+        data = bench.load(str(ROOT / "benchmarks" / "results" / f"dspark_gpu_{model}_h200.json.xz"))
         by = {(r["batch"], r["drafts_accepted"]): r for r in data["rows"]}
         assert set(by) == {(b, j) for b in (1, 8, 64) for j in (None, 0, 1, 2, 3, 5)}
         assert all(r["mean_accepted_length"] == pytest.approx(1 + (r["drafts_accepted"] or 0), abs=0.05)

@@ -1,4 +1,4 @@
-"""The soak benchmark's short form (benchmarks/soak.py; its recorded run is benchmarks/results/soak_cpu.json):
+"""The soak benchmark's short form (benchmarks/soak.py; its recorded run is benchmarks/results/soak_cpu.json.xz):
 mixed traffic through `python -m deepinfer serve=openai` under a supervisor, with every fault of the schedule (idle
 connections at a 1024 open-file limit, oversized bodies, a grammar flood, the engine core stopped, then killed).
 Nothing is lost or hung, the server never crashes (it exits 1 only when its engine dies, and is restarted), invalid
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import lzma
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,14 @@ def test_a_recorded_runs_plot_is_drawn_from_its_json(tmp_path):
     path.write_text(json.dumps(summary))
     assert soak.main(["--plot-from", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_compressed_recorded_runs_plot_goes_beside_it_named_without_its_suffixes(tmp_path, monkeypatch):
+    """A recorded run over 8 KB is committed as x.json.xz (tests/test_results_dir.py): read as it is, PNG x.png."""
+    drawn = []
+    monkeypatch.setattr(soak, "plot", lambda run, summary, png: drawn.append((summary, png)) or True)
+    path = tmp_path / "soak.json.xz"
+    with lzma.open(path, "wt") as f:
+        json.dump({"faults": [], "rss_series": []}, f)
+    assert soak.main(["--plot-from", str(path)]) == 0
+    assert drawn == [({"faults": [], "rss_series": []}, tmp_path / "soak.png")]
