@@ -234,3 +234,30 @@ def test_the_cluster_is_asked_for_two_to_eight_splits_only(monkeypatch):
     assert clustered() == [False] * 5
     monkeypatch.setattr(attention, "CLUSTER_SPLITS", 16)  # a non-portable cluster size
     assert clustered() == [False, True, True, True, True]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_wg1_converts_its_share_of_each_block_between_its_pvs(splits):
+    """attention.WG1_ROWS = 16 (the benchmark's "wg1rows16"): the producer's table is published through an
+    mbarrier WG1 waits on; WG1 dequantises its 16 rows of blocks 0 and 1 before its first PV and of block n + 2
+    after PV(n), once WG0 has freed that key buffer half, and arrives on the half's k_ready beside the producer
+    (256 arrivals); registers move from the producer to WG1; ptxas fits it without a spill where nvcc is installed.
+    The default kernel has none of it."""
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang import attention
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    regs = attention.REGS[16]
+    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", wg1_rows=16, regs=regs), "sm_90a")
+    assert "tab_ready" not in _source("sm_90a", splits)
+    assert "k_ready[0].init(256)" in src and "tab_ready[0].init(128)" in src
+    wg1 = src[src.index(f"warpgroup_reg_alloc<{regs[1]}>"):src.index(f"warpgroup_reg_dealloc<{regs[2]}>")]
+    producer = src[src.index(f"warpgroup_reg_dealloc<{regs[2]}>"):]
+    assert "tab_ready[0].arrive()" in producer and "tab_ready[0].wait(0)" in wg1
+    assert wg1.count("di_dq_e2m1x16_e4m3") >= 1 and wg1.count("k_ready[") >= 2
+    loop = wg1[wg1.index("wgmma_ss"):]
+    assert loop.index("k_free[") < loop.index("di_dq_e2m1x16_e4m3") < loop.index("k_ready[")
+    report = _nvcc_report(src)
+    if report:
+        log, _ = report
+        assert "0 bytes spill stores" in log

@@ -30,6 +30,13 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 # On the H100, B=64 at 32K: 32.0 us clustered vs 36.5; 16 (a non-portable cluster, also B=1 and 8's ten splits) lost
 # there, 23.6 vs 9.7 us at B=1 (benchmarks/results/attention_decode_gpu_s25_h100.log)
 CLUSTER_SPLITS = 8
+# rows of each 64-key block that WG1 dequantises in the time it waits for WG0's P, the producer converting the rest
+# (build_sink_attention_decode's wg1_rows; the same bits). 0: the producer all. A candidate (the thirty-eighth
+# session: the one-split kernel's producer was late for ~30% of WG0's blocks, WG1 idle ~55% of its time, Nsight
+# Compute, docs/hopper-kernels.md); attention_decode_gpu's "wg1rows8" / "wg1rows16"
+WG1_ROWS = 0
+# registers a thread of WG0, WG1 and the producer get with WG1_ROWS rows (the producer's move to WG1)
+REGS = {0: (192, 160, 152), 8: (192, 176, 144), 16: (192, 184, 136)}
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:
@@ -113,8 +120,8 @@ def decode_spec(window: int, topk: int, splits: int, ring: int, probe: str = "")
     from the builder's default (the ring's width when wider than the window: rollback rows for speculative decoding,
     a compile-time shape; a probe; a cluster of the splits), so equal kernels get equal specs (the compile cache,
     the JIT manifest)."""
-    tail = [None, (192, 160, 152), ring if ring != window else None, probe, _clustered(splits)]
-    defaults = [None, (192, 160, 152), None, "", False]
+    tail = [None, REGS[WG1_ROWS], ring if ring != window else None, probe, _clustered(splits), WG1_ROWS]
+    defaults = [None, REGS[0], None, "", False, 0]
     while tail and tail[-1] == defaults[len(tail) - 1]:
         tail.pop()
     return (build_sink_attention_decode, 64, 512, window, topk, splits, *tail)

@@ -85,7 +85,7 @@ def _is_hopper(arch):
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
                                 splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
-                                ring: int | None = None, probe: str = "", cluster: bool = False):
+                                ring: int | None = None, probe: str = "", cluster: bool = False, wg1_rows: int = 0):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch:
     None = the current target (wgmma on sm_90*, a synchronous gemm elsewhere, which only serves the lowering test).
@@ -108,7 +108,11 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     block) and its m, l in its own shared memory, and after a cluster barrier each CTA combines a 1/splits share of
     the output's 16-byte pieces from every split's shared memory (build_sink_combine's arithmetic in its order, so
     the same bits) and stores it as bf16; no fp32 partials in HBM and no combine launch. Up to
-    attention.CLUSTER_SPLITS splits (8) in the model."""
+    attention.CLUSTER_SPLITS splits (8) in the model.
+    wg1_rows: rows of every key block that WG1 dequantises itself (a multiple of 4; 0 = the producer all 64), in the
+    time it waits for WG0's P: the producer's share shrinks by as much (the same bits: a row's conversion is the
+    same code in either role). WG1 converts blocks 0 and 1 up front, then block n + 2 into the half its PV(n) frees,
+    its rows loaded one block ahead like the producer's; registers move from the producer to WG1 (regs)."""
     assert probe in PROBES, f"probe must be one of {PROBES}, got {probe!r}"
     H, D, BK = heads, dim, 64
     W = ring or window             # ring rows per sequence
@@ -122,7 +126,10 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     DH = D // 2
     n_prod = 128  # one producer warpgroup (two: ptxas cannot fit WG0's wgmma in 128 launch registers)
     threads = 256 + n_prod
-    ROWS = BK // (n_prod // 32)    # rows per producer warp per block (lane l owns channels 16l..16l+15)
+    assert wg1_rows % 4 == 0 and 0 <= wg1_rows < BK
+    R1 = wg1_rows // 4             # rows per WG1 warp per block
+    PR0 = BK - wg1_rows            # WG1's rows start here
+    ROWS = PR0 // (n_prod // 32)   # rows per producer warp per block (lane l owns channels 16l..16l+15)
     hopper = _is_hopper(arch)
     # registers per thread after setmaxnreg: WG0 holds O/2 + S, WG1 O/2, the producer one block of packed rows
     REG0, REG1, REGP = regs
@@ -226,65 +233,66 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                     q_s[(i * 128 + t) // (DH // 8), c0 + (i * 128 + t) % (DH // 8) * 8 + v]
 
     @T.macro
-    def load_block(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale):
+    def load_block(n, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, r0, nr):
         # block n's packed rows into registers (a window block's FP8 rows 16 bytes a row and lane, a pool block's FP4
         # rows 8), window or pool chosen once for the whole block; ok[i] holds row i's source row (-1: invisible)
         if no_load:  # bytes made from the row index: no HBM read
-            for i in T.unroll(ROWS):
-                row = idx_s[n * BK + warp * ROWS + i]
+            for i in T.unroll(nr):
+                row = idx_s[n * BK + r0 + warp * nr + i]
                 ok[i] = row
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = T.cast((row + v) & 0x77, "uint8")
                 sc[i] = T.cast(120, "uint8")
         elif kb0 + n < NWB:
-            for i in T.unroll(ROWS):
-                row = idx_s[n * BK + warp * ROWS + i]
+            for i in T.unroll(nr):
+                row = idx_s[n * BK + r0 + warp * nr + i]
                 ok[i] = row
                 for v in T.vectorized(16):
                     raw[i * 16 + v] = win_kv[b, T.max(row, 0), lane * 16 + v]
                 sc[i] = win_scale[b, T.max(row, 0), lane // 2]
         else:
-            for i in T.unroll(ROWS):
-                row = idx_s[n * BK + warp * ROWS + i]
+            for i in T.unroll(nr):
+                row = idx_s[n * BK + r0 + warp * nr + i]
                 ok[i] = row
                 for v in T.vectorized(8):
                     raw[i * 16 + v] = cmp_kv[T.max(row, 0), lane * 8 + v]
                 sc[i] = cmp_scale[T.max(row, 0), lane]
 
     @T.macro
-    def store_row(n, k_s, warp, lane, i, visible, vals):
+    def store_row(n, k_s, warp, lane, i, visible, vals, r0, nr):
         # one dequantised row into block n's half of the key buffer, zeros where invisible
         for v in T.vectorized(16):
-            k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.if_then_else(visible, vals[v], T.cast(0, "bfloat16"))
+            k_s[(n % 2) * BK + r0 + warp * nr + i, lane * 16 + v] = T.if_then_else(visible, vals[v],
+                                                                                   T.cast(0, "bfloat16"))
 
     @T.macro
-    def keep_row(n, k_s, warp, lane, i, raw, sc, ok):
+    def keep_row(n, k_s, warp, lane, i, raw, sc, ok, r0, nr):
         # the no_dequant probes: no row is converted or written, but the loads stay (the compiler would drop them)
         if ok[i] == -7:  # never (rows are >= -1)
             for v in T.vectorized(16):
-                k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = T.cast(T.cast(raw[i * 16 + v] + sc[i], "float32"),
-                                                                           "bfloat16")
+                k_s[(n % 2) * BK + r0 + warp * nr + i, lane * 16 + v] = T.cast(
+                    T.cast(raw[i * 16 + v] + sc[i], "float32"), "bfloat16")
 
     @T.macro
-    def dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals):
+    def dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals, r0, nr):
         # block n into rows [(n % 2) BK, (n % 2 + 1) BK) of the key buffer, window or pool chosen once
         if no_dequant:
-            for i in T.unroll(ROWS):
-                keep_row(n, k_s, warp, lane, i, raw, sc, ok)
+            for i in T.unroll(nr):
+                keep_row(n, k_s, warp, lane, i, raw, sc, ok, r0, nr)
         elif kb0 + n < NWB:
-            for i in T.unroll(ROWS):
+            for i in T.unroll(nr):
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16]), sc[i], T.address_of(vals[0]))
                 T.call_extern("handle", "di_dq_e4m3x8", T.address_of(raw[i * 16 + 8]), sc[i], T.address_of(vals[8]))
-                store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals)
+                store_row(n, k_s, warp, lane, i, ok[i] >= 0, vals, r0, nr)
         else:
-            for i in T.unroll(ROWS):
+            for i in T.unroll(nr):
                 # a pool row's 16 codes a lane in one call, the scale converted once and invisible rows zeroed through
                 # it (dequant.py); two calls of 8 and a select after them, the same bits, ran 1% slower (B=256 and
                 # 2048 at one split, H100, the thirty-seventh session)
                 T.call_extern("handle", "di_dq_e2m1x16_e4m3", T.address_of(raw[i * 16]), sc[i], ok[i] >= 0,
                               T.address_of(vals[0]))
                 for v in T.vectorized(16):
-                    k_s[(n % 2) * BK + warp * ROWS + i, lane * 16 + v] = vals[v]
+                    k_s[(n % 2) * BK + r0 + warp * nr + i, lane * 16 + v] = vals[v]
         T.fence_proxy_async()  # generic-proxy stores -> visible to the wgmma (async proxy) readers
 
     @T.macro
@@ -298,13 +306,14 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
         ok = T.alloc_local((ROWS,), "int32")
         vals = T.alloc_local((16,), "bfloat16")
         if nmine > 0:
-            load_block(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+            load_block(0, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, 0, ROWS)
         for n in T.serial(nmine):
             T.barrier_wait(k_free[n % 2], ((n // 2) & 1) ^ 1)
-            dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals)
+            dequant_block(n, kb0, k_s, lane, warp, raw, sc, ok, vals, 0, ROWS)
             T.barrier_arrive(k_ready[n % 2])
             if n + 1 < nmine:
-                load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale)
+                load_block(n + 1, kb0, b, lane, warp, raw, sc, ok, idx_s, win_kv, win_scale, cmp_kv, cmp_scale, 0,
+                           ROWS)
 
     @T.macro
     def merge(bs, bq, tx, k_s, ml_s, w_s, sink, out):
@@ -378,11 +387,13 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
             fin_s = T.alloc_shared((H,), "float32")
             idx_s = T.alloc_shared((PER * BK,), "int32")  # per key of this split: source row, -1 = invisible
 
-            k_ready = T.alloc_barrier([n_prod, n_prod])    # key buffer half i dequantised
+            k_ready = T.alloc_barrier([n_prod + 128 * bool(R1)] * 2)  # key buffer half i dequantised (WG1's rows too)
             k_free = T.alloc_barrier([256, 256])           # key buffer half i no longer read by either math WG
             p_ready = T.alloc_barrier([128, 128])          # P / alpha half i written by WG0
             p_free = T.alloc_barrier([128, 128])           # P half i no longer read by WG1
             bar_fin = T.alloc_barrier(128)                 # WG0's final row scales in fin_s
+            if R1:
+                tab_ready = T.alloc_barrier(n_prod)        # the producer's row table is complete (WG1 reads it)
 
             tx = T.get_thread_binding()
             T.import_source(CUDA_SOURCE + (CLUSTER_SOURCE if clustered else ""))
@@ -460,8 +471,34 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                 T.set_max_nreg(REG1, int(REG1 > launch_regs))
                 o_r = T.alloc_fragment((H, DH), "float32")
                 T.fill(o_r, 0.0)
-                for n in T.serial(nmine):
-                    wg1_block(n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free)
+                if R1:
+                    # its rows of blocks 0 and 1 (both halves start free), then of block n + 2 into the half PV(n)
+                    # freed, loaded one block ahead
+                    w_lane = (tx - 128) % 32
+                    w_warp = (tx - 128) // 32
+                    raw1 = T.alloc_local((R1 * 16,), "uint8")
+                    sc1 = T.alloc_local((R1,), "uint8")
+                    ok1 = T.alloc_local((R1,), "int32")
+                    vals1 = T.alloc_local((16,), "bfloat16")
+                    T.barrier_wait(tab_ready[0], 0)
+                    for n in T.serial(T.min(nmine, 3)):
+                        load_block(n, kb0, b, w_lane, w_warp, raw1, sc1, ok1, idx_s, win_kv, win_scale, cmp_kv,
+                                   cmp_scale, PR0, R1)
+                        if n < 2:
+                            dequant_block(n, kb0, k_s, w_lane, w_warp, raw1, sc1, ok1, vals1, PR0, R1)
+                            T.barrier_arrive(k_ready[n % 2])
+                    for n in T.serial(nmine):
+                        wg1_block(n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free)
+                        if n + 2 < nmine:
+                            T.barrier_wait(k_free[n % 2], (n // 2) & 1)  # WG0's PV_L(n) is done with the half too
+                            dequant_block(n + 2, kb0, k_s, w_lane, w_warp, raw1, sc1, ok1, vals1, PR0, R1)
+                            T.barrier_arrive(k_ready[n % 2])
+                            if n + 3 < nmine:
+                                load_block(n + 3, kb0, b, w_lane, w_warp, raw1, sc1, ok1, idx_s, win_kv, win_scale,
+                                           cmp_kv, cmp_scale, PR0, R1)
+                else:
+                    for n in T.serial(nmine):
+                        wg1_block(n, k_s, p_s, o_r, alpha_s, k_free, p_ready, p_free)
                 if single:
                     T.barrier_wait(bar_fin[0], 0)
                     # WG0 has passed its last MMA (bar_fin): Q's shared memory is free
@@ -495,6 +532,8 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
                         else:
                             idx_s[i * n_prod + pt] = sel[bq, (kb - NWB) * BK + r]
                 T.sync_threads(5, n_prod)  # producers only: the row table is complete
+                if R1:
+                    T.barrier_arrive(tab_ready[0])
                 producer(nmine, kb0, b, lane, warp, idx_s, k_s, k_ready, k_free, win_kv, win_scale, cmp_kv, cmp_scale)
 
             if clustered:
