@@ -118,6 +118,16 @@ SLOW_CELLS = [
     ("test_tilelang_lowering_mhc.py", "mixes_fused_s64-"),
     ("test_tilelang_lowering_moe.py", "up_fp8_bt8_k128_s16"),
     ("test_load_format_tokenizer.py", "test_the_config_key_is_checked_and_the_cli_takes_it"),
+    # the fast tier at 812 s on the 2-core machine (2026-12-07, a --durations run beside other work): the malformed
+    # checkpoints' CLI subprocesses (~3.7 s each; a config and a tokenizer case stay fast), the WG1-rows candidate's
+    # split lowering (its one-split cell stays fast)
+    ("test_reliability_checkpoint.py", "exit_2[config-is-a-list]"),
+    ("test_reliability_checkpoint.py", "exit_2[max_position_embeddings-0]"),
+    ("test_reliability_checkpoint.py", "exit_2[num_hidden_layers--1]"),
+    ("test_reliability_checkpoint.py", "exit_2[hc_sinkhorn_iters-1e9]"),
+    ("test_reliability_checkpoint.py", "exit_2[rms_norm_eps-nan]"),
+    ("test_reliability_checkpoint.py", "exit_2[rope_theta-negative]"),
+    ("test_tilelang_lowering_attention_decode.py", "between_its_pvs[3]"),
 ]  # the fast tier keeps one prefix-cache case beyond the chat's: YOCO compact with hits
 
 

@@ -2,6 +2,7 @@
 sm_100a without a GPU, and on sm_90a the source has the intended structure (wgmma, register rebalancing between
 the warpgroups, QK of the next block issued behind PV of the current one, no CTA-wide barrier inside a role)."""
 
+import functools
 import importlib.util
 import re
 
@@ -11,6 +12,7 @@ tilelang_missing = importlib.util.find_spec("tilelang") is None
 pytestmark = pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
 
 
+@functools.lru_cache(maxsize=None)  # several tests read the same kernel's source: lowered once (~3 s each)
 def _source(arch, splits):
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
