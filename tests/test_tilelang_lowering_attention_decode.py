@@ -263,3 +263,16 @@ def test_wg1_converts_its_share_of_each_block_between_its_pvs(splits):
     if report:
         log, _ = report
         assert "0 bytes spill stores" in log
+
+
+def test_every_register_split_fits_what_the_cta_is_launched_with():
+    """setmaxnreg only moves registers between the warpgroups within the CTA's launch allocation (384 threads x 168):
+    a split whose sum is larger makes an increase wait forever (the WG1-rows candidate's first GPU run hung). The
+    builder refuses one, and every split the launcher uses (attention.REGS) fits."""
+    from deepinfer.kernels.tilelang import attention
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    for rows, regs in attention.REGS.items():
+        assert 128 * sum(regs) <= 384 * 168, (rows, regs)
+    with pytest.raises(AssertionError):
+        build_sink_attention_decode(arch="sm_90a", wg1_rows=16, regs=(192, 184, 136))

@@ -36,7 +36,7 @@ CLUSTER_SPLITS = 8
 # Compute, docs/hopper-kernels.md); attention_decode_gpu's "wg1rows8" / "wg1rows16"
 WG1_ROWS = 0
 # registers a thread of WG0, WG1 and the producer get with WG1_ROWS rows (the producer's move to WG1)
-REGS = {0: (192, 160, 152), 8: (192, 176, 144), 16: (192, 184, 136)}
+REGS = {0: (192, 160, 152), 8: (192, 168, 144), 16: (192, 176, 136)}
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:

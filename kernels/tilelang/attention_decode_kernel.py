@@ -135,7 +135,9 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     REG0, REG1, REGP = regs
     QCH = 4 if hopper else 1       # QK commit groups (see qk)
     launch_regs = min(255, 65536 // threads) // 8 * 8  # what each thread gets before setmaxnreg
-    assert 128 * (REG0 + REG1) + n_prod * REGP <= 65536
+    # setmaxnreg moves registers between the warpgroups within what the CTA was launched with: a sum above it leaves
+    # an increase waiting forever (a hang, not an error; the WG1-rows candidate's first GPU run)
+    assert 128 * (REG0 + REG1) + n_prod * REGP <= threads * launch_regs, (regs, launch_regs)
     n_q, n_seq, n_pool = T.dynamic("n_q"), T.dynamic("n_seq"), T.dynamic("n_pool")
     single = splits == 1
     clustered = cluster and not single
