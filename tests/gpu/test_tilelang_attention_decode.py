@@ -23,15 +23,18 @@ HANG_S = int(os.environ.get("DI_DECODE_HANG_S", "420"))  # first compile + run o
 
 @pytest.fixture(scope="module", autouse=True)
 def decode_kernel_does_not_hang():
-    """The kernel synchronises its warpgroups with mbarriers: a protocol bug hangs the GPU instead of failing.
-    Run one small call in a child process first, so a hang costs HANG_S seconds and a clear failure, not the
+    """The kernel synchronises its warpgroups with mbarriers: a protocol bug (or a register split setmaxnreg cannot
+    satisfy) hangs the GPU instead of failing. Run one small call of the default and of each WG1_ROWS candidate in a
+    child process first, so a hang costs HANG_S seconds and a clear failure, not the
     whole session. (Compiled kernels land in TileLang's disk cache, so the tests below reuse them.)"""
     code = textwrap.dedent("""
         import torch
+        from deepinfer.kernels.tilelang import attention
         from deepinfer.kernels.tilelang.attention import sink_attention_decode
         g = torch.Generator(device="cuda").manual_seed(0)
         B, n_q, P = 2, 3, 700
-        for splits in (1, 3):
+        for rows, splits in [(r, s) for r in attention.REGS for s in (1, 3)]:  # the default, then the candidates
+            attention.WG1_ROWS = rows
             out = sink_attention_decode(
                 torch.randn(n_q, 64, 512, device="cuda", generator=g).bfloat16(),
                 torch.tensor([0, 1, 1], dtype=torch.int32, device="cuda"),
