@@ -26,8 +26,8 @@ cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=
 SW=--sweep && [ "${SWEEP:-1}" = 0 ] && SW=
 PN=() && [ -n "${ATTN_PROBES+set}" ] && PN=(--probe-names "$ATTN_PROBES")
 # the smoke child's limit half the step's: a kernel that hangs is named as a hang, not a step timed out
-timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches ${ATTN_BATCHES:-1,8,64,256} --no-mtp --probes $SW \
-  "${PN[@]}" --hang-limit $(( ${T2:-170} / 2 )) \
+timeout ${T2:-170} python3 benchmarks/attention_decode_gpu.py --batches ${ATTN_BATCHES:-1,8,64,256} --no-mtp \
+  --probes $SW "${PN[@]}" --hang-limit $(( ${T2:-170} / 2 )) \
   --out $OUT/attn.json 2>&1 | grep -v "\[TileLang:" | tee $OUT/attn.log | tail -14
 check "decode attention"
 [ "${PREFILL_KERNELS:-1}" = 0 ] || timeout ${T3:-120} $RUN \
