@@ -131,6 +131,11 @@ SLOW_CELLS = [
     # a fresh-clone fast tier at 750 s (2026-12-07): cells whose matrix keeps smaller fast cells
     ("test_moe_routing_table.py", "[400-6-384-20]"),
     ("test_determinism.py", "chunking[tiny-swa-csa2]"),
+    # a fresh-clone fast tier at 724 s (2026-12-07, the machine otherwise idle): cells whose feature keeps a fast test
+    # (the one-token greedy cell; the heartbeat-deadline report; the in-process drain)
+    ("test_dspark.py", "test_greedy_output_equals_plain_decoding[5-True-False]"),
+    ("test_reliability_engine.py", "test_a_stopped_core_is_reported_even_while_generate_is_waiting_for_tokens"),
+    ("test_serving_lifecycle.py", "test_sigterm_drains_open_streams_then_exits_cleanly"),
 ]  # the fast tier keeps one prefix-cache case beyond the chat's: YOCO compact with hits
 
 
