@@ -20,7 +20,7 @@ from deepinfer.kernels.torch import attention as torch_attention
 from ._build import jit, sm_count
 from ._fallback import reason
 from .attention_combine_kernel import build_sink_combine
-from .attention_decode_kernel import build_sink_attention_decode
+from .attention_decode_kernel import REGS, build_sink_attention_decode
 from .attention_kernel import build_sink_attention_dense
 
 BLOCK_KEYS = 64  # keys per block of both kernels
@@ -35,8 +35,6 @@ CLUSTER_SPLITS = 8
 # session: the one-split kernel's producer was late for ~30% of WG0's blocks, WG1 idle ~55% of its time, Nsight
 # Compute, docs/hopper-kernels.md); attention_decode_gpu's "wg1rows8" / "wg1rows16"
 WG1_ROWS = 0
-# registers a thread of WG0, WG1 and the producer get with WG1_ROWS rows (the producer's move to WG1)
-REGS = {0: (192, 160, 152), 8: (192, 168, 144), 16: (192, 176, 136)}
 
 
 def default_splits(n_q: int, n_blocks: int, sms: int) -> int:

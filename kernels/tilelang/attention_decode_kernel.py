@@ -69,6 +69,9 @@ __device__ __forceinline__ void di_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" : : : "memory");
 }
 """
+# registers a thread of WG0, WG1 and the producer get after setmaxnreg, by wg1_rows (rows WG1 dequantises: registers
+# move from the producer to WG1); each sums to at most the CTA's launch allocation (384 x 168, asserted below)
+REGS = {0: (192, 160, 152), 8: (192, 168, 144), 16: (192, 176, 136)}
 NEG_BIG = -1.0e30  # running-max start: finite, so exp2(m_prev - m_new) never sees inf - inf
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -84,16 +87,17 @@ def _is_hopper(arch):
 
 
 def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 128, topk: int = 512,
-                                splits: int = 1, arch: str | None = None, regs: tuple = (192, 160, 152),
+                                splits: int = 1, arch: str | None = None, regs: tuple | None = None,
                                 ring: int | None = None, probe: str = "", cluster: bool = False, wg1_rows: int = 0):
     """prim_func(q, q_seq, q_pos, win_kv, win_scale, win_pos, cmp_kv, cmp_scale, sel, sink, out, o_part,
     ml_part, scale). grid = (splits, n_q); splits > 1 writes partials for build_sink_combine(permuted=True). arch:
     None = the current target (wgmma on sm_90*, a synchronous gemm elsewhere, which only serves the lowering test).
-    regs: registers per thread of WG0, WG1, producer. ring: rows per sequence's ring (default `window`; wider when
-    the caches keep rollback rows for speculative decoding). The window keys are read in position order, oldest
-    first (slot j holds position p - window + 1 + j, ring row that position mod `ring`, kept when the ring row still
-    holds it), whatever the ring's width: a query's sum runs over the same keys in the same order with and without
-    rollback rows, so a verification row of speculative decoding is bitwise the plain decode row.
+    regs: registers per thread of WG0, WG1, producer (default REGS[wg1_rows]). ring: rows per sequence's ring
+    (default `window`; wider when the caches keep rollback rows for speculative decoding). The window keys are read
+    in position order, oldest first (slot j holds position p - window + 1 + j, ring row that position mod `ring`,
+    kept when the ring row still holds it), whatever the ring's width: a query's sum runs over the same keys in the
+    same order with and without rollback rows, so a verification row of speculative decoding is bitwise the plain
+    decode row.
     probe: a timing probe that drops one part of the work (its output is wrong; benchmarks only,
     attention_decode_gpu.py --probes): "no_load" (the producer dequantises bytes it did not read), "no_dequant"
     (it reads the rows but writes no keys), "no_producer" (neither: the math warpgroups alone), "no_softmax" (WG0
@@ -132,7 +136,7 @@ def build_sink_attention_decode(heads: int = 64, dim: int = 512, window: int = 1
     ROWS = PR0 // (n_prod // 32)   # rows per producer warp per block (lane l owns channels 16l..16l+15)
     hopper = _is_hopper(arch)
     # registers per thread after setmaxnreg: WG0 holds O/2 + S, WG1 O/2, the producer one block of packed rows
-    REG0, REG1, REGP = regs
+    REG0, REG1, REGP = regs or REGS[wg1_rows]
     QCH = 4 if hopper else 1       # QK commit groups (see qk)
     launch_regs = min(255, 65536 // threads) // 8 * 8  # what each thread gets before setmaxnreg
     # setmaxnreg moves registers between the warpgroups within what the CTA was launched with: a sum above it leaves
