@@ -8,7 +8,7 @@ import lzma
 def open_result(path, mode: str = "r"):
     """`path` opened as text, through xz when its name ends in .xz (written with `xz -9e`'s preset)."""
     if str(path).endswith(".xz"):
-        return lzma.open(path, mode + "t", preset=9 | lzma.PRESET_EXTREME if "w" in mode else None)
+        return lzma.open(path, mode + "t", preset=(9 | lzma.PRESET_EXTREME) if "w" in mode else None)
     return open(path, mode)
 
 
