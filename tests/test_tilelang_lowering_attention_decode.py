@@ -230,7 +230,8 @@ def test_the_cluster_is_asked_for_two_to_eight_splits_only(monkeypatch):
     cluster; 0: never); one split has nothing to merge, ten exceed a portable cluster."""
     from deepinfer.kernels.tilelang import attention
 
-    clustered = lambda: [attention.decode_spec(128, 512, s, 128)[-1] is True for s in (1, 2, 5, 8, 10)]  # noqa: E731
+    # the builder's cluster argument: the spec's tenth after the builder (a spec stops at its last non-default)
+    clustered = lambda: [attention.decode_spec(128, 512, s, 128)[10:11] == (True,) for s in (1, 2, 5, 8, 10)]  # noqa
     assert clustered() == [False, True, True, True, False]
     monkeypatch.setattr(attention, "CLUSTER_SPLITS", 0)
     assert clustered() == [False] * 5
@@ -240,11 +241,11 @@ def test_the_cluster_is_asked_for_two_to_eight_splits_only(monkeypatch):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_wg1_converts_its_share_of_each_block_between_its_pvs(splits):
-    """attention.WG1_ROWS = 16 (the benchmark's "wg1rows16"): the producer's table is published through an
+    """attention.WG1_ROWS = 16 (the default): the producer's table is published through an
     mbarrier WG1 waits on; WG1 dequantises its 16 rows of blocks 0 and 1 before its first PV and of block n + 2
     after PV(n), once WG0 has freed that key buffer half, and arrives on the half's k_ready beside the producer
     (256 arrivals); registers move from the producer to WG1; ptxas fits it without a spill where nvcc is installed.
-    The default kernel has none of it."""
+    The builder's wg1_rows=0 kernel (the producer converting all 64 rows) has none of it."""
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang import attention
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode

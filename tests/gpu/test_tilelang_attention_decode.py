@@ -207,21 +207,22 @@ def test_clustered_splits_give_the_combine_s_bits(ring, splits):
     assert torch.equal(base.view(torch.int16), cand.view(torch.int16))
 
 
-@pytest.mark.parametrize("rows", [8, 16])
+@pytest.mark.parametrize("rows", [16, 24, 32])
 @pytest.mark.parametrize("ring,splits", [(W, 1), (W, 2), (W, 3), (W, 10), (192, 1), (192, 5)])
 def test_wg1_s_share_of_the_rows_leaves_the_bits(ring, splits, rows):
-    """attention.WG1_ROWS (a candidate): WG1 dequantises 8 or 16 rows of every key block, the producer the rest;
-    the same bits as the producer converting all 64, with empty ring slots, short sequences and a third of the
-    pool's scales 8, across one to ten splits (splits starting in the window and in the pool; two and three
-    clustered, ten with one block each) and a rollback ring."""
+    """attention.WG1_ROWS (16, the default; 24 and 32 candidates): WG1 dequantises that many rows of every key
+    block, the producer the rest; the same bits as the producer converting all 64, with empty ring slots, short
+    sequences and a third of the pool's scales 8, across one to ten splits (splits starting in the window and in the
+    pool; two and three clustered, ten with one block each) and a rollback ring."""
     from deepinfer.kernels.tilelang import attention
 
     args, _ = _case(6, seed=991 + ring + splits + rows, ring=ring)
     big = torch.rand(args[7].shape, device=args[7].device) < 0.33
     args[7] = torch.where(big, torch.full_like(args[7], 0x50), args[7])  # e4m3 0x50 = 8
     scale = D ** -0.5
-    assert attention.WG1_ROWS == 0  # the default
-    base = attention.sink_attention_decode(*args, scale, splits=splits)
+    assert attention.WG1_ROWS == 16  # the default
+    with mock.patch.object(attention, "WG1_ROWS", 0):
+        base = attention.sink_attention_decode(*args, scale, splits=splits)
     with mock.patch.object(attention, "WG1_ROWS", rows):
         poison_allocator()
         cand = attention.sink_attention_decode(*args, scale, splits=splits)
