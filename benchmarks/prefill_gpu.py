@@ -394,7 +394,8 @@ def main(argv=None) -> int:
         print(f"yoco=compact vs off: {yoco['speedup'] or 0:.2f}x", flush=True)
     tg = on_card(targets(rows, prof, model.config, peak, a.model, yoco), meta["gpu"])
     for t in tg:
-        print(f"target: {t['name']}: {t['measured']} (target {t['target']} {t['unit']}) met={t['met']}")
+        card = f" (set for the H200; on this card: {t['met_on_this_card']})" if "met_on_this_card" in t else ""
+        print(f"target: {t['name']}: {t['measured']} (target {t['target']} {t['unit']}) met={t['met']}{card}")
     meta["kernels"] = kernel_stats()
     meta["wall_s"] = time.time() - t_start
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
