@@ -19,7 +19,7 @@ exits non-zero. --sweep also times other split counts (one compile each). --prob
 part of its work dropped (attention_decode_kernel.PROBES: no loads, no dequantisation, no producer, no softmax, the
 first one or two key blocks only, and one block without Q's loads and / or the output's stores; their outputs are
 wrong and not checked), at the default split count: where the time of a key block goes, and the fixed part; and the
-candidate settings (CANDIDATES: attention module constants; now WG1_ROWS = 24 and 32), their
+candidate settings (CANDIDATES: attention module constants; now WG1_ROWS = 12 and 20), their
 outputs held to the default kernel's bits (a candidate that differs is a failure: the run exits
 non-zero). The torch reference dequantises only the selected pool rows (B=2048 at 32K: ~20 GB of inputs and
 reference, the one-split shapes of prefill; the whole pool asked 128 GiB). The previous kernel generation's numbers stay in
@@ -48,9 +48,9 @@ HEADS, HDIM, WIN, ITOPK = 64, 512, 128, 512
 # removed with their losing code (git history): the twenty-third session's COMPACT, PREFETCH and STAGE_OUT; the
 # thirty-seventh's POOL_DQ (16 codes a call won, the default) and ROW_TABLE ("wg1", WG1 building the row table: within
 # noise). ("combine", CLUSTER_SPLITS = 0, was timed until the thirty-sixth session: attention_decode_gpu_s25_h100.log)
-# "wg1rows24" / "wg1rows32": WG1 dequantises 24 / 32 rows of each key block while it waits for WG0's P (16, the
-# default since the thirty-ninth session, beat 0 and 8)
-CANDIDATES: dict[str, dict] = {"wg1rows24": {"WG1_ROWS": 24}, "wg1rows32": {"WG1_ROWS": 32}}
+# "wg1rows12" / "wg1rows20": WG1 dequantises 12 / 20 rows of each key block while it waits for WG0's P (16, the
+# default since the thirty-ninth session, beat 0, 8, 24 and 32)
+CANDIDATES: dict[str, dict] = {"wg1rows12": {"WG1_ROWS": 12}, "wg1rows20": {"WG1_ROWS": 20}}
 # predicted % of roofline at 32K (written before any GPU run of this kernel)
 PREDICTED = {1: 2, 8: 11, 64: 45, 256: 55, "64x4": 55}
 

@@ -519,6 +519,10 @@ def parse(argv=None):
                     help="B:CTX,... cells of the first variant to profile once more after every cell is timed "
                          "(torch.profiler): the kernels of one decode step by CUDA time, in the JSON row and the "
                          "printed output")
+    ap.add_argument("--routing", action="store_true",
+                    help="after the timed cells, count the distinct routed experts one eager decode step of each "
+                         "batch touches (routing_spread.py) and give each decode row its % of the floor at those "
+                         "experts beside roofline.py's (uniform routing)")
     ap.add_argument("--quick", action="store_true",
                     help="B 1 and 64, ctx 4K and 32K, graphs on/off, torch only at B=64/4K, prefill 8K")
     a = ap.parse_args(argv)
@@ -665,7 +669,7 @@ def main(argv=None) -> int:
                     if row.get("pct_roofline", 0) > 100:  # a denominator below what the step achieved: say so
                         warn = (f"{variant} B={b} ctx={ctx}: {row['pct_roofline']:.1f}% of the roofline: the step "
                                 f"moved its bytes faster than the copy bandwidth measured here ({bw / 1e12:.2f} "
-                                f"TB/s), so % of roofline overstates on this card")
+                                f"TB/s), so % of roofline overstates on this card (--routing: the floor at the experts it touched)")
                         print("WARNING:", warn, flush=True)
                         meta.setdefault("warnings", []).append(warn)
                     flush()
@@ -679,6 +683,8 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
     profile_cells(a, model, fast_ops, to_profile, flush)
     model.use_ops(fast_ops)
+    if a.routing:
+        routing_rows(model, rows, c, bw)
     flush()
     print("wrote", a.out)
     if a.plot:
@@ -689,6 +695,24 @@ def main(argv=None) -> int:
         print("\nFAILED: these variants did not run as asked:\n  " + "\n  ".join(failures), file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def routing_rows(model, rows: list[dict], c: dict, bw: float) -> None:
+    """--routing: each decode row's `routed` (routing_spread.routed_floor at the experts one eager decode step of its
+    batch touched), printed per batch."""
+    from routing_spread import routed_experts, routed_floor  # HERE is on sys.path (top of the file)
+
+    decode = [r for r in rows if r["mode"] == "decode" and "step_ms" in r]
+    for b in sorted({r["batch"] for r in decode}):
+        counts = routed_experts(model, b)
+        line = []
+        for r in (r for r in decode if r["batch"] == b):
+            rf = routed_floor(c, r["floor"], bw, b, counts)
+            r["routed"] = dict(rf, pct_roofline=rf["floor_ms"] / r["step_ms"] * 100)
+            line.append(f"{r['variant']} ctx={r['context']} {r['routed']['pct_roofline']:.1f}%")
+        print(f"routing B={b}: {rf['experts_measured']:.1f} distinct experts per MoE layer ({rf['moe_calls']} "
+              f"layers; uniform {rf['experts_uniform']:.1f}); of the floor at those experts: " + ", ".join(line),
+              flush=True)
 
 
 def table(rows, meta) -> str:

@@ -266,14 +266,33 @@ def test_wg1_converts_its_share_of_each_block_between_its_pvs(splits):
         assert "0 bytes spill stores" in log
 
 
+@pytest.mark.parametrize("rows", [12, 20])  # the candidates (16's spill check is the test above's)
+def test_each_candidate_s_register_split_compiles_without_a_spill(rows):
+    """Each WG1_ROWS candidate's register split (attention.REGS[rows]) leaves ptxas room for WG1's share of the
+    dequantisation: no spill (20 rows at 192 / 176 / 136 spilled 8 bytes, hence 192 / 184 / 128)."""
+    import shutil
+
+    from lowering_helpers import lower_source
+    from deepinfer.kernels.tilelang import attention
+    from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
+
+    if not shutil.which("nvcc"):
+        pytest.skip("needs nvcc (ptxas) for the spill count")
+    src = lower_source(build_sink_attention_decode(splits=1, arch="sm_90a", wg1_rows=rows,
+                                                   regs=attention.REGS[rows]), "sm_90a")
+    log, _ = _nvcc_report(src)
+    assert "0 bytes spill stores" in log, log
+
+
 def test_every_register_split_fits_what_the_cta_is_launched_with():
     """setmaxnreg only moves registers between the warpgroups within the CTA's launch allocation (384 threads x 168):
     a split whose sum is larger makes an increase wait forever (the WG1-rows candidate's first GPU run hung). The
-    builder refuses one, and every split the launcher uses (attention.REGS) fits."""
+    builder refuses one, and every split the launcher uses (attention.REGS) fits, in setmaxnreg's multiples of 8."""
     from deepinfer.kernels.tilelang import attention
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
     for rows, regs in attention.REGS.items():
         assert 128 * sum(regs) <= 384 * 168, (rows, regs)
+        assert all(r % 8 == 0 for r in regs), (rows, regs)  # setmaxnreg takes multiples of 8
     with pytest.raises(AssertionError):
         build_sink_attention_decode(arch="sm_90a", wg1_rows=16, regs=(192, 184, 136))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (an H200 for the issues' targets; the 40-layer model also fits an 80 GB H100, ~50 GB): the 40-layer
-# decode table, A/B arms (B=1 and 8 by default), DSpark's table, then the batch-invariance GPU file with the time
-# left. From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
+# decode table (each batch's distinct routed experts counted: --routing), A/B arms (B=1 and 8 by default), DSpark's
+# table, then the batch-invariance GPU file with the time left. From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
 # BATCHES / CONTEXTS: the table's cells (default 1 8 64 256 / 4096 32768); ARMS: A/B arms, "name MOD.NAME=INT ..."
 # separated by ';' (none by default), at ARM_BATCHES (default "1 8"; 4K); PROFILE: the table's cells profiled per
 # kernel (B:CTX,...; default B=1, 8 and 256 at 4K, B=1 at 32K; "" for none); DSPARK=0 skips DSpark's table; MOE:
@@ -18,8 +18,9 @@ cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=
 nvidia-smi --query-gpu=name --format=csv,noheader
 [ "${DECODE:-1}" = 0 ] || timeout ${T1:-230} python3 benchmarks/decode_gpu.py --model flash40 \
   --batches ${BATCHES:-1 8 64 256} --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill \
-  --profile "${PROFILE-1:4096,8:4096,256:4096,1:32768}" --out $OUT/decode.json 2>&1 \
-  | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|^profile|WARNING|FAILED|Error|built" | tail -14
+  --profile "${PROFILE-1:4096,8:4096,256:4096,1:32768}" --routing --out $OUT/decode.json 2>&1 \
+  | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|^profile|^routing|WARNING|FAILED|Error|built" \
+  | tail -18
 check "decode table"
 IFS=';' read -ra arms <<< "${ARMS:-}"
 ARMS_DIR=$(mktemp -d)  # the arms' JSON stay on the machine (8 files come back): arms.log holds their rows

@@ -4,7 +4,8 @@ and the shared expert FP8 e4m3 with 32x32 block scales, both kept as stored (Qua
 FP8 projections e4m3 with 32x32 block scales, kept as stored (Fp8BlockWeight) when `fp8_linears` and otherwise
 dequantised once (the same values); Engram tables carry values an FP8 checkpoint can hold; the rest is bf16 / fp32
 as the release stores it. Scales keep activations at unit variance through every projection (the golden fixtures'
-initialisation, `fixture_init`)."""
+initialisation, `fixture_init`); the routers' selection bias is zero (SELECTION_BIAS: routing as even as a trained
+model's)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ from .loading import tensors as kinds
 from .loading.names import keeps_float32
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
+# The routers' selection bias (ffn.gate.bias) is zero here, not the fixtures' N(0, 0.2): a trained model's bias is
+# what balances its experts' load, and a random one favours some experts in every token's choice (beside
+# sqrt-softplus scores of spread ~0.3). At V4.1-Flash's width a 64-token decode step then touched ~145 distinct
+# experts of 384 where even routing touches 244 (roofline.py's count), so the benchmark models read fewer expert
+# bytes than the release would and % of the roofline overstated (benchmarks/routing_spread.py; with the bias zero:
+# 238-247). The image positions' bias_vl stays drawn (only image spans select with it).
+SELECTION_BIAS = "ffn.gate.bias"
 
 
 def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0, packed_experts: bool = True,
@@ -49,6 +57,8 @@ def random_weights(cfg: ModelConfig, device, dtype=torch.bfloat16, seed: int = 0
             out[name] = q if packed_experts else q.dense(dtype)
             continue
         w = fixture_init(name, spec.shape, cfg.hidden_size, gen)
+        if name.endswith(SELECTION_BIAS):  # drawn all the same, so every other tensor keeps its values
+            w = torch.zeros_like(w)
         if packed_experts and expert:
             out[name] = _fp8_blocks(w)
         elif fp8_linears and not expert and kinds.FP8_BLOCK in spec.allowed:
