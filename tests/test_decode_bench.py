@@ -90,7 +90,8 @@ def test_the_fill_starts_after_the_engine_so_varlen_prices_real_forwards(tiny, m
 def test_engine_with_the_fill_backend_times_decode_steps_and_writes_rows(tmp_path):
     out = tmp_path / "decode.json"
     rc = bench.main(["--model", "tiny", "--device", "cpu", "--batches", "2", "--contexts", "64", "--steps", "3",
-                     "--warmup", "0", "--variants", "eager", "--prefill", "64", "--chunk", "32", "--out", str(out)])
+                     "--warmup", "0", "--variants", "eager", "--prefill", "64", "--chunk", "32", "--routing",
+                     "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["failures"] == [] and "not prefilled" in data["meta"]["note"]
@@ -101,6 +102,13 @@ def test_engine_with_the_fill_backend_times_decode_steps_and_writes_rows(tmp_pat
     assert dec["context_source"] == "filled" and not dec["errors"]
     assert dec["step_ms"] > 0 and dec["tok_s_per_user"] == pytest.approx(dec["tok_s"] / 2)
     assert dec["pct_roofline"] == pytest.approx(dec["floor"]["floor_ms"] / dec["step_ms"] * 100)
+    routed = dec["routed"]  # --routing: the experts one decode step of 2 rows touched, the floor at them
+    assert 2 <= routed["experts_measured"] <= 4 and routed["moe_calls"] == 8  # top-2 of 8, each of the 8 layers
+    assert routed["experts_uniform"] == pytest.approx(8 * (1 - (6 / 8) ** 2))  # roofline.py's count, 3.5
+    more = routed["experts_measured"] - routed["experts_uniform"]  # the floor moves with the experts touched:
+    per_expert = 3 * 128 * 64 * (0.5 + 1 / 32)  # gate, up and down of hidden 128 x 64, FP4 (roofline.py's bytes)
+    assert routed["bytes"] - dec["floor"]["bytes"] == pytest.approx(8 * more * per_expert, abs=1e-3)
+    assert routed["pct_roofline"] == pytest.approx(routed["floor_ms"] / dec["step_ms"] * 100)
 
 
 def test_profiled_cells_are_profiled_after_every_cell_is_timed(tmp_path, monkeypatch):
