@@ -25,10 +25,10 @@ from .loading.names import keeps_float32
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
 # The routers' selection bias (ffn.gate.bias) is zero here, not the fixtures' N(0, 0.2): a trained model's bias is
 # what balances its experts' load, and a random one favours some experts in every token's choice (beside
-# sqrt-softplus scores of spread ~0.3). At V4.1-Flash's width a 64-token decode step then touched ~145 distinct
+# sqrt-softplus scores of spread ~0.3). At V4.1-Flash's width a 64-token decode step then touched ~143 distinct
 # experts of 384 where even routing touches 244 (roofline.py's count), so the benchmark models read fewer expert
 # bytes than the release would and % of the roofline overstated (benchmarks/routing_spread.py; with the bias zero:
-# 238-247). The image positions' bias_vl stays drawn (only image spans select with it).
+# 238-247, 241.5 on average). The image positions' bias_vl stays drawn (only image spans select with it).
 SELECTION_BIAS = "ffn.gate.bias"
 
 
