@@ -205,11 +205,13 @@ def bench_moe(rows, bw, peak, batches, with_torch):
 
 
 # ------------------------------------------------------------------------------------------------ attention
-def attention_inputs(B, ctx, q_per_seq, g, dev="cuda"):
+def attention_inputs(B, ctx, q_per_seq, g, dev="cuda", pool_rows=None):
     """Rotating input sets for the decode attention kernels: full FP8 window rings, one ratio-2 FP4 pool for all
-    sequences (one entry per two tokens), 512 random selected rows per query; ~400 MB of sets in all."""
+    sequences (one entry per two tokens), 512 random selected rows per query; ~400 MB of sets in all. `pool_rows`:
+    every query selects from the same first pool_rows rows instead (a prefill chunk's queries share one sequence's
+    pool: 4,096 rows = 1.2 MB at 8K, L2-resident)."""
     n_q = B * q_per_seq
-    pool = B * ctx // 2
+    pool = pool_rows or B * ctx // 2
     per_call = n_q * (WIN * 528 + ITOPK * 288) + n_q * HEADS * HDIM * 4
     sets = max(1, min(32, math.ceil(400e6 / per_call)))
     data = []
@@ -222,8 +224,9 @@ def attention_inputs(B, ctx, q_per_seq, g, dev="cuda"):
         win_pos = (pos - WIN + q_per_seq + torch.arange(WIN, device=dev)).int().repeat(B, 1)
         q_seq = torch.arange(B, device=dev).repeat_interleave(q_per_seq).int()
         q_pos = (pos + torch.arange(q_per_seq, device=dev)).repeat(B).int()
-        per_seq = ctx // 2
-        sel = torch.stack([torch.randperm(per_seq, device=dev, generator=g)[:ITOPK] + (i // q_per_seq) * per_seq
+        per_seq = pool_rows or ctx // 2
+        base = 0 if pool_rows else per_seq  # with pool_rows every query's rows are the shared pool's
+        sel = torch.stack([torch.randperm(per_seq, device=dev, generator=g)[:ITOPK] + (i // q_per_seq) * base
                            for i in range(n_q)]).int()
         q = (torch.randn(n_q, HEADS, HDIM, device=dev, generator=g) * 0.3).bfloat16()
         data.append((q, q_seq, q_pos, win_kv, win_sc, win_pos, cmp_kv, cmp_sc, sel))

@@ -76,3 +76,22 @@ def test_the_json_carries_the_kernels_target():
     assert got[0]["measured"] == pytest.approx(15.7) and not got[0]["met"]
     assert got[1]["measured"] is None and not got[1]["met"]
     assert bench.targets([dict(B=256, q_per_seq=1, ctx=32768, roofline=0.55)])[1]["met"]
+    # a shared pool (--pool-rows: the prefill's L2-resident one) is not the target's shape
+    assert bench.targets([dict(B=256, q_per_seq=1, ctx=32768, roofline=0.9, pool_rows=4096)])[1]["measured"] is None
+
+
+def test_a_shared_pool_gives_every_query_its_rows_from_the_same_first_rows():
+    """--pool-rows N: the prefill's shape, where a chunk's queries all select from one sequence's pool; by default
+    each sequence selects from its own ctx / 2 rows of one big pool (not L2-resident)."""
+    _bench()  # benchmarks/ on sys.path
+    import kernels_gpu
+
+    g = torch.Generator().manual_seed(0)
+    (own,) = kernels_gpu.attention_inputs(3, 2048, 1, g, dev="cpu")[:1]
+    sel = own[8]
+    assert own[6].shape[0] == 3 * 1024 and sel.shape == (3, 512)
+    for i in range(3):  # sequence i's rows are its own 1024
+        assert (sel[i] >= i * 1024).all() and (sel[i] < (i + 1) * 1024).all() and sel[i].unique().numel() == 512
+    (shared,) = kernels_gpu.attention_inputs(3, 2048, 1, g, dev="cpu", pool_rows=600)[:1]
+    assert shared[6].shape[0] == 600 and shared[7].shape[0] == 600
+    assert (shared[8] >= 0).all() and (shared[8] < 600).all() and shared[8].shape == (3, 512)
