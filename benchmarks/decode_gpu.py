@@ -669,7 +669,8 @@ def main(argv=None) -> int:
                     if row.get("pct_roofline", 0) > 100:  # a denominator below what the step achieved: say so
                         warn = (f"{variant} B={b} ctx={ctx}: {row['pct_roofline']:.1f}% of the roofline: the step "
                                 f"moved its bytes faster than the copy bandwidth measured here ({bw / 1e12:.2f} "
-                                f"TB/s), so % of roofline overstates on this card (--routing: the floor at the experts it touched)")
+                                f"TB/s), so % of roofline overstates on this card (--routing: the floor at the "
+                                f"experts it touched)")
                         print("WARNING:", warn, flush=True)
                         meta.setdefault("warnings", []).append(warn)
                     flush()
