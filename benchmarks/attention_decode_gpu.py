@@ -274,7 +274,8 @@ def main():
                     missing.append(dict(shape=f"{shape} {name}", error="candidate output differs from the default "
                                         f"kernel's bits (rel err vs torch {probe_us[f'{name}_rel_err']:.1e})"))
                     print(f"{shape:>14} {name}: {missing[-1]['error']}", flush=True)
-            row = dict(B=B, q_per_seq=qps, n_q=n_q, ctx=a.ctx, pool_rows=a.pool_rows, bytes=nbytes, flops=flops, floor_us=floor_s * 1e6,
+            row = dict(B=B, q_per_seq=qps, n_q=n_q, ctx=a.ctx, pool_rows=a.pool_rows,
+                       bytes=nbytes, flops=flops, floor_us=floor_s * 1e6,
                        splits=d, us=runs[d]["us"], eager_us=runs[d]["eager_us"], roofline=runs[d]["roofline"],
                        tflops=flops / (runs[d]["us"] * 1e-6) / 1e12, rel_err_vs_torch=runs[d]["rel_err_vs_torch"],
                        torch_us=t_ms * 1e3, speedup=t_ms * 1e3 / runs[d]["us"],

@@ -4,7 +4,8 @@ roofline.py counts E(1 - (1 - k/E)^B) distinct routed experts for a B-token step
 trained router balanced by its selection bias gives. The synthetic benchmark models drew that bias at random until
 the thirty-ninth session (N(0, 0.2) beside sqrt-softplus scores of spread ~0.3), which favoured some experts in every
 token's choice: a step read fewer expert weights than the floor counts, and % of the roofline overstated (the
-40-layer model's B=64 step passed 100% on an H100); random_weights.SELECTION_BIAS is zero since. This measures it: the model's own forward, eager, B sequences
+40-layer model's B=64 step passed 100% on an H100); random_weights.SELECTION_BIAS is zero since. This measures
+it: the model's own forward, eager, B sequences
 of a short random prompt, then one decode step of B rows; every moe_router call of that step records how many
 distinct experts its B tokens chose. `routed_floor` is the step's floor with those counts in place of the uniform
 ones (the same bytes otherwise), so a row can say both.
