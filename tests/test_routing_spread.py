@@ -84,3 +84,15 @@ def test_random_weights_route_as_evenly_as_the_roofline_counts(wide_router):
         for lw in wide_router.layers:
             lw.ffn.gate.bias.zero_()
     assert sum(skewed) / len(skewed) < 0.7 * uni  # 136
+
+
+def test_the_json_carries_the_even_routing_target_for_the_models_as_built():
+    """One target per batch, from the rows with the bias as the benchmark models have it (zero): distinct experts
+    over roofline.py's uniform count, at least 0.9; the drawn-bias rows are the comparison, not a target."""
+    rows = [dict(bias="zero", batch=64, mean=241.5, uniform=243.8), dict(bias="drawn", batch=64, mean=142.7,
+                                                                          uniform=243.8),
+            dict(bias="zero", batch=8, mean=30.0, uniform=45.5)]
+    got = routing_spread.targets(rows)
+    assert [(t["measured"], t["target"], t["unit"], t["met"]) for t in got] == [
+        (0.991, 0.9, "x uniform", True), (0.659, 0.9, "x uniform", False)]
+    assert "B=64" in got[0]["name"] and "B=8" in got[1]["name"]

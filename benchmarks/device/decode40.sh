@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (an H200 for the issues' targets; the 40-layer model also fits an 80 GB H100, ~50 GB): the 40-layer
 # decode table (each batch's distinct routed experts counted: --routing), A/B arms (B=1 and 8 by default), DSpark's
-# table, then the batch-invariance GPU file with the time left. From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
+# table, then the batch-invariance GPU file with the time left.
+# From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/decode40.sh
 # BATCHES / CONTEXTS: the table's cells (default 1 8 64 256 / 4096 32768); ARMS: A/B arms, "name MOD.NAME=INT ..."
 # separated by ';' (none by default), at ARM_BATCHES (default "1 8"; 4K); PROFILE: the table's cells profiled per
 # kernel (B:CTX,...; default B=1, 8 and 256 at 4K, B=1 at 32K; "" for none); DSPARK=0 skips DSpark's table; MOE:
