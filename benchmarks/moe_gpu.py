@@ -121,7 +121,8 @@ def main():
                          "routed-down split3": {"routed_down_splits": 3},
                          "table by torch sorts": {"prep_assignments": 0},
                          "shared dense": {"shared_dense_tokens": 1},
-                         "shared streamed": {"shared_dense_tokens": 1 << 30}})
+                         "shared streamed": {"shared_dense_tokens": 1 << 30},
+                         "bulk": {"bulk_tokens": 1 << 30}, "warp off": {"warp_stream": 0}})
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(",")]
         unknown = [v for v in wanted if v not in variants]
@@ -146,6 +147,10 @@ def main():
                     stack.enter_context(mock.patch.object(moe, name, lambda *_, v=var[key]: v))
             if "prep_assignments" in var:  # the routing table's crossover from moe_prep to torch's sorts
                 stack.enter_context(mock.patch.object(moe, "PREP_KERNEL_ASSIGNMENTS", var["prep_assignments"]))
+            if "bulk_tokens" in var:  # the routed passes through moe_bulk_kernel at every size (moe.BULK_TOKENS)
+                stack.enter_context(mock.patch.object(moe, "BULK_TOKENS", var["bulk_tokens"]))
+            if "warp_stream" in var:  # the grouped GEMM at one token too (moe.WARP_STREAM)
+                stack.enter_context(mock.patch.object(moe, "WARP_STREAM", var["warp_stream"]))
             if "shared_dense_tokens" in var:  # the shared expert's crossover from streaming to dequantise + cuBLAS
                 stack.enter_context(mock.patch.object(moe, "SHARED_DENSE_TOKENS", var["shared_dense_tokens"]))
             yield
@@ -272,6 +277,14 @@ def main():
                     hs[i % SETS], *tables[i % SETS], routed.w2, routed.s2, y, LIMIT))]
         specs_k = [r_up, r_down, s_up, s_down] + [sp + (p,) for p in (moe_kernel.PROBES[1:] if args.probes else ())
                                                   for sp in (r_up, r_down)]
+        if "bulk" in variants:  # the bulk-copy routed passes alone beside the default's (moe.BULK_TOKENS)
+            with with_variant(variants["bulk"]):
+                b_up, b_down = moe.routed_specs(routed, B, TOPK)
+            kern += [("routed up bulk", w_up, lambda i: jit(*b_up)(xs[i % SETS], *tables[i % SETS], routed.w13,
+                                                                   routed.s13, hs[i % SETS], LIMIT)),
+                     ("routed down bulk", w_dn, lambda i: jit(*b_down)(hs[i % SETS], *tables[i % SETS], routed.w2,
+                                                                       routed.s2, y, LIMIT))]
+            specs_k += [b_up, b_down]
         for (kname, kbytes, fn), spec in zip(kern, specs_k):
             ms = graph_ms(fn)
             if ms:

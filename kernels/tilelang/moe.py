@@ -25,7 +25,7 @@ from ._build import jit, precompile  # noqa: F401 (precompile: warm-up with expe
 from . import moe_prefill
 from ._fallback import reason
 from .moe_kernel import THREADS, build_grouped_gemm, shared_bytes
-from . import moe_warp_kernel
+from . import moe_bulk_kernel, moe_warp_kernel
 from .moe_prep_kernel import build_moe_prep
 from .moe_table import routing_table_torch
 from .shared_expert import shared_expert
@@ -52,6 +52,10 @@ FP8_STAGE_SPLIT = 1
 # (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
+# calls of up to this many tokens take moe_bulk_kernel for the routed FP4 passes, before WARP_STREAM (0: never): a
+# producer warp's bulk copies (the TMA engine) feed the math warps through mbarriers, a slot's tokens are the MMA's
+# columns (an expert's weights stream once per 8 tokens). Off until a GPU A/B (moe_gpu.py --variants "bulk")
+BULK_TOKENS = 0
 # tokens from which the router's logits run as one K split (0: never). The 20 splits spread the gate's 3.9 MB over
 # the GPU at decode; an 8K prefill chunk has 768 token x expert tiles to fill it without them, while 20 splits write
 # and re-read 252 MB of fp32 partials. router_logits_kernel in a 40-layer 32K prefill: 46.5 -> 18.1 ms, the prefill
@@ -163,9 +167,21 @@ def warp_fits(p: PackedExperts) -> bool:
             and moe_warp_kernel.shared_bytes(p.hidden) <= 227 * 1024)
 
 
+def bulk_fits(p: PackedExperts) -> bool:
+    """Whether moe_bulk_kernel tiles the FP4 experts p (64-row tiles, 256-K steps, 16-byte bulk copies)."""
+    bk = moe_bulk_kernel.BLOCK_K
+    return (p.fmt == "fp4" and (2 * p.inter) % moe_bulk_kernel.ROWS == 0 and p.hidden % moe_bulk_kernel.ROWS == 0
+            and p.hidden % bk == 0 and p.inter % bk == 0 and (moe_bulk_kernel.ROWS * p.inter // 32) % 16 == 0
+            and moe_bulk_kernel.shared_bytes(p.hidden) <= 227 * 1024)
+
+
 def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
-    """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy (with
-    WARP_STREAM, at one token, moe_warp_kernel's up and down passes)."""
+    """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy (up to
+    BULK_TOKENS tokens, moe_bulk_kernel's passes; with WARP_STREAM, at one token, moe_warp_kernel's)."""
+    if n_tok <= BULK_TOKENS and not registry.batch_invariant() and bulk_fits(p):
+        E, I, D = p.n_experts, p.inter, p.hidden
+        build = moe_bulk_kernel.build_fp4_bulk_gemm
+        return (build, "swiglu", E, 2 * I, D), (build, "add", E, D, I)
     if WARP_STREAM and n_tok == 1 and not registry.batch_invariant() and warp_fits(p):
         E, I, D = p.n_experts, p.inter, p.hidden
         build = moe_warp_kernel.build_fp4_warp_gemm
