@@ -1,13 +1,19 @@
 """CPU checks of the bulk-copy routed passes (kernels/tilelang/moe_bulk_kernel.py, `moe.BULK_TOKENS`): they lower
 for sm_90a with the producer's bulk copies behind mbarriers and mma.sync, ptxas keeps them in registers with no
-spill at two blocks an SM, and the launcher takes them only when asked, up to BULK_TOKENS tokens, outside the
+spill at two blocks an SM, a numpy model of a block's data path (the padded rows a bulk copy lands, the block's
+scales, the tokens' activation slices, the per-lane fragment reads and FP4 decode, a token a B column, mma.sync's
+fragment layouts and the result tile) computes exactly W @ X for every token of a chunk, and the launcher takes them only when asked, up to BULK_TOKENS tokens, outside the
 batch-invariant mode."""
 
 import importlib.util
 import shutil
 
+import numpy as np
 import pytest
 import torch
+
+from deepinfer.kernels.torch import quant
+from test_tilelang_lowering_moe import _bf16, _cute_frag, _e2m1x8, _prmt, _u32, _words_to_vals
 
 tilelang_missing = importlib.util.find_spec("tilelang") is None
 PASSES = {"up": ("swiglu", 384, 4608, 5120), "down": ("add", 384, 5120, 2304)}
@@ -47,3 +53,94 @@ def test_the_launcher_takes_the_bulk_passes_only_when_asked(monkeypatch):
     assert moe.routed_specs(p, 65, 6)[0][0] is not build
     monkeypatch.setitem(registry._MODE, "batch_invariant", True)
     assert moe.routed_specs(p, 8, 6)[0][0] is not build
+
+
+def _model_bulk_block(w, ws, X, nt, BK=256):
+    """A block of moe_bulk_kernel over one chunk of nt tokens: w [64, K/2] packed e2m1 rows, ws [64, K/32] ue8m0,
+    X [nt, K] bf16 bits (uint16). Returns the [64, nt] results as the epilogue reads them from `res`."""
+    K = 2 * w.shape[1]
+    BKP, PITCH, SCB, SC = BK // 2, BK // 2 + 16, BK // 32, K // 32
+    WBYTES = 64 * PITCH
+    scales = ws.reshape(-1)  # one bulk copy of the block's 64 x K/32 scale bytes: row r at r * SC
+    res = np.full((64, 8), np.nan)
+    for warp in range(4):
+        acc = np.zeros((16, 8))
+        for kk in range(K // BK):
+            st = np.full(WBYTES + 8 * BK * 2, 0xFF, dtype=np.uint8)  # never-written bytes poisoned
+            for r in range(64):  # the producer's row copies, at the padded pitch
+                st[r * PITCH:r * PITCH + BKP] = w[r, kk * BKP:(kk + 1) * BKP]
+            for j in range(nt):  # and the tokens' activation slices
+                st[WBYTES + j * BK * 2:WBYTES + (j + 1) * BK * 2] = X[j, kk * BK:(kk + 1) * BK].astype("<u2").view(
+                    np.uint8)
+            wrow = warp * 16 * PITCH
+            sc = warp * 16 * SC + kk * SCB
+            for G in range(BK // 64):  # mb_group
+                A = np.full((16, 64), np.nan)
+                B = np.full((64, 8), np.nan)
+                for lane in range(32):
+                    g, q = lane >> 2, lane & 3
+                    c = 2 * G + (q >> 1)
+                    d = []
+                    for r, srow in ((g, g), (g + 8, g + 8)):
+                        off = wrow + r * PITCH + c * 16 + 8 * (q & 1)
+                        s = int(scales[sc + srow * SC + c])
+                        w0, scw = _e2m1x8(_u32(st, off), s)
+                        w1, _ = _e2m1x8(_u32(st, off + 4), s)
+                        d.append((w0 + w1, scw))
+                    (d0, sc0), (d1, sc1) = d
+                    a = []
+                    for t in range(4):  # di3_place_a
+                        a += [(d0[2 * t], sc0), (d1[2 * t], sc1), (d0[2 * t + 1], sc0), (d1[2 * t + 1], sc1)]
+                    b = [0] * 8
+                    if g < nt:
+                        base = WBYTES + 2 * (g * BK + 64 * G + 16 * q)
+                        inn = [_u32(st, base + 4 * i) for i in range(8)]
+                        for j in range(8):
+                            e = (j & 3) + 8 * (j >> 2)
+                            b[j] = _prmt(inn[e >> 1], inn[(e + 4) >> 1], 0x7632 if e & 1 else 0x5410)
+                    for t in range(4):
+                        for ri in range(4):
+                            lo, hi = _words_to_vals([a[4 * t + ri][0]], a[4 * t + ri][1])
+                            for e_, val in ((0, lo), (1, hi)):
+                                m, k = _cute_frag(lane, 2 * ri + e_)
+                                A[m, 16 * t + k] = val
+                        for h in range(2):  # B col layout: b0 = (B[2q][g], B[2q+1][g]), b1 = rows + 8
+                            word = b[2 * t + h]
+                            B[16 * t + 2 * q + 8 * h, g] = _bf16(word & 0xFFFF)
+                            B[16 * t + 2 * q + 8 * h + 1, g] = _bf16(word >> 16)
+                assert not np.isnan(A).any() and not np.isnan(B).any()
+                acc += A @ B
+        for lane in range(32):  # the C fragment into res: rows g, g + 8, columns 2q, 2q + 1
+            g, q = lane >> 2, lane & 3
+            r = warp * 16 + g
+            res[r, 2 * q], res[r, 2 * q + 1] = acc[g, 2 * q], acc[g, 2 * q + 1]
+            res[r + 8, 2 * q], res[r + 8, 2 * q + 1] = acc[g + 8, 2 * q], acc[g + 8, 2 * q + 1]
+    assert not res[:, nt:].any()  # the columns past the chunk's tokens hold nothing
+    return res[:, :nt]
+
+
+@pytest.mark.parametrize("nt", [1, 3, 8])
+def test_a_blocks_data_path_computes_exactly_w_times_x_for_each_token(nt):
+    rng = np.random.default_rng(nt)
+    K = 512
+    w = rng.integers(0, 256, (64, K // 2), dtype=np.uint8)
+    ws = rng.integers(115, 129, (64, K // 32), dtype=np.uint8)
+    W = quant.dequant_fp4_rows(torch.tensor(w), torch.tensor(ws)).double().numpy()
+    xf = torch.randn(nt, K, generator=torch.Generator().manual_seed(nt)).bfloat16()
+    X = xf.view(torch.int16).numpy().view(np.uint16)
+    got = _model_bulk_block(w, ws, X, nt)
+    np.testing.assert_allclose(got, W @ xf.double().numpy().T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def test_the_model_above_matches_the_kernel_source():
+    """The index expressions the model reimplements are the ones in the CUDA source."""
+    from deepinfer.kernels.tilelang.moe_bulk_kernel import _BULK
+
+    for frag in ("PITCH = BK / 2 + 16", "c = 2 * G + (q >> 1)", "w + g * PITCH + c * 16 + 8 * (q & 1)",
+                 "w + (g + 8) * PITCH + c * 16 + 8 * (q & 1)", "sc[g * SC + c]", "sc[(g + 8) * SC + c]",
+                 "scales + warp * 16 * SC + kk * SCB", "stage + warp * 16 * PITCH", "xs + g * BK + 64 * G + 16 * q",
+                 "(j & 3) + 8 * (j >> 2)", "(e & 1) ? 0x7632 : 0x5410", "if (g < nt)", "dst + lane * PITCH",
+                 "dst + WBYTES + lane * BK * 2", "x + (size_t)xrow * K + kk * BK", "res[r * MT + 2 * q] = acc[0]",
+                 "res[(r + 8) * MT + 2 * q + 1] = acc[3]", "\"r\"(b[2 * t]),", "di3_place_a(a, d0, d1)"):
+        assert frag in _BULK, frag
