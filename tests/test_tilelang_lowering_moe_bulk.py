@@ -20,18 +20,21 @@ PASSES = {"up": ("swiglu", 384, 4608, 5120), "down": ("add", 384, 5120, 2304)}
 
 
 @pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")
+@pytest.mark.parametrize("n_tok,blocks", [(1, 4), (8, 2)])
 @pytest.mark.parametrize("name", list(PASSES))
-def test_the_bulk_passes_lower_and_fit_two_blocks_an_sm(name, tmp_path):
+def test_the_bulk_passes_lower_and_fit_their_blocks_an_sm(name, n_tok, blocks, tmp_path):
+    """Two blocks an SM for chunks of 8 tokens; four at one token a call (a one-token pass's blocks in one wave)."""
     from lowering_helpers import lower_source, ptxas_report
     from deepinfer.kernels.tilelang import moe_bulk_kernel as mb
 
     args = PASSES[name]
-    src = lower_source(mb.build_fp4_bulk_gemm(*args), "sm_90a")
+    st, mt = mb.config(n_tok)
+    src = lower_source(mb.build_fp4_bulk_gemm(*args, mb.BLOCK_K, st, mt), "sm_90a")
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in src
     assert "mma.sync.aligned.m16n8k16" in src and "wgmma.mma_async" not in src
     log, regs = ptxas_report(src, tmp_path)
-    assert "0 bytes spill stores" in log and regs * mb.THREADS * 2 <= 65536, (regs, log[-2000:])
-    assert 2 * (mb.shared_bytes(args[3]) + 1024) <= 228 * 1024
+    assert "0 bytes spill stores" in log and regs * mb.THREADS * blocks <= 65536, (regs, log[-2000:])
+    assert blocks * (mb.shared_bytes(args[3], mb.BLOCK_K, st, mt) + 1024) <= 228 * 1024
 
 
 def test_the_launcher_takes_the_bulk_passes_only_when_asked(monkeypatch):
@@ -48,7 +51,8 @@ def test_the_launcher_takes_the_bulk_passes_only_when_asked(monkeypatch):
     monkeypatch.setattr(moe, "BULK_TOKENS", 64)
     for n_tok in (1, 8, 64):
         up, down = moe.routed_specs(p, n_tok, 6)
-        assert up == (build, "swiglu", E, 2 * I, D) and down == (build, "add", E, D, I)
+        st, mt = (4, 1) if n_tok == 1 else (6, 8)  # one token: 4 blocks an SM (one wave); else 8 tokens a chunk
+        assert up == (build, "swiglu", E, 2 * I, D, 256, st, mt) and down == (build, "add", E, D, I, 256, st, mt)
         assert up in moe.experts_specs(p, None, n_tok, 6)
     assert moe.routed_specs(p, 65, 6)[0][0] is not build
     monkeypatch.setitem(registry._MODE, "batch_invariant", True)

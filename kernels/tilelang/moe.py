@@ -180,8 +180,9 @@ def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
     BULK_TOKENS tokens, moe_bulk_kernel's passes; with WARP_STREAM, at one token, moe_warp_kernel's)."""
     if n_tok <= BULK_TOKENS and not registry.batch_invariant() and bulk_fits(p):
         E, I, D = p.n_experts, p.inter, p.hidden
-        build = moe_bulk_kernel.build_fp4_bulk_gemm
-        return (build, "swiglu", E, 2 * I, D), (build, "add", E, D, I)
+        build, bk = moe_bulk_kernel.build_fp4_bulk_gemm, moe_bulk_kernel.BLOCK_K
+        st, mt = moe_bulk_kernel.config(n_tok)
+        return (build, "swiglu", E, 2 * I, D, bk, st, mt), (build, "add", E, D, I, bk, st, mt)
     if WARP_STREAM and n_tok == 1 and not registry.batch_invariant() and warp_fits(p):
         E, I, D = p.n_experts, p.inter, p.hidden
         build = moe_warp_kernel.build_fp4_warp_gemm

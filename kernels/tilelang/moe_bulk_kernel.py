@@ -31,7 +31,7 @@ ROWS = 64          # weight rows per block (4 math warps x 16)
 THREADS = 160      # 4 math warps + 1 producer warp
 BLOCK_K = 256      # K per stage
 STAGES = 6
-MAX_TOKENS = 8     # tokens per chunk: the MMA's 8 columns
+MAX_TOKENS = 8     # tokens per chunk: the MMA's 8 columns (config(): 1 at one token a call)
 BAR_BYTES = 1024   # the mbarriers' corner; the ring starts past it
 
 
@@ -214,17 +214,24 @@ __device__ void mb_block(void* sm_, const void* x_, const int* rows, const float
 """
 
 
+def config(n_tok: int) -> tuple[int, int]:
+    """(stages, max_tokens) at n_tok tokens a call. One token: one token's activation slice a stage and 4 stages,
+    so 4 blocks fit an SM and a one-token pass's 432 / 480 blocks one wave (8 tokens' slices and 6 stages: 2 an
+    SM, two waves)."""
+    return (4, 1) if n_tok == 1 else (STAGES, MAX_TOKENS)
+
+
 def build_fp4_bulk_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_k: int = BLOCK_K,
-                        stages: int = STAGES):
+                        stages: int = STAGES, max_tokens: int = MAX_TOKENS):
     """moe_kernel.build_grouped_gemm's arguments and epilogues (FP4 weights, k_splits 1): (x [n_x, K] bf16, rows,
     aw [n_pos], slot_expert, slot_start, slot_count [n_slots], w [E, N, K/2], ws [E, N, K/32], out, limit).
     "swiglu": x's row of position pos is rows[pos], out [n_pos, N/2] bf16; "add": x = h (row pos), out [n_y, N]
-    fp32 added into at rows[pos]."""
-    assert epilogue in ("swiglu", "add")
-    E, N, K, BK, S, MT = n_experts, n_rows, k_dim, block_k, stages, MAX_TOKENS
+    fp32 added into at rows[pos]. max_tokens: a chunk's tokens (1..8; the stages' activation slices)."""
+    assert epilogue in ("swiglu", "add") and 1 <= max_tokens <= 8
+    E, N, K, BK, S, MT = n_experts, n_rows, k_dim, block_k, stages, max_tokens
     assert N % ROWS == 0 and K % BK == 0 and BK % 64 == 0 and S >= 2 and (ROWS * (K // 32)) % 16 == 0
     KP, SC = K // 2, K // 32
-    SMEM = shared_bytes(K, BK, S)
+    SMEM = shared_bytes(K, BK, S, MT)
     assert SMEM <= 227 * 1024
     swiglu = epilogue == "swiglu"
     n_out = N // 2 if swiglu else N

@@ -25,10 +25,12 @@ def _table(tokens, k, E, seed):
     return x, moe.routing_table(idx, weights, E)
 
 
+@pytest.mark.parametrize("stages,max_tokens", [(6, 8), (4, 1)])
 @pytest.mark.parametrize("tokens,k", [(37, 2), (3, 1), (1, 2)])
-def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(tokens, k):
-    """37 tokens x top-2 over 4 experts: ~18 tokens a slot, so 3 chunks of 8 with a partial one; 3 tokens x top-1:
-    slots of one token and empty slots (fewer experts touched than slots)."""
+def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(tokens, k, stages, max_tokens):
+    """37 tokens x top-2 over 4 experts: ~18 tokens a slot, so 3 chunks of 8 with a partial one (or 18 chunks of
+    one, the ring running on across them); 3 tokens x top-1: slots of one token and empty slots (fewer experts
+    touched than slots)."""
     from deepinfer.kernels.tilelang import moe_bulk_kernel, moe_warp_kernel
     from deepinfer.kernels.tilelang._build import jit
 
@@ -38,7 +40,9 @@ def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(toke
     n_pos = tokens * k
     poison_allocator()
     h = torch.empty(n_pos, KI, dtype=torch.bfloat16, device="cuda")
-    jit(moe_bulk_kernel.build_fp4_bulk_gemm, "swiglu", KE, 2 * KI, KD)(x, *table, routed.w13, routed.s13, h, LIMIT)
+    cfg = (moe_bulk_kernel.BLOCK_K, stages, max_tokens)
+    jit(moe_bulk_kernel.build_fp4_bulk_gemm, "swiglu", KE, 2 * KI, KD, *cfg)(
+        x, *table, routed.w13, routed.s13, h, LIMIT)
     h_warp = torch.empty_like(h)
     jit(moe_warp_kernel.build_fp4_warp_gemm, "swiglu", KE, 2 * KI, KD)(
         x, *table, routed.w13, routed.s13, h_warp, LIMIT)
@@ -58,7 +62,7 @@ def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(toke
     assert torch.isfinite(h).all() and rel_err(h, h_ref) < 1e-2, rel_err(h, h_ref)
     assert torch.equal(h, h_warp), (h - h_warp).abs().max()
     y = torch.zeros(tokens, KD, dtype=torch.float32, device="cuda")
-    jit(moe_bulk_kernel.build_fp4_bulk_gemm, "add", KE, KD, KI)(h, *table, routed.w2, routed.s2, y, LIMIT)
+    jit(moe_bulk_kernel.build_fp4_bulk_gemm, "add", KE, KD, KI, *cfg)(h, *table, routed.w2, routed.s2, y, LIMIT)
     y_warp = torch.zeros_like(y)
     jit(moe_warp_kernel.build_fp4_warp_gemm, "add", KE, KD, KI, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES,
         False)(h, *table, routed.w2, routed.s2, y_warp, LIMIT)
