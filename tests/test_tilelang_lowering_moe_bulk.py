@@ -145,6 +145,6 @@ def test_the_model_above_matches_the_kernel_source():
                  "w + (g + 8) * PITCH + c * 16 + 8 * (q & 1)", "sc[g * SC + c]", "sc[(g + 8) * SC + c]",
                  "scales + warp * 16 * SC + kk * SCB", "stage + warp * 16 * PITCH", "xs + g * BK + 64 * G + 16 * q",
                  "(j & 3) + 8 * (j >> 2)", "(e & 1) ? 0x7632 : 0x5410", "if (g < nt)", "dst + lane * PITCH",
-                 "dst + WBYTES + lane * BK * 2", "x + (size_t)xrow * K + kk * BK", "res[r * MT + 2 * q] = acc[0]",
-                 "res[(r + 8) * MT + 2 * q + 1] = acc[3]", "\"r\"(b[2 * t]),", "di3_place_a(a, d0, d1)"):
+                 "dst + WBYTES + lane * BK * 2", "x + (size_t)xrow * K + kk * BK", "res[r * 8 + 2 * q] = acc[0]",
+                 "res[(r + 8) * 8 + 2 * q + 1] = acc[3]", "\"r\"(b[2 * t]),", "di3_place_a(a, d0, d1)"):
         assert frag in _BULK, frag

@@ -41,7 +41,8 @@ def stage_bytes(block_k: int = BLOCK_K, max_tokens: int = MAX_TOKENS) -> int:
 
 
 def shared_bytes(k_dim: int, block_k: int = BLOCK_K, stages: int = STAGES, max_tokens: int = MAX_TOKENS) -> int:
-    return BAR_BYTES + stages * stage_bytes(block_k, max_tokens) + ROWS * (k_dim // 32) + ROWS * max_tokens * 4
+    # the results: 8 columns whatever max_tokens (the MMA's C fragment has them all)
+    return BAR_BYTES + stages * stage_bytes(block_k, max_tokens) + ROWS * (k_dim // 32) + ROWS * 8 * 4
 
 
 _BULK = r"""
@@ -187,25 +188,25 @@ __device__ void mb_block(void* sm_, const void* x_, const int* rows, const float
       __syncwarp();
       if (lane == 0) mb_arrive(empty + st);  // this warp is done reading the stage
     }
-    // C fragment: rows g, g + 8 of the warp's 16, columns 2q, 2q + 1
+    // C fragment: rows g, g + 8 of the warp's 16, columns 2q, 2q + 1 (all 8, whatever MT: res is 64 x 8)
     const int r = warp * 16 + g;
-    res[r * MT + 2 * q] = acc[0];
-    res[r * MT + 2 * q + 1] = acc[1];
-    res[(r + 8) * MT + 2 * q] = acc[2];
-    res[(r + 8) * MT + 2 * q + 1] = acc[3];
+    res[r * 8 + 2 * q] = acc[0];
+    res[r * 8 + 2 * q + 1] = acc[1];
+    res[(r + 8) * 8 + 2 * q] = acc[2];
+    res[(r + 8) * 8 + 2 * q + 1] = acc[3];
     mb_math_sync();
     if (SWIGLU) {
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(out_);
       for (int i = t; i < (SP_ROWS / 2) * nt; i += 128) {
         const int rr = i % (SP_ROWS / 2), j = i / (SP_ROWS / 2), pos = start + c * MT + j;
-        out[(size_t)pos * (N / 2) + row0 / 2 + rr] = mb_swiglu(res[rr * MT + j], res[(rr + SP_ROWS / 2) * MT + j],
+        out[(size_t)pos * (N / 2) + row0 / 2 + rr] = mb_swiglu(res[rr * 8 + j], res[(rr + SP_ROWS / 2) * 8 + j],
                                                               limit, aw[pos]);
       }
     } else {
       float* out = static_cast<float*>(out_);
       for (int i = t; i < SP_ROWS * nt; i += 128) {
         const int rr = i % SP_ROWS, j = i / SP_ROWS, pos = start + c * MT + j;
-        atomicAdd(out + (size_t)rows[pos] * N + row0 + rr, __bfloat162float(__float2bfloat16_rn(res[rr * MT + j])));
+        atomicAdd(out + (size_t)rows[pos] * N + row0 + rr, __bfloat162float(__float2bfloat16_rn(res[rr * 8 + j])));
       }
     }
     mb_math_sync();  // the results are read before the next chunk writes them
