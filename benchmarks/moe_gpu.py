@@ -280,10 +280,11 @@ def main():
         if "bulk" in variants:  # the bulk-copy routed passes alone beside the default's (moe.BULK_TOKENS)
             with with_variant(variants["bulk"]):
                 b_up, b_down = moe.routed_specs(routed, B, TOPK)
+            m_up, m_dn = moe.pass_args(b_up, routed.w13), moe.pass_args(b_down, routed.w2)
             kern += [("routed up bulk", w_up, lambda i: jit(*b_up)(xs[i % SETS], *tables[i % SETS], routed.w13,
-                                                                   routed.s13, hs[i % SETS], LIMIT)),
+                                                                   routed.s13, hs[i % SETS], LIMIT, *m_up)),
                      ("routed down bulk", w_dn, lambda i: jit(*b_down)(hs[i % SETS], *tables[i % SETS], routed.w2,
-                                                                       routed.s2, y, LIMIT))]
+                                                                       routed.s2, y, LIMIT, *m_dn))]
             specs_k += [b_up, b_down]
         for (kname, kbytes, fn), spec in zip(kern, specs_k):
             ms = graph_ms(fn)

@@ -1,9 +1,9 @@
 """CPU checks of the bulk-copy routed passes (kernels/tilelang/moe_bulk_kernel.py, `moe.BULK_TOKENS`): they lower
-for sm_90a with the producer's bulk copies behind mbarriers and mma.sync, ptxas keeps them in registers with no
-spill at two blocks an SM, a numpy model of a block's data path (the padded rows a bulk copy lands, the block's
-scales, the tokens' activation slices, the per-lane fragment reads and FP4 decode, a token a B column, mma.sync's
-fragment layouts and the result tile) computes exactly W @ X for every token of a chunk, and the launcher takes them only when asked, up to BULK_TOKENS tokens, outside the
-batch-invariant mode."""
+for sm_90a with the producer's tensor copies behind mbarriers and mma.sync, ptxas keeps them in registers with no
+spill at their blocks an SM, a numpy model of a block's data path (the 128-byte-swizzled box a tensor copy lands,
+the block's scales, the tokens' activation slices, the per-lane fragment reads and FP4 decode, a token a B column,
+mma.sync's fragment layouts and the result tile) computes exactly W @ X for every token of a chunk, and the
+launcher takes them only when asked, up to BULK_TOKENS tokens, outside the batch-invariant mode."""
 
 import importlib.util
 import shutil
@@ -30,7 +30,8 @@ def test_the_bulk_passes_lower_and_fit_their_blocks_an_sm(name, n_tok, blocks, t
     args = PASSES[name]
     st, mt = mb.config(n_tok)
     src = lower_source(mb.build_fp4_bulk_gemm(*args, mb.BLOCK_K, st, mt), "sm_90a")
-    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in src
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in src
+    assert "__align__(1024)" in src  # the swizzled boxes land 1 KB-aligned: the ring starts 1 KB past the base
     assert "mma.sync.aligned.m16n8k16" in src and "wgmma.mma_async" not in src
     log, regs = ptxas_report(src, tmp_path)
     assert "0 bytes spill stores" in log and regs * mb.THREADS * blocks <= 65536, (regs, log[-2000:])
@@ -63,20 +64,22 @@ def _model_bulk_block(w, ws, X, nt, BK=256):
     """A block of moe_bulk_kernel over one chunk of nt tokens: w [64, K/2] packed e2m1 rows, ws [64, K/32] ue8m0,
     X [nt, K] bf16 bits (uint16). Returns the [64, nt] results as the epilogue reads them from `res`."""
     K = 2 * w.shape[1]
-    BKP, PITCH, SCB, SC = BK // 2, BK // 2 + 16, BK // 32, K // 32
-    WBYTES = 64 * PITCH
+    BKP, SCB, SC = BK // 2, BK // 32, K // 32
+    WBYTES = 64 * BKP
     scales = ws.reshape(-1)  # one bulk copy of the block's 64 x K/32 scale bytes: row r at r * SC
     res = np.full((64, 8), np.nan)
     for warp in range(4):
         acc = np.zeros((16, 8))
         for kk in range(K // BK):
             st = np.full(WBYTES + 8 * BK * 2, 0xFF, dtype=np.uint8)  # never-written bytes poisoned
-            for r in range(64):  # the producer's row copies, at the padded pitch
-                st[r * PITCH:r * PITCH + BKP] = w[r, kk * BKP:(kk + 1) * BKP]
+            for r in range(64):  # the producer's tensor copy of the box: 128-byte swizzle, chunk c at c ^ (r & 7)
+                for c in range(BKP // 16):
+                    cs = c ^ (r & 7)
+                    st[r * BKP + cs * 16:r * BKP + cs * 16 + 16] = w[r, kk * BKP + c * 16:kk * BKP + c * 16 + 16]
             for j in range(nt):  # and the tokens' activation slices
                 st[WBYTES + j * BK * 2:WBYTES + (j + 1) * BK * 2] = X[j, kk * BK:(kk + 1) * BK].astype("<u2").view(
                     np.uint8)
-            wrow = warp * 16 * PITCH
+            wrow = warp * 16 * BKP
             sc = warp * 16 * SC + kk * SCB
             for G in range(BK // 64):  # mb_group
                 A = np.full((16, 64), np.nan)
@@ -84,9 +87,10 @@ def _model_bulk_block(w, ws, X, nt, BK=256):
                 for lane in range(32):
                     g, q = lane >> 2, lane & 3
                     c = 2 * G + (q >> 1)
+                    cs = c ^ g
                     d = []
                     for r, srow in ((g, g), (g + 8, g + 8)):
-                        off = wrow + r * PITCH + c * 16 + 8 * (q & 1)
+                        off = wrow + r * BKP + cs * 16 + 8 * (q & 1)
                         s = int(scales[sc + srow * SC + c])
                         w0, scw = _e2m1x8(_u32(st, off), s)
                         w1, _ = _e2m1x8(_u32(st, off + 4), s)
@@ -141,10 +145,11 @@ def test_the_model_above_matches_the_kernel_source():
     """The index expressions the model reimplements are the ones in the CUDA source."""
     from deepinfer.kernels.tilelang.moe_bulk_kernel import _BULK
 
-    for frag in ("PITCH = BK / 2 + 16", "c = 2 * G + (q >> 1)", "w + g * PITCH + c * 16 + 8 * (q & 1)",
-                 "w + (g + 8) * PITCH + c * 16 + 8 * (q & 1)", "sc[g * SC + c]", "sc[(g + 8) * SC + c]",
-                 "scales + warp * 16 * SC + kk * SCB", "stage + warp * 16 * PITCH", "xs + g * BK + 64 * G + 16 * q",
-                 "(j & 3) + 8 * (j >> 2)", "(e & 1) ? 0x7632 : 0x5410", "if (g < nt)", "dst + lane * PITCH",
+    for frag in ("WBYTES = SP_ROWS * BKP", "c = 2 * G + (q >> 1)", "cs = c ^ g", "w + g * BKP + cs * 16 + 8 * (q & 1)",
+                 "w + (g + 8) * BKP + cs * 16 + 8 * (q & 1)", "sc[g * SC + c]", "sc[(g + 8) * SC + c]",
+                 "scales + warp * 16 * SC + kk * SCB", "stage + warp * 16 * BKP", "xs + g * BK + 64 * G + 16 * q",
+                 "(j & 3) + 8 * (j >> 2)", "(e & 1) ? 0x7632 : 0x5410", "if (g < nt)",
+                 "mb_tma2d(dst, tm, kk * BKP, e * N + row0, full + st)",
                  "dst + WBYTES + lane * BK * 2", "x + (size_t)xrow * K + kk * BK", "res[r * 8 + 2 * q] = acc[0]",
                  "res[(r + 8) * 8 + 2 * q + 1] = acc[3]", "\"r\"(b[2 * t]),", "di3_place_a(a, d0, d1)"):
         assert frag in _BULK, frag

@@ -270,9 +270,15 @@ def ffn(p: PackedExperts, x, table, out_y, specs, limit: float, out_rows=None):
     given)."""
     up, down = specs
     h = torch.empty(table[0].shape[0], p.inter, dtype=torch.bfloat16, device=x.device)
-    jit(*up)(x, *table, p.w13, p.s13, h, limit)
+    jit(*up)(x, *table, p.w13, p.s13, h, limit, *pass_args(up, p.w13))
     down_table = table if out_rows is None else (out_rows, *table[1:])
-    jit(*down)(h, *down_table, p.w2, p.s2, out_y, limit)
+    jit(*down)(h, *down_table, p.w2, p.s2, out_y, limit, *pass_args(down, p.w2))
+
+
+def pass_args(spec, w) -> tuple:
+    """What a pass's kernel takes after the grouped GEMM's arguments: moe_bulk_kernel's the tensor map of its
+    weights w (encoded on the first call, outside a graph capture; cached on w)."""
+    return (moe_bulk_kernel.weight_map(w),) if spec[0] is moe_bulk_kernel.build_fp4_bulk_gemm else ()
 
 
 def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, routed: PackedExperts,

@@ -4,18 +4,21 @@ brought in by the TMA engine's bulk copies: a candidate behind `moe.BULK_TOKENS`
 Why: the grouped GEMM (moe_kernel.py) is paced by its data path on the H200 (the weights at 76-84% of the copy
 bandwidth with its decode and MMAs left out, moe_gpu_probe_h200.log), and at one token by a wave too short to
 ramp; moe_warp_kernel.py streams a warp's rows through cp.async but walks a slot's tokens one at a time, streaming
-the expert again per token. Here one producer warp keeps an S-stage ring full with one bulk copy per weight row
-and stage (and one per token for the stage's activation slice), behind full / empty mbarriers, while 4 math warps
-decode and multiply; every token of a chunk is a column of the same MMAs, so an expert's weights stream once per
-8 tokens.
+the expert again per token. Here one producer warp keeps an S-stage ring full with one tensor copy (TMA, 2-D) of
+the block's [64 rows x 128 bytes] weight box a stage and one bulk copy per token for the stage's activation slice,
+behind full / empty mbarriers, while 4 math warps decode and multiply; every token of a chunk is a column of the
+same MMAs, so an expert's weights stream once per 8 tokens. The data-path probe chose the copy (H100,
+stream_probe_gpu_s40_h100): one 8 KB copy a stage moved 99-102% of the copy bandwidth from 8 tokens where a
+bulk copy a row (this kernel's first producer: 30% in the op) moved 62-89%, and 33-41% at 8 stages.
 
     grid (N / 64, n_slots), 160 threads: block (bx, by) = rows bx*64.. of slot by's expert. Warps 0-3 (math): warp
     w owns rows 16w..16w+15, lane (g, q) rows g and g + 8 of them and token column g (mma.sync m16n8k16). Warp 4:
     the producer. For "swiglu" a tile's rows are [32 gate | 32 up] (PackedExperts): warps 0-1 gate, 2-3 up.
 
-Shared memory: the mbarriers; S stages of [64 weight rows at a pitch of BK/2 + 16 bytes (the fragment reads then
-take the fewest wavefronts) | 8 tokens x BK bf16]; the block's scales (64 rows x K/32, one bulk copy at the
-start); 64 x 8 fp32 results. The ring runs on across a slot's chunks of 8 tokens.
+Shared memory: the mbarriers; S stages of [the weights' 64 x 128-byte box, 128-byte swizzled (chunk c of row r at
+c ^ (r & 7): the fragment reads take the fewest wavefronts) | MT tokens x BK bf16], each 1 KB-aligned; the block's
+scales (64 rows x K/32, one bulk copy at the start); 64 x 8 fp32 results. The ring runs on across a slot's chunks.
+The tensor map (weight_map) is encoded once per weight tensor and read from device memory.
 
 Per token, the sums are moe_warp_kernel's: the same FP4 decode into the same A fragments, the token's 16 columns
 of each 64-K group in the decode's order as its B column, fp32 accumulation per 64-K group in K order, and the same
@@ -36,8 +39,9 @@ BAR_BYTES = 1024   # the mbarriers' corner; the ring starts past it
 
 
 def stage_bytes(block_k: int = BLOCK_K, max_tokens: int = MAX_TOKENS) -> int:
-    """One stage: 64 weight rows at a pitch of block_k/2 + 16 bytes, then max_tokens x block_k bf16."""
-    return ROWS * (block_k // 2 + 16) + max_tokens * block_k * 2
+    """One stage: the weights' [64 x block_k/2] box (128-byte swizzle), then max_tokens x block_k bf16, rounded up to
+    1 KB (a swizzled box lands 1 KB-aligned)."""
+    return -(-(ROWS * (block_k // 2) + max_tokens * block_k * 2) // 1024) * 1024
 
 
 def shared_bytes(k_dim: int, block_k: int = BLOCK_K, stages: int = STAGES, max_tokens: int = MAX_TOKENS) -> int:
@@ -65,6 +69,12 @@ __device__ __forceinline__ void mb_bulk(void* dst, const void* src, uint32_t byt
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                :: "r"(di3_smem(dst)), "l"(src), "r"(bytes), "r"(di3_smem(bar)) : "memory");
 }
+// a [64 rows x BK/2 bytes] box of the weights (tensor map `tm`: the [E x N, K/2] bytes, 128-byte swizzle) at byte
+// column c0, row c1
+__device__ __forceinline__ void mb_tma2d(void* dst, const void* tm, int c0, int c1, uint64_t* bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+               "[%4];\n" :: "r"(di3_smem(dst)), "l"(tm), "r"(c0), "r"(c1), "r"(di3_smem(bar)) : "memory");
+}
 // the math warps' own barrier (the producer warp never joins one after the start)
 __device__ __forceinline__ void mb_math_sync() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
 
@@ -74,10 +84,11 @@ __device__ __forceinline__ void mb_math_sync() { asm volatile("bar.sync 1, 128;\
 template <int BK, int SC>
 __device__ __forceinline__ void mb_group(const uint8_t* w, const uint8_t* sc, const __nv_bfloat16* xs, int G, int g,
                                          int q, int nt, float* acc) {
-  constexpr int PITCH = BK / 2 + 16;
+  constexpr int BKP = BK / 2;
   const int c = 2 * G + (q >> 1);
-  const uint2 p0 = *reinterpret_cast<const uint2*>(w + g * PITCH + c * 16 + 8 * (q & 1));
-  const uint2 p1 = *reinterpret_cast<const uint2*>(w + (g + 8) * PITCH + c * 16 + 8 * (q & 1));
+  const int cs = c ^ g;  // the 128-byte swizzle: chunk c of box row r at c ^ (r & 7); rows g and g + 8 alike
+  const uint2 p0 = *reinterpret_cast<const uint2*>(w + g * BKP + cs * 16 + 8 * (q & 1));
+  const uint2 p1 = *reinterpret_cast<const uint2*>(w + (g + 8) * BKP + cs * 16 + 8 * (q & 1));
   const uint8_t s0 = sc[g * SC + c];
   const uint8_t s1 = sc[(g + 8) * SC + c];
   uint32_t d0[8], d1[8], a[16];
@@ -126,9 +137,10 @@ __device__ __forceinline__ __nv_bfloat16 mb_swiglu(float gate, float up, float l
 // position's bf16-rounded row added at rows[pos] (the down pass; x = h, row pos).
 template <int BK, int S, int N, int K, int MT, int SWIGLU>
 __device__ void mb_block(void* sm_, const void* x_, const int* rows, const float* aw, int e, int start, int count,
-                         const void* w_, const void* s_, int row0, void* out_, float limit) {
-  constexpr int BKP = BK / 2, PITCH = BKP + 16, SCB = BK / 32, KP = K / 2, SC = K / 32, NK = K / BK;
-  constexpr int WBYTES = SP_ROWS * PITCH, STAGE = WBYTES + MT * BK * 2;
+                         const void* tm, const void* s_, int row0, void* out_, float limit) {
+  constexpr int BKP = BK / 2, SCB = BK / 32, SC = K / 32, NK = K / BK;
+  // a stage: the weights' box, then MT activation slices, rounded to the swizzle's 1 KB alignment
+  constexpr int WBYTES = SP_ROWS * BKP, STAGE = (WBYTES + MT * BK * 2 + 1023) / 1024 * 1024;
   uint8_t* sm = static_cast<uint8_t*>(sm_);
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
   uint64_t* empty = full + S;
@@ -136,8 +148,7 @@ __device__ void mb_block(void* sm_, const void* x_, const int* rows, const float
   uint8_t* ring = sm + SP_BAR;
   uint8_t* scales = ring + S * STAGE;
   float* res = reinterpret_cast<float*>(scales + SP_ROWS * SC);
-  const uint8_t* w = static_cast<const uint8_t*>(w_) + ((size_t)e * N + row0) * KP;  // size_t: E x N x K/2 > 2^31
-  const uint8_t* s = static_cast<const uint8_t*>(s_) + ((size_t)e * N + row0) * SC;
+  const uint8_t* s = static_cast<const uint8_t*>(s_) + ((size_t)e * N + row0) * SC;  // size_t: E x N x K/32 rows
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(x_);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (count <= 0) return;  // an empty slot (fewer experts touched than slots): the whole block leaves
@@ -150,6 +161,8 @@ __device__ void mb_block(void* sm_, const void* x_, const int* rows, const float
   __syncthreads();
   if (warp == 4) {  // the producer
     if (lane == 0) {
+      // the map was written by a copy before this kernel: acquired for the tensor proxy before its first use
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" :: "l"(tm) : "memory");
       mb_expect_tx(sbar, SP_ROWS * SC);
       mb_bulk(scales, s, SP_ROWS * SC, sbar);
     }
@@ -162,10 +175,11 @@ __device__ void mb_block(void* sm_, const void* x_, const int* rows, const float
         const int st = it % S;
         if (it >= S) mb_wait(empty + st, ((it / S) + 1) & 1);
         uint8_t* dst = ring + st * STAGE;
-        if (lane == 0) mb_expect_tx(full + st, SP_ROWS * BKP + nt * BK * 2);
+        if (lane == 0) {
+          mb_expect_tx(full + st, SP_ROWS * BKP + nt * BK * 2);
+          mb_tma2d(dst, tm, kk * BKP, e * N + row0, full + st);
+        }
         __syncwarp();
-        mb_bulk(dst + lane * PITCH, w + (size_t)lane * KP + kk * BKP, BKP, full + st);
-        mb_bulk(dst + (lane + 32) * PITCH, w + (size_t)(lane + 32) * KP + kk * BKP, BKP, full + st);
         if (lane < nt) mb_bulk(dst + WBYTES + lane * BK * 2, x + (size_t)xrow * K + kk * BK, BK * 2, full + st);
       }
     }
@@ -184,7 +198,7 @@ __device__ void mb_block(void* sm_, const void* x_, const int* rows, const float
       const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(stage + WBYTES);
 #pragma unroll
       for (int G = 0; G < BK / 64; ++G)
-        mb_group<BK, SC>(stage + warp * 16 * PITCH, scales + warp * 16 * SC + kk * SCB, xs, G, g, q, nt, acc);
+        mb_group<BK, SC>(stage + warp * 16 * BKP, scales + warp * 16 * SC + kk * SCB, xs, G, g, q, nt, acc);
       __syncwarp();
       if (lane == 0) mb_arrive(empty + st);  // this warp is done reading the stage
     }
@@ -224,11 +238,12 @@ def config(n_tok: int) -> tuple[int, int]:
 
 def build_fp4_bulk_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, block_k: int = BLOCK_K,
                         stages: int = STAGES, max_tokens: int = MAX_TOKENS):
-    """moe_kernel.build_grouped_gemm's arguments and epilogues (FP4 weights, k_splits 1): (x [n_x, K] bf16, rows,
-    aw [n_pos], slot_expert, slot_start, slot_count [n_slots], w [E, N, K/2], ws [E, N, K/32], out, limit).
+    """moe_kernel.build_grouped_gemm's arguments and epilogues (FP4 weights, k_splits 1), then the weights' tensor map:
+    (x [n_x, K] bf16, rows, aw [n_pos], slot_expert, slot_start, slot_count [n_slots], w [E, N, K/2], ws [E, N,
+    K/32], out, limit, tmap [128] uint8: weight_map(w)).
     "swiglu": x's row of position pos is rows[pos], out [n_pos, N/2] bf16; "add": x = h (row pos), out [n_y, N]
     fp32 added into at rows[pos]. max_tokens: a chunk's tokens (1..8; the stages' activation slices)."""
-    assert epilogue in ("swiglu", "add") and 1 <= max_tokens <= 8
+    assert epilogue in ("swiglu", "add") and 1 <= max_tokens <= 8 and block_k == 256  # 128-byte swizzled rows
     E, N, K, BK, S, MT = n_experts, n_rows, k_dim, block_k, stages, max_tokens
     assert N % ROWS == 0 and K % BK == 0 and BK % 64 == 0 and S >= 2 and (ROWS * (K // 32)) % 16 == 0
     KP, SC = K // 2, K // 32
@@ -256,6 +271,7 @@ def build_fp4_bulk_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
         ws: T.Tensor((E, N, SC), "uint8"),
         out: T.Tensor((out_rows, n_out), out_dtype),
         limit: T.float32,
+        tmap: T.Tensor((128,), "uint8"),
     ):
         with T.Kernel(N // ROWS, n_slots, threads=THREADS) as (bx, by):
             T.annotate_min_blocks_per_sm(blocks)
@@ -263,7 +279,15 @@ def build_fp4_bulk_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
             T.import_source(src)
             T.call_extern("handle", call, T.address_of(sm[0]), T.address_of(x[0, 0]), T.address_of(rows[0]),
                           T.address_of(aw[0]), slot_expert[by], slot_start[by], slot_count[by],
-                          T.address_of(w[0, 0, 0]), T.address_of(ws[0, 0, 0]), bx * ROWS, T.address_of(out[0, 0]),
+                          T.address_of(tmap[0]), T.address_of(ws[0, 0, 0]), bx * ROWS, T.address_of(out[0, 0]),
                           limit)
 
     return fp4_bulk_gemm
+
+
+def weight_map(w):
+    """The tensor map kernels of this module read the weights [E, N, K/2] through: [E x N, K/2] bytes, boxes of
+    64 rows x 128 bytes (one 256-K stage of a block's rows), 128-byte swizzle (cached on w)."""
+    from .tensor_map import device_map_2d_u8
+
+    return device_map_2d_u8(w, BLOCK_K // 2, ROWS)

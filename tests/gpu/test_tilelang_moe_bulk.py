@@ -42,7 +42,7 @@ def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(toke
     h = torch.empty(n_pos, KI, dtype=torch.bfloat16, device="cuda")
     cfg = (moe_bulk_kernel.BLOCK_K, stages, max_tokens)
     jit(moe_bulk_kernel.build_fp4_bulk_gemm, "swiglu", KE, 2 * KI, KD, *cfg)(
-        x, *table, routed.w13, routed.s13, h, LIMIT)
+        x, *table, routed.w13, routed.s13, h, LIMIT, moe_bulk_kernel.weight_map(routed.w13))
     h_warp = torch.empty_like(h)
     jit(moe_warp_kernel.build_fp4_warp_gemm, "swiglu", KE, 2 * KI, KD)(
         x, *table, routed.w13, routed.s13, h_warp, LIMIT)
@@ -62,7 +62,8 @@ def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(toke
     assert torch.isfinite(h).all() and rel_err(h, h_ref) < 1e-2, rel_err(h, h_ref)
     assert torch.equal(h, h_warp), (h - h_warp).abs().max()
     y = torch.zeros(tokens, KD, dtype=torch.float32, device="cuda")
-    jit(moe_bulk_kernel.build_fp4_bulk_gemm, "add", KE, KD, KI, *cfg)(h, *table, routed.w2, routed.s2, y, LIMIT)
+    jit(moe_bulk_kernel.build_fp4_bulk_gemm, "add", KE, KD, KI, *cfg)(
+        h, *table, routed.w2, routed.s2, y, LIMIT, moe_bulk_kernel.weight_map(routed.w2))
     y_warp = torch.zeros_like(y)
     jit(moe_warp_kernel.build_fp4_warp_gemm, "add", KE, KD, KI, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES,
         False)(h, *table, routed.w2, routed.s2, y_warp, LIMIT)
