@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""How fast can the routed experts' FP4 bytes reach shared memory at decode? Four data paths, loads only
+"""How fast can the routed experts' FP4 bytes reach shared memory at decode? Five data paths, loads only
 (kernels/tilelang/stream_probe_kernel.py: the grouped GEMM's cp.async + block barrier, moe_warp_kernel's per-warp
-cp.async rings, and two bulk-copy (TMA engine) producers behind mbarriers: one copy a row a stage, one copy a stage
-of a stage-tiled layout), at the Flash expert shapes (384 experts, up pass 4608 x 5120, down 5120 x 2304), over the
+cp.async rings, and three bulk-copy (TMA engine) producers behind mbarriers: one copy a row a stage, one copy a stage
+of a stage-tiled layout, one 2-D tensor copy a stage of the layout as it is), at the Flash expert shapes (384 experts, up pass 4608 x 5120, down 5120 x 2304), over the
 experts B tokens' uniform top-6 routing touches.
 
     source benchmarks/gpu_env.sh && python3 benchmarks/stream_probe_gpu.py --out $OUT/stream_probe.json \
-        [--batches 1,8,64,256] [--modes block,warp,rows,tile] [--stages 4,8]
+        [--batches 1,8,64,256] [--modes block,warp,rows,tile,tma2d] [--stages 4,8]
 
 Why: on the H200 the grouped GEMM's own data path (its FP4 decode and MMAs left out) moved 76-84% of the copy
 bandwidth at 8-64 tokens (moe_gpu_probe_h200.log), where issue 21 asks the whole MoE for 85%: the MoE's next
@@ -77,7 +77,7 @@ def expert_sets(batch: int, g) -> list[torch.Tensor]:
 
 
 def main():
-    from deepinfer.kernels.tilelang import stream_probe_kernel as sp
+    from deepinfer.kernels.tilelang import moe_bulk_kernel, stream_probe_kernel as sp
     from deepinfer.kernels.tilelang._build import jit
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -114,6 +114,7 @@ def main():
         for p, (n, k) in PASSES.items():
             w, ws = weights[p]
             want = [expected_fold(w, ws, s) for s in sets]
+            tmap = moe_bulk_kernel.weight_map(w)  # read by "tma2d" only
             nbytes = n_slots * n * (k // 2 + k // 32)
             for mode in modes:
                 for st in stages:
@@ -123,11 +124,11 @@ def main():
                         outs = [torch.zeros(len(s), n // 64, sp.threads(mode), dtype=torch.int32, device="cuda")
                                 for s in sets]
                         for s, o in zip(sets, outs):
-                            kern(w, ws, s, o)
+                            kern(w, ws, s, o, tmap)
                         torch.cuda.synchronize()
                         ok = all(torch.equal(xor_fold(o.view(-1, o.shape[-1])).view(o.shape[:2]), x)
                                  for o, x in zip(outs, want))
-                        gt = graph_time(lambda i: kern(w, ws, sets[i % SETS], outs[i % SETS]), calls=SETS)
+                        gt = graph_time(lambda i: kern(w, ws, sets[i % SETS], outs[i % SETS], tmap), calls=SETS)
                         if gt is None:
                             raise RuntimeError("graph capture failed")
                         ms = gt[0]

@@ -11,7 +11,8 @@ tilelang_missing = importlib.util.find_spec("tilelang") is None
 PASSES = {"up": (4608, 5120), "down": (5120, 2304)}
 COPIES = {"block": ("cp.async.cg.shared.global", "__syncthreads"), "warp": ("cp.async.cg.shared.global", "__syncwarp"),
           "rows": ("cp.async.bulk.shared::cluster.global", "mbarrier.try_wait"),
-          "tile": ("cp.async.bulk.shared::cluster.global", "mbarrier.try_wait")}
+          "tile": ("cp.async.bulk.shared::cluster.global", "mbarrier.try_wait"),
+          "tma2d": ("cp.async.bulk.tensor.2d.shared::cluster.global", "mbarrier.try_wait")}
 
 
 @pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")

@@ -17,6 +17,8 @@ dropped as dead):
            BK/2 + 16 bytes, as a math kernel would want them (the fragment reads then conflict-free)
   "tile"   as "rows" with one bulk copy a stage: the stage's 64 x BK/2 bytes read as one contiguous run (the bytes of
            a weight layout tiled by stage at load time; here the block's rows' own bytes in another order)
+  "tma2d"  as "rows" with one 2-D tensor copy a stage: the [64 rows x BK/2 bytes] box of the weights as they are laid
+           out, 128-byte swizzle (moe_bulk_kernel's producer; the tensor map from tensor_map.py)
 
 The bulk modes load the block's scales once (64 x K/32 bytes, contiguous) beside the first stage; the cp.async modes
 load each stage's scale slice with it, as the kernels do.
@@ -26,7 +28,7 @@ import tilelang.language as T
 
 from .moe_kernel import _HEAD, DEQUANT_SOURCE
 
-MODES = ("block", "warp", "rows", "tile")
+MODES = ("block", "warp", "rows", "tile", "tma2d")
 ROWS = 64
 BAR_BYTES = 1024  # the mbarriers' corner of shared memory; the ring starts past it (1 KB-aligned for the bulk copies)
 
@@ -55,6 +57,10 @@ __device__ __forceinline__ void sp_wait(uint64_t* b, uint32_t parity) {
 __device__ __forceinline__ void sp_bulk(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                :: "r"(di3_smem(dst)), "l"(src), "r"(bytes), "r"(di3_smem(bar)) : "memory");
+}
+__device__ __forceinline__ void sp_tma2d(void* dst, const void* tm, int c0, int c1, uint64_t* bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+               "[%4];\n" :: "r"(di3_smem(dst)), "l"(tm), "r"(c0), "r"(c1), "r"(di3_smem(bar)) : "memory");
 }
 __device__ __forceinline__ uint32_t sp_fold(const uint8_t* p, int bytes, int t, int nt) {
   uint32_t a = 0;
@@ -125,10 +131,11 @@ __device__ void sp_warp_mode(void* sm_, const void* w_, const void* s_, int e, i
   out[threadIdx.x] = acc;
 }
 
-// "rows" / "tile": a producer warp (warp 4) feeds 4 consumer warps through bulk copies and mbarriers
+// "rows" / "tile" / "tma2d" (TILE 0 / 1 / 2): a producer warp (warp 4) feeds 4 consumer warps through bulk copies
+// and mbarriers
 template <int BK, int S, int NK, int NR, int TILE>
 __device__ void sp_bulk_mode(void* sm_, const void* w_, const void* s_, int e, int row0, int k_bytes, int k_sc,
-                             void* out_) {
+                             void* out_, const void* tm) {
   SP_LOCATE
   constexpr int BKP = BK / 2, PITCH = TILE ? BKP : BKP + 16, STAGE = SP_ROWS * PITCH;
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
@@ -148,6 +155,7 @@ __device__ void sp_bulk_mode(void* sm_, const void* w_, const void* s_, int e, i
   __syncthreads();
   if (warp == 4) {
     if (lane == 0) {
+      if (TILE == 2) asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" :: "l"(tm) : "memory");
       sp_expect_tx(sbar, SP_ROWS * k_sc);
       sp_bulk(scales, s, SP_ROWS * k_sc, sbar);
     }
@@ -155,7 +163,12 @@ __device__ void sp_bulk_mode(void* sm_, const void* w_, const void* s_, int e, i
       const int st = kk % S;
       if (kk >= S) sp_wait(empty + st, ((kk / S) + 1) & 1);
       uint8_t* dst = ring + st * STAGE;
-      if (TILE) {
+      if (TILE == 2) {
+        if (lane == 0) {
+          sp_expect_tx(full + st, STAGE);
+          sp_tma2d(dst, tm, kk * BKP, e * NR + row0, full + st);
+        }
+      } else if (TILE) {
         if (lane == 0) {
           sp_expect_tx(full + st, STAGE);
           sp_bulk(dst, w + (size_t)kk * STAGE, STAGE, full + st);
@@ -186,7 +199,7 @@ __device__ void sp_bulk_mode(void* sm_, const void* w_, const void* s_, int e, i
 
 
 def threads(mode: str) -> int:
-    return 160 if mode in ("rows", "tile") else 128
+    return 160 if mode in ("rows", "tile", "tma2d") else 128
 
 
 def shared_bytes(mode: str, k_dim: int, block_k: int, stages: int) -> int:
@@ -195,13 +208,14 @@ def shared_bytes(mode: str, k_dim: int, block_k: int, stages: int) -> int:
         return stages * (ROWS * bkp + ROWS * scb)
     if mode == "warp":
         return 4 * stages * (16 * bkp + 16 * scb)
-    pitch = bkp if mode == "tile" else bkp + 16
+    pitch = bkp if mode in ("tile", "tma2d") else bkp + 16
     return BAR_BYTES + stages * ROWS * pitch + ROWS * (k_dim // 32)
 
 
 def build_stream_probe(mode: str, n_experts: int, n_rows: int, k_dim: int, block_k: int = 256, stages: int = 4):
     """(w [E, N, K/2] uint8, ws [E, N, K/32] uint8, slot_expert [n_slots] int32, out [n_slots, N/64, threads]
-    int32 (the folds)): block (bx, by) streams rows bx*64.. of expert slot_expert[by] in `mode`."""
+    int32 (the folds), tmap [128] uint8 (moe_bulk_kernel.weight_map(w); read by "tma2d" only)): block (bx, by)
+    streams rows bx*64.. of expert slot_expert[by] in `mode`."""
     assert mode in MODES and n_rows % ROWS == 0 and k_dim % block_k == 0 and block_k % 256 == 0 and stages >= 3
     E, N, K, BK, S = n_experts, n_rows, k_dim, block_k, stages
     NK, KP, SC = K // BK, K // 2, K // 32
@@ -213,7 +227,9 @@ def build_stream_probe(mode: str, n_experts: int, n_rows: int, k_dim: int, block
     consts = f"static constexpr int SP_ROWS = {ROWS}, SP_BAR = {BAR_BYTES};\n"
     src = DEQUANT_SOURCE + _HEAD + "#endif\n" + consts + _PROBE
     call = {"block": f"sp_block_mode<{BK}, {S}, {NK}, {N}, {TH}>", "warp": f"sp_warp_mode<{BK}, {S}, {NK}, {N}>",
-            "rows": f"sp_bulk_mode<{BK}, {S}, {NK}, {N}, 0>", "tile": f"sp_bulk_mode<{BK}, {S}, {NK}, {N}, 1>"}[mode]
+            "rows": f"sp_bulk_mode<{BK}, {S}, {NK}, {N}, 0>", "tile": f"sp_bulk_mode<{BK}, {S}, {NK}, {N}, 1>",
+            "tma2d": f"sp_bulk_mode<{BK}, {S}, {NK}, {N}, 2>"}[mode]
+    bulk = mode in ("rows", "tile", "tma2d")
 
     @T.prim_func
     def stream_probe(
@@ -221,13 +237,15 @@ def build_stream_probe(mode: str, n_experts: int, n_rows: int, k_dim: int, block
         ws: T.Tensor((E, N, SC), "uint8"),
         slot_expert: T.Tensor((n_slots,), "int32"),
         out: T.Tensor((n_slots, N // ROWS, TH), "int32"),
+        tmap: T.Tensor((128,), "uint8"),
     ):
         with T.Kernel(N // ROWS, n_slots, threads=TH) as (bx, by):
             T.annotate_min_blocks_per_sm(blocks)
             sm = T.alloc_shared((SMEM // 4,), "uint32")
             T.import_source(src)
             e = slot_expert[by]
-            T.call_extern("handle", call, T.address_of(sm[0]), T.address_of(w[0, 0, 0]), T.address_of(ws[0, 0, 0]),
-                          e, bx * ROWS, KP, SC, T.address_of(out[by, bx, 0]))
+            args = (T.address_of(sm[0]), T.address_of(w[0, 0, 0]), T.address_of(ws[0, 0, 0]), e, bx * ROWS, KP, SC,
+                    T.address_of(out[by, bx, 0]))
+            T.call_extern("handle", call, *args, *((T.address_of(tmap[0]),) if bulk else ()))
 
     return stream_probe
