@@ -1,22 +1,44 @@
 #!/usr/bin/env bash
-# One device call: the routed experts' data paths (stream_probe_gpu.py), the bulk-copy MoE passes' GPU file, and
-# the MoE op with them (moe_gpu.py --variants bulk: the op and each pass beside the default's).
+# One device call: the routed experts' data paths (stream_probe_gpu.py), the bulk-copy MoE passes' GPU file, the
+# MoE op with them (moe_gpu.py --variants bulk: the op and each pass beside the default's), and, if the bulk op beat
+# the default at 8 and 64 tokens (and its GPU file passed), the 40-layer decode step with them (moe.BULK_TOKENS)
+# against the default in the same call, then DSpark's rows with them.
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/moe_bulk.sh
-# PROBE_BATCHES / MOE_BATCHES (default 1,8,64,256); T1..T3: step limits.
+# PROBE_BATCHES / MOE_BATCHES (default 1,8,64,256 / 1,8,64,256,384); STEP=0 skips the 40-layer arms; T1..T5: limits.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
 source benchmarks/device_steps.sh
+cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout ${T1:-200} python3 benchmarks/stream_probe_gpu.py --batches ${PROBE_BATCHES:-1,8,64,256} \
-  --out $OUT/stream_probe.json 2>&1 | grep -v "TileLang" | tee $OUT/stream_probe.log | tail -72
+timeout ${T1:-120} python3 benchmarks/stream_probe_gpu.py --batches ${PROBE_BATCHES:-1,8,64,256} \
+  --out $OUT/stream_probe.json 2>&1 | grep -v "TileLang" | tee $OUT/stream_probe.log | tail -84
 check "stream probe"
-(cd "$DEEPINFER_SITE" && timeout ${T2:-200} python3 -m pytest $GPU_TESTS/test_tilelang_moe_bulk.py -v -rf \
+(cd "$DEEPINFER_SITE" && timeout ${T2:-150} python3 -m pytest $GPU_TESTS/test_tilelang_moe_bulk.py -v -rf \
   -p no:cacheprovider -o addopts= 2>&1) | tee $OUT/gpu_tests_moe_bulk.log | grep -E "PASS|FAIL|ERROR|passed|failed|Error" \
   | tail -14
-check "bulk GPU tests"
-timeout ${T3:-160} python3 benchmarks/moe_gpu.py --batches ${MOE_BATCHES:-1,8,64,256} --variants bulk \
+check "bulk GPU tests" && tests_ok=1
+timeout ${T3:-150} python3 benchmarks/moe_gpu.py --batches ${MOE_BATCHES:-1,8,64,256,384} --variants bulk \
   --out $OUT/moe_bulk.json 2>&1 | grep -v "TileLang" | tee $OUT/moe_bulk.log | grep -E "B=|kernel|bulk|self-check|Error" \
-  | tail -40
+  | tail -48
 check "MoE op with the bulk passes"
+wins=$(python3 -c "import json; r={x['B']: x for x in json.load(open('$OUT/moe_bulk.json'))['rows']}; \
+print(int(all(r.get(b, {}).get('bulk_us') and r[b]['bulk_us'] < r[b]['kernel_us'] for b in (8, 64))))" 2>/dev/null)
+if [ "${STEP:-1}" = 1 ] && [ "${tests_ok:-0}" = 1 ] && [ "$wins" = 1 ]; then
+  W="python3 benchmarks/with_attrs.py"
+  for arm in default bulk; do
+    attrs="deepinfer.kernels.tilelang.moe.BULK_TOKENS=$([ $arm = bulk ] && echo 512 || echo 0)"
+    echo "== arm $arm: $attrs" | tee -a $OUT/arms.log
+    timeout ${T4:-170} $W $attrs -- benchmarks/decode_gpu.py --model flash40 --batches 1 8 64 --contexts 4096 \
+      --variants graphs --steps 5 --warmup 2 --prefill --out $OUT/decode_$arm.json 2>&1 | grep -v "TileLang" \
+      | tee -a $OUT/arms.log | grep -E "^decode|Error" | tail -4
+    check "40-layer decode, $arm"
+  done
+  timeout ${T5:-120} $W deepinfer.kernels.tilelang.moe.BULK_TOKENS=512 -- benchmarks/dspark_gpu.py --model flash40 \
+    --batches 1 64 --accepted 0 2 --varlen --out $OUT/dspark_bulk.json 2>&1 | grep -v "TileLang" \
+    | tee $OUT/dspark_bulk.log | grep -E "^\| 40|Error|target" | tail -10
+  check "DSpark with the bulk passes"
+else
+  echo "40-layer arms not run (STEP=${STEP:-1}, GPU file passed: ${tests_ok:-0}, bulk op faster at 8 and 64: ${wins:-?})"
+fi
 finish moe_bulk.sh
