@@ -124,7 +124,8 @@ def test_profiled_cells_are_profiled_after_every_cell_is_timed(tmp_path, monkeyp
 
     def profile_decode(engine, tap, batch, context, vocab, steps=4):
         order.append(("profile", batch, context))
-        return dict(decode_steps=steps, timed_steps=steps + 1, kernels=7, cuda_ms=1.0, top=[("k", 1.0, 7)])
+        return dict(decode_steps=steps, timed_steps=steps + 1, kernels=7, cuda_ms=1.0, router_calls=_tiny_layers(),
+                    top=[("k", 1.0, 7)])
 
     monkeypatch.setattr(bench, "run_decode", run_decode)
     monkeypatch.setattr(bench, "profile_decode", profile_decode)
@@ -140,6 +141,59 @@ def test_profiled_cells_are_profiled_after_every_cell_is_timed(tmp_path, monkeyp
     rows = {(r["batch"], r["context"]): r for r in json.loads(out.read_text())["rows"] if r["mode"] == "decode"}
     assert {k for k, r in rows.items() if "profile" in r} == {(1, 32), (2, 64)}
     assert rows[(1, 32)]["profile"]["kernels"] == 7 and rows[(1, 32)]["profile"]["layers"] > 0
+
+
+def _tiny_layers() -> int:
+    from deepinfer.embedded import materialize
+
+    config = json.loads((Path(materialize("tiny-random")) / "config.json").read_text())
+    return config.get("text_config", config)["num_hidden_layers"]
+
+
+def test_a_profile_that_did_not_cover_whole_steps_fails_the_run(tmp_path, monkeypatch):
+    """Every profile of the sessions before the fortieth saw the router 30 times a step of 40 layers: the first run
+    of a batch on the profile engine held its graph capture's warm-up forward, so the difference of two runs covered
+    3 of its 4 steps. The router runs once a layer, so a profile whose count says otherwise fails the run, and its
+    kernels-per-layer figure is not reported as a target."""
+    def profile_decode(engine, tap, batch, context, vocab, steps=4):
+        layers = _tiny_layers()
+        return dict(decode_steps=steps, timed_steps=steps + 1, kernels=7 * layers, cuda_ms=1.0,
+                    router_calls=layers * 3 / 4, top=[("router_logits_kernel", 1.0, layers * 3 / 4)])
+
+    monkeypatch.setattr(bench, "profile_decode", profile_decode)
+    out = tmp_path / "decode.json"
+    rc = bench.main(["--model", "tiny", "--device", "cpu", "--batches", "1", "--contexts", "32", "--steps", "2",
+                     "--warmup", "0", "--variants", "eager", "--profile", "1:32", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 1 and any("did not cover whole steps" in f for f in data["failures"])
+    assert not any("kernels per layer" in t["name"] for t in data["targets"])
+
+
+def test_the_profile_runs_the_batch_once_unprofiled_first(monkeypatch):
+    """The graph capture of a batch's first step (an extra eager forward) falls outside both profiled runs."""
+    calls = []
+
+    def run_decode(engine, tap, batch, context, warmup, steps, vocab, seed=0):
+        calls.append((steps, seed))
+        return [object()] * steps, [], {}, {}, []
+
+    class NoProfiler:  # the CPU has no CUDA activity to record: an empty profile
+        def __init__(self, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return []
+
+    monkeypatch.setattr(bench, "run_decode", run_decode)
+    monkeypatch.setattr(torch.profiler, "profile", NoProfiler)
+    prof = bench.profile_decode(None, None, 1, 32, 100)
+    assert [s for s, _ in calls] == [1, 1, 1 + bench.PROFILE_STEPS] and prof["router_calls"] == 0
 
 
 def test_check_decode_names_a_graph_run_without_graphs():
