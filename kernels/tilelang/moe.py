@@ -53,8 +53,9 @@ FP8_STAGE_SPLIT = 1
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
 # calls of up to this many tokens take moe_bulk_kernel for the routed FP4 passes, before WARP_STREAM (0: never): a
-# producer warp's bulk copies (the TMA engine) feed the math warps through mbarriers, a slot's tokens are the MMA's
-# columns (an expert's weights stream once per 8 tokens). Off until a GPU A/B (moe_gpu.py --variants "bulk")
+# producer warp's tensor copies (the TMA engine, one 8 KB box a stage) feed the math warps through mbarriers, a slot's
+# tokens are the MMA's columns (an expert's weights stream once per 8 tokens). Off until a GPU A/B (moe_gpu.py
+# --variants "bulk"); its first producer, a bulk copy a weight row, ran the op at 30% of the bandwidth (H100, s40)
 BULK_TOKENS = 0
 # tokens from which the router's logits run as one K split (0: never). The 20 splits spread the gate's 3.9 MB over
 # the GPU at decode; an 8K prefill chunk has 768 token x expert tiles to fill it without them, while 20 splits write
@@ -168,7 +169,8 @@ def warp_fits(p: PackedExperts) -> bool:
 
 
 def bulk_fits(p: PackedExperts) -> bool:
-    """Whether moe_bulk_kernel tiles the FP4 experts p (64-row tiles, 256-K steps, 16-byte bulk copies)."""
+    """Whether moe_bulk_kernel tiles the FP4 experts p (64-row tiles, 256-K steps, the scales' bulk copy in
+    16-byte multiples)."""
     bk = moe_bulk_kernel.BLOCK_K
     return (p.fmt == "fp4" and (2 * p.inter) % moe_bulk_kernel.ROWS == 0 and p.hidden % moe_bulk_kernel.ROWS == 0
             and p.hidden % bk == 0 and p.inter % bk == 0 and (moe_bulk_kernel.ROWS * p.inter // 32) % 16 == 0
