@@ -137,6 +137,13 @@ SLOW_CELLS = [
     ("test_dspark.py", "test_greedy_output_equals_plain_decoding[5-True-False]"),
     ("test_reliability_engine.py", "test_a_stopped_core_is_reported_even_while_generate_is_waiting_for_tokens"),
     ("test_serving_lifecycle.py", "test_sigterm_drains_open_streams_then_exits_cleanly"),
+    # the fast tier at 727 s (2026-12-07, fortieth session): the weight-streaming probe's and the bulk MoE passes'
+    # ptxas cells beyond one of each (the probe's cp.async block path and tensor-copy path at 4 stages; the bulk
+    # up pass at 8 tokens a chunk)
+    ("test_tilelang_lowering_stream_probe.py", "[block-8]"), ("test_tilelang_lowering_stream_probe.py", "[warp-"),
+    ("test_tilelang_lowering_stream_probe.py", "[rows-"), ("test_tilelang_lowering_stream_probe.py", "[tile-"),
+    ("test_tilelang_lowering_stream_probe.py", "[tma2d-8]"), ("test_tilelang_lowering_moe_bulk.py", "[up-1-4]"),
+    ("test_tilelang_lowering_moe_bulk.py", "[down-"),
 ]  # the fast tier keeps one prefix-cache case beyond the chat's: YOCO compact with hits
 
 
