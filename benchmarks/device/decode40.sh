@@ -9,7 +9,8 @@
 # batches of the MoE op alone with its per-pass breakdown and probes (e.g. "1,8"; none by default); DECODE=0 skips
 # the decode table (the arms still run); DSPARK_ARMS: A/B arms as ARMS for DSpark's rows at DSPARK_ARM_BATCHES
 # (default 1; zero, two and three drafts accepted, varlen); LIMIT: the call's seconds (the tests take what is left);
-# T1..T5: step limits. A step that fails or times out is named at the end and the call exits 1 (device_steps.sh).
+# T1..T5: step limits (T1 300: the table, its profiles and the routing count; 240 ran out in the profile, s40). A
+# step that fails or times out is named at the end and the call exits 1 (device_steps.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
@@ -17,7 +18,7 @@ source benchmarks/device_steps.sh
 # the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
-[ "${DECODE:-1}" = 0 ] || timeout ${T1:-230} python3 benchmarks/decode_gpu.py --model flash40 \
+[ "${DECODE:-1}" = 0 ] || timeout ${T1:-300} python3 benchmarks/decode_gpu.py --model flash40 \
   --batches ${BATCHES:-1 8 64 256} --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill \
   --profile "${PROFILE-1:4096,8:4096,256:4096,1:32768}" --routing --out $OUT/decode.json 2>&1 \
   | grep -v "\[TileLang:" | tee $OUT/decode.log | grep -E "^decode|^profile|^routing|WARNING|FAILED|Error|built" \
