@@ -20,7 +20,6 @@ misplaces bytes fails the run (exit 1), as does a variant that did not run.
 """
 
 import argparse
-import json
 import os
 import platform
 import sys
