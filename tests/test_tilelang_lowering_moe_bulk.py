@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.kernels.torch import quant
 from test_tilelang_lowering_moe import _bf16, _cute_frag, _e2m1x8, _prmt, _u32, _words_to_vals
+from test_tilelang_lowering_moe_warp import zero_experts
 
 tilelang_missing = importlib.util.find_spec("tilelang") is None
 PASSES = {"up": ("swiglu", 384, 4608, 5120), "down": ("add", 384, 5120, 2304)}
@@ -40,13 +41,10 @@ def test_the_bulk_passes_lower_and_fit_their_blocks_an_sm(name, n_tok, blocks, t
 
 def test_the_launcher_takes_the_bulk_passes_only_when_asked(monkeypatch):
     from deepinfer.kernels import registry
-    from deepinfer.kernels.packed_experts import PackedExperts
     from deepinfer.kernels.tilelang import moe, moe_bulk_kernel
 
     E, I, D = 8, 2304, 5120
-    u8 = torch.uint8
-    p = PackedExperts("fp4", torch.zeros(E, 2 * I, D // 2, dtype=u8), torch.zeros(E, 2 * I, D // 32, dtype=u8),
-                      torch.zeros(E, D, I // 2, dtype=u8), torch.zeros(E, D, I // 32, dtype=u8))
+    p = zero_experts(E, I, D)
     build = moe_bulk_kernel.build_fp4_bulk_gemm
     assert moe.BULK_TOKENS == 0 and moe.routed_specs(p, 1, 6)[0][0] is not build  # off until measured
     monkeypatch.setattr(moe, "BULK_TOKENS", 64)

@@ -125,15 +125,21 @@ def test_the_model_above_matches_the_kernel_source():
 
 
 @pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+def zero_experts(E: int, I: int, D: int):
+    """FP4 PackedExperts of E experts (hidden D, inter I), all zero bytes: the launcher's specs need shapes only."""
+    from deepinfer.kernels.packed_experts import PackedExperts
+
+    u8 = torch.uint8
+    return PackedExperts("fp4", torch.zeros(E, 2 * I, D // 2, dtype=u8), torch.zeros(E, 2 * I, D // 32, dtype=u8),
+                         torch.zeros(E, D, I // 2, dtype=u8), torch.zeros(E, D, I // 32, dtype=u8))
+
+
 def test_the_launcher_takes_the_warp_streamed_passes_at_one_token_outside_the_invariant_mode(monkeypatch):
     from deepinfer.kernels import registry
-    from deepinfer.kernels.packed_experts import PackedExperts
     from deepinfer.kernels.tilelang import moe, moe_warp_kernel
 
     E, I, D = 8, 2304, 5120
-    u8 = torch.uint8
-    p = PackedExperts("fp4", torch.zeros(E, 2 * I, D // 2, dtype=u8), torch.zeros(E, 2 * I, D // 32, dtype=u8),
-                      torch.zeros(E, D, I // 2, dtype=u8), torch.zeros(E, D, I // 32, dtype=u8))
+    p = zero_experts(E, I, D)
     build = moe_warp_kernel.build_fp4_warp_gemm
     assert moe.WARP_STREAM == 1
     up, down = moe.routed_specs(p, 1, 6)

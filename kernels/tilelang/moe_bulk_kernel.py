@@ -49,7 +49,9 @@ def shared_bytes(k_dim: int, block_k: int = BLOCK_K, stages: int = STAGES, max_t
     return BAR_BYTES + stages * stage_bytes(block_k, max_tokens) + ROWS * (k_dim // 32) + ROWS * 8 * 4
 
 
-_BULK = r"""
+# mbarriers and the TMA engine's copies (bulk: contiguous bytes; tensor: a 2-D box through a tensor map), shared with
+# stream_probe_kernel.py
+TMA_SOURCE = r"""
 __device__ __forceinline__ void mb_init(uint64_t* b, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(di3_smem(b)), "r"(count) : "memory");
 }
@@ -75,6 +77,9 @@ __device__ __forceinline__ void mb_tma2d(void* dst, const void* tm, int c0, int 
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
                "[%4];\n" :: "r"(di3_smem(dst)), "l"(tm), "r"(c0), "r"(c1), "r"(di3_smem(bar)) : "memory");
 }
+"""
+
+_BULK = r"""
 // the math warps' own barrier (the producer warp never joins one after the start)
 __device__ __forceinline__ void mb_math_sync() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
 
@@ -256,7 +261,7 @@ def build_fp4_bulk_gemm(epilogue: str, n_experts: int, n_rows: int, k_dim: int, 
     out_rows = n_pos if swiglu else n_y
     blocks = max(1, min(8, (227 * 1024) // (SMEM + 1024)))
     consts = f"static constexpr int SP_ROWS = {ROWS}, SP_BAR = {BAR_BYTES};\n"
-    src = DEQUANT_SOURCE + _HEAD + "#endif\n" + consts + _BULK
+    src = DEQUANT_SOURCE + _HEAD + "#endif\n" + consts + TMA_SOURCE + _BULK
     call = f"mb_block<{BK}, {S}, {N}, {K}, {MT}, {int(swiglu)}>"
 
     @T.prim_func

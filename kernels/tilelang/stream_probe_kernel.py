@@ -26,6 +26,7 @@ load each stage's scale slice with it, as the kernels do.
 
 import tilelang.language as T
 
+from .moe_bulk_kernel import TMA_SOURCE
 from .moe_kernel import _HEAD, DEQUANT_SOURCE
 
 MODES = ("block", "warp", "rows", "tile", "tma2d")
@@ -39,29 +40,6 @@ _PROBE = r"""
   const uint8_t* w = static_cast<const uint8_t*>(w_) + ((size_t)e * NR + row0) * k_bytes;          \
   const uint8_t* s = static_cast<const uint8_t*>(s_) + ((size_t)e * NR + row0) * k_sc;             \
   uint32_t* out = static_cast<uint32_t*>(out_);
-__device__ __forceinline__ void sp_mbar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(di3_smem(b)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void sp_expect_tx(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(di3_smem(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void sp_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(di3_smem(b)) : "memory");
-}
-__device__ __forceinline__ void sp_wait(uint64_t* b, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(di3_smem(b)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void sp_bulk(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               :: "r"(di3_smem(dst)), "l"(src), "r"(bytes), "r"(di3_smem(bar)) : "memory");
-}
-__device__ __forceinline__ void sp_tma2d(void* dst, const void* tm, int c0, int c1, uint64_t* bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-               "[%4];\n" :: "r"(di3_smem(dst)), "l"(tm), "r"(c0), "r"(c1), "r"(di3_smem(bar)) : "memory");
-}
 __device__ __forceinline__ uint32_t sp_fold(const uint8_t* p, int bytes, int t, int nt) {
   uint32_t a = 0;
   for (int i = t; i < bytes / 16; i += nt) {
@@ -145,8 +123,8 @@ __device__ void sp_bulk_mode(void* sm_, const void* w_, const void* s_, int e, i
   uint8_t* scales = ring + S * STAGE;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < S; ++i) { sp_mbar_init(full + i, 1); sp_mbar_init(empty + i, 4); }
-    sp_mbar_init(sbar, 1);
+    for (int i = 0; i < S; ++i) { mb_init(full + i, 1); mb_init(empty + i, 4); }
+    mb_init(sbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   if (!TILE)  // the rows' pads are never copied: zeroed, so the fold sees only the rows' bytes
@@ -156,42 +134,42 @@ __device__ void sp_bulk_mode(void* sm_, const void* w_, const void* s_, int e, i
   if (warp == 4) {
     if (lane == 0) {
       if (TILE == 2) asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" :: "l"(tm) : "memory");
-      sp_expect_tx(sbar, SP_ROWS * k_sc);
-      sp_bulk(scales, s, SP_ROWS * k_sc, sbar);
+      mb_expect_tx(sbar, SP_ROWS * k_sc);
+      mb_bulk(scales, s, SP_ROWS * k_sc, sbar);
     }
     for (int kk = 0; kk < NK; ++kk) {
       const int st = kk % S;
-      if (kk >= S) sp_wait(empty + st, ((kk / S) + 1) & 1);
+      if (kk >= S) mb_wait(empty + st, ((kk / S) + 1) & 1);
       uint8_t* dst = ring + st * STAGE;
       if (TILE == 2) {
         if (lane == 0) {
-          sp_expect_tx(full + st, STAGE);
-          sp_tma2d(dst, tm, kk * BKP, e * NR + row0, full + st);
+          mb_expect_tx(full + st, STAGE);
+          mb_tma2d(dst, tm, kk * BKP, e * NR + row0, full + st);
         }
       } else if (TILE) {
         if (lane == 0) {
-          sp_expect_tx(full + st, STAGE);
-          sp_bulk(dst, w + (size_t)kk * STAGE, STAGE, full + st);
+          mb_expect_tx(full + st, STAGE);
+          mb_bulk(dst, w + (size_t)kk * STAGE, STAGE, full + st);
         }
       } else {
-        if (lane == 0) sp_expect_tx(full + st, SP_ROWS * BKP);
+        if (lane == 0) mb_expect_tx(full + st, SP_ROWS * BKP);
         __syncwarp();
-        sp_bulk(dst + lane * PITCH, w + (size_t)lane * k_bytes + kk * BKP, BKP, full + st);
-        sp_bulk(dst + (lane + 32) * PITCH, w + (size_t)(lane + 32) * k_bytes + kk * BKP, BKP, full + st);
+        mb_bulk(dst + lane * PITCH, w + (size_t)lane * k_bytes + kk * BKP, BKP, full + st);
+        mb_bulk(dst + (lane + 32) * PITCH, w + (size_t)(lane + 32) * k_bytes + kk * BKP, BKP, full + st);
       }
     }
     out[threadIdx.x] = 0;
     return;
   }
   const int t = threadIdx.x;
-  sp_wait(sbar, 0);
+  mb_wait(sbar, 0);
   uint32_t acc = sp_fold(scales, SP_ROWS * k_sc, t, 128);
   for (int kk = 0; kk < NK; ++kk) {
     const int st = kk % S;
-    sp_wait(full + st, (kk / S) & 1);
+    mb_wait(full + st, (kk / S) & 1);
     acc ^= sp_fold(ring + st * STAGE, STAGE, t, 128);
     __syncwarp();
-    if (lane == 0) sp_arrive(empty + st);
+    if (lane == 0) mb_arrive(empty + st);
   }
   out[t] = acc;
 }
@@ -225,7 +203,7 @@ def build_stream_probe(mode: str, n_experts: int, n_rows: int, k_dim: int, block
     blocks = max(1, min(8, (227 * 1024) // (SMEM + 1024)))
     n_slots = T.dynamic("n_slots")
     consts = f"static constexpr int SP_ROWS = {ROWS}, SP_BAR = {BAR_BYTES};\n"
-    src = DEQUANT_SOURCE + _HEAD + "#endif\n" + consts + _PROBE
+    src = DEQUANT_SOURCE + _HEAD + "#endif\n" + consts + TMA_SOURCE + _PROBE
     call = {"block": f"sp_block_mode<{BK}, {S}, {NK}, {N}, {TH}>", "warp": f"sp_warp_mode<{BK}, {S}, {NK}, {N}>",
             "rows": f"sp_bulk_mode<{BK}, {S}, {NK}, {N}, 0>", "tile": f"sp_bulk_mode<{BK}, {S}, {NK}, {N}, 1>",
             "tma2d": f"sp_bulk_mode<{BK}, {S}, {NK}, {N}, 2>"}[mode]

@@ -9,7 +9,7 @@ import torch
 from deepinfer.kernels.torch import moe as ref
 
 from ._helpers import poison_allocator, rel_err
-from .test_tilelang_moe_kernel import LIMIT, _experts, _gen, _weights
+from .test_tilelang_moe_kernel import LIMIT, _experts, _gen, _weights, pass_references
 
 pytestmark = pytest.mark.gpu
 KE, KD, KI = 4, 512, 768  # the down pass's K = 768: 3 steps of 256
@@ -36,7 +36,6 @@ def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(toke
 
     routed, dense = _experts(KE, KD, KI, "fp4", torch.Generator(device="cuda").manual_seed(tokens))
     x, table = _table(tokens, k, KE, tokens + 31)
-    rows, aw, s_exp, s_start, s_cnt = table
     n_pos = tokens * k
     poison_allocator()
     h = torch.empty(n_pos, KI, dtype=torch.bfloat16, device="cuda")
@@ -47,18 +46,7 @@ def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(toke
     jit(moe_warp_kernel.build_fp4_warp_gemm, "swiglu", KE, 2 * KI, KD)(
         x, *table, routed.w13, routed.s13, h_warp, LIMIT)
     torch.cuda.synchronize()
-    h_ref = torch.empty_like(h)
-    y_ref = torch.zeros(tokens, KD, dtype=torch.float32, device="cuda")
-    for s in range(s_exp.shape[0]):
-        e, a, n = int(s_exp[s]), int(s_start[s]), int(s_cnt[s])
-        if n == 0:
-            continue
-        w1, w2, w3 = dense[e]
-        xs = x[rows[a:a + n].long()]
-        gate = (xs @ w1.T).float().clamp(max=LIMIT)
-        up = (xs @ w3.T).float().clamp(-LIMIT, LIMIT)
-        h_ref[a:a + n] = (torch.nn.functional.silu(gate) * up * aw[a:a + n, None]).bfloat16()
-        y_ref.index_add_(0, rows[a:a + n].long(), (h[a:a + n] @ w2.T).float())  # down from the kernel's own h
+    h_ref, y_ref = pass_references(x, table, dense, h)
     assert torch.isfinite(h).all() and rel_err(h, h_ref) < 1e-2, rel_err(h, h_ref)
     assert torch.equal(h, h_warp), (h - h_warp).abs().max()
     y = torch.zeros(tokens, KD, dtype=torch.float32, device="cuda")

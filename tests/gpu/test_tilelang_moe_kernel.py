@@ -199,6 +199,26 @@ def test_fp8_kernels_with_their_steps_split_into_more_stages(config):
     _check_tile("fp8", 8, 64, config)
 
 
+def pass_references(x, table, dense, h):
+    """(h_ref, y_ref) of an up / down pass pair over `table` with the same rounding points as the kernels: h per
+    assignment position in the table's (expert-sorted) order, and y from the kernel's own h (so the down pass is
+    checked alone)."""
+    rows, aw, s_exp, s_start, s_cnt = table
+    h_ref = torch.empty_like(h)
+    y_ref = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for s in range(s_exp.shape[0]):
+        e, a, n = int(s_exp[s]), int(s_start[s]), int(s_cnt[s])
+        if n == 0:
+            continue
+        w1, w2, w3 = dense[e]
+        xs = x[rows[a:a + n].long()]
+        gate = (xs @ w1.T).float().clamp(max=LIMIT)
+        up = (xs @ w3.T).float().clamp(-LIMIT, LIMIT)
+        h_ref[a:a + n] = (torch.nn.functional.silu(gate) * up * aw[a:a + n, None]).bfloat16()
+        y_ref.index_add_(0, rows[a:a + n].long(), (h[a:a + n] @ w2.T).float())
+    return h_ref, y_ref
+
+
 def _check_tile(fmt, block_t, block_n, config=None):
     from deepinfer.kernels.tilelang import moe as moe
     from deepinfer.kernels.tilelang._build import jit
@@ -210,26 +230,13 @@ def _check_tile(fmt, block_t, block_n, config=None):
     idx = torch.stack([torch.randperm(KE, generator=g)[:k] for _ in range(T_)]).cuda()
     weights = (torch.rand(T_, k, generator=g) + 0.1).cuda()
     table = moe.routing_table(idx, weights, KE)
-    rows, aw, s_exp, s_start, s_cnt = table
     poison_allocator()
     h = torch.empty(T_ * k, KI, dtype=torch.bfloat16, device="cuda")
     bk, st = config or moe.pass_config(fmt, KD, block_t, block_n)
     jit(moe.build_grouped_gemm, fmt, "swiglu", KE, 2 * KI, KD, block_n, block_t, bk, 2 * block_n, st, True, 1, 0)(
         x, *table, routed.w13, routed.s13, h, LIMIT)
     torch.cuda.synchronize()
-    # reference h per assignment position, in the table's (expert-sorted) order
-    h_ref = torch.empty_like(h)
-    y_ref = torch.zeros(T_, KD, dtype=torch.float32, device="cuda")
-    for s in range(s_exp.shape[0]):
-        e, a, n = int(s_exp[s]), int(s_start[s]), int(s_cnt[s])
-        if n == 0:
-            continue
-        w1, w2, w3 = dense[e]
-        xs = x[rows[a:a + n].long()]
-        gate = (xs @ w1.T).float().clamp(max=LIMIT)
-        up = (xs @ w3.T).float().clamp(-LIMIT, LIMIT)
-        h_ref[a:a + n] = (torch.nn.functional.silu(gate) * up * aw[a:a + n, None]).bfloat16()
-        y_ref.index_add_(0, rows[a:a + n].long(), (h[a:a + n] @ w2.T).float())  # down from the kernel's own h
+    h_ref, y_ref = pass_references(x, table, dense, h)
     assert torch.isfinite(h).all() and rel_err(h, h_ref) < 1e-2, rel_err(h, h_ref)
     bk, st = config or moe.pass_config(fmt, KI, block_t, block_n)
     for splits in (1, 3):
