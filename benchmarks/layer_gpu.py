@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from decode_gpu import build, ceilings, fill_step, portable_json, roofline_config  # noqa: E402
+from target_card import on_card  # noqa: E402
 
 ROOFLINE_PATHS = (HERE.parent.parent / "shared" / "tools" / "roofline.py", HERE / "roofline.py")
 BLOCK_SIZE = 64
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
     def flush():
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
-            f.write(portable_json(dict(meta=meta, rows=rows)))
+            f.write(portable_json(dict(meta=meta, targets=on_card(targets(rows, fast), meta["gpu"]), rows=rows)))
 
     def add(row):
         rows.append(row)
@@ -325,6 +326,28 @@ def main(argv=None) -> int:
         plot(rows, a.plot, n_layers)
         print("wrote", a.plot)
     return 0
+
+
+ROOFLINE_TARGET, TORCH_TARGET = 50.0, 10.0  # issue 6: a decode layer step >= 50% of its roofline, >= 10x torch
+
+
+def targets(rows: list[dict], fast: str = "tilelang") -> list[dict]:
+    """Issue 6's layer targets on the decode rows that measured them: the fast backend's step (all layers) at B=1
+    and 64 against its roofline, and at B=64 over the torch ops' step at the same context."""
+    dec = {(r["backend"], r["batch"], r["context"]): r for r in rows if r["mode"] == "decode" and "error" not in r}
+    out = []
+    for (backend, b, ctx), r in dec.items():
+        if backend != fast or b not in (1, 64):
+            continue
+        got = 100 * sum(f["ms"] for f in r["floor"]) / sum(r["layer_ms"])
+        out.append(dict(name=f"decode layers B={b} ctx={ctx}, % of their roofline", measured=round(got, 1),
+                        target=ROOFLINE_TARGET, unit="%", met=got >= ROOFLINE_TARGET))
+        ref = dec.get(("torch", b, ctx))
+        if b == 64 and ref:
+            got = sum(ref["layer_ms"]) / sum(r["layer_ms"])
+            out.append(dict(name=f"decode layers B=64 ctx={ctx}, torch ops' time over {fast}'s",
+                            measured=round(got, 1), target=TORCH_TARGET, unit="x", met=got >= TORCH_TARGET))
+    return out
 
 
 def summarize(rows, fast="tilelang"):

@@ -107,6 +107,26 @@ def run_mode(args, zero_overhead: bool) -> dict:
         }
 
 
+SCHEDULING_SHARE = 10.0  # issue 4: scheduling under 10% of step time at batch 64 on the CPU
+GPU_IDLE = 5.0  # issue 10: GPU idle between steps <= 5% of step time with async scheduling
+
+
+def targets(results: list[dict], max_num_seqs: int) -> list[dict]:
+    """Issue 4's and issue 10's bounds on what a row measured. Issue 10's other throughput.py targets compare two
+    runs (the H200 against the CPU; this commit against the previous one): no single run measures them."""
+    out = []
+    for r in results:
+        if r["device"] == "cpu" and max_num_seqs == 64:
+            got = 100 * r["scheduling_share"]
+            out.append(dict(name=f"{r['mode']} scheduling: bookkeeping share of step time, max_num_seqs 64 (CPU)",
+                            measured=round(got, 2), target=SCHEDULING_SHARE, unit="%", met=got < SCHEDULING_SHARE))
+        elif r["device"] != "cpu" and r["mode"] == "async":
+            got = 100 * r["step_gap_ms_mean"] / r["device_ms_per_step"]
+            out.append(dict(name="async scheduling: GPU idle between steps, % of step time (mean gap / mean step)",
+                            measured=round(got, 2), target=GPU_IDLE, unit="%", met=got <= GPU_IDLE))
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     modes = {"async": [True], "sync": [False], "both": [False, True]}[args.mode]
@@ -123,8 +143,14 @@ def main(argv=None):
             + (f"; {r['graph_steps']} of {r['steps']} steps replayed a CUDA graph" if r["device"] != "cpu" else "")
         )
     if args.json:
+        tg = targets(results, args.max_num_seqs)
+        if args.device != "cpu":  # issue 10's targets are the H200's
+            import torch
+            from target_card import on_card  # benchmarks/, this script's folder
+
+            tg = on_card(tg, torch.cuda.get_device_name(args.device))
         with open(args.json, "w") as f:
-            json.dump({"command": command, "results": results}, f, indent=2)
+            json.dump({"command": command, "targets": tg, "results": results}, f, indent=2)
     return results
 
 

@@ -102,6 +102,25 @@ def agreement(model: str, hardware: str, prompts, max_tokens: int, threads: int)
             "identical_outputs": sum(r.token_ids == f.token_ids for r, f in zip(ref, free))}
 
 
+ACCEPTED_LENGTH = 2.5  # issue 15: DSpark mean accepted length >= 2.5 at draft length 5, greedy
+AGREEMENT = 95.0  # issue 15: bf16 vs fp32 greedy token agreement >= 95%
+
+
+def targets(rows: list[dict], agreement: dict | None) -> list[dict]:
+    """Issue 15's targets this run measured (its plausibility target is train_default_model.py --evaluate's).
+    Agreement is the teacher-forced figure (each position counts once; the free-run one stays in `agreement`)."""
+    out = [dict(name=f"DSpark mean accepted length, k=5 greedy, {r['variant']} on held-out prompts",
+                measured=round(r["mean_accepted_length"], 3), target=ACCEPTED_LENGTH, unit="tokens",
+                met=r["mean_accepted_length"] >= ACCEPTED_LENGTH)
+           for r in rows if r["drafts"] == 5 and not r["varlen"] and r["temperature"] == 0.0
+           and r["mean_accepted_length"] is not None]
+    if agreement:
+        got = 100 * agreement["teacher_forced_agreement"]
+        out.append(dict(name="greedy token agreement of this hardware's dtype with fp32 on the CPU, teacher-forced",
+                        measured=round(got, 2), target=AGREEMENT, unit="%", met=got >= AGREEMENT))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="embedded:tiny", help="checkpoint (default: the embedded default model)")
@@ -122,8 +141,12 @@ def main(argv=None) -> int:
     prompts = held_out_prompts(a.prompts)
     rows, failures = [], []
     result = {"hardware": a.hardware, "model": a.model, "prompts": len(prompts), "max_tokens": a.max_tokens,
-              "python": platform.python_version(), "rows": rows, "failures": failures}
+              "python": platform.python_version(), "targets": [], "rows": rows, "failures": failures}
     a.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        result["targets"] = targets(rows, result.get("agreement"))
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
 
     def record(name, temp, drafts, varlen, res, base):
         row = {k: v for k, v in res.items() if k != "tokens"}
@@ -137,12 +160,12 @@ def main(argv=None) -> int:
             failures.append(f"{name} T={temp}: {len(res['errors'])} errors, e.g. {res['errors'][0]}")
         if a.hardware != "cpu" and res["fallbacks"] and not a.expect_torch:
             failures.append(f"{name} T={temp}: TileLang kernels fell back to torch: {res['fallbacks']}")
-        a.out.write_text(json.dumps(result, indent=1) + "\n")  # row by row: a run cut short keeps its rows
+        save()  # row by row: a run cut short keeps its rows
 
     if a.agreement:
         result["agreement"] = agreement(a.model, a.hardware, prompts, a.max_tokens, a.cpu_threads or 8)
         print("agreement:", json.dumps(result["agreement"]), flush=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
+        save()
     for temp in (0.0, 0.7):
         params = SamplingParams(temperature=temp, max_tokens=a.max_tokens)  # seeds: runtime.seed
         base = run(a.model, a.hardware, prompts, params, threads=a.cpu_threads)
@@ -160,7 +183,7 @@ def main(argv=None) -> int:
         record("dspark k=5 batch 1", 0.0, 5, False, res, base)
         if res["tokens"] != base["tokens"]:
             failures.append("greedy dspark at batch 1 differs from plain decoding")
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    save()
     for f in failures:
         print("FAILED:", f, file=sys.stderr)
     return 1 if failures else 0

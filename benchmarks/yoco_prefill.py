@@ -47,9 +47,9 @@ def decoder_rows(model, run, boundary: int) -> int:
     """Rows through the decoder layers' MoE while run() runs (the layer hook says which layer is running)."""
     layer, rows, moe = [0], [0], model._moe
 
-    def count(g, lw):
+    def count(g, *rest):  # model._moe's own arguments (its FFN, layer, image rows) passed through
         rows[0] += g.shape[0] if layer[0] >= boundary else 0
-        return moe(g, lw)
+        return moe(g, *rest)
 
     model.layer_hook, model._moe = (lambda i: layer.__setitem__(0, i)), count
     try:
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         "tokens": args.tokens,
         "keep_tokens": args.keep,
         "results": results,
+        "targets": [],  # issue 12 names no target; issue 20's compact >= 1.8x off at 32K is prefill_gpu.py's (H200)
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
