@@ -167,7 +167,8 @@ def test_every_role_s_block_loop_is_one_body(splits, ring):
     from lowering_helpers import lower_source
     from deepinfer.kernels.tilelang.attention_decode_kernel import build_sink_attention_decode
 
-    src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring), "sm_90a")
+    src = (_source("sm_90a", splits) if ring is None
+           else lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring), "sm_90a"))
     cut = src.index("warpgroup_reg_dealloc<152>")
     math, producer = src[:cut], src[cut:]
     assert "wgmma" in src
@@ -213,7 +214,8 @@ def test_clustered_splits_merge_in_distributed_shared_memory(splits, ring):
     from lowering_helpers import lower_source
 
     src = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring, cluster=True), "sm_90a")
-    plain = lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring), "sm_90a")
+    plain = (_source("sm_90a", splits) if ring is None
+             else lower_source(build_sink_attention_decode(splits=splits, arch="sm_90a", ring=ring), "sm_90a"))
     assert "ld.shared::cluster.v4.f32" in src and src.count("  di_cluster_sync();") == 2
     assert "(o_part + " not in src and "ml_part[" not in src and "(o_part + " in plain and "ml_part[" in plain
     assert src.count("*(uint4*)(out + ") == 1 and "di_cluster_sync" not in plain
