@@ -1,7 +1,7 @@
 """Every kernel the 40-layer Flash runs build, as ptxas builds it for sm_90a: no build where ptxas gives up the
 asynchronous MMA pipeline ("Potential Performance Loss: wgmma.mma_async instructions are serialized", C7510-C7520).
 ptxas says it only as an info line, and the kernel then still computes the right numbers, slower: the prefill expert
-GEMM ran so on a device for a session before this check (hopper-kernels.md, the twenty-seventh session). The kernels
+GEMM ran so on a device for a session before this check (hopper-sessions.md, the twenty-seventh session). The kernels
 are benchmarks/jit/flash40.jsonl's (what the 40-layer runs compiled): each builder's first and last listed shapes.
 Slow (~50 compiles); needs tilelang and nvcc, no GPU."""
 

@@ -6,7 +6,7 @@ warpgroup's loop from the SASS with nvdisasm.
 Why: a 64-key block of the kernel cost ~6.8 µs on the H200 where its loads, dequantisation, shared-memory traffic
 and MMAs need ~1.5 µs each at most; the unrolled build was 149 KB of code with a ~79 KB producer loop beside the math
 warpgroups' loops on each SM sub-partition, and the one-body loops (the kernel's only form since) ran it 1.35-1.57x
-faster on an H100 (docs/hopper-kernels.md, the twenty-third session).
+faster on an H100 (docs/hopper-sessions.md, the twenty-third session).
 
 cuobjdump / nvdisasm come with a CUDA toolkit, or from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm: their
 bin/ folder on PATH, or CUDA_BIN=<folder>).

@@ -32,7 +32,7 @@ BLOCK_KEYS = 64  # keys per block of both kernels
 CLUSTER_SPLITS = 8
 # rows of each 64-key block that WG1 dequantises in the time it waits for WG0's P, the producer converting the rest
 # (build_sink_attention_decode's wg1_rows; the same bits). 0: the producer all (the one-split kernel's producer was
-# late for ~30% of WG0's blocks, WG1 idle ~55% of its time: Nsight Compute, docs/hopper-kernels.md). 16 from the
+# late for ~30% of WG0's blocks, WG1 idle ~55% of its time: Nsight Compute, docs/hopper-sessions.md). 16 from the
 # thirty-ninth session: on the H100 at 32K, B=2048 535 us vs 562, B=256 73.4 vs 75.8, B=64 30.5 vs 32.3; 8 was between
 # (benchmarks/results/attention_decode_gpu_wg1rows_s39_h100), 24 and 32 slower (578 and 608 us at B=2048: WG1 then
 # sets the pace); attention_decode_gpu's "wg1rows12" / "wg1rows20" probe either side

@@ -23,7 +23,7 @@ Every role's block loop is one body, block n's buffers picked by n % 2 (rows [(n
 key buffer, [(n % 2) 64, ...) of the P buffer), and a producer block takes the window's or the pool's path whole.
 Loops unrolled two blocks an iteration, a copy a buffer and both paths in every row, made a ~79 KB producer loop
 of sm_90a code that overflowed the SM's instruction caches beside the math warpgroups' loops: 1.6x slower at
-B=256 (H100, docs/hopper-kernels.md; tools/kernel_code_size.py measures the loops).
+B=256 (H100, docs/hopper-sessions.md; tools/kernel_code_size.py measures the loops).
 
 Each half of O (64 x 256 fp32) lives in one math warpgroup's registers (128 per thread); K = V, so one key
 buffer serves QK (K-major) and PV (MN-major). mbarriers: k_ready/k_free per key buffer half (producer <-> math),

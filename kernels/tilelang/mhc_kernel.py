@@ -28,7 +28,7 @@ NOUT = 32  # partial row: dots [0, N), sum of squares at N; padded to 128 bytes
 
 # The Sinkhorn rounds' reciprocal: the hardware's approximation plus one Newton step (within ~1 ulp of 1/x). IEEE
 # `1.0f / x` (and __frcp_rn) carry a slow-path branch each, which keeps a normalisation's four reciprocals from
-# overlapping: 20 rounds took 11.6 us a call at one token with them, 5.4 with this (H200, docs/hopper-kernels.md).
+# overlapping: 20 rounds took 11.6 us a call at one token with them, 5.4 with this (H200, docs/hopper-sessions.md).
 # x here is a sum of positive terms plus hc_eps, never denormal, so flushing denormals (ftz) changes nothing.
 RCP_SOURCE = r"""
 #ifndef DEEPINFER_MHC_RCP

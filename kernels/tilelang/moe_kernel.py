@@ -344,7 +344,7 @@ def load_roles(threads: int) -> tuple[int, int]:
     half streams the weights and never executes the permute's proxy fence, so it keeps weight stages in flight
     across each step's barrier (the fence is a MEMBAR.ALL.CTA in SASS, which may wait for the thread's in-flight
     cp.async); the second half loads and permutes the activations. (Every thread doing both measured the same on
-    the H200, hopper-kernels.md's sixteenth session; this is the one generation.)"""
+    the H200, hopper-sessions.md's sixteenth session; this is the one generation.)"""
     return threads // 2, threads // 2
 
 

@@ -4,7 +4,7 @@ over every expert at once, one launch per tile height: the gate/up projection wi
 the down projection. The tile lists are sized by a bound the host knows (tokens x top-k / BLOCK_M + experts), their
 unused entries expert -1 (the kernel's blocks for those exit at once): no device sync in the call, where the eager
 prefill step would leave the GPU idle while the host launches what follows (6-layer prefill 8K 144 -> 135 ms, H100,
-docs/hopper-kernels.md). The gate/up GEMM reads the tokens' rows copied into tile order: reading them in place
+docs/hopper-sessions.md). The gate/up GEMM reads the tokens' rows copied into tile order: reading them in place
 through their indices made that GEMM 19% slower than the copy and the GEMM together (40-layer 8K prefill 749.6 vs
 728.6 ms, H200, thirty-fifth session; the variant is in git history).
 
