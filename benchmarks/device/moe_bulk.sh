@@ -4,14 +4,15 @@
 # the default at 8 and 64 tokens (and its GPU file passed), the 40-layer decode step with them (moe.BULK_TOKENS)
 # against the default in the same call, then DSpark's rows with them.
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/moe_bulk.sh
-# PROBE_BATCHES / MOE_BATCHES (default 1,8,64,256 / 1,8,64,256,384); STEP=0 skips the 40-layer arms; T1..T5: limits.
+# PROBE_BATCHES / MOE_BATCHES (default 1,8,64,256 / 1,8,64,256,384); PROBE=0 skips the probe, STEP=0 the 40-layer
+# arms; T1..T5: limits.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
 source benchmarks/device_steps.sh
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout ${T1:-150} python3 benchmarks/stream_probe_gpu.py --batches ${PROBE_BATCHES:-1,8,64,256} --gemv wq_b,wo_b,wq_a \
+[ "${PROBE:-1}" = 0 ] || timeout ${T1:-150} python3 benchmarks/stream_probe_gpu.py --batches ${PROBE_BATCHES:-1,8,64,256} --gemv wq_b,wo_b,wq_a \
   --out $OUT/stream_probe.json 2>&1 | grep -v "TileLang" | tee $OUT/stream_probe.log | tail -100
 check "stream probe"
 (cd "$DEEPINFER_SITE" && timeout ${T2:-150} python3 -m pytest $GPU_TESTS/test_tilelang_moe_bulk.py -v -rf \
