@@ -13,7 +13,8 @@ source benchmarks/device_steps.sh
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
 [ "${PROBE:-1}" = 0 ] || timeout ${T1:-150} python3 benchmarks/stream_probe_gpu.py \
-  --batches ${PROBE_BATCHES:-1,8,64,256} --gemv wq_b,wo_b,wq_a --out $OUT/stream_probe.json 2>&1 | grep -v "TileLang" | tee $OUT/stream_probe.log | tail -100
+  --batches ${PROBE_BATCHES:-1,8,64,256} --gemv wq_b,wo_b,wq_a --out $OUT/stream_probe.json 2>&1 \
+  | grep -v "TileLang" | tee $OUT/stream_probe.log | tail -100
 check "stream probe"
 (cd "$DEEPINFER_SITE" && timeout ${T2:-150} python3 -m pytest $GPU_TESTS/test_tilelang_moe_bulk.py -v -rf \
   -p no:cacheprovider -o addopts= 2>&1) | tee $OUT/gpu_tests_moe_bulk.log | grep -E "PASS|FAIL|ERROR|passed|failed|Error" \
