@@ -69,7 +69,8 @@ def report(splits: int, probe: str = "") -> str:
         cu.write_text(src)
         res = subprocess.run([_tool("nvcc"), "-std=c++20", "-O3", "-cubin", "-gencode",
                               "arch=compute_90a,code=sm_90a", "--ptxas-options=-v", f"-I{env.TILELANG_TEMPLATE_PATH}",
-                              f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(cubin), str(cu)], capture_output=True, text=True)
+                              f"-I{env.CUTLASS_INCLUDE_DIR}", "-o", str(cubin), str(cu)],
+                             capture_output=True, text=True)
         if res.returncode:
             return f"nvcc failed: {res.stderr[-500:]}"
         log = res.stdout + res.stderr
