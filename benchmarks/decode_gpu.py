@@ -696,7 +696,6 @@ def main(argv=None) -> int:
         routing_rows(model, rows, c, bw)
         flush()
     profile_cells(a, model, fast_ops, to_profile, flush, failures)
-    model.use_ops(fast_ops)
     flush()
     print("wrote", a.out)
     if a.plot:

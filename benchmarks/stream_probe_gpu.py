@@ -2,8 +2,8 @@
 """How fast can the routed experts' FP4 bytes reach shared memory at decode? Five data paths, loads only
 (kernels/tilelang/stream_probe_kernel.py: the grouped GEMM's cp.async + block barrier, moe_warp_kernel's per-warp
 cp.async rings, and three bulk-copy (TMA engine) producers behind mbarriers: one copy a row a stage, one copy a stage
-of a stage-tiled layout, one 2-D tensor copy a stage of the layout as it is), at the Flash expert shapes (384 experts, up pass 4608 x 5120, down 5120 x 2304), over the
-experts B tokens' uniform top-6 routing touches.
+of a stage-tiled layout, one 2-D tensor copy a stage of the layout as it is), at the Flash expert shapes (384
+experts, up pass 4608 x 5120, down 5120 x 2304), over the experts B tokens' uniform top-6 routing touches.
 
     source benchmarks/gpu_env.sh && python3 benchmarks/stream_probe_gpu.py --out $OUT/stream_probe.json \
         [--batches 1,8,64,256] [--modes block,warp,rows,tile,tma2d] [--stages 4,8] [--gemv wq_b,wo_b]

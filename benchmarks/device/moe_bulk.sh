@@ -41,6 +41,7 @@ if [ "${STEP:-1}" = 1 ] && [ "${tests_ok:-0}" = 1 ] && [ "$wins" = 1 ]; then
     | tee $OUT/dspark_bulk.log | grep -E "^\| 40|Error|target" | tail -10
   check "DSpark with the bulk passes"
 else
-  echo "40-layer arms not run (STEP=${STEP:-1}, GPU file passed: ${tests_ok:-0}, bulk op faster at 8 and 64: ${wins:-?})"
+  echo "40-layer arms not run (STEP=${STEP:-1}, GPU file passed: ${tests_ok:-0}," \
+    "bulk op faster at 8 and 64: ${wins:-?})"
 fi
 finish moe_bulk.sh
