@@ -5,29 +5,33 @@
 # against the default in the same call, then DSpark's rows with them.
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/moe_bulk.sh
 # PROBE_BATCHES / MOE_BATCHES (default 1,8,64,256 / 1,8,64,256,384); PROBE=0 skips the probe, STEP=0 the 40-layer
-# arms; T1..T5: limits.
+# arms; PROBE_MODES: the probe's paths; T1..T5: limits. The GPU file runs without a kernel manifest (its kernels are
+# its own), the op with the MoE's lines of benchmarks/jit/flash40.jsonl, the 40-layer arms with all of it.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
 source benchmarks/device_steps.sh
-cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
+# the op's steps build only the MoE's kernels (the whole 40-layer manifest, ~235 kernels, is a cold machine's minutes)
+cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl
+grep -E '"deepinfer.kernels.tilelang.moe' $OUT/jit.jsonl > $OUT/moe.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
 [ "${PROBE:-1}" = 0 ] || timeout ${T1:-150} python3 benchmarks/stream_probe_gpu.py \
-  --batches ${PROBE_BATCHES:-1,8,64,256} --gemv wq_b,wo_b,wq_a --out $OUT/stream_probe.json 2>&1 \
-  | grep -v "TileLang" | tee $OUT/stream_probe.log | tail -100
+  --modes ${PROBE_MODES:-block,warp,rows,tile,tma2d} --batches ${PROBE_BATCHES:-1,8,64,256} --gemv wq_b,wo_b,wq_a \
+  --out $OUT/stream_probe.json 2>&1 | grep -v "TileLang" | tee $OUT/stream_probe.log | tail -100
 check "stream probe"
 (cd "$DEEPINFER_SITE" && timeout ${T2:-150} python3 -m pytest $GPU_TESTS/test_tilelang_moe_bulk.py -v -rf \
-  -p no:cacheprovider -o addopts= 2>&1) | tee $OUT/gpu_tests_moe_bulk.log | grep -E "PASS|FAIL|ERROR|passed|failed|Error" \
-  | tail -14
+  -p no:cacheprovider -o addopts= 2>&1) | tee $OUT/gpu_tests_moe_bulk.log \
+  | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -14
 check "bulk GPU tests" && tests_ok=1
-timeout ${T3:-150} python3 benchmarks/moe_gpu.py --batches ${MOE_BATCHES:-1,8,64,256,384} --variants bulk \
-  --out $OUT/moe_bulk.json 2>&1 | grep -v "TileLang" | tee $OUT/moe_bulk.log | grep -E "B=|kernel|bulk|self-check|Error" \
-  | tail -48
+DEEPINFER_JIT_MANIFEST=$OUT/moe.jsonl timeout ${T3:-150} python3 benchmarks/moe_gpu.py \
+  --batches ${MOE_BATCHES:-1,8,64,256,384} --variants bulk --out $OUT/moe_bulk.json 2>&1 | grep -v "TileLang" \
+  | tee $OUT/moe_bulk.log | grep -E "B=|kernel|bulk|self-check|Error" | tail -48
 check "MoE op with the bulk passes"
 wins=$(python3 -c "import json; r={x['B']: x for x in json.load(open('$OUT/moe_bulk.json'))['rows']}; \
 print(int(all(r.get(b, {}).get('bulk_us') and r[b]['bulk_us'] < r[b]['kernel_us'] for b in (8, 64))))" 2>/dev/null)
 if [ "${STEP:-1}" = 1 ] && [ "${tests_ok:-0}" = 1 ] && [ "$wins" = 1 ]; then
   W="python3 benchmarks/with_attrs.py"
+  export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
   for arm in default bulk; do
     attrs="deepinfer.kernels.tilelang.moe.BULK_TOKENS=$([ $arm = bulk ] && echo 512 || echo 0)"
     echo "== arm $arm: $attrs" | tee -a $OUT/arms.log
