@@ -5,7 +5,8 @@
 # against the default in the same call, then DSpark's rows with them.
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/moe_bulk.sh
 # PROBE_BATCHES / MOE_BATCHES (default 1,8,64,256 / 1,8,64,256,384); PROBE=0 skips the probe, STEP=0 the 40-layer
-# arms; PROBE_MODES: the probe's paths; T1..T5: limits. The GPU file runs without a kernel manifest (its kernels are
+# arms, TESTS=0 the GPU file; BULK_ARMS: "STAGES MAX_TOKENS;...", the op again with the bulk passes' ring so;
+# PROBE_MODES: the probe's paths; T1..T6: limits. The GPU file runs without a kernel manifest (its kernels are
 # its own), the op with the MoE's lines of benchmarks/jit/flash40.jsonl, the 40-layer arms with all of it.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -19,14 +20,25 @@ nvidia-smi --query-gpu=name --format=csv,noheader
   --modes ${PROBE_MODES:-block,warp,rows,tile,tma2d} --batches ${PROBE_BATCHES:-1,8,64,256} --gemv wq_b,wo_b,wq_a \
   --out $OUT/stream_probe.json 2>&1 | grep -v "TileLang" | tee $OUT/stream_probe.log | tail -100
 check "stream probe"
-(cd "$DEEPINFER_SITE" && timeout ${T2:-150} python3 -m pytest $GPU_TESTS/test_tilelang_moe_bulk.py -v -rf \
+[ "${TESTS:-1}" = 0 ] || (cd "$DEEPINFER_SITE" && timeout ${T2:-150} python3 -m pytest \
+  $GPU_TESTS/test_tilelang_moe_bulk.py -v -rf \
   -p no:cacheprovider -o addopts= 2>&1) | tee $OUT/gpu_tests_moe_bulk.log \
   | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -14
-check "bulk GPU tests" && tests_ok=1
+check "bulk GPU tests" && [ "${TESTS:-1}" != 0 ] && tests_ok=1
 DEEPINFER_JIT_MANIFEST=$OUT/moe.jsonl timeout ${T3:-150} python3 benchmarks/moe_gpu.py \
   --batches ${MOE_BATCHES:-1,8,64,256,384} --variants bulk --out $OUT/moe_bulk.json 2>&1 | grep -v "TileLang" \
   | tee $OUT/moe_bulk.log | grep -E "B=|kernel|bulk|self-check|Error" | tail -48
 check "MoE op with the bulk passes"
+IFS=';' read -ra arms <<< "${BULK_ARMS:-}"
+for arm in "${arms[@]}"; do  # "STAGES MAX_TOKENS": the bulk passes' ring beyond one token a call (config())
+  set -- $arm; M=deepinfer.kernels.tilelang.moe_bulk_kernel
+  echo "== bulk arm: stages $1, tokens a chunk $2" | tee -a $OUT/bulk_arms.log
+  DEEPINFER_JIT_MANIFEST=$OUT/moe.jsonl timeout ${T6:-90} python3 benchmarks/with_attrs.py $M.STAGES=$1 \
+    $M.MAX_TOKENS=$2 -- benchmarks/moe_gpu.py --batches ${MOE_BATCHES:-1,8,64,256,384} --variants bulk \
+    --out $OUT/moe_bulk_s$1_t$2.json 2>&1 | grep -v "TileLang" | tee -a $OUT/bulk_arms.log \
+    | grep -E "^B=|^  (kernel|bulk) |routed|Error" | tail -24
+  check "bulk arm $1 $2"
+done
 wins=$(python3 -c "import json; r={x['B']: x for x in json.load(open('$OUT/moe_bulk.json'))['rows']}; \
 print(int(all(r.get(b, {}).get('bulk_us') and r[b]['bulk_us'] < r[b]['kernel_us'] for b in (8, 64))))" 2>/dev/null)
 if [ "${STEP:-1}" = 1 ] && [ "${tests_ok:-0}" = 1 ] && [ "$wins" = 1 ]; then
