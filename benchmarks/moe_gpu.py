@@ -122,7 +122,7 @@ def main():
                          "table by torch sorts": {"prep_assignments": 0},
                          "shared dense": {"shared_dense_tokens": 1},
                          "shared streamed": {"shared_dense_tokens": 1 << 30},
-                         "bulk": {"bulk_tokens": 1 << 30}, "warp off": {"warp_stream": 0}})
+                         "bulk": {"bulk_tokens": 1 << 30, "warp_stream": 0}, "warp off": {"warp_stream": 0}})
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(",")]
         unknown = [v for v in wanted if v not in variants]

@@ -355,9 +355,9 @@ def test_the_routed_passes_step_and_stages_are_one_ab_knob():
     t = torch.empty(0)
     routed = PackedExperts("fp4", t.new_empty(384, 2 * 2304, 0), t, t.new_empty(384, 5120, 0), t)
     assert (moe.FP4_BLOCK_K, moe.FP4_STAGES) == (256, 4)
-    # (the grouped GEMM's knob: at one token the warp-streamed passes have their own step and stages)
+    # (the grouped GEMM's knob: the warp-streamed passes at one token, the bulk ones up to BULK_TOKENS have their own)
     with mock.patch.object(moe, "FP4_BLOCK_K", 128), mock.patch.object(moe, "FP4_STAGES", 8), \
-            mock.patch.object(moe, "WARP_STREAM", 0):
+            mock.patch.object(moe, "WARP_STREAM", 0), mock.patch.object(moe, "BULK_TOKENS", 0):
         for n_tok in (1, 8, 64, 256):
             for spec in moe.routed_specs(routed, n_tok, 6):
                 fmt, bt, bk, st, bn = spec[1], spec[7], spec[8], spec[10], spec[6]

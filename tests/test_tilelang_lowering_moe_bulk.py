@@ -3,7 +3,8 @@ for sm_90a with the producer's tensor copies behind mbarriers and mma.sync, ptxa
 spill at their blocks an SM, a numpy model of a block's data path (the 128-byte-swizzled box a tensor copy lands,
 the block's scales, the tokens' activation slices, the per-lane fragment reads and FP4 decode, a token a B column,
 mma.sync's fragment layouts and the result tile) computes exactly W @ X for every token of a chunk, and the
-launcher takes them only when asked, up to BULK_TOKENS tokens, outside the batch-invariant mode."""
+launcher takes them from 2 to BULK_TOKENS tokens a call (one token: moe_warp_kernel's), outside the batch-invariant
+mode."""
 
 import importlib.util
 import shutil
@@ -21,10 +22,11 @@ PASSES = {"up": ("swiglu", 384, 4608, 5120), "down": ("add", 384, 5120, 2304)}
 
 
 @pytest.mark.skipif(tilelang_missing or shutil.which("nvcc") is None, reason="needs tilelang and nvcc")
-@pytest.mark.parametrize("n_tok,blocks", [(1, 4), (8, 2)])
+@pytest.mark.parametrize("n_tok,blocks", [(1, 4), (8, 4)])
 @pytest.mark.parametrize("name", list(PASSES))
 def test_the_bulk_passes_lower_and_fit_their_blocks_an_sm(name, n_tok, blocks, tmp_path):
-    """Two blocks an SM for chunks of 8 tokens; four at one token a call (a one-token pass's blocks in one wave)."""
+    """Four blocks an SM (16 math warps: fewer left the decode pacing the pass, s42), one token's slice a stage at
+    one token a call (a one-token pass's blocks in one wave), else MAX_TOKENS tokens'."""
     from lowering_helpers import lower_source, ptxas_report
     from deepinfer.kernels.tilelang import moe_bulk_kernel as mb
 
@@ -39,22 +41,26 @@ def test_the_bulk_passes_lower_and_fit_their_blocks_an_sm(name, n_tok, blocks, t
     assert blocks * (mb.shared_bytes(args[3], mb.BLOCK_K, st, mt) + 1024) <= 228 * 1024
 
 
-def test_the_launcher_takes_the_bulk_passes_only_when_asked(monkeypatch):
+def test_the_launcher_takes_the_bulk_passes_from_two_tokens_to_bulk_tokens(monkeypatch):
     from deepinfer.kernels import registry
-    from deepinfer.kernels.tilelang import moe, moe_bulk_kernel
+    from deepinfer.kernels.tilelang import moe, moe_bulk_kernel, moe_warp_kernel
 
     E, I, D = 8, 2304, 5120
     p = zero_experts(E, I, D)
     build = moe_bulk_kernel.build_fp4_bulk_gemm
-    assert moe.BULK_TOKENS == 0 and moe.routed_specs(p, 1, 6)[0][0] is not build  # off until measured
-    monkeypatch.setattr(moe, "BULK_TOKENS", 64)
+    assert moe.BULK_TOKENS == 64
+    assert moe.routed_specs(p, 1, 6)[0][0] is moe_warp_kernel.build_fp4_warp_gemm  # one token: WARP_STREAM first
+    monkeypatch.setattr(moe, "WARP_STREAM", 0)
     for n_tok in (1, 8, 64):
         up, down = moe.routed_specs(p, n_tok, 6)
-        st, mt = (4, 1) if n_tok == 1 else (6, 8)  # one token: 4 blocks an SM (one wave); else 8 tokens a chunk
+        st, mt = (4, 1) if n_tok == 1 else (4, 4)  # 4 blocks an SM: one token's slice a stage, else 4 tokens'
         assert up == (build, "swiglu", E, 2 * I, D, 256, st, mt) and down == (build, "add", E, D, I, 256, st, mt)
         assert up in moe.experts_specs(p, None, n_tok, 6)
     assert moe.routed_specs(p, 65, 6)[0][0] is not build
     monkeypatch.setitem(registry._MODE, "batch_invariant", True)
+    assert moe.routed_specs(p, 8, 6)[0][0] is not build
+    monkeypatch.setitem(registry._MODE, "batch_invariant", False)
+    monkeypatch.setattr(moe, "BULK_TOKENS", 0)
     assert moe.routed_specs(p, 8, 6)[0][0] is not build
 
 

@@ -52,11 +52,12 @@ FP8_STAGE_SPLIT = 1
 # (moe_warp_kernel.py, mma.sync, no barrier in the K loop); 0: the grouped GEMM. The 40-layer B=1 step ran 10.92 ->
 # 10.69 ms with it, the MoE op alone 76.4 -> 72.6 us (one H100, moe_gpu_warp_s29_h100.log, decode_gpu_warp_s29_h100)
 WARP_STREAM = 1
-# calls of up to this many tokens take moe_bulk_kernel for the routed FP4 passes, before WARP_STREAM (0: never): a
-# producer warp's tensor copies (the TMA engine, one 8 KB box a stage) feed the math warps through mbarriers, a slot's
-# tokens are the MMA's columns (an expert's weights stream once per 8 tokens). Off until a GPU A/B (moe_gpu.py
-# --variants "bulk"); its first producer, a bulk copy a weight row, ran the op at 30% of the bandwidth (H100, s40)
-BULK_TOKENS = 0
+# calls of 2 to this many tokens take moe_bulk_kernel for the routed FP4 passes (0: never): a producer warp's tensor
+# copies (the TMA engine, one 8 KB box a stage) feed 4 math warps through mbarriers, a slot's tokens the MMA's
+# columns. The 40-layer step at 4K, B=8 / 64: 21.90 -> 20.96 ms / 84.46 -> 79.63 ms, the MoE op 341.0 -> 317.6 us /
+# 1686.4 -> 1582.9 us (one H100, decode_gpu_flash40_bulk_s42_h100). Beyond 64 tokens (DSpark's verification at
+# B=64, B=256) the grouped GEMM, not yet measured against it
+BULK_TOKENS = 64
 # tokens from which the router's logits run as one K split (0: never). The 20 splits spread the gate's 3.9 MB over
 # the GPU at decode; an 8K prefill chunk has 768 token x expert tiles to fill it without them, while 20 splits write
 # and re-read 252 MB of fp32 partials. router_logits_kernel in a 40-layer 32K prefill: 46.5 -> 18.1 ms, the prefill
@@ -178,18 +179,18 @@ def bulk_fits(p: PackedExperts) -> bool:
 
 
 def routed_specs(p: PackedExperts, n_tok: int, top_k: int):
-    """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy (up to
-    BULK_TOKENS tokens, moe_bulk_kernel's passes; with WARP_STREAM, at one token, moe_warp_kernel's)."""
-    if n_tok <= BULK_TOKENS and not registry.batch_invariant() and bulk_fits(p):
-        E, I, D = p.n_experts, p.inter, p.hidden
-        build, bk = moe_bulk_kernel.build_fp4_bulk_gemm, moe_bulk_kernel.BLOCK_K
-        st, mt = moe_bulk_kernel.config(n_tok)
-        return (build, "swiglu", E, 2 * I, D, bk, st, mt), (build, "add", E, D, I, bk, st, mt)
+    """ffn_specs of the routed pass at n_tok tokens: the token tile and block rows of the tile policy (with
+    WARP_STREAM, at one token, moe_warp_kernel's passes; up to BULK_TOKENS tokens, moe_bulk_kernel's)."""
     if WARP_STREAM and n_tok == 1 and not registry.batch_invariant() and warp_fits(p):
         E, I, D = p.n_experts, p.inter, p.hidden
         build = moe_warp_kernel.build_fp4_warp_gemm
         return ((build, "swiglu", E, 2 * I, D),
                 (build, "add", E, D, I, moe_warp_kernel.BLOCK_K, moe_warp_kernel.STAGES, False))
+    if n_tok <= BULK_TOKENS and not registry.batch_invariant() and bulk_fits(p):
+        E, I, D = p.n_experts, p.inter, p.hidden
+        build, bk = moe_bulk_kernel.build_fp4_bulk_gemm, moe_bulk_kernel.BLOCK_K
+        st, mt = moe_bulk_kernel.config(n_tok)
+        return (build, "swiglu", E, 2 * I, D, bk, st, mt), (build, "add", E, D, I, bk, st, mt)
     return _grouped_specs(p, n_tok, top_k)
 
 

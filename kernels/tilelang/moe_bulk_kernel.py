@@ -1,5 +1,5 @@
-"""The routed FP4 expert passes at decode, a slot's tokens (up to 8 at a time) as the MMA's columns and the weights
-brought in by the TMA engine's bulk copies: a candidate behind `moe.BULK_TOKENS` (0, off, until a GPU A/B).
+"""The routed FP4 expert passes at decode from 2 to `moe.BULK_TOKENS` tokens a call, a slot's tokens (up to
+MAX_TOKENS at a time) as the MMA's columns and the weights brought in by the TMA engine's copies.
 
 Why: the grouped GEMM (moe_kernel.py) is paced by its data path on the H200 (the weights at 76-84% of the copy
 bandwidth with its decode and MMAs left out, moe_gpu_probe_h200.log), and at one token by a wave too short to
@@ -7,9 +7,12 @@ ramp; moe_warp_kernel.py streams a warp's rows through cp.async but walks a slot
 the expert again per token. Here one producer warp keeps an S-stage ring full with one tensor copy (TMA, 2-D) of
 the block's [64 rows x 128 bytes] weight box a stage and one bulk copy per token for the stage's activation slice,
 behind full / empty mbarriers, while 4 math warps decode and multiply; every token of a chunk is a column of the
-same MMAs, so an expert's weights stream once per 8 tokens. The data-path probe chose the copy (H100,
-stream_probe_gpu_s40_h100): one 8 KB copy a stage moved 99-102% of the copy bandwidth from 8 tokens where a
-bulk copy a row (this kernel's first producer: 30% in the op) moved 62-89%, and 33-41% at 8 stages.
+same MMAs, so an expert's weights stream once per chunk. The data-path probe chose the copy (H100,
+stream_probe_gpu_s40_h100, stream_probe_gpu_tma2d_s42_h100): one 8 KB copy a stage moved 99-103% of the copy
+bandwidth from 8 tokens (the 2-D box of the layout as it is, as a contiguous stage would) where a bulk copy a row
+(this kernel's first producer: 30% in the op) moved 62-89%, and 33-41% at 8 stages. What paces the kernel is then
+its math warps' decode: 4 blocks an SM (16 math warps) run the op at 93-97% of the bandwidth from 8 to 64 tokens
+where 2 ran it at 71-75% (one H100, moe_gpu_bulk_arms_s42_h100).
 
     grid (N / 64, n_slots), 160 threads: block (bx, by) = rows bx*64.. of slot by's expert. Warps 0-3 (math): warp
     w owns rows 16w..16w+15, lane (g, q) rows g and g + 8 of them and token column g (mma.sync m16n8k16). Warp 4:
@@ -33,8 +36,12 @@ from .moe_kernel import _HEAD, DEQUANT_SOURCE
 ROWS = 64          # weight rows per block (4 math warps x 16)
 THREADS = 160      # 4 math warps + 1 producer warp
 BLOCK_K = 256      # K per stage
-STAGES = 6
-MAX_TOKENS = 8     # tokens per chunk: the MMA's 8 columns (config(): 1 at one token a call)
+# beyond one token a call: 4 stages of 4 tokens' slices (53 KB at K 5120: 4 blocks an SM). The op at 8 / 32 / 64
+# tokens a call (a touched expert's slot holds 1-5 tokens; one H100, moe_gpu_bulk_arms_s42_h100), against the
+# grouped GEMM's 341 / 1060 / 1690 us: 6 stages of 8 (2 blocks an SM) 417 / - / 2031 us, 4 of 2 315 / 1012 / 1751,
+# 4 of 4 (the routed passes 302 us at 8) / 979 / 1586, 3 of 8 (306 at 8) / 988 / 1581
+STAGES = 4
+MAX_TOKENS = 4     # tokens per chunk (up to the MMA's 8 columns; config(): 1 at one token a call)
 BAR_BYTES = 1024   # the mbarriers' corner; the ring starts past it
 
 
@@ -236,8 +243,7 @@ __device__ void mb_block(void* sm_, const void* x_, const int* rows, const float
 
 def config(n_tok: int) -> tuple[int, int]:
     """(stages, max_tokens) at n_tok tokens a call. One token: one token's activation slice a stage and 4 stages,
-    so 4 blocks fit an SM and a one-token pass's 432 / 480 blocks one wave (8 tokens' slices and 6 stages: 2 an
-    SM, two waves)."""
+    so 4 blocks fit an SM and a one-token pass's 432 / 480 blocks one wave; more: STAGES and MAX_TOKENS."""
     return (4, 1) if n_tok == 1 else (STAGES, MAX_TOKENS)
 
 
