@@ -39,7 +39,7 @@ BLOCK_K = 256      # K per stage
 # beyond one token a call: 4 stages of 4 tokens' slices (53 KB at K 5120: 4 blocks an SM). The op at 8 / 32 / 64
 # tokens a call (a touched expert's slot holds 1-5 tokens; one H100, moe_gpu_bulk_arms_s42_h100), against the
 # grouped GEMM's 341 / 1060 / 1690 us: 6 stages of 8 (2 blocks an SM) 417 / - / 2031 us, 4 of 2 315 / 1012 / 1751,
-# 4 of 4 (the routed passes 302 us at 8) / 979 / 1586, 3 of 8 (306 at 8) / 988 / 1581
+# 4 of 4 (the routed passes 302 us at 8) / 979 / 1586, 3 of 8 (304 at 8) / 988 / 1581
 STAGES = 4
 MAX_TOKENS = 4     # tokens per chunk (up to the MMA's 8 columns; config(): 1 at one token a call)
 BAR_BYTES = 1024   # the mbarriers' corner; the ring starts past it

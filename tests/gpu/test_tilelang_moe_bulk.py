@@ -25,7 +25,7 @@ def _table(tokens, k, E, seed):
     return x, moe.routing_table(idx, weights, E)
 
 
-@pytest.mark.parametrize("stages,max_tokens", [(6, 8), (4, 2), (4, 1)])
+@pytest.mark.parametrize("stages,max_tokens", [(6, 8), (4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("tokens,k", [(37, 2), (3, 1), (1, 2)])
 def test_the_bulk_passes_match_torch_and_are_bitwise_the_warp_streamed_ones(tokens, k, stages, max_tokens):
     """37 tokens x top-2 over 4 experts: ~18 tokens a slot, so 3 chunks of 8 with a partial one (or 18 chunks of
