@@ -448,7 +448,7 @@ class _Stream:
 def fake_cuda(census: Census):
     """Fake CUDA for the census: device queries answered as an H200, TileLang compiles replaced by launch
     recorders, tensors on the FakeTensorMode, ops counted by `census` while census.on."""
-    from deepinfer.kernels.tilelang import _build
+    from deepinfer.kernels.tilelang import _build, tensor_map
 
     capturing = {"on": False}
     _import_real()  # module-level tables are built as real tensors, before the fake mode
@@ -468,6 +468,8 @@ def fake_cuda(census: Census):
     patches = [
         mock.patch.object(_build, "_compiled", compiled),
         mock.patch.object(_build, "_MANIFEST_STARTED", True),
+        # the driver's tensor-map encoding (libcuda) for moe_bulk_kernel: its bytes are never read as values here
+        mock.patch.object(tensor_map, "encode_2d_u8", lambda t, box_cols, box_rows, swizzle=0: bytes(128)),
         mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
         mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: H200),
         mock.patch.object(torch.cuda, "get_device_name", lambda device=None: H200.name),

@@ -160,6 +160,14 @@ SLOW_CELLS = [
     ("test_tilelang_lowering_moe.py", "machine_code[up_fp4_bt8_k128]"),
     ("test_tilelang_lowering.py", "[indexer_fp4_tiles-sm_90a]"),
     ("test_tilelang_lowering.py", "[attn_dense_single-sm_90a]"),
+    # then 709.6 s: more multi-process runs (dep2's rank death, EP's two-rank dispatch: their in-process siblings stay
+    # fast) and cells whose feature keeps a fast one (the CLI's other user errors, an own recipe's run and bad value,
+    # with_attrs.py's own run)
+    ("test_parallel_rank_death.py", "test_dep2_rank_0_killed_is_reported_as_rank_0"),
+    ("test_expert_parallel.py", "test_static_capacity_dispatch_two_ranks_equals_single_process"),
+    ("test_cli.py", "test_user_errors_are_one_line_with_exit_code_2[args0-"),
+    ("test_cli_config_dir.py", "test_a_sweep_over_an_own_recipe_is_checked_before_any_job_runs"),
+    ("test_benchmark_with_attrs.py", "test_an_unknown_constant_or_a_malformed_override_is_one_line_and_exit_2"),
 ]  # the fast tier keeps one prefix-cache case beyond the chat's: YOCO compact with hits
 
 
