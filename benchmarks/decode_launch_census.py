@@ -54,8 +54,8 @@ runs: torch.cuda's device, stream and capture queries (an H200: sm_90, 132 SMs);
 and tensor indexing (__getitem__ / __setitem__, emulated with the aten ops the C++ indexing uses), which a
 CPU-only torch refuses for a CUDA tensor before dispatch, as are a few other bindings (called as their aten op);
 torch.Generator("cuda") while the weights are drawn (the draws drop it); FakeTensor.data_ptr (the storage offset
-in bytes: launchers test 16-byte alignment). Imports pin deepinfer.kernels to this checkout (kernels/), whatever
-an editable install points it at.
+in bytes: launchers test 16-byte alignment); the driver's tensor-map encoding (zeros). Imports pin deepinfer.kernels
+to this checkout (kernels/), whatever an editable install points it at.
 """
 
 from __future__ import annotations
