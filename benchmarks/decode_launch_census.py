@@ -469,7 +469,7 @@ def fake_cuda(census: Census):
         mock.patch.object(_build, "_compiled", compiled),
         mock.patch.object(_build, "_MANIFEST_STARTED", True),
         # the driver's tensor-map encoding (libcuda) for moe_bulk_kernel: its bytes are never read as values here
-        mock.patch.object(tensor_map, "encode_2d_u8", lambda t, box_cols, box_rows, swizzle=0: bytes(128)),
+        mock.patch.object(tensor_map, "encode_2d_u8", lambda *a, **k: bytes(128)),
         mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
         mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: H200),
         mock.patch.object(torch.cuda, "get_device_name", lambda device=None: H200.name),
