@@ -26,7 +26,7 @@ PASSES = {"up": ("swiglu", 384, 4608, 5120), "down": ("add", 384, 5120, 2304)}
 @pytest.mark.parametrize("name", list(PASSES))
 def test_the_bulk_passes_lower_and_fit_their_blocks_an_sm(name, n_tok, blocks, tmp_path):
     """Four blocks an SM (16 math warps: fewer left the decode pacing the pass, s42), one token's slice a stage at
-    one token a call (a one-token pass's blocks in one wave), else MAX_TOKENS tokens'."""
+    one token a call (a one-token pass's blocks in one wave), else MAX_TOKENS tokens' in STAGES stages."""
     from lowering_helpers import lower_source, ptxas_report
     from deepinfer.kernels.tilelang import moe_bulk_kernel as mb
 
@@ -48,15 +48,15 @@ def test_the_launcher_takes_the_bulk_passes_from_two_tokens_to_bulk_tokens(monke
     E, I, D = 8, 2304, 5120
     p = zero_experts(E, I, D)
     build = moe_bulk_kernel.build_fp4_bulk_gemm
-    assert moe.BULK_TOKENS == 64
+    assert moe.BULK_TOKENS == 256
     assert moe.routed_specs(p, 1, 6)[0][0] is moe_warp_kernel.build_fp4_warp_gemm  # one token: WARP_STREAM first
     monkeypatch.setattr(moe, "WARP_STREAM", 0)
-    for n_tok in (1, 8, 64):
+    for n_tok in (1, 8, 64, 256):
         up, down = moe.routed_specs(p, n_tok, 6)
-        st, mt = (4, 1) if n_tok == 1 else (4, 4)  # 4 blocks an SM: one token's slice a stage, else 4 tokens'
+        st, mt = (4, 1) if n_tok == 1 else (3, 8)  # 4 blocks an SM: one token's slice a stage, else 8 tokens'
         assert up == (build, "swiglu", E, 2 * I, D, 256, st, mt) and down == (build, "add", E, D, I, 256, st, mt)
         assert up in moe.experts_specs(p, None, n_tok, 6)
-    assert moe.routed_specs(p, 65, 6)[0][0] is not build
+    assert moe.routed_specs(p, 257, 6)[0][0] is not build
     monkeypatch.setitem(registry._MODE, "batch_invariant", True)
     assert moe.routed_specs(p, 8, 6)[0][0] is not build
     monkeypatch.setitem(registry._MODE, "batch_invariant", False)

@@ -145,7 +145,7 @@ def test_the_launcher_takes_the_warp_streamed_passes_at_one_token_outside_the_in
     up, down = moe.routed_specs(p, 1, 6)
     assert up == (build, "swiglu", E, 2 * I, D) and down == (build, "add", E, D, I, 256, 5, False)
     assert up in moe.experts_specs(p, None, 1, 6) and down in moe.experts_specs(p, None, 1, 6)
-    assert moe.routed_specs(p, 2, 6)[0][0] is not build  # from two tokens a call the grouped GEMM
+    assert moe.routed_specs(p, 2, 6)[0][0] is not build  # from two tokens a call the bulk passes
     monkeypatch.setattr(moe, "WARP_STREAM", 0)
     assert moe.routed_specs(p, 1, 6)[0][0] is not build
     monkeypatch.setattr(moe, "WARP_STREAM", 1)

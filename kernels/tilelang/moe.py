@@ -55,9 +55,10 @@ WARP_STREAM = 1
 # calls of 2 to this many tokens take moe_bulk_kernel for the routed FP4 passes (0: never): a producer warp's tensor
 # copies (the TMA engine, one 8 KB box a stage) feed 4 math warps through mbarriers, a slot's tokens the MMA's
 # columns. The 40-layer step at 4K, B=8 / 64: 21.90 -> 20.96 ms / 84.46 -> 79.63 ms, the MoE op 341.0 -> 317.6 us /
-# 1686.4 -> 1582.9 us (one H100, decode_gpu_flash40_bulk_s42_h100). Beyond 64 tokens (DSpark's verification at
-# B=64, B=256) the grouped GEMM, not yet measured against it
-BULK_TOKENS = 64
+# 1686.4 -> 1582.9 us (one H100, decode_gpu_flash40_bulk_s42_h100); B=256 at 4K / 32K: 152.44 -> 140.03 ms /
+# 163.64 -> 150.00 ms with 3 stages of 8 tokens (decode_gpu_flash40_bulk38_s43_h100). At 384 tokens (DSpark's
+# verification at B=64) the grouped GEMM's op ties it (3159 against 3203 us, moe_gpu_bulk_beyond64_s43_h100)
+BULK_TOKENS = 256
 # tokens from which the router's logits run as one K split (0: never). The 20 splits spread the gate's 3.9 MB over
 # the GPU at decode; an 8K prefill chunk has 768 token x expert tiles to fill it without them, while 20 splits write
 # and re-read 252 MB of fp32 partials. router_logits_kernel in a 40-layer 32K prefill: 46.5 -> 18.1 ms, the prefill

@@ -36,12 +36,14 @@ from .moe_kernel import _HEAD, DEQUANT_SOURCE
 ROWS = 64          # weight rows per block (4 math warps x 16)
 THREADS = 160      # 4 math warps + 1 producer warp
 BLOCK_K = 256      # K per stage
-# beyond one token a call: 4 stages of 4 tokens' slices (53 KB at K 5120: 4 blocks an SM). The op at 8 / 32 / 64
-# tokens a call (a touched expert's slot holds 1-5 tokens; one H100, moe_gpu_bulk_arms_s42_h100), against the
-# grouped GEMM's 341 / 1060 / 1690 us: 6 stages of 8 (2 blocks an SM) 417 / - / 2031 us, 4 of 2 315 / 1012 / 1751,
-# 4 of 4 (the routed passes 302 us at 8) / 979 / 1586, 3 of 8 (304 at 8) / 988 / 1581
-STAGES = 4
-MAX_TOKENS = 4     # tokens per chunk (up to the MMA's 8 columns; config(): 1 at one token a call)
+# beyond one token a call: 3 stages of 8 tokens' slices (49 KB at K 5120: 4 blocks an SM). The op at 8 / 64 / 256
+# tokens a call (a touched expert's slot holds 1-2 / 1-5 / 1-11 tokens; one H100, moe_gpu_bulk_beyond64_s43_h100),
+# against the grouped GEMM's ~325 / ~1700 / ~2940 us: 4 stages of 4 (s42's default) 312 / 1617 / 3512 us, 3 of 8
+# 307 / 1611 / 2731, 4 of 8 326 / 1687 / 2854; at 384 (DSpark's verification at B=64) 3 of 8 3203 against 3159. The
+# 40-layer step at 4K with 3 of 8: B=256 152.44 -> 140.03 ms, B=8 and 64 within the run-to-run spread of 4 of 4
+# (decode_gpu_flash40_bulk38_s43_h100.log); s42's arms: 6 of 8 (2 blocks an SM) lost at 8 and 64
+STAGES = 3
+MAX_TOKENS = 8     # tokens per chunk (up to the MMA's 8 columns; config(): 1 at one token a call)
 BAR_BYTES = 1024   # the mbarriers' corner; the ring starts past it
 
 
