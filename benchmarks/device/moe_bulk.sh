@@ -5,7 +5,7 @@
 # against the default in the same call, then DSpark's rows with them.
 # From the repo root on the device (carry [".devpack"]):  bash benchmarks/device/moe_bulk.sh
 # PROBE_BATCHES / MOE_BATCHES (default 1,8,64,256 / 1,8,64,256,384); PROBE=0 skips the probe, STEP=0 the 40-layer
-# arms (STEP_BATCHES, default "1 8 64"; BULK_TOKENS 0 against ON_TOKENS, default 64; DSPARK=0 skips DSpark's
+# arms (STEP_BATCHES, default "1 8 64"; BULK_TOKENS 0 against ON_TOKENS, default 256; DSPARK=0 skips DSpark's
 # rows), TESTS=0 the GPU file; BULK_ARMS: "STAGES MAX_TOKENS;...", the op again with the bulk passes' ring so;
 # PROBE_MODES: the probe's paths; T1..T6: limits. The GPU file runs without a kernel manifest (its kernels are
 # its own), the op with the MoE's lines of benchmarks/jit/flash40.jsonl, the 40-layer arms with all of it.
@@ -49,14 +49,14 @@ if [ "${STEP:-1}" = 1 ] && { [ "${tests_ok:-0}" = 1 ] || [ "${TESTS:-1}" = 0 ]; 
   W="python3 benchmarks/with_attrs.py"
   export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
   for arm in off on; do  # the same call: the routed passes without and with the bulk kernel up to ON_TOKENS
-    attrs="deepinfer.kernels.tilelang.moe.BULK_TOKENS=$([ $arm = on ] && echo ${ON_TOKENS:-64} || echo 0)"
+    attrs="deepinfer.kernels.tilelang.moe.BULK_TOKENS=$([ $arm = on ] && echo ${ON_TOKENS:-256} || echo 0)"
     echo "== arm $arm: $attrs" | tee -a $OUT/arms.log
     timeout ${T4:-170} $W $attrs -- benchmarks/decode_gpu.py --model flash40 --batches ${STEP_BATCHES:-1 8 64} \
       --contexts 4096 --variants graphs --steps 5 --warmup 2 --prefill --out $OUT/decode_$arm.json 2>&1 \
       | grep -v "TileLang" | tee -a $OUT/arms.log | grep -E "^decode|Error" | tail -4
     check "40-layer decode, bulk $arm"
   done
-  [ "${DSPARK:-1}" = 0 ] || timeout ${T5:-120} $W deepinfer.kernels.tilelang.moe.BULK_TOKENS=${ON_TOKENS:-64} -- \
+  [ "${DSPARK:-1}" = 0 ] || timeout ${T5:-120} $W deepinfer.kernels.tilelang.moe.BULK_TOKENS=${ON_TOKENS:-256} -- \
     benchmarks/dspark_gpu.py --model flash40 --batches 1 64 --accepted 0 2 --varlen --out $OUT/dspark_bulk.json \
     2>&1 | grep -v "TileLang" | tee $OUT/dspark_bulk.log | grep -E "^\| 40|Error|target" | tail -10
   check "DSpark with the bulk passes"
