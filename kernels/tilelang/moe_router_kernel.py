@@ -15,12 +15,34 @@ from .counters import LD_CG_SOURCE, TILE_COUNTERS, count_in
 SCORES = ("sqrtsoftplus", "sigmoid")
 
 
+def _logits_tile(E: int, D: int, BT: int, BK: int, S: int, BE: int):
+    """T.macro: block (bx, by, bz)'s partials, part[bz, tokens of tile by, experts of tile bx] = the sum over K-split
+    bz of x[t, k] * W[e, k] (bf16 tensor cores, fp32)."""
+    assert E % BE == 0 and D % (BK * S) == 0
+    steps = D // (BK * S)
+
+    @T.macro
+    def logits(x, w, part, n_tok, bx, by, bz):
+        w_s = T.alloc_shared((BE, BK), "bfloat16")
+        x_s = T.alloc_shared((BT, BK), "bfloat16")
+        acc = T.alloc_fragment((BE, BT), "float32")
+        T.clear(acc)
+        for k in T.Pipelined(steps, num_stages=2):
+            T.copy(w[bx * BE, (bz * steps + k) * BK], w_s)
+            T.copy(x[by * BT, (bz * steps + k) * BK], x_s)
+            T.gemm(w_s, x_s, acc, transpose_B=True)
+        for i, j in T.Parallel(BE, BT):
+            if by * BT + j < n_tok:
+                part[bz, by * BT + j, bx * BE + i] = acc[i, j]
+
+    return logits
+
+
 def build_router_logits(n_experts: int, dim: int, block_t: int = 16, block_k: int = 256, splits: int = 20,
                         block_e: int = 64, threads: int = 128):
     """part[s, t, e] = sum over K-split s of x[t, k] * W[e, k] (fp32)."""
-    E, D, BT, BK, S, BE = n_experts, dim, block_t, block_k, splits, block_e
-    assert E % BE == 0 and D % (BK * S) == 0
-    steps = D // (BK * S)
+    E, D, BT, S, BE = n_experts, dim, block_t, splits, block_e
+    logits = _logits_tile(E, D, BT, block_k, S, BE)
     n_tok = T.dynamic("n_tok")
 
     @T.prim_func
@@ -30,17 +52,7 @@ def build_router_logits(n_experts: int, dim: int, block_t: int = 16, block_k: in
         part: T.Tensor((S, n_tok, E), "float32"),
     ):
         with T.Kernel(E // BE, T.ceildiv(n_tok, BT), S, threads=threads) as (bx, by, bz):
-            w_s = T.alloc_shared((BE, BK), "bfloat16")
-            x_s = T.alloc_shared((BT, BK), "bfloat16")
-            acc = T.alloc_fragment((BE, BT), "float32")
-            T.clear(acc)
-            for k in T.Pipelined(steps, num_stages=2):
-                T.copy(w[bx * BE, (bz * steps + k) * BK], w_s)
-                T.copy(x[by * BT, (bz * steps + k) * BK], x_s)
-                T.gemm(w_s, x_s, acc, transpose_B=True)
-            for i, j in T.Parallel(BE, BT):
-                if by * BT + j < n_tok:
-                    part[bz, by * BT + j, bx * BE + i] = acc[i, j]
+            logits(x, w, part, n_tok, bx, by, bz)
 
     return router_logits
 
@@ -48,12 +60,20 @@ def build_router_logits(n_experts: int, dim: int, block_t: int = 16, block_k: in
 def _topk_token(E: int, S: int, K: int, scoring: str, normalize: bool, threads: int, past_l1: bool):
     """T.macro: token t's logits (the split partials summed in split order / temp), scores, biased top-k and
     weights, by one block of `threads` (build_router_topk's body; past_l1: the partials read past L1, as a last block
-    reads the other blocks' stores). Ends with a barrier, so a block may run it for several tokens in turn."""
+    reads the other blocks' stores). It allocates its own registers and shared buffers, and ends with a barrier, so a
+block may run it for several tokens in turn."""
+    assert scoring in SCORES
+    assert E <= 1024, "expert id must fit the key's low word"
     J = -(-E // threads)
     warps = threads // 32
 
     @T.macro
-    def topk(part, bias, weights, ids, t, inv_temp, scaling, tx, score, key, red_s, sel_s, score_s):
+    def topk(part, bias, weights, ids, t, inv_temp, scaling, tx):
+        score = T.alloc_local((J,), "float32")
+        key = T.alloc_local((J,), "int64")
+        red_s = T.alloc_shared((K, warps), "int64")
+        sel_s = T.alloc_shared((K,), "int32")
+        score_s = T.alloc_shared((J * threads,), "float32")
         for j in T.unroll(J):
             e = j * threads + tx
             logit = T.alloc_var("float32", init=0.0)
@@ -109,20 +129,13 @@ def _topk_token(E: int, S: int, K: int, scoring: str, normalize: bool, threads: 
     return topk
 
 
-def _check_topk(E: int, scoring: str):
-    assert scoring in SCORES
-    assert E <= 1024, "expert id must fit the key's low word"
-
-
 def build_router_topk(n_experts: int, splits: int, top_k: int, scoring: str, normalize: bool,
                       threads: int = 128):
     """One block per token: logits = sum of split partials / temp; score; top-k of score + bias; weights.
 
     Top-k runs as k rounds of a block-wide max over 64-bit keys (order-preserving bits of the biased score in
     the high word, ~expert id in the low word), so one max picks the best score and, on a tie, the lower id."""
-    _check_topk(n_experts, scoring)
     E, S, K = n_experts, splits, top_k
-    J, warps = -(-E // threads), threads // 32
     topk = _topk_token(E, S, K, scoring, normalize, threads, False)
     n_tok = T.dynamic("n_tok")
 
@@ -137,12 +150,7 @@ def build_router_topk(n_experts: int, splits: int, top_k: int, scoring: str, nor
     ):
         with T.Kernel(n_tok, threads=threads) as t:
             tx = T.get_thread_binding()
-            score = T.alloc_local((J,), "float32")
-            key = T.alloc_local((J,), "int64")
-            red_s = T.alloc_shared((K, warps), "int64")
-            sel_s = T.alloc_shared((K,), "int32")
-            score_s = T.alloc_shared((J * threads,), "float32")
-            topk(part, bias, weights, ids, t, inv_temp, scaling, tx, score, key, red_s, sel_s, score_s)
+            topk(part, bias, weights, ids, t, inv_temp, scaling, tx)
 
     return router_topk
 
@@ -155,11 +163,8 @@ def build_router_fused(n_experts: int, dim: int, top_k: int, scoring: str, norma
     runs router_topk's body for the tile's tokens in turn, reading the partials past L1, and zeroes the counter.
     The same sums in the same order as the two launches: the same bits. (x, w, part, bias, weights, ids, inv_temp,
     scaling, counters [C] int32 zeros)."""
-    _check_topk(n_experts, scoring)
-    E, D, BT, BK, S, BE, K = n_experts, dim, block_t, block_k, splits, block_e, top_k
-    assert E % BE == 0 and D % (BK * S) == 0
-    steps = D // (BK * S)
-    J, warps = -(-E // threads), threads // 32
+    E, D, BT, S, BE, K = n_experts, dim, block_t, splits, block_e, top_k
+    logits = _logits_tile(E, D, BT, block_k, S, BE)
     blocks_per_tile = (E // BE) * S
     topk = _topk_token(E, S, K, scoring, normalize, threads, True)
     n_tok = T.dynamic("n_tok")
@@ -178,31 +183,15 @@ def build_router_fused(n_experts: int, dim: int, top_k: int, scoring: str, norma
     ):
         with T.Kernel(E // BE, T.ceildiv(n_tok, BT), S, threads=threads) as (bx, by, bz):
             T.import_source(LD_CG_SOURCE)
-            w_s = T.alloc_shared((BE, BK), "bfloat16")
-            x_s = T.alloc_shared((BT, BK), "bfloat16")
-            acc = T.alloc_fragment((BE, BT), "float32")
             arrived = T.alloc_shared((1,), "int32")
-            score = T.alloc_local((J,), "float32")
-            key = T.alloc_local((J,), "int64")
-            red_s = T.alloc_shared((K, warps), "int64")
-            sel_s = T.alloc_shared((K,), "int32")
-            score_s = T.alloc_shared((J * threads,), "float32")
             tx = T.get_thread_binding()
-            T.clear(acc)
-            for k in T.Pipelined(steps, num_stages=2):
-                T.copy(w[bx * BE, (bz * steps + k) * BK], w_s)
-                T.copy(x[by * BT, (bz * steps + k) * BK], x_s)
-                T.gemm(w_s, x_s, acc, transpose_B=True)
-            for i, j in T.Parallel(BE, BT):
-                if by * BT + j < n_tok:
-                    part[bz, by * BT + j, bx * BE + i] = acc[i, j]
+            logits(x, w, part, n_tok, bx, by, bz)
             count_in(cnt, by, arrived, tx)
             if arrived[0] == blocks_per_tile - 1:
                 T.call_extern("handle", "__threadfence")
                 for i in T.serial(BT):
                     if by * BT + i < n_tok:
-                        topk(part, bias, weights, ids, by * BT + i, inv_temp, scaling, tx, score, key, red_s, sel_s,
-                             score_s)
+                        topk(part, bias, weights, ids, by * BT + i, inv_temp, scaling, tx)
                 if tx == 0:
                     cnt[by] = 0
 
