@@ -13,7 +13,8 @@ device-to-device copy bandwidth measured in the same run. torch = deepinfer.kern
 same PackedExperts (it dequantises the experts a call touches), eager. Self-check: the kernel's output against the
 torch op's (relative error, must stay < 1e-2; both follow the same bf16 rounding points); a failed check or a
 variant that did not run exits non-zero. A per-kernel breakdown follows the table (routed up/down, shared up/down,
-each alone; --probes adds the routed passes with their FP4 decode, their MMAs or both left out). The JSON is
+each alone, a pass that does not run failing the run; --probes adds the grouped GEMM's routed passes with their
+FP4 decode, their MMAs or both left out, at every batch). The JSON is
 rewritten after every row. All kernels are compiled first, in parallel. The previous
 kernel generation's numbers stay in benchmarks/results/moe_v3_gpu_h200.json.
 """
@@ -160,12 +161,14 @@ def main():
         for var in variants.values():
             with with_variant(var):
                 specs += moe.experts_specs(routed, shared, B, TOPK, var.get("shared_down_splits", 1))
-    if args.probes and moe.WARP_STREAM and min(batches) == 1:
-        ap.error("--probes: the probes are the grouped GEMM's; at one token moe.WARP_STREAM=1 "
-                 "takes another kernel (run through benchmarks/with_attrs.py "
-                 "deepinfer.kernels.tilelang.moe.WARP_STREAM=0 --)")
+    grouped = {"bulk_tokens": 0, "warp_stream": 0}  # the probes are the grouped GEMM's (moe_kernel.PROBES)
+
+    def grouped_specs(B):
+        with with_variant(grouped):
+            return moe.routed_specs(routed, B, TOPK)
+
     for B in batches if args.probes else ():  # the probed routed passes of the per-kernel breakdown
-        specs += [sp + (probe,) for sp in moe.routed_specs(routed, B, TOPK) for probe in moe_kernel.PROBES[1:]]
+        specs += [sp + (probe,) for sp in grouped_specs(B) for probe in moe_kernel.PROBES[1:]]
     t0 = time.time()
     moe.precompile(specs)
     print(f"compiled {len(set(specs))} kernels in {time.time() - t0:.0f} s", flush=True)
@@ -180,7 +183,7 @@ def main():
         meta["tilelang"] = tilelang.__version__
     except Exception:  # noqa: BLE001
         pass
-    rows, breakdown = [], []
+    rows, breakdown, breakdown_failed = [], [], []
 
     def targets():
         """Issue 21's MoE target: the default policy at >= 85% of copy bandwidth at B = 1, 8, 64 (None: not run)."""
@@ -259,24 +262,26 @@ def main():
         y = torch.zeros(B, HID, dtype=torch.float32, device=dev)
         stab = moe._shared_table(B, str(torch.device(dev)), moe.shared_block_t(B))
         w_up, w_dn = touched * 2 * INTER * HID * FP4_W, touched * HID * INTER * FP4_W
+        a_up, a_dn = moe.pass_args(r_up, routed.w13), moe.pass_args(r_down, routed.w2)  # the bulk passes' maps
         kern = [
             ("routed up (fp4, SwiGLU)", w_up, lambda i: jit(*r_up)(xs[i % SETS], *tables[i % SETS], routed.w13,
-                                                                   routed.s13, hs[i % SETS], LIMIT)),
+                                                                   routed.s13, hs[i % SETS], LIMIT, *a_up)),
             ("routed down (fp4, add)", w_dn, lambda i: jit(*r_down)(hs[i % SETS], *tables[i % SETS], routed.w2,
-                                                                    routed.s2, y, LIMIT)),
+                                                                    routed.s2, y, LIMIT, *a_dn)),
             ("shared up (fp8, SwiGLU)", 2 * INTER * HID * FP8_W, lambda i: jit(*s_up)(
                 xs[i % SETS], *stab, shared_copies[i % 4].w13, shared_copies[i % 4].s13, hsh[i % 4], LIMIT)),
             ("shared down (fp8, add)", HID * INTER * FP8_W, lambda i: jit(*s_down)(
                 hsh[i % 4], *stab, shared_copies[i % 4].w2, shared_copies[i % 4].s2, y, LIMIT)),
         ]
-        for probe in (moe_kernel.PROBES[1:] if args.probes else ()):  # the routed passes without a part of their work
-            kern += [
-                (f"routed up {probe}", w_up, lambda i, p=probe: jit(*r_up, p)(
+        g_up, g_down = grouped_specs(B)
+        for probe in (moe_kernel.PROBES[1:] if args.probes else ()):  # the grouped GEMM's routed passes without a
+            kern += [                                                  # part of their work
+                (f"routed up grouped {probe}", w_up, lambda i, p=probe: jit(*g_up, p)(
                     xs[i % SETS], *tables[i % SETS], routed.w13, routed.s13, hs[i % SETS], LIMIT)),
-                (f"routed down {probe}", w_dn, lambda i, p=probe: jit(*r_down, p)(
+                (f"routed down grouped {probe}", w_dn, lambda i, p=probe: jit(*g_down, p)(
                     hs[i % SETS], *tables[i % SETS], routed.w2, routed.s2, y, LIMIT))]
         specs_k = [r_up, r_down, s_up, s_down] + [sp + (p,) for p in (moe_kernel.PROBES[1:] if args.probes else ())
-                                                  for sp in (r_up, r_down)]
+                                                  for sp in (g_up, g_down)]
         if "bulk" in variants:  # the bulk-copy routed passes alone beside the default's (moe.BULK_TOKENS)
             with with_variant(variants["bulk"]):
                 b_up, b_down = moe.routed_specs(routed, B, TOPK)
@@ -288,7 +293,9 @@ def main():
             specs_k += [b_up, b_down]
         for (kname, kbytes, fn), spec in zip(kern, specs_k):
             ms = graph_ms(fn)
-            if ms:
+            if not ms:  # a pass that did not run is a failure of the run, not a missing line (exit non-zero)
+                breakdown_failed.append(f"B={B} kernel {kname}")
+            else:
                 rec = dict(B=B, kernel=kname, us=ms * 1e3, bytes=kbytes, tbs=kbytes / (ms * 1e-3) / 1e12,
                            frac_bw=kbytes / (ms * 1e-3) / bw, spec=[str(a) for a in spec[1:]])
                 breakdown.append(rec)
@@ -299,6 +306,7 @@ def main():
     bad = [r for r in rows for k, v in r.items() if (k.endswith("rel_err_vs_torch") and not v < 1e-2)
            or (k.endswith("_finite") and not v)]
     not_run = [f"B={r['B']} {name}" for r in rows for name in variants if r.get(f"{name.replace(' ', '_')}_us") is None]
+    not_run += breakdown_failed
     bad += not_run
     print(f"\nself-check: kernel vs torch relative error {'OK (< 1e-2)' if not bad else 'FAILED'}"
           + (f"; did not run: {', '.join(not_run)}" if not_run else "") + "; "

@@ -158,31 +158,6 @@ def test_router_logits_take_one_split_from_a_1k_chunk_only_outside_the_invariant
     assert moe._router_splits(5120, 8192) == 20  # a token's sum order must not follow the batch
 
 
-@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
-def test_the_one_launch_router_runs_the_top_k_in_a_token_tiles_last_block():
-    """build_router_fused: every block stores its partials, fences and counts in on its token tile's counter; the
-    block that counts in last (of 384 / 64 experts x 20 splits) fences again, sums each token's partials past L1
-    and runs the top-k, then zeroes the counter (so the set is all zero between launches, graphs included)."""
-    from lowering_helpers import lower_source
-    from deepinfer.kernels.tilelang import moe_router_kernel
-
-    src = lower_source(moe_router_kernel.build_router_fused(384, 5120, 6, "sqrtsoftplus", True), "sm_90a")
-    assert "AtomicAddRet((&(cnt[((int64_t)((int)blockIdx.y))])), 1)" in src
-    assert "arrived)[0] == 119)" in src and src.count("__threadfence();") == 2
-    assert "di_ld_cg((&(part[" in src and "__shfl_xor_sync" in src
-    assert "cnt[((int)blockIdx.y)] = 0;" in src
-    assert "wgmma" in src  # the logits keep the Hopper tensor-core path
-
-
-@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
-def test_the_one_launch_router_is_off_until_a_gpu_ab_and_then_serves_up_to_its_tokens(monkeypatch):
-    from deepinfer.kernels.tilelang import moe
-
-    assert moe.ROUTER_FUSED_TOKENS == 0 and not moe.router_fused(1, 16)
-    monkeypatch.setattr(moe, "ROUTER_FUSED_TOKENS", 64)
-    assert moe.router_fused(1, 16) and moe.router_fused(64, 64) and not moe.router_fused(65, 64)
-
-
 def _indexer_fp4_schedule(q, q_seq, visible, pool_keys, rows, w, scale, queries, tiles, bg=128):
     """The fp4 indexer kernel's block loop in torch (indexer_kernel.indexer_scores_fp4, one thread's view of the
     key registers): passes per sequence, each pass's entry limit, the first tile's rows and keys fetched before the

@@ -1,10 +1,10 @@
 """Arrival counters for kernels whose last block to finish completes a tile's work (the split FP8 GEMM's
-reduction, the mHC mixes' finalize, the one-launch router's top-k): each tile's last block reads the count, does
-the work and zeroes its counter, so the set is all zero between launches, and launches in stream order may share it
-(under PDL too: a kernel's griddepcontrol.wait is the whole previous grid). One set per device, made once: two such
-launches must never run at once on two streams of a device. The side streams that run beside the main one (the
-MoE's and expert parallelism's shared expert) launch none of them; CUDA-graph warm-ups and captures run on their
-own streams but in order with the main one."""
+reduction, the mHC mixes' finalize): each tile's last block reads the count, does the work and zeroes its
+counter, so the set is all zero between launches, and launches in stream order may share it (under PDL too: a
+kernel's griddepcontrol.wait is the whole previous grid). One set per device, made once: two such launches must
+never run at once on two streams of a device. The side streams that run beside the main one (the MoE's and
+expert parallelism's shared expert) launch neither kernel; CUDA-graph warm-ups and captures run on their own
+streams but in order with the main one."""
 
 import tilelang.language as T
 import torch

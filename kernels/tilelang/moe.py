@@ -30,8 +30,7 @@ from .moe_prep_kernel import build_moe_prep
 from .moe_table import routing_table_torch
 from .shared_expert import shared_expert
 from .swiglu_kernel import build_swiglu_halves
-from .counters import TILE_COUNTERS, tile_counters
-from .moe_router_kernel import SCORES, build_router_fused, build_router_logits, build_router_topk
+from .moe_router_kernel import SCORES, build_router_logits, build_router_topk
 
 INVARIANT_ROUTED_BT, INVARIANT_SHARED_BT = 16, 64  # token tiles of the batch-invariant mode
 # routing tables of more (token, expert) pairs are built by torch's sorts. moe_prep took 47 / 52 / 116 us less
@@ -66,10 +65,6 @@ BULK_TOKENS = 256
 # 3243 -> 3229 ms (one H100, prefill_gpu_flash40_router_s34_h100). The batch-invariant mode keeps the splits (a
 # token's sum order then does not depend on the batch)
 ROUTER_ONE_SPLIT_TOKENS = 1024
-# calls of up to this many tokens run the router's logits and top-k in one launch (moe_router_kernel.
-# build_router_fused: a token tile's last block runs the top-k; the same bits), one launch fewer a layer (0: two
-# launches). 0 until a GPU A/B: written in the forty-third session, not yet run on a GPU
-ROUTER_FUSED_TOKENS = 0
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -97,26 +92,14 @@ def moe_router(x, gate_weight, bias, top_k, scoring_func, gate_temp, norm_topk_p
     splits = _router_splits(D, T_)
     block_t = 16 if T_ <= 16 or registry.batch_invariant() else 64
     part = torch.empty(splits, T_, E, dtype=torch.float32, device=x.device)
+    jit(build_router_logits, E, D, block_t, 256, splits)(x, gate_weight.contiguous(), part)
     if bias is None:
         bias = torch.zeros(E, dtype=torch.float32, device=x.device)
     weights = torch.empty(T_, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T_, top_k, dtype=torch.int64, device=x.device)
-    temp_scale = (1.0 / float(gate_temp), float(routed_scaling_factor))
-    if router_fused(T_, block_t):
-        jit(build_router_fused, E, D, top_k, scoring_func, bool(norm_topk_prob), block_t, 256, splits)(
-            x, gate_weight.contiguous(), part, bias.float().contiguous(), weights, ids, *temp_scale,
-            tile_counters(x.device))
-        return weights, ids
-    jit(build_router_logits, E, D, block_t, 256, splits)(x, gate_weight.contiguous(), part)
     jit(build_router_topk, E, splits, top_k, scoring_func, bool(norm_topk_prob))(
-        part, bias.float().contiguous(), weights, ids, *temp_scale)
+        part, bias.float().contiguous(), weights, ids, 1.0 / float(gate_temp), float(routed_scaling_factor))
     return weights, ids
-
-
-def router_fused(n_tok: int, block_t: int) -> bool:
-    """Whether moe_router takes the one-launch router at n_tok tokens (ROUTER_FUSED_TOKENS; its token tiles
-    within the arrival counters)."""
-    return bool(ROUTER_FUSED_TOKENS) and n_tok <= ROUTER_FUSED_TOKENS and -(-n_tok // block_t) <= TILE_COUNTERS
 
 
 # ---------------------------------------------------------------------------------------------- tile policy
