@@ -64,6 +64,22 @@ def test_the_launcher_takes_the_bulk_passes_from_two_tokens_to_bulk_tokens(monke
     assert moe.routed_specs(p, 8, 6)[0][0] is not build
 
 
+@pytest.mark.skipif(tilelang_missing, reason="tilelang is not installed")
+@pytest.mark.parametrize("n_tok", [1, 2, 256, 257])
+def test_every_routed_pass_takes_the_grouped_gemms_arguments_and_what_pass_args_adds(n_tok, monkeypatch):
+    """moe.ffn (and moe_gpu.py's per-pass breakdown) call a routed pass with the grouped GEMM's ten arguments and
+    moe.pass_args's: the bulk passes' one tensor map, nothing for the others (a call short of it fails only on a
+    GPU, as moe_gpu.py's breakdown did in the forty-fourth session)."""
+    from deepinfer.kernels.tilelang import moe, moe_bulk_kernel
+
+    monkeypatch.setattr(moe_bulk_kernel, "weight_map", lambda w: "tensor map")  # encoded by the driver on a GPU
+    p = zero_experts(8, 2304, 5120)
+    for spec, w in zip(moe.routed_specs(p, n_tok, 6), (p.w13, p.w2)):
+        params = spec[0](*spec[1:]).params
+        assert len(params) == 10 + len(moe.pass_args(spec, w)), (spec, len(params))
+        assert moe.pass_args(spec, w) == (("tensor map",) if spec[0] is moe_bulk_kernel.build_fp4_bulk_gemm else ())
+
+
 def _model_bulk_block(w, ws, X, nt, BK=256):
     """A block of moe_bulk_kernel over one chunk of nt tokens: w [64, K/2] packed e2m1 rows, ws [64, K/32] ue8m0,
     X [nt, K] bf16 bits (uint16). Returns the [64, nt] results as the epilogue reads them from `res`."""
