@@ -289,8 +289,9 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
                        shared: PackedExperts | None, swiglu_limit: float, shared_down_splits: int = 1) -> torch.Tensor:
     """x [T, D] bf16, weights/idx [T, k] from the router -> [T, D] bf16; same math as torch moe_experts with the
     experts dequantised from `routed` (and the single expert in `shared`). 63.1 / 93.8 / 93.4% of copy bandwidth at
-    1 / 8 / 64 tokens on an H100 (benchmarks/results/moe_gpu_s44_h100.json.xz). The shared expert (one expert, a few dozen blocks: it
-    cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed pass."""
+    1 / 8 / 64 tokens on an H100 (benchmarks/results/moe_gpu_s44_h100.json.xz). The shared expert (one expert, a
+    few dozen blocks: it cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed
+    pass."""
     if registry.batch_invariant():
         return _moe_experts_invariant(x, *no_expert_as_zero_weight(weights, idx), routed, shared, swiglu_limit)
     if moe_prefill.wanted(x.shape[0], routed) and registry.host_reads_allowed():
