@@ -9,8 +9,9 @@
 # batches of the MoE op alone with its per-pass breakdown and probes (e.g. "1,8"; none by default); DECODE=0 skips
 # the decode table (the arms still run); DSPARK_ARMS: A/B arms as ARMS for DSpark's rows at DSPARK_ARM_BATCHES
 # (default 1; zero, two and three drafts accepted, varlen); LIMIT: the call's seconds (the tests take what is left);
-# T1..T5: step limits (T1 300: the table, its profiles and the routing count; 240 ran out in the profile, s40). A
-# step that fails or times out is named at the end and the call exits 1 (device_steps.sh).
+# T0: the kernel warm-up's limit (330 s); T1..T5: step limits (T1 300: the table, its profiles and the routing count;
+# 240 ran out in the profile, s40). A step that fails or times out is named at the end and the call exits 1
+# (device_steps.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_env.sh
@@ -18,6 +19,11 @@ source benchmarks/device_steps.sh
 # the kernel manifest: prebuilt in parallel, and what the run compiles besides is recorded (back under $OUT)
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
+# every kernel built first, in one process on every core: on a cold machine each arm's process otherwise spends its
+# step limit compiling (s45: four arms of 150 s each timed out after "engine up", none timed); seconds when warm
+timeout ${T0:-330} python3 benchmarks/jit_warm.py benchmarks/jit/flash40.jsonl --out $OUT/jit_warm.json 2>&1 \
+  | grep -v "\[TileLang:" | tail -3
+check "kernel warm-up"
 [ "${DECODE:-1}" = 0 ] || timeout ${T1:-300} python3 benchmarks/decode_gpu.py --model flash40 \
   --batches ${BATCHES:-1 8 64 256} --contexts ${CONTEXTS:-4096 32768} --variants graphs --steps 5 --warmup 2 --prefill \
   --profile "${PROFILE-1:4096,8:4096,256:4096,1:32768}" --routing --out $OUT/decode.json 2>&1 \
