@@ -288,8 +288,8 @@ def pass_args(spec, w) -> tuple:
 def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, routed: PackedExperts,
                        shared: PackedExperts | None, swiglu_limit: float, shared_down_splits: int = 1) -> torch.Tensor:
     """x [T, D] bf16, weights/idx [T, k] from the router -> [T, D] bf16; same math as torch moe_experts with the
-    experts dequantised from `routed` (and the single expert in `shared`). 63.1 / 93.8 / 93.4% of copy bandwidth at
-    1 / 8 / 64 tokens on an H100 (benchmarks/results/moe_gpu_s44_h100.json.xz). The shared expert (one expert, a
+    experts dequantised from `routed` (and the single expert in `shared`). 63.8 / 96.1 / 97.1% of copy bandwidth at
+    1 / 8 / 64 tokens on an H100 (benchmarks/results/moe_gpu_s45_h100.json.xz). The shared expert (one expert, a
     few dozen blocks: it cannot fill the GPU alone at decode) runs on a side stream, concurrently with the routed
     pass."""
     if registry.batch_invariant():
