@@ -20,7 +20,7 @@ source benchmarks/device_steps.sh
 cp benchmarks/jit/flash40.jsonl $OUT/jit.jsonl && export DEEPINFER_JIT_MANIFEST=$OUT/jit.jsonl
 nvidia-smi --query-gpu=name --format=csv,noheader
 # every kernel built first, in one process on every core: on a cold machine each arm's process otherwise spends its
-# step limit compiling (s45: four arms of 150 s each timed out after "engine up", none timed); seconds when warm
+# step limit compiling (s45: four arms of 150 s each timed out after "engine up", none timed); a warm cache is read
 timeout ${T0:-330} python3 benchmarks/jit_warm.py benchmarks/jit/flash40.jsonl --out $OUT/jit_warm.json 2>&1 \
   | grep -v "\[TileLang:" | tail -3
 check "kernel warm-up"
